@@ -1,0 +1,198 @@
+"""Per-token log-probabilities and entropy of sampled tokens, memory-bounded.
+
+Consumes the last hidden states ``hidden_BTH``, the LM-head weight
+``lm_head_weight_VH`` and the sampled (next) tokens ``labels_BT``; emits
+``logprobs_BT`` (log pi(label)) and ``entropy_BT`` (entropy of the full
+next-token distribution), both differentiable in the hidden states and the
+weight. ``B, T`` may be any leading shape; they are flattened to ``N`` tokens.
+
+Why not ``log_softmax(hidden @ W.T)``: for ``N`` tokens and a vocabulary ``V``
+that materialises ``N x V`` fp32 logits, plus as much again for autograd (e.g.
+32k tokens x 152k vocab x 4 B = 19 GB each). Here a custom autograd function
+processes ``chunk_tokens`` tokens at a time, keeps only ``N``-sized results and
+the per-token log-sum-exp, and recomputes each chunk's logits in backward. Peak
+extra memory is O(chunk_tokens x V) plus one fp32 copy and one fp32 gradient of
+the LM head (O(V x H), independent of the number of tokens).
+
+Precision: logits are computed in fp32 (inputs upcast; fp64 inputs stay fp64 so
+the function can be gradchecked), divided by ``temperature``, as the sampler
+does. Outputs are in that compute dtype.
+
+Backward, per token with ``z = logits / temperature``, ``p = softmax(z)``,
+``H = -sum p log p``:
+
+* ``d logp_y / dz = onehot(y) - p``
+* ``d H / dz_k = -p_k (log p_k + H)``  (from ``H = lse(z) - sum_j p_j z_j``)
+* ``d / d logits = (d / dz) / temperature``; then the two matmuls back to
+  hidden and weight.
+
+Labels equal to ``ignore_index`` (padding) get logprob 0 and no gradient through
+the logprob; all other labels must lie in ``[0, V)`` (not checked: a check would
+need a device sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from tapioca.algorithms.errors import AlgorithmInputError
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """Chunked ``(logprob, entropy)`` of ``hidden_NH @ weight_VH.T / temperature``."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index):
+        # Unused outputs (e.g. entropy only logged) arrive as None in backward,
+        # so their term is skipped instead of multiplied by zeros.
+        ctx.set_materialize_grads(False)
+        cdtype = _compute_dtype(hidden_NH, weight_VH)
+        n_tokens = hidden_NH.shape[0]
+        w_VH = weight_VH.to(cdtype)
+        logprobs_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
+        lse_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
+        entropy_N = hidden_NH.new_empty(n_tokens if compute_entropy else 0, dtype=cdtype)
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            z_CV = (hidden_NH[start:end].to(cdtype) @ w_VH.T) / temperature
+            lse_C = torch.logsumexp(z_CV, dim=-1)
+            labels_C = labels_N[start:end]
+            valid_C = labels_C != ignore_index
+            safe_C = torch.where(valid_C, labels_C, torch.zeros_like(labels_C))
+            lp_C = z_CV.gather(-1, safe_C.unsqueeze(-1)).squeeze(-1) - lse_C
+            logprobs_N[start:end] = torch.where(valid_C, lp_C, torch.zeros_like(lp_C))
+            lse_N[start:end] = lse_C
+            if compute_entropy:
+                logp_CV = z_CV.sub_(lse_C.unsqueeze(-1))  # in place: z is not needed any more
+                entropy_N[start:end] = -(logp_CV.exp() * logp_CV).sum(-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
+        ctx.temperature = temperature
+        ctx.chunk_tokens = chunk_tokens
+        ctx.ignore_index = ignore_index
+        ctx.compute_entropy = compute_entropy
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs_N, grad_entropy_N):
+        hidden_NH, weight_VH, labels_N, lse_N, entropy_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not ctx.compute_entropy:
+            grad_entropy_N = None
+        if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
+            return None, None, None, None, None, None, None
+        cdtype = lse_N.dtype
+        n_tokens = hidden_NH.shape[0]
+        w_VH = weight_VH.to(cdtype)
+        grad_h_NH = torch.empty_like(hidden_NH, dtype=cdtype) if need_h else None
+        grad_w_VH = torch.zeros_like(w_VH) if need_w else None
+        for start in range(0, n_tokens, ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, n_tokens)
+            h_CH = hidden_NH[start:end].to(cdtype)
+            # Recompute this chunk's log-softmax from the saved log-sum-exp.
+            logp_CV = (h_CH @ w_VH.T) / ctx.temperature - lse_N[start:end].unsqueeze(-1)
+            p_CV = logp_CV.exp()
+            # coef_CV collects everything that multiplies -p: g_lp + g_H * (log p + H).
+            coef_CV = torch.zeros_like(p_CV)
+            if grad_entropy_N is not None:
+                coef_CV += grad_entropy_N[start:end].unsqueeze(-1) * (
+                    logp_CV + entropy_N[start:end].unsqueeze(-1)
+                )
+            if grad_logprobs_N is not None:
+                labels_C = labels_N[start:end]
+                valid_C = labels_C != ctx.ignore_index
+                g_lp_C = torch.where(valid_C, grad_logprobs_N[start:end], torch.zeros_like(lse_N[start:end]))
+                coef_CV += g_lp_C.unsqueeze(-1)
+            g_z_CV = -p_CV * coef_CV
+            if grad_logprobs_N is not None:
+                safe_C = torch.where(valid_C, labels_C, torch.zeros_like(labels_C))
+                g_z_CV.scatter_add_(-1, safe_C.unsqueeze(-1), g_lp_C.unsqueeze(-1))
+            g_logits_CV = g_z_CV / ctx.temperature
+            if need_h:
+                grad_h_NH[start:end] = g_logits_CV @ w_VH
+            if need_w:
+                grad_w_VH += g_logits_CV.T @ h_CH
+        return (
+            grad_h_NH.to(hidden_NH.dtype) if need_h else None,
+            grad_w_VH.to(weight_VH.dtype) if need_w else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def gather_logprobs_entropy(
+    hidden_BTH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    labels_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    compute_entropy: bool = True,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token ``(logprobs, entropy)`` without materialising ``N x V`` logits.
+
+    Returns tensors shaped like ``labels_BT`` in fp32 (fp64 for fp64 inputs);
+    entropy is ``None`` when ``compute_entropy=False``. Gradients flow to
+    ``hidden_BTH`` and ``lm_head_weight_VH`` through both outputs.
+    """
+    if not temperature > 0:
+        raise AlgorithmInputError(f"gather_logprobs_entropy: temperature={temperature!r} must be > 0.")
+    if chunk_tokens < 1:
+        raise AlgorithmInputError(f"gather_logprobs_entropy: chunk_tokens={chunk_tokens!r} must be >= 1.")
+    hidden_size = lm_head_weight_VH.shape[-1]
+    if lm_head_weight_VH.dim() != 2 or hidden_BTH.shape[:-1] != labels_BT.shape or hidden_BTH.shape[-1] != hidden_size:
+        raise AlgorithmInputError(
+            "gather_logprobs_entropy: need hidden [..., H], weight [V, H], labels [...]; got "
+            f"{tuple(hidden_BTH.shape)}, {tuple(lm_head_weight_VH.shape)}, {tuple(labels_BT.shape)}."
+        )
+    logprobs_N, entropy_N = _ChunkedLogprobEntropy.apply(
+        hidden_BTH.reshape(-1, hidden_size),
+        lm_head_weight_VH,
+        labels_BT.reshape(-1).long(),
+        float(temperature),
+        int(chunk_tokens),
+        bool(compute_entropy),
+        int(ignore_index),
+    )
+    logprobs_BT = logprobs_N.view(labels_BT.shape)
+    return logprobs_BT, (entropy_N.view(labels_BT.shape) if compute_entropy else None)
+
+
+def logprobs_from_logits(
+    logits_BTV: torch.Tensor,
+    labels_BT: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Reference / small-case logprobs from full logits (upcast to fp32, / temperature)."""
+    if not temperature > 0:
+        raise AlgorithmInputError(f"logprobs_from_logits: temperature={temperature!r} must be > 0.")
+    logp_BTV = torch.log_softmax(logits_BTV.to(_compute_dtype(logits_BTV)) / temperature, dim=-1)
+    labels = labels_BT.long()
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    lp_BT = logp_BTV.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lp_BT, torch.zeros_like(lp_BT))
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Reference / small-case entropy of ``softmax(logits / temperature)`` per position."""
+    if not temperature > 0:
+        raise AlgorithmInputError(f"entropy_from_logits: temperature={temperature!r} must be > 0.")
+    logp_BTV = torch.log_softmax(logits_BTV.to(_compute_dtype(logits_BTV)) / temperature, dim=-1)
+    return -(logp_BTV.exp() * logp_BTV).sum(-1)

@@ -1,0 +1,125 @@
+"""Reading a topic without joining a consumer group: for the CLI (`tail`), for roles
+that rebuild a fact from the log (the feeder's last group number), and for tests.
+
+The end of a topic is found by reading until nothing arrives for ``idle_s``, not from
+watermarks, which some brokers report wrong (KAFKA_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from tapioca.bus.role import Source
+from tapioca.bus.settings import BusConfig
+from tapioca.schemas.envelope import Event, decode_event
+from tapioca.schemas.errors import BusError, SchemaError
+from tapioca.schemas.registry import topic as topic_spec
+
+
+@dataclass
+class Record:
+    source: Source
+    raw: bytes | None
+    event: Event | None
+    error: SchemaError | None
+    headers: list[tuple[str, bytes]]
+
+
+def _full_name(cfg: BusConfig, name: str) -> str:
+    if name.count(".") >= 2:
+        return name
+    return cfg.topic(topic_spec(name))
+
+
+class TopicReader:
+    """Reads every partition of one topic, from the beginning or from ``tail`` records
+    before the (approximate) end of each partition."""
+
+    def __init__(self, cfg: BusConfig, name: str, *, tail: int | None = None) -> None:
+        self.cfg = cfg
+        self.topic = _full_name(cfg, name)
+        try:
+            self.spec = topic_spec(self.topic)
+        except SchemaError:
+            self.spec = None
+        self.consumer = Consumer({
+            **cfg.consumer_conf(f"tapioca-reader-{uuid.uuid4().hex[:8]}"),
+        })
+        md = self.consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+        if md is None or md.error is not None or not md.partitions:
+            self.consumer.close()
+            raise BusError(f"topic {self.topic!r} does not exist; create it with "
+                           "`tapioca topics create` (or check --prefix)")
+        assignment = []
+        for p in sorted(md.partitions):
+            start = OFFSET_BEGINNING
+            if tail is not None:
+                low, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, p), timeout=10)
+                # A watermark that undercounts only makes us read a little more.
+                start = max(low, high - tail) if high >= 0 else OFFSET_BEGINNING
+            assignment.append(TopicPartition(self.topic, p, start))
+        self.consumer.assign(assignment)
+
+    def records(self, *, idle_s: float = 0.5, follow: bool = False,
+                max_records: int | None = None, timeout_s: float | None = None,
+                decode: bool = True) -> Iterator[Record]:
+        """Yield records until none arrives for ``idle_s`` (or forever with ``follow``)."""
+        last = time.monotonic()
+        start = last
+        count = 0
+        while True:
+            msgs = self.consumer.consume(256, timeout=0.05)
+            now = time.monotonic()
+            if timeout_s is not None and now - start > timeout_s:
+                return
+            if not msgs:
+                if not follow and now - last > idle_s:
+                    return
+                continue
+            last = now
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise BusError(f"reading {self.topic} failed: {err.str()}")
+                key = msg.key()
+                source = Source(self.topic, msg.partition(), msg.offset(),
+                                key.decode(errors="replace") if key is not None else None,
+                                msg.timestamp()[1])
+                event, error = None, None
+                if decode:
+                    try:
+                        event = decode_event(
+                            msg.value(),
+                            allowed_types=self.spec.value_types if self.spec else None,
+                            max_bytes=self.cfg.max_message_bytes)
+                    except SchemaError as exc:
+                        error = exc
+                yield Record(source, msg.value(), event, error, list(msg.headers() or []))
+                count += 1
+                if max_records is not None and count >= max_records:
+                    return
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def __enter__(self) -> "TopicReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(cfg: BusConfig, name: str, *, idle_s: float = 0.5,
+                timeout_s: float | None = 60.0) -> list[Event]:
+    """Every decodable event on a topic, in partition order (for tests and recovery)."""
+    with TopicReader(cfg, name) as reader:
+        return [r.event for r in reader.records(idle_s=idle_s, timeout_s=timeout_s)
+                if r.event is not None]

@@ -1,0 +1,74 @@
+"""What a role is: a typed function of events, ``handle(event, state, source) -> events``.
+
+Business logic subclasses :class:`Role` and never sees a Kafka client; the
+:class:`~tapioca.bus.runner.RoleRunner` does the polling, decoding, dead letters,
+retries, publishing and commits around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, Iterable, TypeVar
+
+from tapioca.schemas.envelope import Event
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an event was read from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None = None
+    timestamp_ms: int = 0
+    broadcast: bool = False
+
+
+class Role(Generic[S]):
+    """Base of every role. Override ``init_state`` and ``handle``; the rest are hooks.
+
+    ``group_inputs`` are topic base names read as one consumer group (each event goes
+    to one member; offsets are committed). ``broadcast_inputs`` are read in full by
+    every member from the beginning (e.g. ``weights``), never committed.
+    """
+
+    name: str = "role"
+    group_inputs: tuple[str, ...] = ()
+    broadcast_inputs: tuple[str, ...] = ()
+    # How often on_tick runs when no event arrives.
+    tick_interval_s: float = 0.05
+
+    def init_state(self) -> S:
+        raise NotImplementedError
+
+    def handle(self, event: Event, state: S, source: Source) -> Iterable[Event]:
+        raise NotImplementedError
+
+    def on_tick(self, state: S, now: float) -> Iterable[Event]:
+        """Called every loop turn; returns events to publish (timers, async results)."""
+        return ()
+
+    def committable(self, state: S, topic: str, partition: int, next_offset: int) -> int:
+        """The offset safe to commit for a partition whose events up to ``next_offset``
+        have been handled. Hold it back to keep events that state still depends on
+        (incomplete groups, un-checkpointed training) in the replay window."""
+        return next_offset
+
+    def on_assign(self, state: S, partitions: list[tuple[str, int]]) -> None:
+        pass
+
+    def on_revoke(self, state: S, partitions: list[tuple[str, int]]) -> None:
+        pass
+
+    def on_stop(self, state: S) -> Iterable[Event]:
+        return ()
+
+    def finished(self, state: S) -> bool:
+        """True when the role has nothing more to do and the runner should exit."""
+        return False
+
+    def describe(self, state: S) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,290 @@
+"""The consume → handle → produce → commit loop shared by every role.
+
+Consumes the role's ``group_inputs`` as one consumer group and its
+``broadcast_inputs`` in full; decodes each record against its topic's event types;
+calls ``role.handle``; publishes what it returns; and, once those outputs are
+delivered, commits offsets (as far as ``role.committable`` allows).
+
+A record that cannot be decoded or validated goes to ``dlq.v1`` at once; a handler
+that raises is retried ``bus.handler_max_attempts`` times with backoff, then its event
+is dead-lettered. Either way the loop goes on and nothing else is lost.
+
+SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after the
+current batch: outputs are flushed, offsets committed, the group left cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+
+from tapioca.bus.dlq import dead_letter
+from tapioca.bus.producer import EventProducer
+from tapioca.bus.role import Role, Source
+from tapioca.bus.settings import BusConfig
+from tapioca.schemas.envelope import Event, decode_event
+from tapioca.schemas.errors import SchemaError, TapiocaError
+from tapioca.schemas.registry import TopicSpec, topic
+
+log = logging.getLogger(__name__)
+
+
+class FatalRoleError(TapiocaError):
+    """Raised by a handler when retrying or dead-lettering cannot help (bad config,
+    lost model files): the role stops and reports it."""
+
+
+@dataclass
+class RunnerStats:
+    consumed: int = 0
+    handled: int = 0
+    produced: int = 0
+    dead_lettered: int = 0
+    retries: int = 0
+    commits: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class RoleRunner:
+    """Runs one member of a role until stopped or ``role.finished(state)``."""
+
+    def __init__(
+        self,
+        role: Role,
+        cfg: BusConfig,
+        *,
+        member_id: str | None = None,
+        group_id: str | None = None,
+        batch_size: int = 64,
+        poll_timeout_s: float = 0.05,
+    ) -> None:
+        self.role = role
+        self.cfg = cfg
+        self.member_id = member_id or f"{role.name}-{cfg.client_id}"
+        self.group_id = group_id or f"{cfg.topic_prefix}.{role.name}"
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.stats = RunnerStats()
+        self.state: Any = None
+        self._stop = threading.Event()
+        self._types: dict[str, TopicSpec] = {}
+        self._next: dict[tuple[str, int], int] = {}  # handled position per group partition
+        self._committed: dict[tuple[str, int], int] = {}
+        self.producer: EventProducer | None = None
+        self._group: Consumer | None = None
+        self._bcast: Consumer | None = None
+        self._unconfirmed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def run(self, *, max_seconds: float | None = None) -> Any:
+        """Run the loop; returns the role's final state."""
+        self._install_signals()
+        self.state = self.role.init_state()
+        self.producer = EventProducer(self.cfg, self.member_id)
+        self._open_consumers()
+        deadline = time.monotonic() + max_seconds if max_seconds else None
+        next_tick = 0.0
+        try:
+            while not self._stop.is_set():
+                if deadline and time.monotonic() > deadline:
+                    break
+                handled_any = self._poll_once()
+                now = time.monotonic()
+                if handled_any or now >= next_tick:
+                    self._publish(self.role.on_tick(self.state, time.time()))
+                    next_tick = now + self.role.tick_interval_s
+                self._confirm_and_commit()
+                if self.role.finished(self.state):
+                    break
+            self._publish(self.role.on_stop(self.state))
+            self._confirm_and_commit()
+        finally:
+            self._close()
+        return self.state
+
+    def _open_consumers(self) -> None:
+        for name in self.role.group_inputs + self.role.broadcast_inputs:
+            spec = topic(name)
+            self._types[self.cfg.topic(spec)] = spec
+        if self.role.group_inputs:
+            self._group = Consumer({**self.cfg.consumer_conf(self.group_id)})
+            self._group.subscribe(
+                [self.cfg.topic(topic(n)) for n in self.role.group_inputs],
+                on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
+            )
+        if self.role.broadcast_inputs:
+            self._bcast = Consumer({**self.cfg.consumer_conf(f"{self.group_id}.{self.member_id}.bcast")})
+            assignment = []
+            for name in self.role.broadcast_inputs:
+                full = self.cfg.topic(topic(name))
+                md = self._bcast.list_topics(full, timeout=10).topics.get(full)
+                if md is None or md.error is not None or not md.partitions:
+                    raise FatalRoleError(
+                        f"topic {full} does not exist; run `tapioca topics create` first")
+                assignment += [TopicPartition(full, p, OFFSET_BEGINNING) for p in md.partitions]
+            self._bcast.assign(assignment)
+
+    def _close(self) -> None:
+        try:
+            if self.producer is not None:
+                self.producer.flush()
+        finally:
+            for consumer in (self._group, self._bcast):
+                if consumer is not None:
+                    try:
+                        consumer.close()
+                    except Exception:  # closing after a broker loss must not mask the cause
+                        pass
+
+    # ------------------------------------------------------------------ rebalance
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.role.on_assign(self.state, [(p.topic, p.partition) for p in partitions])
+
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Commit what is safe before another member takes these partitions over.
+        try:
+            self._confirm_and_commit()
+        except TapiocaError as exc:
+            log.warning("commit on revoke failed: %s", exc)
+        tps = [(p.topic, p.partition) for p in partitions]
+        self.role.on_revoke(self.state, tps)
+        for tp in tps:
+            self._next.pop(tp, None)
+            self._committed.pop(tp, None)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _poll_once(self) -> bool:
+        messages: list[tuple[Message, bool]] = []
+        if self._bcast is not None:
+            messages += [(m, True) for m in self._bcast.consume(self.batch_size, timeout=0)]
+        if self._group is not None:
+            timeout = 0 if messages else self.poll_timeout_s
+            messages += [(m, False) for m in self._group.consume(self.batch_size, timeout=timeout)]
+        elif not messages:
+            time.sleep(min(self.poll_timeout_s, self.role.tick_interval_s))
+        handled = False
+        for msg, broadcast in messages:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise FatalRoleError(f"consumer failed: {err.str()}")
+                log.warning("consumer error (will retry): %s", err.str())
+                continue
+            self._handle_message(msg, broadcast)
+            handled = True
+        return handled
+
+    def _handle_message(self, msg: Message, broadcast: bool) -> None:
+        key = msg.key()
+        source = Source(
+            topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+            key=key.decode(errors="replace") if key is not None else None,
+            timestamp_ms=msg.timestamp()[1], broadcast=broadcast,
+        )
+        self.stats.consumed += 1
+        raw = msg.value()
+        spec = self._types[source.topic]
+        try:
+            event = decode_event(raw, allowed_types=spec.value_types,
+                                 max_bytes=self.cfg.max_message_bytes)
+        except SchemaError as exc:
+            self._dead_letter(raw, source, exc, attempts=1)
+        else:
+            self._handle_with_retries(event, raw, source)
+        if not broadcast:
+            self._next[(source.topic, source.partition)] = source.offset + 1
+
+    def _handle_with_retries(self, event: Event, raw: bytes, source: Source) -> None:
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                outputs = list(self.role.handle(event, self.state, source) or ())
+            except FatalRoleError:
+                raise
+            except SchemaError as exc:  # invalid in a way no retry can fix
+                self._dead_letter(raw, source, exc, attempts=attempts)
+                return
+            except Exception as exc:
+                if attempts >= self.cfg.handler_max_attempts or self._stop.is_set():
+                    log.error("handler of %s failed %d times, dead-lettering: %s",
+                              self.role.name, attempts, exc)
+                    self._dead_letter(raw, source, exc, attempts=attempts)
+                    return
+                self.stats.retries += 1
+                time.sleep(self.cfg.handler_backoff_s * (2 ** (attempts - 1)))
+                continue
+            self.stats.handled += 1
+            self._publish(outputs)
+            return
+
+    def _dead_letter(self, raw: bytes | None, source: Source, exc: BaseException,
+                     *, attempts: int) -> None:
+        record, headers = dead_letter(raw, source, exc, consumer_group=self.group_id,
+                                      attempts=attempts)
+        log.warning("dead-lettered %s[%d]@%d: %s", source.topic, source.partition,
+                    source.offset, exc)
+        self.producer.publish(record, headers=headers)
+        self._unconfirmed = True
+        self.stats.dead_lettered += 1
+
+    def _publish(self, events: Iterable[Event] | None) -> None:
+        for event in events or ():
+            self.producer.publish(event)
+            self._unconfirmed = True
+            self.stats.produced += 1
+
+    def _confirm_and_commit(self) -> None:
+        """Flush outputs, then commit every partition whose safe offset advanced."""
+        if self.producer is None:
+            return
+        if self._unconfirmed:
+            # At-least-once: outputs must be on the log before inputs are marked done.
+            self.producer.flush()
+            self._unconfirmed = False
+        if self._group is None or not self._next:
+            return
+        offsets = []
+        for (name, partition), next_offset in self._next.items():
+            safe = self.role.committable(self.state, name, partition, next_offset)
+            if safe > self._committed.get((name, partition), -1):
+                offsets.append(TopicPartition(name, partition, safe))
+        if not offsets:
+            return
+        try:
+            self._group.commit(offsets=offsets, asynchronous=False)
+        except Exception as exc:  # e.g. a rebalance in progress; redelivery is harmless
+            log.warning("offset commit failed (events may be redelivered): %s", exc)
+            return
+        self.stats.commits += 1
+        for tp in offsets:
+            self._committed[(tp.topic, tp.partition)] = tp.offset
+
+
+def run_role(role: Role, cfg: BusConfig, **kwargs: Any) -> Any:
+    """Convenience: build a runner and run it to the end; returns the final state."""
+    return RoleRunner(role, cfg, **kwargs).run()

@@ -1,0 +1,121 @@
+"""Client settings for one Kafka cluster: the only place that knows librdkafka keys.
+
+Defaults follow KAFKA_NOTES.md: fast group joins (``session.timeout.ms=6000``,
+``heartbeat.interval.ms=500``), low fetch latency (``fetch.wait.max.ms=10``, because
+some brokers do not answer a waiting fetch when data arrives), manual commits, and a
+raised message size limit. ``extra_producer`` / ``extra_consumer`` pass anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from tapioca.schemas.envelope import DEFAULT_MAX_EVENT_BYTES
+from tapioca.schemas.errors import ConfigError
+from tapioca.schemas.registry import DEFAULT_PREFIX, TopicSpec
+
+BOOTSTRAP_ENV = "TAPIOCA_BOOTSTRAP"
+
+_kafka_log = logging.getLogger("tapioca.kafka")
+
+
+class _ClientLogger:
+    """Routes librdkafka's own log lines (connection refused, reconnects, ...) to Python
+    logging at DEBUG, so a broker restart does not spray stderr; errors that matter
+    surface as exceptions from the bus."""
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        _kafka_log.debug(msg, *args)
+
+    def __getattr__(self, name: str):
+        return self.log
+
+
+@dataclass
+class BusConfig:
+    bootstrap_servers: str = ""
+    topic_prefix: str = DEFAULT_PREFIX
+    run_id: str = "default"
+    client_id: str = field(default_factory=lambda: f"tapioca-{socket.gethostname()}-{os.getpid()}")
+    max_message_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 500
+    fetch_wait_max_ms: int = 10
+    # How long a produced event may stay undelivered before it is an error (or, when
+    # the broker lost our producer id, before the producer is recreated).
+    delivery_timeout_ms: int = 30000
+    linger_ms: int = 2
+    # Bounded retry of a failing handler before its event is dead-lettered.
+    handler_max_attempts: int = 3
+    handler_backoff_s: float = 0.2
+    extra_producer: dict[str, Any] = field(default_factory=dict)
+    extra_consumer: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_servers:
+            self.bootstrap_servers = os.environ.get(BOOTSTRAP_ENV, "")
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ConfigError(
+                f"bus.heartbeat_interval_ms={self.heartbeat_interval_ms} must be at most a third "
+                f"of bus.session_timeout_ms={self.session_timeout_ms}"
+            )
+        if self.max_message_bytes < 1024:
+            raise ConfigError("bus.max_message_bytes must be at least 1024")
+        if self.handler_max_attempts < 1:
+            raise ConfigError("bus.handler_max_attempts must be >= 1")
+
+    def require_bootstrap(self) -> str:
+        if not self.bootstrap_servers:
+            raise ConfigError(
+                "no Kafka bootstrap server configured: pass --bootstrap-server HOST:PORT, "
+                f"set {BOOTSTRAP_ENV}, or start the embedded broker with `tapioca broker up`"
+            )
+        return self.bootstrap_servers
+
+    def topic(self, spec: TopicSpec) -> str:
+        return spec.full_name(self.topic_prefix)
+
+    def common_conf(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.require_bootstrap(),
+            "client.id": self.client_id,
+            "broker.address.family": "v4",
+            "logger": _ClientLogger(),
+        }
+
+    def producer_conf(self) -> dict[str, Any]:
+        conf = {
+            **self.common_conf(),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": self.linger_ms,
+            "message.max.bytes": self.max_message_bytes + 64 * 1024,
+            "message.timeout.ms": self.delivery_timeout_ms,
+            "compression.type": "none",
+        }
+        conf.update(self.extra_producer)
+        return conf
+
+    def consumer_conf(self, group_id: str) -> dict[str, Any]:
+        conf = {
+            **self.common_conf(),
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": self.session_timeout_ms,
+            "heartbeat.interval.ms": self.heartbeat_interval_ms,
+            "fetch.wait.max.ms": self.fetch_wait_max_ms,
+            "fetch.max.bytes": max(self.max_message_bytes * 2, 52428800),
+            "max.partition.fetch.bytes": self.max_message_bytes + 64 * 1024,
+            "receive.message.max.bytes": max(self.max_message_bytes * 2, 52428800) + 1024 * 1024,
+        }
+        conf.update(self.extra_consumer)
+        return conf
+
+    def admin_conf(self) -> dict[str, Any]:
+        return self.common_conf()

