@@ -1,0 +1,106 @@
+"""Where the CLI finds a broker: ``--bootstrap-server``, then ``$TAPIOCA_BOOTSTRAP``,
+then the embedded broker started by ``tapioca broker up`` (its state file lives in
+``$TAPIOCA_HOME``, default ``~/.tapioca``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from tapioca.bus.broker import EmbeddedBroker, port_open
+from tapioca.bus.settings import BOOTSTRAP_ENV
+from tapioca.schemas.errors import BusError, ConfigError
+
+DEFAULT_PORT = 29092
+
+
+def home() -> Path:
+    path = Path(os.environ.get("TAPIOCA_HOME", Path.home() / ".tapioca"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def state_file() -> Path:
+    return home() / "broker.json"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def read_state() -> dict | None:
+    """The running embedded broker's record, or None (stale records are removed)."""
+    path = state_file()
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not _alive(state.get("pid", -1)):
+        path.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def resolve_bootstrap(flag: str | None) -> str:
+    if flag:
+        return flag
+    env = os.environ.get(BOOTSTRAP_ENV)
+    if env:
+        return env
+    state = read_state()
+    if state:
+        return state["bootstrap"]
+    raise ConfigError(
+        "no broker configured: pass --bootstrap-server HOST:PORT, set "
+        f"{BOOTSTRAP_ENV}, or start the embedded one with `tapioca broker up`"
+    )
+
+
+def broker_up(port: int, storage: str) -> dict:
+    existing = read_state()
+    if existing:
+        raise BusError(f"an embedded broker is already running at {existing['bootstrap']} "
+                       f"(pid {existing['pid']}); `tapioca broker down` stops it")
+    log_path = home() / "broker.log"
+    broker = EmbeddedBroker(port=port, storage=storage, log_path=log_path)
+    broker.start(detach=True)
+    state = {"pid": broker.proc.pid, "bootstrap": broker.bootstrap, "storage": storage,
+             "log": str(log_path), "started_at": time.time()}
+    state_file().write_text(json.dumps(state))
+    return state
+
+
+def broker_down(timeout_s: float = 10.0) -> dict | None:
+    state = read_state()
+    if state is None:
+        return None
+    pid = state["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        try:  # reap it if it is our child (tests start it in-process)
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    state_file().unlink(missing_ok=True)
+    return state
+
+
+def broker_status() -> dict:
+    state = read_state()
+    if state is None:
+        return {"running": False}
+    host, port = state["bootstrap"].rsplit(":", 1)
+    return {**state, "running": True, "answering": port_open(host, int(port))}
