@@ -51,7 +51,9 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Aggregate a ``[B, T]`` per-token loss into a scalar according to ``mode``."""
     if mode not in AGG_MODES:
-        raise AlgorithmInputError(f"aggregate_loss: unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}.")
+        raise AlgorithmInputError(
+            f"aggregate_loss: unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}."
+        )
     if loss_BT.dim() != 2 or loss_BT.shape != mask_BT.shape:
         raise AlgorithmInputError(
             f"aggregate_loss: need loss and mask of the same [B, T] shape, got "

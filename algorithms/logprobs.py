@@ -11,12 +11,14 @@ that materialises ``N x V`` fp32 logits, plus as much again for autograd (e.g.
 32k tokens x 152k vocab x 4 B = 19 GB each). Here a custom autograd function
 processes ``chunk_tokens`` tokens at a time, keeps only ``N``-sized results and
 the per-token log-sum-exp, and recomputes each chunk's logits in backward. Peak
-extra memory is O(chunk_tokens x V) plus one fp32 copy and one fp32 gradient of
+extra memory is two ``chunk_tokens x V`` buffers plus one fp32 copy and one fp32 gradient of
 the LM head (O(V x H), independent of the number of tokens).
 
 Precision: logits are computed in fp32 (inputs upcast; fp64 inputs stay fp64 so
-the function can be gradchecked), divided by ``temperature``, as the sampler
-does. Outputs are in that compute dtype.
+the function can be gradchecked) and divided by ``temperature``, as the sampler
+does (the small ``[C, H]`` hidden chunk is scaled before the matmul rather than
+the ``[C, V]`` logits after it: equal up to fp32 rounding). Outputs are in that
+compute dtype.
 
 Backward, per token with ``z = logits / temperature``, ``p = softmax(z)``,
 ``H = -sum p log p``:
@@ -50,7 +52,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     """Chunked ``(logprob, entropy)`` of ``hidden_NH @ weight_VH.T / temperature``."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index):
+    def forward(
+        ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index
+    ):
         # Unused outputs (e.g. entropy only logged) arrive as None in backward,
         # so their term is skipped instead of multiplied by zeros.
         ctx.set_materialize_grads(False)
@@ -62,8 +66,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         entropy_N = hidden_NH.new_empty(n_tokens if compute_entropy else 0, dtype=cdtype)
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
-            z_CV = (hidden_NH[start:end].to(cdtype) @ w_VH.T) / temperature
-            lse_C = torch.logsumexp(z_CV, dim=-1)
+            # Scale the small [C, H] input rather than the [C, V] logits.
+            z_CV = (hidden_NH[start:end].to(cdtype) / temperature) @ w_VH.T
+            # Hand-rolled log-sum-exp so the exp buffer can be reused for p:
+            # at most two [C, V] buffers live at once (z and p).
+            max_C = z_CV.amax(dim=-1)
+            p_CV = (z_CV - max_C.unsqueeze(-1)).exp_()
+            sum_C = p_CV.sum(dim=-1)
+            lse_C = max_C + sum_C.log()
             labels_C = labels_N[start:end]
             valid_C = labels_C != ignore_index
             safe_C = torch.where(valid_C, labels_C, torch.zeros_like(labels_C))
@@ -71,8 +81,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             logprobs_N[start:end] = torch.where(valid_C, lp_C, torch.zeros_like(lp_C))
             lse_N[start:end] = lse_C
             if compute_entropy:
-                logp_CV = z_CV.sub_(lse_C.unsqueeze(-1))  # in place: z is not needed any more
-                entropy_N[start:end] = -(logp_CV.exp() * logp_CV).sum(-1)
+                p_CV.div_(sum_C.unsqueeze(-1))
+                z_CV.sub_(lse_C.unsqueeze(-1))  # z becomes log p in place
+                entropy_N[start:end] = -p_CV.mul_(z_CV).sum(-1)
+            # Free before the next chunk allocates, else four buffers peak.
+            del z_CV, p_CV
         ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
         ctx.temperature = temperature
         ctx.chunk_tokens = chunk_tokens
@@ -98,30 +111,33 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         grad_w_VH = torch.zeros_like(w_VH) if need_w else None
         for start in range(0, n_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n_tokens)
-            h_CH = hidden_NH[start:end].to(cdtype)
-            # Recompute this chunk's log-softmax from the saved log-sum-exp.
-            logp_CV = (h_CH @ w_VH.T) / ctx.temperature - lse_N[start:end].unsqueeze(-1)
+            h_CH = hidden_NH[start:end].to(cdtype) / ctx.temperature
+            # Recompute this chunk's log-softmax from the saved log-sum-exp; the
+            # ops below are in place so only two [C, V] buffers (logp, p) live.
+            logp_CV = (h_CH @ w_VH.T).sub_(lse_N[start:end].unsqueeze(-1))
             p_CV = logp_CV.exp()
-            # coef_CV collects everything that multiplies -p: g_lp + g_H * (log p + H).
-            coef_CV = torch.zeros_like(p_CV)
-            if grad_entropy_N is not None:
-                coef_CV += grad_entropy_N[start:end].unsqueeze(-1) * (
-                    logp_CV + entropy_N[start:end].unsqueeze(-1)
-                )
             if grad_logprobs_N is not None:
                 labels_C = labels_N[start:end]
                 valid_C = labels_C != ctx.ignore_index
-                g_lp_C = torch.where(valid_C, grad_logprobs_N[start:end], torch.zeros_like(lse_N[start:end]))
-                coef_CV += g_lp_C.unsqueeze(-1)
-            g_z_CV = -p_CV * coef_CV
-            if grad_logprobs_N is not None:
                 safe_C = torch.where(valid_C, labels_C, torch.zeros_like(labels_C))
+                g_lp_C = torch.where(valid_C, grad_logprobs_N[start:end], torch.zeros_like(lse_N[start:end]))
+            # dz = -p * coef (+ g_lp at the label), coef = g_lp + g_H * (log p + H).
+            if grad_entropy_N is not None:
+                # The logp buffer becomes coef in place.
+                logp_CV.add_(entropy_N[start:end].unsqueeze(-1)).mul_(grad_entropy_N[start:end].unsqueeze(-1))
+                if grad_logprobs_N is not None:
+                    logp_CV.add_(g_lp_C.unsqueeze(-1))
+                g_z_CV = p_CV.mul_(logp_CV).neg_()
+            else:
+                g_z_CV = p_CV.mul_(-g_lp_C.unsqueeze(-1))
+            if grad_logprobs_N is not None:
                 g_z_CV.scatter_add_(-1, safe_C.unsqueeze(-1), g_lp_C.unsqueeze(-1))
-            g_logits_CV = g_z_CV / ctx.temperature
+            # z = (h / T) @ W.T, so dW += dz.T @ (h / T) and dh = (dz @ W) / T.
             if need_h:
-                grad_h_NH[start:end] = g_logits_CV @ w_VH
+                grad_h_NH[start:end] = (g_z_CV @ w_VH) / ctx.temperature
             if need_w:
-                grad_w_VH += g_logits_CV.T @ h_CH
+                grad_w_VH.addmm_(g_z_CV.T, h_CH)
+            del logp_CV, p_CV, g_z_CV  # free before the next chunk allocates
         return (
             grad_h_NH.to(hidden_NH.dtype) if need_h else None,
             grad_w_VH.to(weight_VH.dtype) if need_w else None,
@@ -154,7 +170,11 @@ def gather_logprobs_entropy(
     if chunk_tokens < 1:
         raise AlgorithmInputError(f"gather_logprobs_entropy: chunk_tokens={chunk_tokens!r} must be >= 1.")
     hidden_size = lm_head_weight_VH.shape[-1]
-    if lm_head_weight_VH.dim() != 2 or hidden_BTH.shape[:-1] != labels_BT.shape or hidden_BTH.shape[-1] != hidden_size:
+    if (
+        lm_head_weight_VH.dim() != 2
+        or hidden_BTH.shape[:-1] != labels_BT.shape
+        or hidden_BTH.shape[-1] != hidden_size
+    ):
         raise AlgorithmInputError(
             "gather_logprobs_entropy: need hidden [..., H], weight [V, H], labels [...]; got "
             f"{tuple(hidden_BTH.shape)}, {tuple(lm_head_weight_VH.shape)}, {tuple(labels_BT.shape)}."

@@ -38,6 +38,9 @@ class Role(Generic[S]):
     name: str = "role"
     group_inputs: tuple[str, ...] = ()
     broadcast_inputs: tuple[str, ...] = ()
+    # Topics whose latest events (per partition) are handed to ``recover`` at start,
+    # so a role rebuilds counters from the log rather than from memory.
+    recover_from: tuple[str, ...] = ()
     # How often on_tick runs when no event arrives.
     tick_interval_s: float = 0.05
 
@@ -46,6 +49,10 @@ class Role(Generic[S]):
 
     def handle(self, event: Event, state: S, source: Source) -> Iterable[Event]:
         raise NotImplementedError
+
+    def recover(self, state: S, latest: list[Event]) -> None:
+        """Called once after ``init_state`` with the latest events of ``recover_from``
+        topics belonging to this run (oldest first)."""
 
     def on_tick(self, state: S, now: float) -> Iterable[Event]:
         """Called every loop turn; returns events to publish (timers, async results)."""

@@ -48,6 +48,7 @@ class RunnerStats:
     dead_lettered: int = 0
     retries: int = 0
     commits: int = 0
+    foreign: int = 0
     started_at: float = field(default_factory=time.time)
 
 
@@ -100,6 +101,8 @@ class RoleRunner:
         """Run the loop; returns the role's final state."""
         self._install_signals()
         self.state = self.role.init_state()
+        if self.role.recover_from:
+            self.role.recover(self.state, self._latest_events(self.role.recover_from))
         self.producer = EventProducer(self.cfg, self.member_id)
         self._open_consumers()
         deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -121,6 +124,22 @@ class RoleRunner:
         finally:
             self._close()
         return self.state
+
+    def _latest_events(self, names: tuple[str, ...], per_partition: int = 64) -> list[Event]:
+        from tapioca.bus.reader import TopicReader
+
+        events: list[Event] = []
+        for name in names:
+            with TopicReader(self.cfg, name, tail=per_partition) as reader:
+                events += [r.event for r in reader.records(idle_s=0.3, timeout_s=30)
+                           if r.event is not None and self._ours(r.event)]
+        events.sort(key=lambda e: e.produced_at)
+        return events
+
+    def _ours(self, event: Event) -> bool:
+        """One run per topic prefix is the rule; events stamped with another run id are
+        someone else's (a replay, a neighbour run) and are skipped, not dead-lettered."""
+        return self.cfg.run_id == "default" or event.run_id == self.cfg.run_id
 
     def _open_consumers(self) -> None:
         for name in self.role.group_inputs + self.role.broadcast_inputs:
@@ -214,7 +233,10 @@ class RoleRunner:
         except SchemaError as exc:
             self._dead_letter(raw, source, exc, attempts=1)
         else:
-            self._handle_with_retries(event, raw, source)
+            if self._ours(event):
+                self._handle_with_retries(event, raw, source)
+            else:
+                self.stats.foreign += 1
         if not broadcast:
             self._next[(source.topic, source.partition)] = source.offset + 1
 

@@ -40,7 +40,8 @@ class BusConfig:
     bootstrap_servers: str = ""
     topic_prefix: str = DEFAULT_PREFIX
     run_id: str = "default"
-    client_id: str = field(default_factory=lambda: f"tapioca-{socket.gethostname()}-{os.getpid()}")
+    # Empty: tapioca-HOST-PID of the process that uses it.
+    client_id: str = ""
     max_message_bytes: int = DEFAULT_MAX_EVENT_BYTES
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 500
@@ -58,6 +59,8 @@ class BusConfig:
     def __post_init__(self) -> None:
         if not self.bootstrap_servers:
             self.bootstrap_servers = os.environ.get(BOOTSTRAP_ENV, "")
+        if not self.client_id:
+            self.client_id = f"tapioca-{socket.gethostname()}-{os.getpid()}"
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ConfigError(
                 f"bus.heartbeat_interval_ms={self.heartbeat_interval_ms} must be at most a third "

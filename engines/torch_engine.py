@@ -104,6 +104,8 @@ class TorchEngine(InferenceEngine):
     ``stop_token_ids``. ``decode`` turns output token ids into text; needed for
     ``stop_strings``. ``pad_token_id`` fills left padding (never attended to).
     ``version`` is the policy version of the weights ``model`` holds.
+    ``max_prefill_tokens`` bounds one prefill forward (rows x padded prompt length);
+    larger admissions are prefilled in several forwards, shortest prompts together.
     """
 
     def __init__(
@@ -118,9 +120,11 @@ class TorchEngine(InferenceEngine):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int = 0,
         version: int = 0,
+        max_prefill_tokens: int = 32768,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size={max_batch_size}: use an integer >= 1")
+        self.max_prefill_tokens = int(max_prefill_tokens)
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.max_batch_size = int(max_batch_size)
@@ -151,6 +155,13 @@ class TorchEngine(InferenceEngine):
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns until 5.40).
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
+        # For sdpa / eager attention the engine builds the 4-D mask itself: transformers'
+        # own mask code reads a tensor on the host every forward (a device sync), and a
+        # fully padded query row gets its diagonal so no softmax row is all -inf.
+        # Other implementations (flash, flex) get the 2-D mask.
+        attn_impl = getattr(model.config, "_attn_implementation", None)
+        self._mask_mode = {"sdpa": "bool", "eager": "additive"}.get(attn_impl)
+        self._dtype = next(model.parameters()).dtype
 
         self._version = int(version)
         self._cv = threading.Condition()
@@ -173,15 +184,26 @@ class TorchEngine(InferenceEngine):
         return self._version
 
     def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
-        self._validate(request)
-        pending = _Pending(request, concurrent.futures.Future(), time.monotonic())
-        pending.future.set_running_or_notify_cancel()
+        return self._enqueue([request])[0]
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        # Enqueued in one go, so an idle engine batches them identically every time
+        # (what makes ``seed`` reproducible).
+        return [f.result() for f in self._enqueue(list(requests))]
+
+    def _enqueue(self, requests: list[GenRequest]) -> list[concurrent.futures.Future]:
+        for request in requests:
+            self._validate(request)
+        now = time.monotonic()
+        pendings = [_Pending(r, concurrent.futures.Future(), now) for r in requests]
+        for p in pendings:
+            p.future.set_running_or_notify_cancel()
         with self._cv:
             if self._closing:
                 raise EngineError("the engine is shut down; create a new TorchEngine")
-            self._queue.append(pending)
+            self._queue.extend(pendings)
             self._cv.notify_all()
-        return pending.future
+        return [p.future for p in pendings]
 
     def pause(self) -> None:
         with self._cv:
@@ -262,14 +284,14 @@ class TorchEngine(InferenceEngine):
                 f"update_weights got {len(unexpected)} names the model does not have (e.g. {unexpected[:3]}); "
                 "publish the policy's own state_dict() names"
             )
+        for name, tensor in state_dict.items():  # check everything before touching anything
+            if own[name].shape != tensor.shape:
+                raise EngineError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+                )
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                target = own[name]
-                if target.shape != tensor.shape:
-                    raise EngineError(
-                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor, non_blocking=True)
+                own[name].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -351,8 +373,8 @@ class TorchEngine(InferenceEngine):
         batch = self._batch
         if batch is not None and batch.n_alive > 0:
             self._decode_step(batch, version)
-        if admitted:
-            fresh = self._prefill(admitted, version)
+        for group in self._prefill_groups(admitted):
+            fresh = self._prefill(group, version)
             batch = fresh if batch is None else self._merge(batch, fresh)
         self._batch = batch
         if batch is None:
@@ -367,10 +389,27 @@ class TorchEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ forward passes
 
+    def _attention_mask(self, mask_BL: torch.Tensor, cache: SlotKVCache, q_len: int):
+        """The model's attention mask for ``q_len`` new tokens; ``mask_BL`` covers past + new."""
+        if self._mask_mode is None:
+            return mask_BL  # transformers pads it to the cache's bucketed length
+        kv_len = cache.view_length(q_len)
+        mask_BK = torch.nn.functional.pad(mask_BL, (0, kv_len - mask_BL.shape[1]), value=False)
+        if q_len == 1:
+            mask_B1QK = mask_BK[:, None, None, :]
+        else:  # a prefill always starts from an empty cache: query i sits at column i
+            q_Q1 = torch.arange(q_len, device=self.device).unsqueeze(-1)
+            k_1K = torch.arange(kv_len, device=self.device).unsqueeze(0)
+            mask_B1QK = (mask_BK[:, None, None, :] & (k_1K <= q_Q1)) | (k_1K == q_Q1)
+        if self._mask_mode == "additive":
+            zero = torch.zeros((), dtype=self._dtype, device=self.device)
+            return zero.masked_fill(~mask_B1QK, torch.finfo(self._dtype).min)
+        return mask_B1QK
+
     def _forward(self, ids_BT, mask_BL, pos_BT, cache, last_only: bool) -> torch.Tensor:
         kwargs = {
             "input_ids": ids_BT,
-            "attention_mask": mask_BL,
+            "attention_mask": self._attention_mask(mask_BL, cache, ids_BT.shape[1]),
             "position_ids": pos_BT,
             self._cache_kwarg: cache,
             "use_cache": True,
@@ -379,6 +418,20 @@ class TorchEngine(InferenceEngine):
             kwargs["logits_to_keep"] = 1
         logits = self.model(**kwargs).logits
         return logits[:, -1, :]
+
+    def _prefill_groups(self, admitted: list[_Pending]) -> list[list[_Pending]]:
+        """Split by ``max_prefill_tokens`` of padded prompt; sorting by length cuts padding."""
+        groups: list[list[_Pending]] = []
+        group: list[_Pending] = []
+        for p in sorted(admitted, key=lambda p: len(p.request.prompt_ids)):
+            # sorted, so this row is the longest so far: it sets the group's padded length
+            if group and (len(group) + 1) * len(p.request.prompt_ids) > self.max_prefill_tokens:
+                groups.append(group)
+                group = []
+            group.append(p)
+        if group:
+            groups.append(group)
+        return groups
 
     def _prefill(self, admitted: list[_Pending], version: int) -> _Batch:
         dev = self.device

@@ -30,9 +30,15 @@ def state_file() -> Path:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return True
     except OSError:
         return False
+    # The detached broker's parent has exited, so once it dies it is a zombie until
+    # PID 1 reaps it (late, or never in containers without an init): not running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def read_state() -> dict | None:

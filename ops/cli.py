@@ -197,6 +197,7 @@ def tail(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Print a topic's latest events, decoded."""
+    from tapioca.bus.admin import admin_client
     from tapioca.bus.reader import TopicReader
     from tapioca.ops.render import record_json, record_row, records_table
 
@@ -204,6 +205,7 @@ def tail(
     if n < 0:
         raise typer.BadParameter("-n must be >= 0")
     cfg = bus_config()
+    admin_client(cfg)  # one-line error when no broker answers (TopicReader raises raw Kafka errors)
     with TopicReader(cfg, name, tail=n) as reader:
         backlog = list(reader.records(idle_s=0.5))
         backlog.sort(key=lambda r: (r.source.timestamp_ms, r.source.partition, r.source.offset))

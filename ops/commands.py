@@ -1,67 +1,108 @@
-"""Commands that run roles: `tapioca demo` (and, as roles land, `train`)."""
+"""Commands that run roles: `tapioca train`, `tapioca demo`, `tapioca role`."""
 
 from __future__ import annotations
 
-import threading
 import time
+from pathlib import Path
+from typing import Optional
 
 import typer
+from rich.live import Live
+from rich.table import Table
 
 from tapioca.ops.cli import G, app, console
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DEMO_CONFIG = "demo_cpu.yaml"
 
-@app.command("demo")
-def demo(
-    events: int = typer.Option(1000, help="How many prompt events the bus smoke sends."),
+
+def _progress_table(rows: dict[str, dict], started: float) -> Table:
+    table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
+    for col in ("step", "version", "reward", "tokens/s (train)", "tokens/s (rollout)",
+                "staleness mean/max", "rejected", "step s"):
+        table.add_column(col, justify="right")
+    t = rows.get("trainer", {})
+    r = rows.get("rollout", {})
+    fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    table.add_row(
+        fmt(t.get("step"), "{}"), fmt(t.get("step"), "{}"), fmt(t.get("reward/mean")),
+        fmt(t.get("actor/tokens_per_s"), "{:,.0f}"), fmt(r.get("rollout/tokens_per_s"), "{:,.0f}"),
+        f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
+        fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
+    )
+    return table
+
+
+def run_training(config: Optional[str], overrides: list[str], *, live: bool = True) -> None:
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops.launcher import Launcher
+
+    cfg = load_config(TrainConfig, config, overrides)
+    if G.bootstrap and not cfg.bus.bootstrap_servers:
+        cfg.bus.bootstrap_servers = G.bootstrap
+    latest: dict[str, dict] = {}
+    started = time.monotonic()
+    launcher = Launcher(cfg)
+    with Live(_progress_table(latest, started), console=console, refresh_per_second=2,
+              transient=False, auto_refresh=live) as view:
+        def on_metrics(row: dict) -> None:
+            latest[row["source"].split("-")[0]] = row
+            view.update(_progress_table(latest, started))
+
+        launcher.on_metrics = on_metrics
+        try:
+            launcher.start()
+            console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers})")
+            summary = launcher.wait()
+        except KeyboardInterrupt:
+            console.print("interrupted: stopping every role")
+            raise typer.Exit(130)
+        finally:
+            launcher.stop()
+    console.print(
+        f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
+        f"{summary.first_reward:.3f} (first step) -> {summary.last_reward:.3f} (last step), "
+        f"best {summary.best_reward:.3f}. Metrics: {summary.run_dir}/metrics/metrics.jsonl"
+        if summary.first_reward is not None else f"done: no training step completed ({summary.run_dir})")
+
+
+@app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file."),
 ) -> None:
-    """Bus smoke on the embedded default: broker, topics, a role, a dead letter."""
-    from tapioca.bus import BusConfig, EmbeddedBroker, EventProducer, Role, RoleRunner, ensure_topics
-    from tapioca.ops.broker_state import resolve_bootstrap
-    from tapioca.schemas import PromptEvent, RewardEvent, TapiocaError, topic
+    """Run training: every role as its own process, meeting on the log. Extra
+    arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
+    run_training(config, list(ctx.args))
 
-    class LengthScorer(Role):
-        """Scores each prompt by its length: a stand-in until the RL loop lands."""
 
-        name = "demo-scorer"
-        group_inputs = ("prompts",)
+@app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def demo(ctx: typer.Context) -> None:
+    """Train the tiny model on the built-in synthetic task on the embedded broker."""
+    run_training(str(EXAMPLES / DEMO_CONFIG), list(ctx.args))
 
-        def init_state(self):
-            return None
 
-        def handle(self, event, state, source):
-            yield RewardEvent(traj_id=event.group_id, group_id=event.group_id,
-                              reward=len(event.prompt_ids) / 10, scorer="length")
+@app.command("role", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def role(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="feeder | rollout | reward | advantage | trainer"),
+    config: str = typer.Option(..., "--config", "-c", help="YAML config file of the run."),
+    member: int = typer.Option(0, help="Member index (for several rollout workers)."),
+) -> None:
+    """Run one role in this process (what `train` launches; also for docker-compose)."""
+    from tapioca.ops.role_main import run_role_process
 
-    broker = None
-    try:
-        bootstrap = resolve_bootstrap(G.bootstrap)
-    except TapiocaError:
-        broker = EmbeddedBroker().start()
-        bootstrap = broker.bootstrap
-        console.print(f"embedded broker at {bootstrap}")
-    try:
-        cfg = BusConfig(bootstrap_servers=bootstrap, topic_prefix=G.prefix, run_id="demo")
-        ensure_topics(cfg)
-        with EventProducer(cfg, "demo-feeder") as producer:
-            t0 = time.perf_counter()
-            for i in range(events):
-                producer.publish(PromptEvent(group_id=f"demo-{i}", prompt_id=f"p{i}",
-                                             group_index=i, n_samples=1,
-                                             prompt_ids=list(range(i % 10 + 1))))
-            producer.publish_raw(cfg.topic(topic("prompts")), b"bad", b"not an event")
-            producer.flush()
-        console.print(f"published {events} prompt events + 1 bad record "
-                      f"in {time.perf_counter() - t0:.2f} s")
-        runner = RoleRunner(LengthScorer(), cfg)
-        thread = threading.Thread(target=runner.run, kwargs={"max_seconds": 120})
-        thread.start()
-        while runner.stats.consumed < events + 1 and thread.is_alive():
-            time.sleep(0.2)
-        runner.stop()
-        thread.join()
-        s = runner.stats
-        console.print(f"role handled {s.handled}, produced {s.produced} rewards, "
-                      f"dead-lettered {s.dead_lettered}, commits {s.commits}")
-    finally:
-        if broker is not None:
-            broker.stop()
+    code = run_role_process(name, config, list(ctx.args), member)
+    raise typer.Exit(code)
+
+
+@app.command("model-init")
+def model_init(
+    directory: str = typer.Argument(..., help="Where to write the model + tokenizer."),
+    task: str = typer.Option("synthetic", help="Task whose alphabet the tokenizer covers."),
+) -> None:
+    """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
+    from tapioca.models.factory import create_tiny_checkpoint
+
+    console.print(str(create_tiny_checkpoint(directory, task=task)))

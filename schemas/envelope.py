@@ -152,8 +152,16 @@ def _check_bool(v: Any, path: str) -> None:
 
 
 def _check_any(v: Any, path: str) -> None:
-    if isinstance(v, float) and not math.isfinite(v):
-        raise SchemaError(f"field {path!r}: expected a finite number, got {v}")
+    # Recurse: orjson would silently write a nested NaN / inf as null.
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise SchemaError(f"field {path!r}: expected a finite number, got {v}")
+    elif type(v) is list:
+        for i, x in enumerate(v):
+            _check_any(x, f"{path}[{i}]")
+    elif type(v) is dict:
+        for k, x in v.items():
+            _check_any(x, f"{path}.{k}")
 
 
 def _check_int_list(v: Any, path: str) -> None:
@@ -286,7 +294,10 @@ def encode_event(event: Event, *, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> b
     if not isinstance(event, Event) or not event.TYPE:
         raise SchemaError(f"only typed Tapioca events can be encoded, got {type(event).__name__}")
     event.validate()
-    raw = orjson.dumps(event)
+    try:
+        raw = orjson.dumps(event)
+    except orjson.JSONEncodeError as exc:  # e.g. an int beyond 64 bits, a non-str dict key
+        raise SchemaError(f"{event.TYPE} event cannot be encoded as JSON: {exc}") from None
     if len(raw) > max_bytes:
         raise EventTooLargeError(
             f"{event.TYPE} event is {len(raw):,} bytes, over the limit of {max_bytes:,}; "
@@ -367,6 +378,9 @@ def decode_event(
             f"{type_name} schema_version {version!r} is not supported (this code reads 1.."
             f"{cls.SCHEMA_VERSION}); upgrade this consumer or publish a supported version"
         )
+    # The envelope default would invent a fresh id on every decode, defeating de-duplication.
+    if type(data.get("event_id")) is not str or not data["event_id"]:
+        raise SchemaError(f"{type_name}: missing required field 'event_id' (a non-empty string)")
     data.pop("type")
     event = _build(cls, data, type_name)
     event.validate()

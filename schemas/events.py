@@ -149,6 +149,12 @@ class WeightsEvent(Event):
     step: int = 0
     # Set when an operator republishes an older version as current.
     rollback_of: Optional[int] = None
+    # Groups trained to make this version (audit: no group is trained twice).
+    group_ids: list[str] = field(default_factory=list)
+    # Groups the trainer has rejected so far in this run (over-stale or filtered). The
+    # feeder's head gate frees their slots; the trainer re-announces its current version
+    # when this count changes, so the gate never waits on groups that will not come.
+    groups_rejected: int = 0
 
 
 @dataclass(kw_only=True)

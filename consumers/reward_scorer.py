@@ -1,0 +1,85 @@
+"""The built-in reward scorer: trajectories in, rewards out.
+
+Consumes ``trajectories.v1`` (consumer group). Emits ``RewardEvent`` on
+``rewards.v1`` keyed by ``group_id`` (the group's partition), one per ``traj_id``.
+
+The reward function runs with a timeout. A timeout, an exception or a non-finite
+reward raises :class:`RewardError`: the bus retries the event, then dead-letters it.
+A failing scorer never turns into a silent reward of 0.
+
+External scorers follow the same contract with any Kafka client (docs/).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from tapioca.bus.dedup import SeenSet
+from tapioca.bus.role import Role, Source
+from tapioca.schemas.envelope import Event
+from tapioca.schemas.errors import RewardError
+from tapioca.schemas.events import RewardEvent, TrajectoryEvent
+
+RewardFn = Callable[[TrajectoryEvent], float]
+
+
+@dataclass
+class ScorerState:
+    scored: SeenSet = field(default_factory=SeenSet)
+    count: int = 0
+    total: float = 0.0
+
+
+class RewardScorer(Role[ScorerState]):
+    name = "reward"
+    group_inputs = ("trajectories",)
+
+    def __init__(self, reward_fn: RewardFn, *, scorer: str = "builtin", timeout_s: float = 10.0,
+                 threads: int = 4) -> None:
+        self.reward_fn = reward_fn
+        self.scorer = scorer
+        self.timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward")
+
+    def init_state(self) -> ScorerState:
+        return ScorerState()
+
+    def handle(self, event: Event, state: ScorerState, source: Source) -> Iterable[Event]:
+        assert isinstance(event, TrajectoryEvent)
+        if event.traj_id in state.scored:
+            return ()
+        reward = self.score(event)
+        state.scored.first(event.traj_id)
+        state.count += 1
+        state.total += reward
+        return (RewardEvent(traj_id=event.traj_id, group_id=event.group_id, reward=reward,
+                            scorer=self.scorer, run_id=event.run_id),)
+
+    def score(self, event: TrajectoryEvent) -> float:
+        future = self._pool.submit(self.reward_fn, event)
+        try:
+            value = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RewardError(f"reward for {event.traj_id} timed out after {self.timeout_s} s "
+                              "(raise reward.timeout_s if the scorer is slow)") from None
+        except Exception as exc:
+            raise RewardError(f"reward for {event.traj_id} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward for {event.traj_id} is not a number: {value!r}") from None
+        if not math.isfinite(value):
+            raise RewardError(f"reward for {event.traj_id} is {value}; rewards must be finite")
+        return value
+
+    def on_stop(self, state: ScorerState) -> Iterable[Event]:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return ()
+
+    def describe(self, state: ScorerState) -> dict[str, Any]:
+        return {"scored": state.count,
+                "mean_reward": state.total / state.count if state.count else 0.0}

@@ -1,0 +1,189 @@
+"""`tapioca train`: one run, every role its own OS process, all meeting on the log.
+
+Starts the embedded broker when no bootstrap server is configured, creates topics,
+creates the tiny model when ``model.path`` is empty, writes the resolved config to
+the run directory, launches the roles (``tapioca role NAME``), follows ``metrics.v1``
+for a live display, and stops every child cleanly when the trainer finishes, on
+Ctrl-C, or when a role dies (then exits non-zero with that role's error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tapioca.bus.broker import EmbeddedBroker
+from tapioca.bus.settings import BOOTSTRAP_ENV
+from tapioca.config.loader import to_yaml
+from tapioca.config.schema import TrainConfig
+from tapioca.schemas.errors import TapiocaError
+
+
+class RoleFailedError(TapiocaError):
+    """A role process exited with an error."""
+
+
+@dataclass
+class Child:
+    role: str
+    member: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}-{self.member}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int = 0
+    first_reward: float | None = None
+    last_reward: float | None = None
+    best_reward: float | None = None
+    wall_s: float = 0.0
+    history: list[dict] = field(default_factory=list)
+
+
+def prepare_run(cfg: TrainConfig) -> Path:
+    """Resolve the run directory and the model; write the resolved config there."""
+    if not cfg.trial_name:
+        cfg.trial_name = time.strftime("%Y%m%d-%H%M%S")
+    cfg.run_dir = str(Path(cfg.run_dir).resolve())
+    run_dir = Path(cfg.run_path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.model.path:
+        from tapioca.models.factory import create_tiny_checkpoint
+
+        task = "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
+        m = cfg.model
+        cfg.model.path = str(create_tiny_checkpoint(
+            run_dir / "model", task=task, arch=m.arch, hidden_size=m.hidden_size,
+            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size, seed=m.init_seed).resolve())
+    cfg.bus.run_id = cfg.run_id
+    return run_dir
+
+
+def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
+    return [("trainer", 1), ("advantage", 1), ("reward", cfg.reward.workers),
+            ("rollout", cfg.rollout.workers), ("feeder", 1)]
+
+
+class Launcher:
+    def __init__(self, cfg: TrainConfig, *, on_metrics: Callable[[dict], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_metrics = on_metrics
+        self.children: list[Child] = []
+        self.broker: EmbeddedBroker | None = None
+        self.summary: RunSummary | None = None
+
+    def start(self) -> None:
+        from tapioca.bus.admin import ensure_topics
+
+        run_dir = prepare_run(self.cfg)
+        self.summary = RunSummary(run_dir)
+        if not self.cfg.bus.bootstrap_servers:
+            self.broker = EmbeddedBroker(log_path=run_dir / "logs" / "broker.log")
+            (run_dir / "logs").mkdir(exist_ok=True)
+            self.broker.start()
+            self.cfg.bus.bootstrap_servers = self.broker.bootstrap
+        ensure_topics(self.cfg.bus)
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(to_yaml(self.cfg))
+        (run_dir / "logs").mkdir(exist_ok=True)
+        for role, count in role_counts(self.cfg):
+            for member in range(count):
+                self._spawn(role, member, config_path)
+
+    def _spawn(self, role: str, member: int, config_path: Path) -> None:
+        log_path = Path(self.cfg.run_path) / "logs" / f"{role}-{member}.log"
+        env = {**os.environ, BOOTSTRAP_ENV: self.cfg.bus.bootstrap_servers,
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
+               "--member", str(member)]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.children.append(Child(role, member, proc, log_path))
+
+    def wait(self, timeout_s: float | None = None) -> RunSummary:
+        """Follow metrics until the trainer exits; raise RoleFailedError if a role dies."""
+        from tapioca.bus.reader import TopicReader
+
+        start = time.monotonic()
+        assert self.summary is not None
+        trainer = next(c for c in self.children if c.role == "trainer")
+        with TopicReader(self.cfg.bus, "metrics") as reader:
+            while True:
+                for record in reader.records(idle_s=0.2, timeout_s=0.5):
+                    ev = record.event
+                    if ev is None or ev.run_id != self.cfg.run_id:
+                        continue
+                    self._observe(ev.source, ev.step, ev.metrics)
+                self.summary.wall_s = time.monotonic() - start
+                for child in self.children:
+                    code = child.proc.poll()
+                    if code is None:
+                        continue
+                    if child is trainer and code == 0:
+                        return self.summary
+                    raise RoleFailedError(
+                        f"role {child.label} exited with code {code}; last lines of "
+                        f"{child.log_path}:\n{child.log_tail()}")
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise RoleFailedError(f"the run did not finish within {timeout_s:.0f} s")
+
+    def _observe(self, source: str, step: int, metrics: dict) -> None:
+        s = self.summary
+        row = {"source": source, "step": step, **metrics}
+        if source.startswith("trainer"):
+            s.history.append(row)
+            s.steps = step
+            r = metrics.get("reward/mean")
+            if r is not None:
+                s.first_reward = r if s.first_reward is None else s.first_reward
+                s.last_reward = r
+                s.best_reward = r if s.best_reward is None else max(s.best_reward, r)
+        if self.on_metrics:
+            self.on_metrics(row)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait(5)
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+
+    def __enter__(self) -> "Launcher":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

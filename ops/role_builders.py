@@ -1,0 +1,176 @@
+"""Building each role from its config section: the one place that wires models,
+tokenizers, tasks and engines into the roles. Roles themselves never import each
+other; the launcher and `tapioca role` go through here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from tapioca.bus.role import Role
+from tapioca.config.schema import DatasetConfig, TrainConfig
+from tapioca.config.sections import (
+    advantage_section,
+    feeder_section,
+    reward_section,
+    rollout_section,
+    trainer_section,
+)
+from tapioca.schemas.errors import ConfigError
+
+ROLES = ("feeder", "rollout", "reward", "advantage", "trainer")
+
+
+def _torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n))
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not path:
+        raise ConfigError("model.path is empty; `tapioca train` creates the tiny model, or set "
+                          "model.path to a local Hugging Face directory")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def dataset_rows(ds: DatasetConfig, seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
+    """(task name, rows with prompt_id, messages|prompt, answer) for a dataset config."""
+    from tapioca.tasks.base import get_task
+
+    if ds.type == "synthetic":
+        return "synthetic", get_task("synthetic").iter_records(ds.split, seed)
+    if ds.type == "gsm8k":
+        return "gsm8k", get_task("gsm8k", path=ds.path or None).iter_records(ds.split, seed)
+    from tapioca.tasks.datasets import read_records
+
+    def rows():
+        for i, row in enumerate(read_records(ds.path)):
+            if ds.prompt_key not in row:
+                raise ConfigError(f"dataset row {i} of {ds.path} has no {ds.prompt_key!r}; set "
+                                  "train_dataset.prompt_key to the prompt column")
+            yield {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
+                   "answer": str(row.get(ds.answer_key, ""))}
+
+    return "math", rows()
+
+
+def prompt_encoder(tokenizer) -> Callable[[dict[str, Any]], tuple[list[int], str]]:
+    def encode(row: dict[str, Any]) -> tuple[list[int], str]:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n".join(m["content"] for m in messages)
+        return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+    return encode
+
+
+def build_feeder(cfg: TrainConfig) -> Role:
+    from tapioca.producers.feeder import PromptFeeder, tokenize_records
+
+    sec = feeder_section(cfg)
+    task, rows = dataset_rows(sec.train_dataset, sec.seed)
+    records = tokenize_records(rows, prompt_encoder(_tokenizer(sec.model_path)), task)
+    return PromptFeeder(records, n_samples=sec.n_samples,
+                        prompts_per_step=sec.train_dataset.prompts_per_step,
+                        max_head_offpolicyness=sec.max_head_offpolicyness,
+                        max_epochs=sec.train_dataset.max_epochs, shuffle=sec.train_dataset.shuffle,
+                        seed=sec.seed, run_tag=cfg.run_id)
+
+
+def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
+    from tapioca.engines.base import SamplingParams
+    from tapioca.engines.torch_engine import TorchEngine
+    from tapioca.models.factory import load_model_and_tokenizer
+    from tapioca.models.weight_files import load_verified
+    from tapioca.producers.rollout import RolloutWorker
+
+    sec = rollout_section(cfg)
+    _torch_threads(sec.rollout.torch_threads)
+    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
+                                                device=sec.rollout.device)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    engine = TorchEngine(model, device=sec.rollout.device, max_batch_size=sec.rollout.max_batch_size,
+                         interruptible=sec.rollout.interruptible, seed=sec.seed * 1000 + member,
+                         decode=decode, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id or 0)
+    g = sec.gconfig
+    sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                              max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
+
+    def load_weights(event) -> None:
+        engine.update_weights(load_verified(event.path, event.sha256), event.version)
+
+    return RolloutWorker(engine, load_weights, sampling=sampling, decode=decode,
+                         member_id=f"rollout-{member}")
+
+
+def build_reward(cfg: TrainConfig) -> Role:
+    from tapioca.consumers.reward_scorer import RewardScorer
+    from tapioca.tasks.base import get_task
+
+    sec = reward_section(cfg)
+    fixed = None if sec.reward.scorer == "auto" else get_task(sec.reward.scorer)
+
+    from tapioca.tasks.math_reward import math_reward
+
+    tasks: dict[str, Any] = {}
+
+    def reward_fn(event) -> float:
+        answer = str(event.task_data.get("answer", ""))
+        if fixed is not None:
+            return fixed.reward(event.output_text, answer)
+        if not event.task or event.task == "math":
+            return math_reward(event.output_text, answer)
+        if event.task not in tasks:
+            tasks[event.task] = get_task(event.task)
+        return tasks[event.task].reward(event.output_text, answer)
+
+    return RewardScorer(reward_fn, scorer=sec.reward.scorer, timeout_s=sec.reward.timeout_s)
+
+
+def build_advantage(cfg: TrainConfig) -> Role:
+    from tapioca.consumers.advantage import AdvantageProcessor
+
+    a = advantage_section(cfg).advantage
+    return AdvantageProcessor(estimator=a.estimator, reward_bias=a.reward_bias,
+                              reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
+                              eps=a.eps, std_unbiased=a.std_unbiased)
+
+
+def build_trainer(cfg: TrainConfig) -> Role:
+    from tapioca.models.factory import load_model_and_tokenizer
+    from tapioca.trainers.ppo_actor import PPOActor
+    from tapioca.trainers.trainer import Trainer
+
+    sec = trainer_section(cfg)
+    _torch_threads(sec.actor.torch_threads)
+    import torch
+
+    torch.manual_seed(sec.seed)
+    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
+                                                device=sec.actor.device)
+    actor = PPOActor(model, sec.actor, temperature=sec.temperature,
+                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)
+    return Trainer(actor, sec)
+
+
+def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
+    if name == "feeder":
+        return build_feeder(cfg)
+    if name == "rollout":
+        return build_rollout(cfg, member)
+    if name == "reward":
+        return build_reward(cfg)
+    if name == "advantage":
+        return build_advantage(cfg)
+    if name == "trainer":
+        return build_trainer(cfg)
+    raise ConfigError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")

@@ -1,0 +1,48 @@
+"""Entry point of one role process: `tapioca role NAME --config FILE [key=value ...]`
+(the launcher runs ``python -m tapioca.ops.role_main`` the same way)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from tapioca.bus.runner import RoleRunner
+from tapioca.config.loader import load_config
+from tapioca.config.schema import TrainConfig
+from tapioca.ops.role_builders import ROLES, build_role
+from tapioca.schemas.errors import TapiocaError
+
+
+def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(TrainConfig, config, overrides)
+        cfg.bus.client_id = f"{cfg.run_id}-{role}-{member}"
+        instance = build_role(role, cfg, member) if role == "rollout" else build_role(role, cfg)
+        runner = RoleRunner(instance, cfg.bus, member_id=f"{role}-{member}")
+        runner.run()
+        logging.info("stopped cleanly: %s", runner.stats)
+        return 0
+    except TapiocaError as exc:
+        traceback.print_exc()
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tapioca role")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--member", type=int, default=0)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    return run_role_process(args.role, args.config, args.overrides, args.member)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The rollout worker: prompt groups in, one trajectory per completion out.
+
+Consumes ``prompts.v1`` (consumer group: each group goes to one worker) and
+``weights.v1`` (broadcast: every worker follows every version).
+Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
+``traj_id`` is ``{group_id}:{sample_index}``, so a redelivered prompt produces the
+same identities and downstream de-duplication absorbs it.
+
+Generation runs asynchronously in the inference engine; the loop keeps polling.
+A new version on ``weights.v1`` is checksum-verified and loaded between decode steps:
+in-flight sequences continue and their later tokens carry the new version. A prompt's
+offset is committed only after all its trajectories are delivered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from tapioca.bus.dedup import SeenSet
+from tapioca.bus.role import Role, Source
+from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from tapioca.schemas.envelope import Event
+from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
+
+LoadWeights = Callable[[WeightsEvent], Any]
+
+
+@dataclass
+class _Group:
+    prompt: PromptEvent
+    source: Source
+    futures: list[concurrent.futures.Future]
+    published: set[int] = field(default_factory=set)
+
+
+@dataclass
+class RolloutState:
+    inflight: dict[str, _Group] = field(default_factory=dict)
+    seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
+    pending_weights: WeightsEvent | None = None
+    loaded_version: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    window_start: float = field(default_factory=time.time)
+    window_tokens: int = 0
+    weight_loads: int = 0
+
+
+class RolloutWorker(Role[RolloutState]):
+    name = "rollout"
+    group_inputs = ("prompts",)
+    broadcast_inputs = ("weights",)
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        load_weights: LoadWeights,
+        *,
+        sampling: SamplingParams,
+        decode: Callable[[list[int]], str],
+        member_id: str = "rollout",
+        metrics_every_s: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.load_weights = load_weights
+        self.sampling = sampling
+        self.decode = decode
+        self.member_id = member_id
+        self.metrics_every_s = metrics_every_s
+
+    def init_state(self) -> RolloutState:
+        return RolloutState(loaded_version=self.engine.version)
+
+    # ------------------------------------------------------------------ events
+
+    def handle(self, event: Event, state: RolloutState, source: Source) -> Iterable[Event]:
+        if isinstance(event, WeightsEvent):
+            # Only the newest matters; loading every historical version on start-up
+            # would be wasted work.
+            if event.version != state.loaded_version or event.rollback_of is not None:
+                state.pending_weights = event
+            return ()
+        assert isinstance(event, PromptEvent)
+        if event.group_id in state.seen_groups:
+            return ()
+        sampling = self._sampling_for(event)
+        futures = [
+            self.engine.submit(GenRequest(f"{event.group_id}:{i}", list(event.prompt_ids), sampling))
+            for i in range(event.n_samples)
+        ]
+        # Marked seen only once submitted: a submit that raises is retried, then
+        # dead-lettered, by the bus; marking it first would swallow the retry.
+        state.seen_groups.first(event.group_id)
+        state.inflight[event.group_id] = _Group(event, source, futures)
+        return ()
+
+    def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
+        if not prompt.sampling:
+            return self.sampling
+        base = {k: getattr(self.sampling, k) for k in (
+            "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_strings")}
+        base.update({k: v for k, v in prompt.sampling.items() if k in base})
+        return SamplingParams(**base)
+
+    def on_tick(self, state: RolloutState, now: float) -> Iterable[Event]:
+        if state.pending_weights is not None:
+            event, state.pending_weights = state.pending_weights, None
+            self.load_weights(event)
+            state.loaded_version = event.version
+            state.weight_loads += 1
+        out: list[Event] = []
+        for group_id in list(state.inflight):
+            group = state.inflight[group_id]
+            for i, fut in enumerate(group.futures):
+                if i in group.published or not fut.done():
+                    continue
+                out.append(self._trajectory(group.prompt, i, fut.result()))
+                group.published.add(i)
+                state.trajectories += 1
+                n_tokens = len(out[-1].output_ids)
+                state.tokens += n_tokens
+                state.window_tokens += n_tokens
+            if len(group.published) == len(group.futures):
+                del state.inflight[group_id]
+        if now - state.window_start >= self.metrics_every_s:
+            out.append(MetricsEvent(source=self.member_id, step=state.trajectories,
+                                    policy_version=state.loaded_version, metrics={
+                                        "rollout/tokens_per_s": state.window_tokens / (now - state.window_start),
+                                        "rollout/inflight_groups": float(len(state.inflight)),
+                                        "rollout/trajectories": float(state.trajectories),
+                                    }))
+            state.window_start, state.window_tokens = now, 0
+        return out
+
+    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult) -> TrajectoryEvent:
+        return TrajectoryEvent(
+            traj_id=f"{prompt.group_id}:{index}",
+            group_id=prompt.group_id,
+            prompt_id=prompt.prompt_id,
+            sample_index=index,
+            group_size=prompt.n_samples,
+            prompt_ids=list(prompt.prompt_ids),
+            output_ids=list(result.output_ids),
+            output_logprobs=[float(x) for x in result.output_logprobs],
+            output_versions=list(result.output_versions),
+            finish_reason=result.finish_reason,
+            output_text=self.decode(result.output_ids),
+            task=prompt.task,
+            task_data=prompt.task_data,
+            group_index=prompt.group_index,
+            timings={k: float(v) for k, v in result.timings.items()},
+        )
+
+    def committable(self, state: RolloutState, topic: str, partition: int, next_offset: int) -> int:
+        held = [g.source.offset for g in state.inflight.values()
+                if g.source.topic == topic and g.source.partition == partition]
+        return min(held) if held else next_offset
+
+    def on_stop(self, state: RolloutState) -> Iterable[Event]:
+        # Unfinished groups are not committed: another member (or a restart) redoes them.
+        self.engine.shutdown()
+        return ()
+
+    def describe(self, state: RolloutState) -> dict[str, Any]:
+        return {"version": state.loaded_version, "inflight": len(state.inflight),
+                "trajectories": state.trajectories}

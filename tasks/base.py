@@ -1,0 +1,83 @@
+"""The task contract (a dataset + a reward function) and the task registry.
+
+Pure code, no Kafka. The prompt feeder calls ``iter_records`` and publishes each record;
+rollout workers apply the chat template to ``messages``; reward scorers call ``reward``
+with the completion text and the record (or just its reference answer), which the
+trajectory event carries. Records are plain JSON-able dicts keyed by ``prompt_id``:
+
+    {"prompt_id": "synthetic-train-37",          # stable across runs, seeds and epochs
+     "task": "synthetic",                       # which reward function scores it
+     "messages": [{"role": "user", "content": "3+7="}],
+     "prompt": "3+7=",                          # the same text without chat structure
+     "answer": "7"}                             # the reference the reward compares to
+
+``iter_records(split, seed)`` yields each record of the split exactly once (one epoch),
+in an order fixed by ``seed``; epochs and resume positions are the feeder's business.
+``reward`` returns a float in [0, 1]; it raises (never returns 0) when it cannot score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from tapioca.schemas.errors import ConfigError
+
+Record = dict[str, Any]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What every task provides. ``alphabet`` is the character set a char tokenizer for
+    this task needs (``None``: the default tiny alphabet of
+    :mod:`tapioca.models.tokenizer`)."""
+
+    name: str
+    alphabet: str | None
+
+    def iter_records(self, split: str = "train", seed: int = 0) -> Iterator[Record]: ...
+
+    def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float: ...
+
+
+def reference_of(record_or_answer: Mapping[str, Any] | str) -> str:
+    """The reference answer, given a record (its ``answer``) or the answer itself."""
+    if isinstance(record_or_answer, str):
+        return record_or_answer
+    if isinstance(record_or_answer, Mapping) and "answer" in record_or_answer:
+        return str(record_or_answer["answer"])
+    raise ConfigError(
+        f"cannot find a reference answer in {type(record_or_answer).__name__}; "
+        "pass the record dict (with an 'answer' key) or the answer string"
+    )
+
+
+def user_messages(text: str) -> list[dict[str, str]]:
+    """A one-turn chat with ``text`` as the user's message."""
+    return [{"role": "user", "content": text}]
+
+
+_REGISTRY: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Make ``get_task(name, **kwargs)`` call ``factory(**kwargs)``."""
+    _REGISTRY[name] = factory
+
+
+def _load_builtins() -> None:
+    # Imported here, not at module top, so base.py has no import cycle with the tasks.
+    from tapioca.tasks import gsm8k, synthetic  # noqa: F401  (they register themselves)
+
+
+def task_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """The task registered under ``name`` (built-ins: ``synthetic``, ``gsm8k``, ...)."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)

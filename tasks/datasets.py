@@ -1,0 +1,98 @@
+"""Reading dataset files into plain dicts: JSONL, Parquet, and HF ``datasets`` directories.
+
+Consumed by the tasks (``gsm8k`` ...) and by the prompt feeder for user datasets. Yields
+one dict per row, in file order, lazily (a large Parquet file is read batch by batch).
+Local paths only: nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tapioca.schemas.errors import ConfigError, TapiocaError
+
+_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open("r", encoding="utf-8") as f:
+        head = f.read(1024).lstrip()
+        f.seek(0)
+        if head.startswith("["):  # a .json file holding one array of objects
+            yield from json.load(f)
+            return
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TapiocaError(f"{path}:{lineno}: not valid JSON ({e}); fix or remove that line") from e
+            if not isinstance(row, dict):
+                raise TapiocaError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+            yield row
+
+
+def _read_parquet(path: Path) -> Iterator[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    for batch in parquet.iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def _is_hf_datasets_dir(path: Path) -> bool:
+    # save_to_disk writes dataset_info.json + state.json (a Dataset) or
+    # dataset_dict.json (a DatasetDict with one folder per split).
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _read_hf_datasets_dir(path: Path, split: str | None) -> Iterator[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise TapiocaError(
+            f"{path} is a Hugging Face `datasets` directory (save_to_disk); reading it needs "
+            "`pip install datasets`, or export it to JSONL/Parquet first"
+        ) from e
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None:
+            if len(loaded) != 1:
+                raise ConfigError(f"{path} holds splits {sorted(loaded)}; pass split=... to pick one")
+            split = next(iter(loaded))
+        if split not in loaded:
+            raise ConfigError(f"{path} has no split {split!r}; it has {sorted(loaded)}")
+        loaded = loaded[split]
+    yield from iter(loaded)
+
+
+def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterator[dict[str, Any]]:
+    """Yield each row of a JSONL / Parquet file or a ``save_to_disk`` directory as a dict.
+
+    ``split`` only matters for a ``DatasetDict`` directory. The format is chosen by
+    suffix (``.jsonl``/``.json``/``.ndjson``, ``.parquet``/``.pq``) or, for a directory,
+    by the files ``save_to_disk`` writes.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TapiocaError(f"dataset {path} does not exist; check the path (datasets are read locally only)")
+    if path.is_dir():
+        if _is_hf_datasets_dir(path):
+            return _read_hf_datasets_dir(path, split)
+        raise TapiocaError(
+            f"{path} is a directory but not a `datasets.save_to_disk` output "
+            "(no state.json / dataset_dict.json); pass a .jsonl or .parquet file instead"
+        )
+    suffix = path.suffix.lower()
+    if suffix in _JSONL_SUFFIXES:
+        return _read_jsonl(path)
+    if suffix in _PARQUET_SUFFIXES:
+        return _read_parquet(path)
+    raise TapiocaError(f"cannot read {path}: unknown format {suffix!r}; use .jsonl, .parquet or a save_to_disk directory")

@@ -1,0 +1,85 @@
+"""GSM8K: grade-school math word problems, scored by :func:`tapioca.tasks.math_reward.math_reward`.
+
+Reads the original jsonl files (``question``, ``answer`` ending in ``#### 42``); any of
+JSONL / Parquet / a ``save_to_disk`` directory with those columns works. Records are
+keyed ``gsm8k-{split}-{index}`` with ``index`` the row's position in the file, so the
+id of a problem never depends on the shuffle seed.
+
+Where the files are: ``path=`` (a file, or a folder holding ``{split}.jsonl``), else
+``$TAPIOCA_DATA_DIR/gsm8k/``, else ``../shared/data/gsm8k/`` beside the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tapioca.models.tokenizer import PRINTABLE_ALPHABET
+from tapioca.schemas.errors import ConfigError, TapiocaError
+from tapioca.tasks.base import Record, reference_of, register_task, user_messages
+from tapioca.tasks.datasets import read_records
+from tapioca.tasks.math_reward import math_reward
+
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def gsm8k_reference(answer_field: str) -> str:
+    """The number after the last ``####`` of a GSM8K answer, commas removed (``"1,000"`` -> ``"1000"``)."""
+    if "####" not in answer_field:
+        raise TapiocaError(f"GSM8K answer has no '#### <number>' line: {answer_field[-80:]!r}")
+    return answer_field.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("TAPIOCA_DATA_DIR")
+    if env:
+        return Path(env)
+    # tasks/ sits in the repository root; shared data lives beside the repository.
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+@dataclass
+class GSM8KTask:
+    """GSM8K from local files. ``instruction`` is appended to each question (``""``: none)."""
+
+    path: str | None = None
+    instruction: str = DEFAULT_INSTRUCTION
+    name: str = "gsm8k"
+    alphabet: str | None = PRINTABLE_ALPHABET
+
+    def _file(self, split: str) -> Path:
+        if self.path is not None:
+            p = Path(self.path)
+            return p / f"{split}.jsonl" if p.is_dir() and not (p / "state.json").exists() else p
+        p = default_data_dir() / "gsm8k" / f"{split}.jsonl"
+        if not p.exists():
+            raise ConfigError(f"no GSM8K file at {p}; pass path=... or set TAPIOCA_DATA_DIR")
+        return p
+
+    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
+        """Each problem of ``split`` once; shuffled by ``seed`` (``None``: file order)."""
+        rows = list(read_records(self._file(split)))
+        order = list(range(len(rows)))
+        if seed is not None:
+            random.Random(seed).shuffle(order)
+        for index in order:
+            row = rows[index]
+            question = row["question"].strip()
+            prompt = f"{question}\n{self.instruction}" if self.instruction else question
+            yield {
+                "prompt_id": f"gsm8k-{split}-{index}",
+                "task": self.name,
+                "messages": user_messages(prompt),
+                "prompt": prompt,
+                "answer": gsm8k_reference(row["answer"]),
+            }
+
+    def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
+        return math_reward(completion_text, reference_of(record_or_answer))
+
+
+register_task("gsm8k", GSM8KTask)

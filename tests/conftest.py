@@ -1,0 +1,155 @@
+"""Shared fixtures: the embedded broker (one per test module, KAFKA_NOTES.md), a bus
+config with a unique topic prefix per test, and helpers to run roles in threads.
+
+Integration / e2e modules use them as ``def test_x(bus_cfg): ...`` and mark themselves
+with ``pytestmark = pytest.mark.integration`` (or ``e2e``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import pytest
+
+from tapioca.bus import BusConfig, EmbeddedBroker, RoleRunner, ensure_topics, find_tansu
+from tapioca.schemas.errors import BusError
+
+
+@pytest.fixture(scope="module")
+def broker():
+    """A fresh Tansu broker (memory storage) on a free loopback port above 20000,
+    started once per test module and stopped after it."""
+    try:
+        find_tansu()
+    except BusError as exc:
+        pytest.skip(f"no embedded broker available: {exc}")
+    b = EmbeddedBroker()
+    b.start()
+    try:
+        yield b
+    finally:
+        # Tansu waits ~5 s on SIGTERM for clients still connected; nothing here needs
+        # a graceful exit of a memory broker.
+        b.stop(timeout_s=1.0)
+
+
+def make_bus_cfg(bootstrap: str, **overrides: Any) -> BusConfig:
+    """A BusConfig with a unique topic prefix whose registry topics exist."""
+    cfg = BusConfig(bootstrap_servers=bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:12]}",
+                    **overrides)
+    ensure_topics(cfg)
+    return cfg
+
+
+@pytest.fixture
+def bus_cfg(broker) -> BusConfig:
+    """Per test: unique topic prefix (so topics and default group ids never collide),
+    every registry topic created."""
+    return make_bus_cfg(broker.bootstrap)
+
+
+@pytest.fixture
+def make_cfg(broker) -> Callable[..., BusConfig]:
+    """Like ``bus_cfg`` but with overrides, e.g. ``make_cfg(handler_backoff_s=0.01)``."""
+    return lambda **overrides: make_bus_cfg(broker.bootstrap, **overrides)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0,
+               interval_s: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., None]:
+    """``wait_until(lambda: ..., timeout_s=20, what="...")``; fails the test on timeout."""
+    return wait_until
+
+
+class RunnerThread:
+    """A RoleRunner running in a daemon thread; ``finish()`` stops and joins it and
+    re-raises anything the loop raised."""
+
+    def __init__(self, runner: RoleRunner, max_seconds: float) -> None:
+        self.runner = runner
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, args=(max_seconds,), daemon=True)
+
+    def _run(self, max_seconds: float) -> None:
+        try:
+            self.result = self.runner.run(max_seconds=max_seconds)
+        except BaseException as exc:  # surfaced by finish()
+            self.error = exc
+
+    @property
+    def state(self) -> Any:
+        return self.runner.state
+
+    def finish(self, timeout_s: float = 30.0) -> Any:
+        self.runner.stop()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise AssertionError("role runner did not stop within "
+                                 f"{timeout_s:.0f} s of stop()")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def one_of_each_event() -> list:
+    """A valid instance of every event type (fresh ids on every call)."""
+    from tapioca.schemas import (
+        ControlAckEvent, ControlEvent, DlqRecord, FleetEvent, MetricsEvent, PromptEvent,
+        RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent, WeightsEvent,
+    )
+
+    seq = SampleSequence(traj_id="t0", output_ids=[5, 6], behav_logprobs=[-0.5, -1.0],
+                         output_versions=[1, 2], reward=1.0, advantage=0.5)
+    return [
+        PromptEvent(group_id="g0", prompt_id="p0", group_index=0, n_samples=2,
+                    prompt_ids=[1, 2], task_data={"answer": "4"}),
+        TrajectoryEvent(traj_id="t0", group_id="g0", prompt_id="p0", sample_index=0,
+                        group_size=2, prompt_ids=[1, 2], output_ids=[5, 6],
+                        output_logprobs=[-0.5, -1.0], output_versions=[1, 2]),
+        RewardEvent(traj_id="t0", group_id="g0", reward=1.0),
+        SampleEvent(group_id="g0", prompt_id="p0", prompt_ids=[1, 2], sequences=[seq]),
+        WeightsEvent(version=1, path="/tmp/w.safetensors", sha256="00" * 32),
+        ControlEvent(command_id="c0", command="pause", target="rollout"),
+        ControlAckEvent(command_id="c0", target="rollout", member_id="m0"),
+        FleetEvent(member_id="m0", role="rollout"),
+        MetricsEvent(source="trainer", step=1, metrics={"loss": 0.5}),
+        DlqRecord(source_topic="x.prompts.v1", source_partition=0, source_offset=0,
+                  error="e", error_type="SchemaError"),
+    ]
+
+
+@pytest.fixture(name="one_of_each_event")
+def one_of_each_event_fixture() -> Callable[[], list]:
+    return one_of_each_event
+
+
+@pytest.fixture
+def start_runner():
+    """``start_runner(role, cfg, max_seconds=60, **runner_kwargs) -> RunnerThread``.
+    Every runner still alive at teardown is stopped and joined."""
+    started: list[RunnerThread] = []
+
+    def start(role, cfg: BusConfig, *, max_seconds: float = 60.0, **kwargs: Any) -> RunnerThread:
+        rt = RunnerThread(RoleRunner(role, cfg, **kwargs), max_seconds)
+        rt.thread.start()
+        started.append(rt)
+        return rt
+
+    yield start
+    for rt in started:
+        rt.runner.stop()
+    for rt in started:
+        rt.thread.join(30)

@@ -1,0 +1,168 @@
+"""PromptFeeder as a plain function of events: head gate, numbering, recovery, epochs.
+
+No broker: ``on_tick`` / ``handle`` / ``recover`` are called directly.
+"""
+
+from __future__ import annotations
+
+from tapioca.bus.role import Source
+from tapioca.producers.feeder import PromptFeeder, PromptRecord, head_gate_open
+from tapioca.schemas.events import PromptEvent, WeightsEvent
+
+W_SRC = Source(topic="t.weights.v1", partition=0, offset=0, broadcast=True)
+
+
+def records(n: int) -> list[PromptRecord]:
+    return [PromptRecord(prompt_id=f"p{i}", prompt_ids=[1, 2 + i % 20], prompt_text=f"q{i}",
+                         task="synthetic", task_data={"answer": str(i)}) for i in range(n)]
+
+
+def feeder(n_records: int = 100, *, eta: int = 0, B: int = 4, max_epochs: int = 1,
+           shuffle: bool = False, seed: int = 0) -> PromptFeeder:
+    return PromptFeeder(records(n_records), n_samples=3, prompts_per_step=B,
+                        max_head_offpolicyness=eta, max_epochs=max_epochs, shuffle=shuffle,
+                        seed=seed, run_tag="r")
+
+
+def weights(version: int, rejected: int = 0) -> WeightsEvent:
+    return WeightsEvent(version=version, path=f"/w/v{version}", sha256="00" * 32,
+                        groups_rejected=rejected)
+
+
+def drain(f: PromptFeeder, state, ticks: int = 5) -> list[PromptEvent]:
+    out: list[PromptEvent] = []
+    for _ in range(ticks):
+        out += list(f.on_tick(state, 0.0))
+    return out
+
+
+def test_head_gate_formula():
+    # k - rejected < (eta + v + 1) * B
+    assert head_gate_open(3, 0, 0, 4)
+    assert not head_gate_open(4, 0, 0, 4)
+    assert head_gate_open(4, 1, 0, 4)
+    assert head_gate_open(4, 0, 0, 4, rejected=1)
+    assert not head_gate_open(12, 0, 2, 4)
+    assert head_gate_open(11, 0, 2, 4)
+
+
+def test_eta0_publishes_B_groups_then_waits_for_next_version():
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    first = drain(f, state)
+    assert len(first) == 4
+    assert drain(f, state) == []
+    # The same version again (a re-announce) opens nothing.
+    assert list(f.handle(weights(0), state, W_SRC)) == []
+    assert drain(f, state) == []
+    f.handle(weights(1), state, W_SRC)
+    second = drain(f, state)
+    assert len(second) == 4
+    assert [e.group_index for e in second] == [4, 5, 6, 7]
+    assert all(e.admitted_at_version == 1 for e in second)
+    assert drain(f, state) == []
+
+
+def test_eta2_publishes_three_steps_up_front():
+    f = feeder(eta=2, B=4)
+    state = f.init_state()
+    assert len(drain(f, state)) == 12
+    assert drain(f, state) == []
+
+
+def test_groups_rejected_free_that_many_slots():
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    assert len(drain(f, state)) == 4
+    f.handle(weights(0, rejected=3), state, W_SRC)
+    freed = drain(f, state)
+    assert len(freed) == 3
+    assert drain(f, state) == []
+    # The count is cumulative (the trainer's total): re-announcing 3 frees nothing more.
+    f.handle(weights(0, rejected=3), state, W_SRC)
+    assert drain(f, state) == []
+
+
+def test_group_index_consecutive_and_group_id_unique():
+    f = feeder(n_records=50, eta=1, B=5)
+    state = f.init_state()
+    out = drain(f, state)
+    for v in range(1, 4):
+        f.handle(weights(v), state, W_SRC)
+        out += drain(f, state)
+    assert [e.group_index for e in out] == list(range(len(out)))
+    assert len(out) == (1 + 3 + 1) * 5
+    assert len({e.group_id for e in out}) == len(out)
+    assert all(e.n_samples == 3 for e in out)
+
+
+def test_recover_resumes_k_epoch_and_position():
+    f = feeder(n_records=10, eta=0, B=4, max_epochs=3, shuffle=True, seed=7)
+    state = f.init_state()
+    published = drain(f, state)
+    for v in range(1, 4):  # 16 groups: into the second epoch
+        f.handle(weights(v), state, W_SRC)
+        published += drain(f, state)
+    assert len(published) == 16
+    last = published[-1]
+    assert last.epoch == 1
+
+    # What a continuous feeder would publish next.
+    f.handle(weights(4), state, W_SRC)
+    expected_next = drain(f, state)
+
+    g = feeder(n_records=10, eta=0, B=4, max_epochs=3, shuffle=True, seed=7)
+    s2 = g.init_state()
+    # The recover list holds latest events, oldest first; any order must give the max k.
+    g.recover(s2, [published[-2], last, published[0]])
+    assert s2.next_group_index == last.group_index + 1
+    assert s2.epoch == last.epoch
+    assert s2.position == last.dataset_position + 1
+    g.handle(weights(4), s2, W_SRC)
+    resumed = drain(g, s2)
+    assert [(e.group_index, e.prompt_id, e.epoch, e.dataset_position) for e in resumed] == [
+        (e.group_index, e.prompt_id, e.epoch, e.dataset_position) for e in expected_next]
+    assert resumed[0].group_id not in {e.group_id for e in published}
+
+
+def test_recover_without_prompts_starts_at_zero():
+    f = feeder()
+    state = f.init_state()
+    f.recover(state, [])
+    assert (state.next_group_index, state.epoch, state.position) == (0, 0, 0)
+    assert drain(f, state)[0].group_index == 0
+
+
+def test_epochs_wrap_and_stop_at_max_epochs():
+    f = feeder(n_records=3, eta=100, B=4, max_epochs=2)
+    state = f.init_state()
+    out = drain(f, state)
+    assert [(e.epoch, e.dataset_position, e.prompt_id) for e in out] == [
+        (0, 0, "p0"), (0, 1, "p1"), (0, 2, "p2"), (1, 0, "p0"), (1, 1, "p1"), (1, 2, "p2")]
+    assert state.exhausted
+    f.handle(weights(50), state, W_SRC)
+    assert drain(f, state) == []
+
+
+def test_shuffle_order_deterministic_by_seed():
+    def order(seed: int) -> list[list[str]]:
+        f = feeder(n_records=20, eta=100, B=4, max_epochs=2, shuffle=True, seed=seed)
+        state = f.init_state()
+        out = drain(f, state)
+        return [[e.prompt_id for e in out if e.epoch == ep] for ep in (0, 1)]
+
+    a, b, c = order(3), order(3), order(4)
+    assert a == b
+    assert a != c
+    # A permutation of the dataset each epoch, and epochs shuffled differently.
+    assert sorted(a[0]) == sorted(f"p{i}" for i in range(20)) == sorted(a[1])
+    assert a[0] != a[1]
+    assert a[0] != [f"p{i}" for i in range(20)]
+
+
+def test_max_groups_per_tick_bounds_one_tick():
+    f = PromptFeeder(records(100), n_samples=2, prompts_per_step=10, max_head_offpolicyness=0,
+                     shuffle=False, max_groups_per_tick=3)
+    state = f.init_state()
+    assert len(list(f.on_tick(state, 0.0))) == 3
+    assert len(drain(f, state, ticks=10)) == 7

@@ -1,0 +1,192 @@
+"""RolloutWorker as a plain function of events, on a real TorchEngine with a tiny random
+model: trajectories per prompt, the commit floor, redelivery, and weight updates.
+No broker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tapioca.bus.role import Source
+from tapioca.engines.base import SamplingParams
+from tapioca.engines.torch_engine import TorchEngine
+from tapioca.models.factory import build_tiny_model
+from tapioca.producers.rollout import RolloutWorker
+from tapioca.schemas.events import PromptEvent, TrajectoryEvent, WeightsEvent
+
+VOCAB = 16
+PROMPTS = "t.prompts.v1"
+WEIGHTS = "t.weights.v1"
+
+
+def tiny(seed: int) -> torch.nn.Module:
+    return build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                            intermediate_size=64, max_position_embeddings=64, seed=seed)
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.engine = TorchEngine(tiny(0), seed=0, max_batch_size=8)
+        self.new_model = tiny(1)
+        self.loads: list[WeightsEvent] = []
+        self.submitted: list[str] = []
+        real_submit = self.engine.submit
+
+        def counting_submit(request):
+            self.submitted.append(request.request_id)
+            return real_submit(request)
+
+        self.engine.submit = counting_submit  # type: ignore[method-assign]
+
+        def load_weights(event: WeightsEvent) -> None:
+            self.loads.append(event)
+            self.engine.update_weights(self.new_model.state_dict(), event.version)
+
+        self.role = RolloutWorker(self.engine, load_weights,
+                                  sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
+                                  decode=decode)
+        self.state = self.role.init_state()
+
+    def collect(self, n: int, timeout_s: float = 10.0) -> list[TrajectoryEvent]:
+        out: list[TrajectoryEvent] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < n:
+            assert time.monotonic() < deadline, f"only {len(out)} of {n} trajectories in {timeout_s} s"
+            out += [e for e in self.role.on_tick(self.state, time.time())
+                    if isinstance(e, TrajectoryEvent)]
+            time.sleep(0.002)
+        return out
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.role.on_stop(harness.state)
+
+
+def prompt(gid: str, n: int = 3, k: int = 0) -> PromptEvent:
+    return PromptEvent(group_id=gid, prompt_id=f"p-{gid}", group_index=k, n_samples=n,
+                       prompt_ids=[1, 5, 7], task="synthetic", task_data={"answer": "x"})
+
+
+def psrc(offset: int, partition: int = 0) -> Source:
+    return Source(topic=PROMPTS, partition=partition, offset=offset, key="g")
+
+
+def wsrc(offset: int) -> Source:
+    return Source(topic=WEIGHTS, partition=0, offset=offset, broadcast=True)
+
+
+def weights(version: int) -> WeightsEvent:
+    return WeightsEvent(version=version, path=f"/w/v{version}.safetensors", sha256="00" * 32)
+
+
+def test_prompt_gives_n_trajectories(h):
+    assert list(h.role.handle(prompt("g0"), h.state, psrc(0))) == []
+    trajs = h.collect(3)
+    assert sorted(t.traj_id for t in trajs) == ["g0:0", "g0:1", "g0:2"]
+    for t in trajs:
+        assert t.group_id == "g0" and t.group_size == 3 and t.prompt_id == "p-g0"
+        assert t.traj_id == f"g0:{t.sample_index}"
+        assert t.prompt_ids == [1, 5, 7]
+        assert 1 <= len(t.output_ids) <= 4
+        assert len(t.output_ids) == len(t.output_logprobs) == len(t.output_versions)
+        assert all(v == 0 for v in t.output_versions)
+        assert all(lp <= 0 for lp in t.output_logprobs)
+        assert all(0 <= i < VOCAB for i in t.output_ids)
+        assert t.output_text == decode(t.output_ids)
+        assert t.task_data == {"answer": "x"}
+    # Nothing more comes for this group.
+    time.sleep(0.05)
+    assert [e for e in h.role.on_tick(h.state, time.time()) if isinstance(e, TrajectoryEvent)] == []
+    assert h.state.inflight == {}
+
+
+def test_committable_holds_prompt_until_all_published(h):
+    h.engine.pause()  # nothing finishes until resume: the hold is observable
+    h.role.handle(prompt("g0"), h.state, psrc(5))
+    h.role.handle(prompt("g1"), h.state, psrc(6))
+    assert h.role.on_tick(h.state, time.time()) == []
+    assert h.role.committable(h.state, PROMPTS, 0, 7) == 5
+    assert h.role.committable(h.state, PROMPTS, 1, 3) == 3  # other partition: not held
+    h.engine.resume()
+    seen: list[TrajectoryEvent] = []
+    deadline = time.monotonic() + 10
+    while len(seen) < 6:
+        assert time.monotonic() < deadline
+        before = {t.traj_id for t in seen}
+        g0_done = sum(t.group_id == "g0" for t in seen) == 3
+        if not g0_done:
+            assert h.role.committable(h.state, PROMPTS, 0, 7) == 5
+        elif len(seen) < 6:
+            assert h.role.committable(h.state, PROMPTS, 0, 7) == 6
+        seen += [e for e in h.role.on_tick(h.state, time.time())
+                 if isinstance(e, TrajectoryEvent) and e.traj_id not in before]
+        time.sleep(0.002)
+    assert len({t.traj_id for t in seen}) == 6
+    assert h.role.committable(h.state, PROMPTS, 0, 7) == 7
+
+
+def test_redelivered_prompt_submits_nothing(h):
+    h.role.handle(prompt("g0"), h.state, psrc(0))
+    assert h.submitted == ["g0:0", "g0:1", "g0:2"]
+    # Redelivered while in flight and after completion: no new requests.
+    assert list(h.role.handle(prompt("g0"), h.state, psrc(0))) == []
+    trajs = h.collect(3)
+    assert list(h.role.handle(prompt("g0"), h.state, psrc(1))) == []
+    time.sleep(0.05)
+    more = [e for e in h.role.on_tick(h.state, time.time()) if isinstance(e, TrajectoryEvent)]
+    assert h.submitted == ["g0:0", "g0:1", "g0:2"]
+    assert len(trajs) == 3 and more == []
+    assert h.role.committable(h.state, PROMPTS, 0, 2) == 2
+
+
+def test_new_weights_load_on_next_tick_and_later_tokens_carry_version(h):
+    assert list(h.role.handle(weights(0), h.state, wsrc(0))) == []  # the version it has
+    assert h.state.pending_weights is None
+    assert list(h.role.handle(weights(1), h.state, wsrc(1))) == []
+    assert h.loads == [] and h.engine.version == 0
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [1]
+    assert h.engine.version == 1 and h.state.loaded_version == 1
+    # The weights really are the new model's.
+    new = h.new_model.state_dict()
+    eng = h.engine.model.state_dict()
+    assert all(torch.equal(eng[k], new[k]) for k in new)
+    # A re-announce of the loaded version loads nothing.
+    h.role.handle(weights(1), h.state, wsrc(2))
+    h.role.on_tick(h.state, time.time())
+    assert len(h.loads) == 1
+    h.role.handle(prompt("g1"), h.state, psrc(0))
+    trajs = h.collect(3)
+    assert all(v == 1 for t in trajs for v in t.output_versions)
+
+
+def test_only_newest_of_several_versions_is_loaded(h):
+    for v in (1, 2, 3):
+        h.role.handle(weights(v), h.state, wsrc(v))
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3]
+    assert h.engine.version == 3
+
+
+def test_failed_submit_is_raised_again_on_retry(h):
+    # prompt (61) + max_new_tokens (4) > max_position_embeddings (64): the engine refuses.
+    # The bus retries a raising handler, then dead-letters the event; the retry must
+    # raise again, not be taken for a redelivery of a group already in flight.
+    from tapioca.schemas.errors import EngineError
+
+    too_long = PromptEvent(group_id="big", prompt_id="p", group_index=0, n_samples=2,
+                           prompt_ids=[1] * 61)
+    for _ in range(2):
+        with pytest.raises(EngineError, match="max_position_embeddings"):
+            h.role.handle(too_long, h.state, psrc(0))
+    assert h.state.inflight == {}
+    assert h.role.committable(h.state, PROMPTS, 0, 1) == 1

@@ -1,0 +1,108 @@
+"""From sample events to padded tensors and token-balanced micro-batches.
+
+A sequence is ``prompt_ids + output_ids``; position t predicts token t+1, so the
+per-token tensors here are over ``T-1`` positions of the right-padded batch, with
+``labels_BT[b, t] = input_ids[b, t+1]`` and ``mask_BT`` set only where t+1 is an
+output token the loss trains on (loss mask 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tapioca.schemas.events import SampleEvent
+
+
+@dataclass
+class SeqItem:
+    group_id: str
+    input_ids: list[int]
+    prompt_len: int
+    behav_logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    advantage: float
+    reward: float
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+
+def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
+    items = []
+    for s in samples:
+        for seq in s.sequences:
+            n = len(seq.output_ids)
+            if n == 0:
+                continue
+            items.append(SeqItem(
+                group_id=s.group_id,
+                input_ids=list(s.prompt_ids) + list(seq.output_ids),
+                prompt_len=len(s.prompt_ids),
+                behav_logprobs=list(seq.behav_logprobs),
+                versions=list(seq.output_versions),
+                loss_mask=list(seq.loss_mask) if seq.loss_mask else [1] * n,
+                advantage=seq.advantage,
+                reward=seq.reward,
+            ))
+    return items
+
+
+def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
+    """Greedy packing by padded size (count x longest) <= max_tokens, longest first;
+    a sequence longer than the budget gets a micro-batch of its own."""
+    ordered = sorted(items, key=lambda it: it.length, reverse=True)
+    batches: list[list[SeqItem]] = []
+    current: list[SeqItem] = []
+    for it in ordered:
+        longest = current[0].length if current else it.length
+        if current and (len(current) + 1) * longest > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(it)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class TensorBatch:
+    input_ids_BT: torch.Tensor  # [B, T] right padded
+    attention_mask_BT: torch.Tensor
+    labels_BT: torch.Tensor  # [B, T-1], -100 where not an output token
+    mask_BT: torch.Tensor  # [B, T-1] bool, trained tokens
+    behav_logprobs_BT: torch.Tensor  # [B, T-1]
+    advantages_BT: torch.Tensor  # [B, T-1]
+    versions_BT: torch.Tensor  # [B, T-1], -1 where not an output token
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.mask_BT.sum())
+
+
+def to_tensors(items: list[SeqItem], pad_token_id: int, device: torch.device | str) -> TensorBatch:
+    B = len(items)
+    T = max(it.length for it in items)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    labels = torch.full((B, T - 1), -100, dtype=torch.long)
+    mask = torch.zeros((B, T - 1), dtype=torch.bool)
+    behav = torch.zeros((B, T - 1), dtype=torch.float32)
+    adv = torch.zeros((B, T - 1), dtype=torch.float32)
+    versions = torch.full((B, T - 1), -1, dtype=torch.long)
+    for b, it in enumerate(items):
+        L, P = it.length, it.prompt_len
+        n = L - P
+        input_ids[b, :L] = torch.tensor(it.input_ids)
+        attn[b, :L] = 1
+        # Output token j sits at position P+j and is predicted from position P+j-1.
+        sl = slice(P - 1, P - 1 + n)
+        labels[b, sl] = torch.tensor(it.input_ids[P:])
+        mask[b, sl] = torch.tensor(it.loss_mask, dtype=torch.bool)
+        behav[b, sl] = torch.tensor(it.behav_logprobs, dtype=torch.float32)
+        adv[b, sl] = it.advantage
+        versions[b, sl] = torch.tensor(it.versions)
+    return TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)))

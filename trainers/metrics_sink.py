@@ -1,0 +1,36 @@
+"""Local metric sinks of the trainer: a JSONL file (always) and TensorBoard (when the
+`tensorboard` package is installed). The same numbers also go to ``metrics.v1``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        except Exception as exc:  # tensorboard is optional
+            log.info("TensorBoard logging off (%s); metrics still go to JSONL", exc)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
