@@ -122,6 +122,9 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         _require(self.estimator in ("grpo", "dr_grpo", "rloo"),
                  f"advantage.estimator={self.estimator!r}: use grpo, dr_grpo or rloo")
+        _require(self.reward_clip is None or self.reward_clip > 0,
+                 "advantage.reward_clip must be > 0 (or null for no clipping)")
+        _require(self.reward_scaling != 0, "advantage.reward_scaling must not be 0")
 
 
 @dataclass

@@ -38,6 +38,9 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     from tapioca.config.schema import TrainConfig
     from tapioca.ops.launcher import Launcher
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, overrides)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
         cfg.bus.bootstrap_servers = G.bootstrap

@@ -17,6 +17,9 @@ from tapioca.schemas.errors import TapiocaError
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         cfg = load_config(TrainConfig, config, overrides)
         cfg.bus.client_id = f"{cfg.run_id}-{role}-{member}"

@@ -84,7 +84,7 @@ class PPOActor:
                 (loss * share).backward()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v * mb.n_tokens
-                sums["loss"] = sums.get("loss", 0.0) + float(loss) * mb.n_tokens
+                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * mb.n_tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * mb_tokens
             self.optimizer.step()
