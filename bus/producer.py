@@ -171,7 +171,14 @@ class EventProducer:
             self._produce(new_seq, topic, key, value, headers)
 
     def close(self) -> None:
-        self.flush()
+        """Flush, then drop the client so its broker connections close now (the client
+        and our callbacks refer to each other, so the garbage collector would be late)."""
+        if self._producer is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._producer = None
 
     def __enter__(self) -> "EventProducer":
         return self

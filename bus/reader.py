@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from tapioca.bus.role import Source
 from tapioca.bus.settings import BusConfig
@@ -50,6 +50,14 @@ class TopicReader:
         self.consumer = Consumer({
             **cfg.consumer_conf(f"tapioca-reader-{uuid.uuid4().hex[:8]}"),
         })
+        try:
+            self._assign(tail)
+        except KafkaException as exc:
+            self.consumer.close()
+            raise BusError(f"cannot read {self.topic} from {cfg.bootstrap_servers}: {exc}; "
+                           "is the broker up (`tapioca broker status`)?") from None
+
+    def _assign(self, tail: int | None) -> None:
         md = self.consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
         if md is None or md.error is not None or not md.partitions:
             self.consumer.close()
@@ -74,7 +82,9 @@ class TopicReader:
         start = last
         count = 0
         while True:
-            msgs = self.consumer.consume(256, timeout=0.05)
+            msgs = self.consumer.consume(1, timeout=0.05)
+            if msgs:
+                msgs += self.consumer.consume(255, timeout=0)
             now = time.monotonic()
             if timeout_s is not None and now - start > timeout_s:
                 return

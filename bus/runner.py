@@ -166,7 +166,7 @@ class RoleRunner:
     def _close(self) -> None:
         try:
             if self.producer is not None:
-                self.producer.flush()
+                self.producer.close()
         finally:
             for consumer in (self._group, self._bcast):
                 if consumer is not None:
@@ -199,8 +199,12 @@ class RoleRunner:
         if self._bcast is not None:
             messages += [(m, True) for m in self._bcast.consume(self.batch_size, timeout=0)]
         if self._group is not None:
-            timeout = 0 if messages else self.poll_timeout_s
-            messages += [(m, False) for m in self._group.consume(self.batch_size, timeout=timeout)]
+            # consume(n, t) waits for n records or t; wait for one, then take what is
+            # already there, so a sparse stream is not delayed by the poll timeout.
+            first = self._group.consume(1, timeout=0 if messages else self.poll_timeout_s)
+            if first:
+                first += self._group.consume(self.batch_size - 1, timeout=0)
+            messages += [(m, False) for m in first]
         elif not messages:
             time.sleep(min(self.poll_timeout_s, self.role.tick_interval_s))
         handled = False

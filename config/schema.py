@@ -54,6 +54,8 @@ class DatasetConfig:
     shuffle: bool = True
     prompt_key: str = "question"
     answer_key: str = "answer"
+    # Keyword arguments of a built-in task, e.g. {op: copy} for the synthetic task.
+    task_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.type in ("synthetic", "gsm8k", "jsonl", "parquet", "hf_disk"),

@@ -103,14 +103,28 @@ class Launcher:
             self.broker.start()
             self.cfg.bus.bootstrap_servers = self.broker.bootstrap
         ensure_topics(self.cfg.bus)
-        config_path = run_dir / "config.yaml"
+        config_path = self.config_path
         config_path.write_text(to_yaml(self.cfg))
         (run_dir / "logs").mkdir(exist_ok=True)
         for role, count in role_counts(self.cfg):
             for member in range(count):
                 self._spawn(role, member, config_path)
 
-    def _spawn(self, role: str, member: int, config_path: Path) -> None:
+    @property
+    def config_path(self) -> Path:
+        return Path(self.cfg.run_path) / "config.yaml"
+
+    def restart(self, role: str, member: int = 0, *, kill: bool = True) -> Child:
+        """Replace a member (kill -9 first, as a crash would): the new process resumes
+        from the log and its checkpoint."""
+        old = next(c for c in self.children if c.role == role and c.member == member)
+        if kill and old.proc.poll() is None:
+            old.proc.kill()
+        old.proc.wait(10)
+        self.children.remove(old)
+        return self._spawn(role, member, self.config_path)
+
+    def _spawn(self, role: str, member: int, config_path: Path) -> Child:
         log_path = Path(self.cfg.run_path) / "logs" / f"{role}-{member}.log"
         env = {**os.environ, BOOTSTRAP_ENV: self.cfg.bus.bootstrap_servers,
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -119,7 +133,9 @@ class Launcher:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.children.append(Child(role, member, proc, log_path))
+        child = Child(role, member, proc, log_path)
+        self.children.append(child)
+        return child
 
     def wait(self, timeout_s: float | None = None) -> RunSummary:
         """Follow metrics until the trainer exits; raise RoleFailedError if a role dies."""
@@ -127,7 +143,6 @@ class Launcher:
 
         start = time.monotonic()
         assert self.summary is not None
-        trainer = next(c for c in self.children if c.role == "trainer")
         with TopicReader(self.cfg.bus, "metrics") as reader:
             while True:
                 for record in reader.records(idle_s=0.2, timeout_s=0.5):
@@ -140,7 +155,7 @@ class Launcher:
                     code = child.proc.poll()
                     if code is None:
                         continue
-                    if child is trainer and code == 0:
+                    if child.role == "trainer" and code == 0:
                         return self.summary
                     raise RoleFailedError(
                         f"role {child.label} exited with code {code}; last lines of "

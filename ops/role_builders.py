@@ -41,9 +41,9 @@ def dataset_rows(ds: DatasetConfig, seed: int) -> tuple[str, Iterable[dict[str, 
     from tapioca.tasks.base import get_task
 
     if ds.type == "synthetic":
-        return "synthetic", get_task("synthetic").iter_records(ds.split, seed)
+        return "synthetic", get_task("synthetic", **ds.task_options).iter_records(ds.split, seed)
     if ds.type == "gsm8k":
-        return "gsm8k", get_task("gsm8k", path=ds.path or None).iter_records(ds.split, seed)
+        return "gsm8k", get_task("gsm8k", path=ds.path or None, **ds.task_options).iter_records(ds.split, seed)
     from tapioca.tasks.datasets import read_records
 
     def rows():

@@ -25,6 +25,8 @@ class TrainerProgress:
     offsets: dict[str, int] = field(default_factory=dict)
     weights_path: str = ""
     weights_sha256: str = ""
+    # Groups of the step that made `version`, re-announced after a restart.
+    last_group_ids: list[str] = field(default_factory=list)
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

@@ -97,7 +97,8 @@ class Trainer(Role[TrainerState]):
         if not p.weights_path or not Path(p.weights_path).exists():
             return self._publish_weights(state, [])
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
-                            step=p.version, groups_rejected=len(state.rejected))
+                            step=p.version, group_ids=list(p.last_group_ids),
+                            groups_rejected=len(state.rejected))
 
     # ------------------------------------------------------------------ events
 
@@ -133,6 +134,7 @@ class Trainer(Role[TrainerState]):
         p.version += 1
         group_ids = [s.group_id for s in samples]
         state.trained.update(group_ids)
+        p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
         state.last_reward = sum(rewards) / max(len(rewards), 1)
         weights = self._publish_weights(state, group_ids)
