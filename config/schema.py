@@ -146,6 +146,11 @@ class ActorConfig:
     ppo_n_minibatches: int = 1
     recompute_logprob: bool = True
     device: str = "cpu"
+    # Master weights and optimizer state stay in param_dtype; forward/backward run
+    # under autocast_dtype when set (e.g. bfloat16 on GPU). Published weights use
+    # model.dtype, the inference dtype.
+    param_dtype: str = "float32"
+    autocast_dtype: str = ""
     torch_threads: int = 1
     checkpoint_every_steps: int = 1
 
@@ -155,6 +160,10 @@ class ActorConfig:
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.ppo_n_minibatches >= 1, "actor.ppo_n_minibatches must be >= 1")
         _require(self.checkpoint_every_steps >= 1, "actor.checkpoint_every_steps must be >= 1")
+        _require(self.param_dtype in ("float32", "bfloat16"),
+                 "actor.param_dtype must be float32 or bfloat16")
+        _require(self.autocast_dtype in ("", "bfloat16", "float16"),
+                 "actor.autocast_dtype must be empty (off), bfloat16 or float16")
 
 
 @dataclass

@@ -293,4 +293,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Under `python -m` this file is __main__; commands register on the real module.
+    from tapioca.ops.cli import main as _main
+
+    _main()

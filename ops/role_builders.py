@@ -155,7 +155,7 @@ def build_trainer(cfg: TrainConfig) -> Role:
     import torch
 
     torch.manual_seed(sec.seed)
-    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
+    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
                                                 device=sec.actor.device)
     actor = PPOActor(model, sec.actor, temperature=sec.temperature,
                      pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)

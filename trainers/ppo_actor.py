@@ -10,6 +10,7 @@ a token mean over the whole batch (``token-mean`` aggregation).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -39,8 +40,17 @@ class PPOActor:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
             betas=tuple(cfg.adam_betas))
 
+    def _autocast(self):
+        if not self.cfg.autocast_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.cfg.autocast_dtype))
+
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights."""
+        with self._autocast():
+            return self._logprobs(batch, entropy)
+
+    def _logprobs(self, batch: TensorBatch, entropy: bool):
         body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         hidden_BTH = body(input_ids=batch.input_ids_BT,
                           attention_mask=batch.attention_mask_BT).last_hidden_state

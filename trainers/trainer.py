@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import torch
+
 from tapioca.bus.role import Role, Source
 from tapioca.config.sections import TrainerSection
 from tapioca.models.weight_files import save_weights
@@ -83,7 +85,8 @@ class Trainer(Role[TrainerState]):
     def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
         p = state.progress
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
-        sha, size = save_weights(self.actor.model.state_dict(), path)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        sha, size = save_weights({k: v.to(dtype) for k, v in self.actor.model.state_dict().items()}, path)
         p.weights_path, p.weights_sha256 = str(path.resolve()), sha
         old = self.run_dir / "weights" / f"v{p.version - self.keep_weight_versions:06d}.safetensors"
         if self.keep_weight_versions > 0 and p.version >= self.keep_weight_versions:

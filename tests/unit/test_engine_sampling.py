@@ -47,7 +47,8 @@ def test_plain_sampling_matches_probabilities():
 
 def test_top_p_truncates_and_renormalises_draws_but_not_logprobs():
     tok_B, logp_B, freq = draw(1.0, top_p=0.7)
-    torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64), atol=0.012, rtol=0)
+    expected = torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
     assert set(tok_B.unique().tolist()) == {0, 1}
     torch.testing.assert_close(logp_B, torch.tensor(P).log()[tok_B], atol=1e-6, rtol=0)
 

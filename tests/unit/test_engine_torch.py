@@ -80,6 +80,15 @@ def engine(model):
     eng.shutdown()
 
 
+def make_reqs(prefix: str, prompt_list: list[list[int]], **sampling) -> list[GenRequest]:
+    return [GenRequest(f"{prefix}{i}", p, SamplingParams(**sampling)) for i, p in enumerate(prompt_list)]
+
+
+def assert_logprobs_match(model, r: GenResult, temperature: float) -> None:
+    ref = reference_logprobs(model, r, temperature)
+    torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
 def assert_lengths(r: GenResult) -> None:
     assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) > 0
 
@@ -88,7 +97,7 @@ def assert_lengths(r: GenResult) -> None:
 def test_greedy_is_stepwise_argmax_of_full_forward(arch):
     model = tiny_model(arch)
     with TorchEngine(model) as eng:
-        reqs = [GenRequest(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=10)) for i, p in enumerate(prompts(6))]
+        reqs = make_reqs("r", prompts(6), temperature=0, max_new_tokens=10)
         results = eng.generate(reqs)
     for r in results:
         assert_lengths(r)
@@ -123,7 +132,7 @@ def test_behaviour_logprobs_match_full_forward_mixed_batch(arch):
 
 def test_top_k_filter_is_respected_but_not_renormalised(model):
     with TorchEngine(model, seed=5) as eng:
-        results = eng.generate([GenRequest(f"r{i}", p, SamplingParams(top_k=2, max_new_tokens=16)) for i, p in enumerate(prompts(8))])
+        results = eng.generate(make_reqs("r", prompts(8), top_k=2, max_new_tokens=16))
     for r in results:
         top2 = full_forward_logits(model, r).topk(2, -1).indices
         assert all(t in row for t, row in zip(r.output_ids, top2.tolist()))
@@ -134,9 +143,9 @@ def test_top_k_filter_is_respected_but_not_renormalised(model):
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(engine):
     ps = prompts(5)
-    greedy = engine.generate([GenRequest(f"g{i}", p, SamplingParams(temperature=0, max_new_tokens=8)) for i, p in enumerate(ps)])
-    topk1 = engine.generate([GenRequest(f"k{i}", p, SamplingParams(top_k=1, max_new_tokens=8)) for i, p in enumerate(ps)])
-    topp = engine.generate([GenRequest(f"p{i}", p, SamplingParams(top_p=1e-6, max_new_tokens=8)) for i, p in enumerate(ps)])
+    greedy = engine.generate(make_reqs("g", ps, temperature=0, max_new_tokens=8))
+    topk1 = engine.generate(make_reqs("k", ps, top_k=1, max_new_tokens=8))
+    topp = engine.generate(make_reqs("p", ps, top_p=1e-6, max_new_tokens=8))
     for g, k, p in zip(greedy, topk1, topp):
         assert g.output_ids == k.output_ids == p.output_ids
         # temperature 1 for all three, so the logprobs agree too
@@ -154,7 +163,8 @@ def test_stop_token_included_and_finish_reason_stop(engine):
     (free,) = engine.generate([GenRequest("free", prompt, SamplingParams(temperature=0, max_new_tokens=12))])
     stop_tok = free.output_ids[4]
     k = free.output_ids.index(stop_tok)  # first occurrence
-    (r,) = engine.generate([GenRequest("s", prompt, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop_tok,)))])
+    stopped = make_reqs("s", [prompt], temperature=0, max_new_tokens=12, stop_token_ids=[stop_tok])
+    (r,) = engine.generate(stopped)
     assert r.finish_reason == "stop"
     assert r.output_ids == free.output_ids[: k + 1] and r.output_ids[-1] == stop_tok
     assert_lengths(r)
@@ -180,7 +190,8 @@ def test_stop_string_spanning_tokens(model):
         text = letters(free.output_ids)
         stop = letters(free.output_ids[3:5])  # spans two tokens
         end_tok = next(j for j in range(len(free.output_ids)) if stop in letters(free.output_ids[: j + 1]))
-        (r,) = eng.generate([GenRequest("s", prompt, SamplingParams(temperature=0, max_new_tokens=12, stop_strings=("zzzz", stop)))])
+        stops = ("zzzz", stop)
+        (r,) = eng.generate(make_reqs("s", [prompt], temperature=0, max_new_tokens=12, stop_strings=stops))
     assert stop in text
     assert r.finish_reason == "stop"
     assert r.output_ids == free.output_ids[: end_tok + 1]
@@ -191,6 +202,8 @@ def test_stop_strings_need_decode(engine):
         engine.submit(GenRequest("x", [1], SamplingParams(stop_strings=("a",))))
     with pytest.raises(EngineError, match="empty prompt"):
         engine.submit(GenRequest("x", []))
+    with pytest.raises(EngineError, match="outside"):
+        engine.submit(GenRequest("x", [1, VOCAB]))
     with pytest.raises(ConfigError):
         SamplingParams(top_p=0)
     with pytest.raises(ConfigError):
@@ -198,7 +211,7 @@ def test_stop_strings_need_decode(engine):
 
 
 def test_seed_reproducible(model):
-    reqs = [GenRequest(f"r{i}", p, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)) for i, p in enumerate(prompts(6))]
+    reqs = make_reqs("r", prompts(6), temperature=1.0, top_p=0.9, max_new_tokens=10)
     outs = []
     for _ in range(2):
         with TorchEngine(model, seed=11) as eng:
@@ -249,8 +262,7 @@ def test_interruptible_update_mid_generation_switches_versions(model):
     hook = StepHook(eng, at=4, action=lambda: eng.update_weights(new_sd, version=1))
     handle = model.register_forward_hook(hook)
     try:
-        reqs = [GenRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(prompts(3))]
-        results = eng.generate(reqs)
+        results = eng.generate(make_reqs("r", prompts(3), temperature=1.0, max_new_tokens=12))
         hook.thread.join()
     finally:
         handle.remove()
@@ -264,8 +276,8 @@ def test_interruptible_update_mid_generation_switches_versions(model):
         assert all(lp > -1e-6 for lp in r.output_logprobs[4:])
         assert r.output_ids[:4] != [7] * 4
         # old-weight tokens were sampled from the old weights (no recompute)
-        ref = reference_logprobs(tiny_model(), GenResult(r.request_id, r.prompt_ids, r.output_ids[:4], [], [], "length"), 1.0)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs[:4]), ref, atol=1e-4, rtol=0)
+        head = GenResult(r.request_id, r.prompt_ids, r.output_ids[:4], r.output_logprobs[:4], [], "length")
+        assert_logprobs_match(tiny_model(), head, 1.0)
 
 
 def test_non_interruptible_update_waits_for_batch(model):
@@ -274,7 +286,7 @@ def test_non_interruptible_update_waits_for_batch(model):
     hook = StepHook(eng, at=3, action=lambda: eng.update_weights(new_sd, version=1))
     handle = model.register_forward_hook(hook)
     try:
-        results = eng.generate([GenRequest(f"r{i}", p, SamplingParams(max_new_tokens=10)) for i, p in enumerate(prompts(3))])
+        results = eng.generate(make_reqs("r", prompts(3), max_new_tokens=10))
         hook.thread.join()
         assert eng.version == 1
         (after,) = eng.generate([GenRequest("after", [1, 2], SamplingParams(max_new_tokens=4))])
@@ -312,14 +324,17 @@ def test_continuous_batching_joins_and_compacts_exactly(model):
 
     def hook(module, args, output):
         if not queued.is_set():  # during the first step, queue more work than fits
-            late.extend(eng.submit(GenRequest(f"late{i}", p, SamplingParams(temperature=0.8, max_new_tokens=3 + 2 * i)))
-                        for i, p in enumerate(ps[3:]))
+            for i, p in enumerate(ps[3:]):
+                sampling = SamplingParams(temperature=0.8, max_new_tokens=3 + 2 * i)
+                late.append(eng.submit(GenRequest(f"late{i}", p, sampling)))
             queued.set()
 
     handle = model.register_forward_hook(hook)
     try:
-        first = [eng.submit(GenRequest(f"first{i}", p, SamplingParams(temperature=1.0, max_new_tokens=4 + 5 * i)))
-                 for i, p in enumerate(ps[:3])]
+        first = [
+            eng.submit(GenRequest(f"first{i}", p, SamplingParams(temperature=1.0, max_new_tokens=4 + 5 * i)))
+            for i, p in enumerate(ps[:3])
+        ]
         assert queued.wait(timeout=10)
         results = [f.result(timeout=30) for f in first + late]
     finally:
@@ -329,7 +344,7 @@ def test_continuous_batching_joins_and_compacts_exactly(model):
     for r in results:
         assert_lengths(r)
         t = 1.0 if r.request_id.startswith("first") else 0.8
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), reference_logprobs(model, r, t), atol=1e-4, rtol=0)
+        assert_logprobs_match(model, r, t)
     # queued behind a full batch, the late ones waited
     assert max(r.timings["queued_s"] for r in results[3:]) > 0
 
@@ -337,8 +352,10 @@ def test_continuous_batching_joins_and_compacts_exactly(model):
 def test_submit_from_many_threads(model):
     with TorchEngine(model, seed=0, max_batch_size=8) as eng:
         def worker(tid: int) -> list[GenResult]:
-            futs = [eng.submit(GenRequest(f"t{tid}-{i}", p, SamplingParams(temperature=0, max_new_tokens=3 + i)))
-                    for i, p in enumerate(prompts(5, seed=tid))]
+            futs = [
+                eng.submit(GenRequest(f"t{tid}-{i}", p, SamplingParams(temperature=0, max_new_tokens=3 + i)))
+                for i, p in enumerate(prompts(5, seed=tid))
+            ]
             return [f.result(timeout=30) for f in futs]
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -373,14 +390,16 @@ def test_shutdown_aborts_queued_requests(model):
         eng.submit(GenRequest("late", [1]))
 
 
-def test_long_prompts_cross_cache_buckets_and_prefill_chunks(model):
+@pytest.mark.parametrize("bucket", [8, 64])  # the CPU and the CUDA cache bucket
+def test_long_prompts_cross_cache_buckets_and_prefill_chunks(model, bucket):
     """Prompts of 40-90 tokens + 30 new cross the 64-column cache buckets; admissions are
     prefilled in several forwards (max_prefill_tokens) and rows join a running batch."""
     g = torch.Generator().manual_seed(9)
     reqs = [GenRequest(f"r{i}", torch.randint(1, VOCAB, (40 + 7 * i,), generator=g).tolist(),
                        SamplingParams(temperature=0.9, max_new_tokens=10 + 5 * i)) for i in range(8)]
     with TorchEngine(model, seed=2, max_batch_size=5, max_prefill_tokens=150) as eng:
+        eng._kv_bucket = bucket
         results = eng.generate(reqs)
     for r in results:
         assert_lengths(r)
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), reference_logprobs(model, r, 0.9), atol=1e-4, rtol=0)
+        assert_logprobs_match(model, r, 0.9)

@@ -91,11 +91,12 @@ def test_checkpoint_round_trip_gives_same_weights(tmp_path):
     path = create_tiny_checkpoint(tmp_path / "ckpt", task="synthetic")
     m1, t1 = load_model_and_tokenizer(path)
     m2, t2 = load_model_and_tokenizer(path, dtype="float32", device="cpu")
-    assert len(t1) == m1.config.vocab_size == 23
+    assert len(t1) == m1.config.vocab_size <= 32
     assert m1.config.eos_token_id == t1.eos_token_id
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     # Same weights as building in-process with the same seed.
-    ref = build_tiny_model(len(t1))
+    ids = dict(pad_token_id=t1.pad_token_id, bos_token_id=t1.bos_token_id, eos_token_id=t1.eos_token_id)
+    ref = build_tiny_model(len(t1), **ids)
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), ref.parameters()))
     # A second call keeps the existing checkpoint.
     before = (path / "model.safetensors").stat().st_mtime_ns
@@ -127,3 +128,11 @@ def test_qwen_tokenizer_builds(tmp_path):
     assert tok.decode(ids) == "Janet sells 16 eggs."
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_checkpoint_refuses_a_foreign_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(TapiocaError, match="not a model checkpoint"):
+        create_tiny_checkpoint(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")] == []

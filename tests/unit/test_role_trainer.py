@@ -127,7 +127,10 @@ def test_tail_gate_rejects_over_stale_group(trainer):
     assert [s.group_id for s, _ in state.buffer] == ["ok"]
     (announce,) = trainer.on_tick(state, 0.0)
     assert isinstance(announce, WeightsEvent)
-    assert announce.version == 2 and announce.groups_rejected == 1 and announce.group_ids == []
+    # A re-announcement repeats the groups of the step that made the version (so the
+    # latest event per version always lists them), never the rejected group.
+    assert announce.version == 2 and announce.groups_rejected == 1
+    assert announce.group_ids == ["g2", "g3"]
     assert announce.path == state.progress.weights_path and Path(announce.path).exists()
     assert list(trainer.on_tick(state, 0.0)) == []
     # A redelivered rejected group is a duplicate, not a second rejection.
