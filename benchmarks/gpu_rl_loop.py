@@ -97,11 +97,12 @@ def main() -> None:
     model_path = work / "qwen2-0.5b-shape"
     if not (model_path / "config.json").exists():
         build_model(model_path)
-    results = [run(int(e), args, model_path, work / "runs") for e in args.etas.split(",")]
-    for r in results:
-        print(json.dumps(r))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    results = []
+    for eta in args.etas.split(","):
+        results.append(run(int(eta), args, model_path, work / "runs"))
+        print(json.dumps(results[-1]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

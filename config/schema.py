@@ -131,7 +131,7 @@ class AdvantageConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 3e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     max_grad_norm: float = 1.0

@@ -10,8 +10,11 @@ and no host sync: the engine syncs once per step, elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+from tapioca.engines.base import SamplingParams
 
 
 @dataclass
@@ -31,8 +34,15 @@ class RowParams:
             top_p_B=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_k_B=torch.tensor(top_ks, dtype=torch.int64, device=device),
             all_greedy=all(t == 0 for t in temperatures),
-            any_filter=any((t > 0 and (p < 1 or k > 0)) for t, p, k in zip(temperatures, top_ps, top_ks)),
+            any_filter=any(
+                t > 0 and (p < 1 or k > 0) for t, p, k in zip(temperatures, top_ps, top_ks)
+            ),
         )
+
+    @classmethod
+    def from_sampling(cls, sampling: Sequence[SamplingParams], device) -> "RowParams":
+        temperatures = [s.temperature for s in sampling]
+        return cls.build(temperatures, [s.top_p for s in sampling], [s.top_k for s in sampling], device)
 
 
 def sample_next(
@@ -74,7 +84,9 @@ def _inverse_cdf(probs_BV: torch.Tensor, generator: torch.Generator | None) -> t
     return pick_B.clamp_(max=probs_BV.shape[-1] - 1)
 
 
-def _sample_filtered(scaled_BV: torch.Tensor, params: RowParams, generator: torch.Generator | None) -> torch.Tensor:
+def _sample_filtered(
+    scaled_BV: torch.Tensor, params: RowParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """Top-k then top-p (on the renormalised top-k distribution), sampled in sorted order."""
     vocab = scaled_BV.shape[-1]
     sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)

@@ -7,13 +7,20 @@ weight updates (state dicts or safetensors files, each with a policy version); e
 How it runs
     One background thread owns the model and a running batch. Each iteration is one
     "step": (1) one decode forward for every live row of the running batch (one new
-    token each, through the KV cache), (2) if requests are queued and there is room
-    (``max_batch_size`` live rows), one prefill forward for them, merged into the
-    running batch (continuous batching: new sequences join mid-batch, the shorter
-    cache is left-padded), (3) one host sync to find finished rows, whose results are
-    delivered. Finished rows are dropped from the cache lazily (on the next join, or
-    when a quarter of the batch is finished). Rows are left-padded; position ids count
-    real tokens only, so a row's logits do not depend on its neighbours.
+    token each, through the KV cache, :mod:`tapioca.engines.kv_cache`), (2) if enough
+    requests are queued and there is room (``max_batch_size`` live rows; admission in
+    groups of >= 1/8 of the batch or the whole queue), prefill forwards for them
+    (``max_prefill_tokens`` each), merged into the running batch (continuous batching:
+    new sequences join mid-batch, the shorter cache is left-padded), (3) one host sync
+    to find finished rows, whose results are delivered. Finished rows are dropped from
+    the cache lazily (on the next join, or when a quarter of the batch is finished).
+    Rows are left-padded; position ids count real tokens only and the engine builds the
+    attention mask, so a row's logits do not depend on its neighbours (tests check the
+    logprobs against a no-cache forward of each sequence alone).
+
+Speed (measured, see the report of the change): H200, Qwen2-0.5B shape in bf16, 256 x
+(128 prompt + 256 new): 12.4k tok/s vs 4.8k for HF ``generate``; the per-step cost is
+then ~90% the HF forward's own Python/launch overhead (next step: CUDA graphs).
 
 Weight updates and pause
     ``update_weights`` (any thread) waits for the current step to end, the thread
@@ -46,7 +53,7 @@ import numpy as np
 import torch
 
 from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
-from tapioca.engines.kv_cache import SlotKVCache
+from tapioca.engines.kv_cache import DEFAULT_BUCKET, SlotKVCache
 from tapioca.engines.sampling import RowParams, sample_next
 from tapioca.schemas.errors import EngineError
 
@@ -62,6 +69,13 @@ class _Pending:
     future: concurrent.futures.Future
     t_submit: float
     t_admit: float = 0.0
+
+
+# Per-row device tensors of a _Batch (selected together when rows are dropped).
+_ROW_TENSORS = (
+    "pos_B", "last_tok_B", "out_tok_BN", "out_lp_BN", "out_ver_BN",
+    "n_out_B", "max_new_B", "stop_BS", "alive_B",
+)
 
 
 @dataclass
@@ -142,15 +156,19 @@ class TorchEngine(InferenceEngine):
             self._generator = torch.Generator(device=self.device)
             self._generator.manual_seed(int(seed))
 
-        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        config = model.config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
         self._num_layers = int(config.num_hidden_layers)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self._num_layers
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(
-                f"TorchEngine supports full-attention layers only, got layer_types={sorted(set(layer_types))}; "
+                "TorchEngine supports full-attention layers only, got "
+                f"layer_types={sorted(set(layer_types))}; "
                 "disable sliding window attention in the model config (e.g. use_sliding_window=False)"
             )
         self._max_positions = getattr(config, "max_position_embeddings", None)
+        self._vocab_size = int(getattr(config, "vocab_size", 0)) or None
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns until 5.40).
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -162,6 +180,9 @@ class TorchEngine(InferenceEngine):
         attn_impl = getattr(model.config, "_attn_implementation", None)
         self._mask_mode = {"sdpa": "bool", "eager": "additive"}.get(attn_impl)
         self._dtype = next(model.parameters()).dtype
+        # Cache bucket (kv_cache.py): on CUDA shape-stable kernels matter; on CPU padded
+        # columns are just extra attention work.
+        self._kv_bucket = DEFAULT_BUCKET if self.device.type == "cuda" else 8
 
         self._version = int(version)
         self._cv = threading.Condition()
@@ -223,7 +244,10 @@ class TorchEngine(InferenceEngine):
 
             weights = load_file(os.fspath(weights), device=str(self.device))
         if threading.current_thread() is self._thread:
-            raise EngineError("update_weights was called from the engine thread (a future callback); call it from another thread")
+            raise EngineError(
+                "update_weights was called from the engine thread (a future callback); "
+                "call it from another thread"
+            )
         with self._update_lock:
             with self._cv:
                 if self._closing:
@@ -234,8 +258,9 @@ class TorchEngine(InferenceEngine):
                     while self._in_step or (not self.interruptible and self._live > 0):
                         if not self.interruptible and self._paused and self._live > 0 and not self._in_step:
                             raise EngineError(
-                                "interruptible=False waits for the running batch to finish, but the engine is paused; "
-                                "call resume() first (or build the engine with interruptible=True)"
+                                "interruptible=False waits for the running batch to finish, but the "
+                                "engine is paused; call resume() first (or build the engine with "
+                                "interruptible=True)"
                             )
                         if self._closing:
                             raise EngineError("the engine shut down while a weight update was waiting")
@@ -268,6 +293,12 @@ class TorchEngine(InferenceEngine):
                 f"request {request.request_id!r} uses stop_strings but the engine has no decode function; "
                 "pass TorchEngine(..., decode=tokenizer.decode)"
             )
+        # One bad id would fail the whole batch's forward, so reject it here.
+        if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in request.prompt_ids):
+            raise EngineError(
+                f"request {request.request_id!r} has token ids outside [0, {self._vocab_size}); "
+                "check the tokenizer matches the model"
+            )
         total = len(request.prompt_ids) + request.sampling.max_new_tokens
         if self._max_positions is not None and total > self._max_positions:
             raise EngineError(
@@ -281,13 +312,15 @@ class TorchEngine(InferenceEngine):
         unexpected = [k for k in state_dict if k not in own]
         if unexpected:
             raise EngineError(
-                f"update_weights got {len(unexpected)} names the model does not have (e.g. {unexpected[:3]}); "
+                f"update_weights got {len(unexpected)} names the model does not have "
+                f"(e.g. {unexpected[:3]}); "
                 "publish the policy's own state_dict() names"
             )
         for name, tensor in state_dict.items():  # check everything before touching anything
             if own[name].shape != tensor.shape:
                 raise EngineError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(own[name].shape)}"
                 )
         with torch.no_grad():
             for name, tensor in state_dict.items():
@@ -303,9 +336,15 @@ class TorchEngine(InferenceEngine):
                 while True:
                     if self._closing:
                         break
-                    blocked = self._paused or self._updating or (self.interruptible and self._update_waiters > 0)
+                    waiting_update = self.interruptible and self._update_waiters > 0
+                    blocked = self._paused or self._updating or waiting_update
                     draining = not self.interruptible and self._update_waiters > 0
-                    can_admit = bool(self._queue) and not draining and self._live < self.max_batch_size
+                    # Admit in groups of >= 1/8 of the batch (or the whole queue if smaller):
+                    # each admission costs a prefill forward and a cache merge, so
+                    # admitting one row per finished row would double the step cost.
+                    free = self.max_batch_size - self._live
+                    group = min(len(self._queue), max(1, self.max_batch_size // 8))
+                    can_admit = bool(self._queue) and not draining and free >= group
                     if not blocked and (self._live > 0 or can_admit):
                         break
                     self._cv.wait()
@@ -314,7 +353,7 @@ class TorchEngine(InferenceEngine):
                     self._cv.notify_all()
                     break
                 admitted: list[_Pending] = []
-                if not draining:
+                if can_admit:
                     now = time.monotonic()
                     while self._queue and self._live + len(admitted) < self.max_batch_size:
                         p = self._queue.popleft()
@@ -448,7 +487,7 @@ class TorchEngine(InferenceEngine):
         pos_BT = (mask_BL.long().cumsum(-1) - 1).clamp_(min=0)
         sps = [p.request.sampling for p in admitted]
         max_new = np.array([s.max_new_tokens for s in sps], dtype=np.int64)
-        cache = SlotKVCache(self._num_layers, reserve=length + int(max_new.max()))
+        cache = SlotKVCache(self._num_layers, reserve=length + int(max_new.max()), bucket=self._kv_bucket)
         logits_BV = self._forward(ids_BT, mask_BL, pos_BT, cache, last_only=True)
 
         stops = [tuple(s.stop_token_ids) + self._eos for s in sps]
@@ -470,7 +509,7 @@ class TorchEngine(InferenceEngine):
             max_new_B=torch.from_numpy(max_new).to(dev),
             stop_BS=torch.from_numpy(stop_np).to(dev),
             alive_B=torch.ones(n, dtype=torch.bool, device=dev),
-            params=RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps], dev),
+            params=RowParams.from_sampling(sps, dev),
             n_out=np.zeros(n, dtype=np.int64),
             max_new=max_new,
             alive=np.ones(n, dtype=bool),
@@ -482,7 +521,9 @@ class TorchEngine(InferenceEngine):
     def _decode_step(self, b: _Batch, version: int) -> None:
         ones_B1 = torch.ones(b.size, 1, dtype=torch.bool, device=self.device)
         mask_BL = torch.cat([b.mask_BL, ones_B1], dim=1)
-        logits_BV = self._forward(b.last_tok_B.unsqueeze(-1), mask_BL, b.pos_B.unsqueeze(-1), b.cache, last_only=False)
+        logits_BV = self._forward(
+            b.last_tok_B.unsqueeze(-1), mask_BL, b.pos_B.unsqueeze(-1), b.cache, last_only=False
+        )
         b.mask_BL = mask_BL
         b.pos_B = b.pos_B + 1
         self._record(b, logits_BV, version)
@@ -569,14 +610,14 @@ class TorchEngine(InferenceEngine):
         b.cache.reindex(keep_t, drop_left, self._capacity(b, keep_np, new_len))
         b.rows = [b.rows[i] for i in keep]
         b.mask_BL = b.mask_BL[keep_t, drop_left:]
-        for name in ("pos_B", "last_tok_B", "out_tok_BN", "out_lp_BN", "out_ver_BN", "n_out_B", "max_new_B", "stop_BS", "alive_B"):
+        for name in _ROW_TENSORS:
             setattr(b, name, getattr(b, name)[keep_t])
         b.n_out, b.max_new, b.alive = b.n_out[keep_np], b.max_new[keep_np], b.alive[keep_np]
         self._rebuild_host_summaries(b)
 
     def _rebuild_host_summaries(self, b: _Batch) -> None:
         sps = [p.request.sampling for p in b.rows]
-        b.params = RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps], self.device)
+        b.params = RowParams.from_sampling(sps, self.device)
         b.stop_string_rows = [i for i, s in enumerate(sps) if s.stop_strings]
 
     def _leading_padding(self, mask_BL: torch.Tensor) -> int:
@@ -599,33 +640,31 @@ class TorchEngine(InferenceEngine):
         remaining = np.concatenate([(old.max_new - old.n_out), (new.max_new - new.n_out)])
         cache = SlotKVCache.merge(old.cache, new.cache, length + int(remaining.max()) + 1)
 
-        def left_pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
-            if t.shape[1] == width:
-                return t
-            pad = t.new_full((t.shape[0], width - t.shape[1]), value)
-            return torch.cat([pad, t], dim=1)
-
-        def right_pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
-            if t.shape[1] == width:
-                return t
-            pad = t.new_full((t.shape[0], width - t.shape[1]), value)
-            return torch.cat([t, pad], dim=1)
+        def stack(name: str, width: int | None = None, value=0, left: bool = False) -> torch.Tensor:
+            """``old``'s then ``new``'s rows of tensor ``name``, padded to ``width`` columns."""
+            parts = [getattr(old, name), getattr(new, name)]
+            if width is not None:
+                for i, t in enumerate(parts):
+                    if t.shape[1] < width:
+                        pad = t.new_full((t.shape[0], width - t.shape[1]), value)
+                        parts[i] = torch.cat([pad, t] if left else [t, pad], dim=1)
+            return torch.cat(parts)
 
         n_cols = max(old.out_tok_BN.shape[1], new.out_tok_BN.shape[1])
         n_stop = max(old.stop_BS.shape[1], new.stop_BS.shape[1])
         merged = _Batch(
             rows=old.rows + new.rows,
             cache=cache,
-            mask_BL=torch.cat([left_pad(old.mask_BL, length, False), left_pad(new.mask_BL, length, False)]),
-            pos_B=torch.cat([old.pos_B, new.pos_B]),
-            last_tok_B=torch.cat([old.last_tok_B, new.last_tok_B]),
-            out_tok_BN=torch.cat([right_pad(old.out_tok_BN, n_cols, 0), right_pad(new.out_tok_BN, n_cols, 0)]),
-            out_lp_BN=torch.cat([right_pad(old.out_lp_BN, n_cols, 0.0), right_pad(new.out_lp_BN, n_cols, 0.0)]),
-            out_ver_BN=torch.cat([right_pad(old.out_ver_BN, n_cols, 0), right_pad(new.out_ver_BN, n_cols, 0)]),
-            n_out_B=torch.cat([old.n_out_B, new.n_out_B]),
-            max_new_B=torch.cat([old.max_new_B, new.max_new_B]),
-            stop_BS=torch.cat([right_pad(old.stop_BS, n_stop, -1), right_pad(new.stop_BS, n_stop, -1)]),
-            alive_B=torch.cat([old.alive_B, new.alive_B]),
+            mask_BL=stack("mask_BL", length, False, left=True),  # right-aligned like the cache
+            pos_B=stack("pos_B"),
+            last_tok_B=stack("last_tok_B"),
+            out_tok_BN=stack("out_tok_BN", n_cols),
+            out_lp_BN=stack("out_lp_BN", n_cols),
+            out_ver_BN=stack("out_ver_BN", n_cols),
+            n_out_B=stack("n_out_B"),
+            max_new_B=stack("max_new_B"),
+            stop_BS=stack("stop_BS", n_stop, -1),
+            alive_B=stack("alive_B"),
             params=new.params,  # rebuilt below
             n_out=np.concatenate([old.n_out, new.n_out]),
             max_new=np.concatenate([old.max_new, new.max_new]),

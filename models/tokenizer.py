@@ -17,9 +17,12 @@ user's text (``"3+4="`` -> the model writes ``"7<eos>"``).
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from tapioca.schemas.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers is imported lazily: reward scorers use the constants only
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -47,7 +50,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str | None = None) -> "PreTrainedTokenizerFast":
     """A character-level fast tokenizer over ``alphabet`` (default: :data:`DEFAULT_ALPHABET`).
 
     Characters outside the alphabet encode to ``<unk>``. ``encode`` adds no special
@@ -55,6 +58,7 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     chars = list(DEFAULT_ALPHABET if alphabet is None else alphabet)
     if not chars:

@@ -1,1 +1,9 @@
-"""tasks"""
+"""tasks: datasets and reward functions as pure code (no Kafka).
+
+``get_task(name, **kwargs)`` returns a task with ``iter_records(split, seed)`` and
+``reward(completion_text, record_or_answer)``; see :mod:`tapioca.tasks.base`.
+"""
+
+from tapioca.tasks.base import Task, get_task, register_task, task_names
+
+__all__ = ["Task", "get_task", "register_task", "task_names"]

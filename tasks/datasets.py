@@ -95,4 +95,6 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
         return _read_jsonl(path)
     if suffix in _PARQUET_SUFFIXES:
         return _read_parquet(path)
-    raise TapiocaError(f"cannot read {path}: unknown format {suffix!r}; use .jsonl, .parquet or a save_to_disk directory")
+    raise TapiocaError(
+        f"cannot read {path}: unknown format {suffix!r}; use .jsonl, .parquet or a save_to_disk directory"
+    )

@@ -51,18 +51,21 @@ class GSM8KTask:
     name: str = "gsm8k"
     alphabet: str | None = PRINTABLE_ALPHABET
 
-    def _file(self, split: str) -> Path:
-        if self.path is not None:
-            p = Path(self.path)
-            return p / f"{split}.jsonl" if p.is_dir() and not (p / "state.json").exists() else p
-        p = default_data_dir() / "gsm8k" / f"{split}.jsonl"
-        if not p.exists():
-            raise ConfigError(f"no GSM8K file at {p}; pass path=... or set TAPIOCA_DATA_DIR")
-        return p
+    def _rows(self, split: str) -> list[dict[str, Any]]:
+        if self.path is None:
+            p = default_data_dir() / "gsm8k" / f"{split}.jsonl"
+            if not p.exists():
+                raise ConfigError(f"no GSM8K file at {p}; pass path=... or set TAPIOCA_DATA_DIR")
+            return list(read_records(p))
+        p = Path(self.path)
+        if p.is_dir() and not ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+            p = p / f"{split}.jsonl"  # a folder of the original {split}.jsonl files
+            return list(read_records(p))
+        return list(read_records(p, split=split if p.is_dir() else None))
 
     def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
         """Each problem of ``split`` once; shuffled by ``seed`` (``None``: file order)."""
-        rows = list(read_records(self._file(split)))
+        rows = self._rows(split)
         order = list(range(len(rows)))
         if seed is not None:
             random.Random(seed).shuffle(order)
