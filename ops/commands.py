@@ -16,16 +16,17 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_CONFIG = "demo_cpu.yaml"
 
 
-def _progress_table(rows: dict[str, dict], started: float) -> Table:
+def _progress_table(rows: dict[str, dict], started: float, recent: list[float]) -> Table:
     table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
-    for col in ("step", "version", "reward", "tokens/s (train)", "tokens/s (rollout)",
+    for col in ("step", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
                 "staleness mean/max", "rejected", "step s"):
         table.add_column(col, justify="right")
     t = rows.get("trainer", {})
     r = rows.get("rollout", {})
     fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    smoothed = sum(recent[-20:]) / len(recent[-20:]) if recent else None
     table.add_row(
-        fmt(t.get("step"), "{}"), fmt(t.get("step"), "{}"), fmt(t.get("reward/mean")),
+        fmt(t.get("step"), "{}"), fmt(smoothed),
         fmt(t.get("actor/tokens_per_s"), "{:,.0f}"), fmt(r.get("rollout/tokens_per_s"), "{:,.0f}"),
         f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
@@ -45,13 +46,17 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     if G.bootstrap and not cfg.bus.bootstrap_servers:
         cfg.bus.bootstrap_servers = G.bootstrap
     latest: dict[str, dict] = {}
+    recent: list[float] = []
     started = time.monotonic()
     launcher = Launcher(cfg)
-    with Live(_progress_table(latest, started), console=console, refresh_per_second=2,
+    with Live(_progress_table(latest, started, recent), console=console, refresh_per_second=2,
               transient=False, auto_refresh=live) as view:
         def on_metrics(row: dict) -> None:
-            latest[row["source"].split("-")[0]] = row
-            view.update(_progress_table(latest, started))
+            role = row["source"].split("-")[0]
+            latest[role] = row
+            if role == "trainer" and "reward/mean" in row:
+                recent.append(row["reward/mean"])
+            view.update(_progress_table(latest, started, recent))
 
         launcher.on_metrics = on_metrics
         try:
@@ -63,11 +68,13 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
             raise typer.Exit(130)
         finally:
             launcher.stop()
-    console.print(
-        f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
-        f"{summary.first_reward:.3f} (first step) -> {summary.last_reward:.3f} (last step), "
-        f"best {summary.best_reward:.3f}. Metrics: {summary.run_dir}/metrics/metrics.jsonl"
-        if summary.first_reward is not None else f"done: no training step completed ({summary.run_dir})")
+    means = summary.window_means()
+    if means is None:
+        console.print(f"done: no training step completed ({summary.run_dir})")
+        return
+    console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
+                  f"{means[0]:.3f} over the first 20 steps -> {means[1]:.3f} over the last 20. "
+                  f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
 
 
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

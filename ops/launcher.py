@@ -52,11 +52,18 @@ class Child:
 class RunSummary:
     run_dir: Path
     steps: int = 0
-    first_reward: float | None = None
-    last_reward: float | None = None
-    best_reward: float | None = None
     wall_s: float = 0.0
+    rewards: dict[int, float] = field(default_factory=dict)  # step -> mean reward
     history: list[dict] = field(default_factory=list)
+
+    def window_means(self, window: int = 20) -> tuple[float, float] | None:
+        """Mean reward of the first and of the last ``window`` steps (single steps are
+        noisy: a step is only B groups)."""
+        if not self.rewards:
+            return None
+        values = [self.rewards[s] for s in sorted(self.rewards)]
+        w = max(1, min(window, len(values) // 2 or 1))
+        return sum(values[:w]) / w, sum(values[-w:]) / w
 
 
 def prepare_run(cfg: TrainConfig) -> Path:
@@ -67,8 +74,11 @@ def prepare_run(cfg: TrainConfig) -> Path:
     run_dir = Path(cfg.run_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
+        from transformers.utils import logging as hf_logging
+
         from tapioca.models.factory import create_tiny_checkpoint
 
+        hf_logging.disable_progress_bar()
         task = "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
         m = cfg.model
         cfg.model.path = str(create_tiny_checkpoint(
@@ -171,9 +181,7 @@ class Launcher:
             s.steps = step
             r = metrics.get("reward/mean")
             if r is not None:
-                s.first_reward = r if s.first_reward is None else s.first_reward
-                s.last_reward = r
-                s.best_reward = r if s.best_reward is None else max(s.best_reward, r)
+                s.rewards[step] = r
         if self.on_metrics:
             self.on_metrics(row)
 

@@ -4,7 +4,9 @@ Consumes ``weights.v1`` (broadcast: the latest policy version v).
 Emits ``PromptEvent`` on ``prompts.v1``, keyed by ``group_id``.
 
 Head gate (DESIGN.md §3): group k is published only while ``k < (eta + v + 1) * B``
-(eta = ``rollout.max_head_offpolicyness``, B = ``train_dataset.prompts_per_step``).
+(eta = ``rollout.max_head_offpolicyness``, B = ``train_dataset.prompts_per_step``),
+where groups the trainer rejected (``groups_rejected`` on the weights event) free
+their slots — as rejected rollouts do in AReaL — so over-stale groups cannot stall it.
 Both k and v come from the log: k is recovered from the feeder's own latest prompt
 event at start (with the epoch and dataset position, so a restart neither repeats nor
 skips prompts), v from the weights topic. Nothing depends on in-process counters or

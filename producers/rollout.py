@@ -8,8 +8,11 @@ same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is checksum-verified and loaded between decode steps:
-in-flight sequences continue and their later tokens carry the new version. A prompt's
-offset is committed only after all its trajectories are delivered.
+in-flight sequences continue and their later tokens carry the new version. A prompt is
+not started before the worker has loaded the version the feeder admitted it under
+(``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
+that overtakes its weights event is generated one version too old and later rejected as
+over-stale. A prompt's offset is committed only after all its trajectories are delivered.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ LoadWeights = Callable[[WeightsEvent], Any]
 class _Group:
     prompt: PromptEvent
     source: Source
-    futures: list[concurrent.futures.Future]
+    # Empty while the prompt waits for the weights it was admitted under.
+    futures: list[concurrent.futures.Future] = field(default_factory=list)
     published: set[int] = field(default_factory=set)
 
 
@@ -86,16 +90,31 @@ class RolloutWorker(Role[RolloutState]):
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
-        sampling = self._sampling_for(event)
-        futures = [
-            self.engine.submit(GenRequest(f"{event.group_id}:{i}", list(event.prompt_ids), sampling))
-            for i in range(event.n_samples)
-        ]
+        if event.admitted_at_version > state.loaded_version:
+            pending = state.pending_weights
+            if pending is not None and pending.version >= event.admitted_at_version:
+                self._apply_weights(state)
+            else:
+                state.seen_groups.first(event.group_id)
+                state.inflight[event.group_id] = _Group(event, source)
+                return ()
+        futures = self._submit(event)
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
         state.inflight[event.group_id] = _Group(event, source, futures)
         return ()
+
+    def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
+        sampling = self._sampling_for(prompt)
+        return [self.engine.submit(GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling))
+                for i in range(prompt.n_samples)]
+
+    def _apply_weights(self, state: RolloutState) -> None:
+        event, state.pending_weights = state.pending_weights, None
+        self.load_weights(event)
+        state.loaded_version = event.version
+        state.weight_loads += 1
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -107,13 +126,14 @@ class RolloutWorker(Role[RolloutState]):
 
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event]:
         if state.pending_weights is not None:
-            event, state.pending_weights = state.pending_weights, None
-            self.load_weights(event)
-            state.loaded_version = event.version
-            state.weight_loads += 1
+            self._apply_weights(state)
         out: list[Event] = []
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
+            if not group.futures:
+                if group.prompt.admitted_at_version > state.loaded_version:
+                    continue
+                group.futures = self._submit(group.prompt)
             for i, fut in enumerate(group.futures):
                 if i in group.published or not fut.done():
                     continue

@@ -153,3 +153,15 @@ def start_runner():
         rt.runner.stop()
     for rt in started:
         rt.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: one intra-op thread is as fast, and 2 OpenMP threads spin-waiting
+    on a shared 2-core CI box made the engine tests 4x slower (44 s vs 10 s, measured)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

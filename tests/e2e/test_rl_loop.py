@@ -22,9 +22,9 @@ from tapioca.trainers.trainer import read_metrics
 pytestmark = pytest.mark.e2e
 
 ETA = 1
-B = 16
-STEPS = 150
-KILL_AT_VERSION = 12
+B = 32
+STEPS = 200
+KILL_AT_VERSION = 40
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def run(broker, tmp_path_factory):
         # copy-the-first-operand: the synthetic op a tiny model learns fastest
         "train_dataset.task_options.op=copy",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=3",
-        f"rollout.max_head_offpolicyness={ETA}", "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        f"rollout.max_head_offpolicyness={ETA}", "actor.lr=1e-3", "actor.checkpoint_every_steps=1",
     ])
     launcher = Launcher(cfg)
     launcher.start()
@@ -80,8 +80,8 @@ def test_reward_rises(run):
     print(f"\nmean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "
           f"({len(steps)} steps, {summary.wall_s:.0f} s)")
     assert steps[-1] == STEPS
-    assert first < 0.3
-    assert last >= first + 0.3
+    assert first < 0.1
+    assert last >= 0.5
 
 
 def test_every_trained_group_within_staleness_bound(run):

@@ -21,14 +21,7 @@ P = [0.5, 0.3, 0.15, 0.05]
 N_ROWS = 40_000  # frequency standard error <= 0.0025
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny matrices: one intra-op thread is as fast, and 2 OpenMP threads spin-waiting
-    # on a shared 2-core CI box made this file 4x slower (44 s vs 10 s, measured).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def draw(temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int = 0):

@@ -21,14 +21,7 @@ from tapioca.schemas.errors import ConfigError, EngineError
 VOCAB = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny matrices: one intra-op thread is as fast, and 2 OpenMP threads spin-waiting
-    # on a shared 2-core CI box made this file 4x slower (44 s vs 10 s, measured).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(arch: str = "qwen2", seed: int = 0) -> torch.nn.Module:

@@ -190,3 +190,32 @@ def test_failed_submit_is_raised_again_on_retry(h):
             h.role.handle(too_long, h.state, psrc(0))
     assert h.state.inflight == {}
     assert h.role.committable(h.state, PROMPTS, 0, 1) == 1
+
+
+def test_prompt_waits_for_the_version_it_was_admitted_under(h):
+    # The feeder admitted this group after seeing version 1; the worker still has v0.
+    early = prompt("g-early", n=2)
+    early.admitted_at_version = 1
+    assert list(h.role.handle(early, h.state, psrc(3))) == []
+    assert h.submitted == [] and h.loads == []
+    assert list(h.role.on_tick(h.state, time.time())) == []
+    assert h.submitted == [], "generation must not start on weights older than the admission"
+    assert h.role.committable(h.state, PROMPTS, 0, 4) == 3
+    # The weights event arrives: loaded on the next tick, then the prompt starts.
+    h.role.handle(WeightsEvent(version=1, path="/w", sha256="x"), h.state,
+                  Source(WEIGHTS, 0, 0, broadcast=True))
+    trajs = h.collect(2)
+    assert [e.version for e in h.loads] == [1]
+    assert all(v == 1 for t in trajs for v in t.output_versions)
+    assert h.role.committable(h.state, PROMPTS, 0, 4) == 4
+
+
+def test_pending_weights_are_loaded_before_a_prompt_that_needs_them(h):
+    h.role.handle(WeightsEvent(version=1, path="/w", sha256="x"), h.state,
+                  Source(WEIGHTS, 0, 0, broadcast=True))
+    p = prompt("g-now", n=2)
+    p.admitted_at_version = 1
+    h.role.handle(p, h.state, psrc(0))
+    assert [e.version for e in h.loads] == [1] and len(h.submitted) == 2
+    trajs = h.collect(2)
+    assert all(v == 1 for t in trajs for v in t.output_versions)
