@@ -64,13 +64,18 @@ class TopicReader:
             raise BusError(f"topic {self.topic!r} does not exist; create it with "
                            "`tapioca topics create` (or check --prefix)")
         assignment = []
+        # Watermarks may undercount (KAFKA_NOTES.md) but never overcount: reading at
+        # least up to them before trusting an idle gap is a safe lower bound, and it
+        # keeps a slow first fetch from looking like an empty topic.
+        self._targets: dict[int, int] = {}
         for p in sorted(md.partitions):
+            low, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
             start = OFFSET_BEGINNING
-            if tail is not None:
-                low, high = self.consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=10)
+            if tail is not None and high >= 0:
                 # A watermark that undercounts only makes us read a little more.
-                start = max(low, high - tail) if high >= 0 else OFFSET_BEGINNING
+                start = max(low, high - tail)
+            if high > max(low, 0):
+                self._targets[p] = high
             assignment.append(TopicPartition(self.topic, p, start))
         self.consumer.assign(assignment)
 
@@ -89,7 +94,10 @@ class TopicReader:
             if timeout_s is not None and now - start > timeout_s:
                 return
             if not msgs:
-                if not follow and now - last > idle_s:
+                # Below a watermark, wait longer before calling it the end (a slow fetch);
+                # transaction markers can keep the last offsets unreadable, so not forever.
+                patience = idle_s if not self._targets else max(5.0, 10 * idle_s)
+                if not follow and now - last > patience:
                     return
                 continue
             last = now
@@ -99,6 +107,8 @@ class TopicReader:
                     if err.code() == KafkaError._PARTITION_EOF:
                         continue
                     raise BusError(f"reading {self.topic} failed: {err.str()}")
+                if msg.offset() + 1 >= self._targets.get(msg.partition(), 0):
+                    self._targets.pop(msg.partition(), None)
                 key = msg.key()
                 source = Source(self.topic, msg.partition(), msg.offset(),
                                 key.decode(errors="replace") if key is not None else None,

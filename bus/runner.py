@@ -29,15 +29,10 @@ from tapioca.bus.producer import EventProducer
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
 from tapioca.schemas.envelope import Event, decode_event
-from tapioca.schemas.errors import SchemaError, TapiocaError
+from tapioca.schemas.errors import FatalRoleError, SchemaError, TapiocaError
 from tapioca.schemas.registry import TopicSpec, topic
 
 log = logging.getLogger(__name__)
-
-
-class FatalRoleError(TapiocaError):
-    """Raised by a handler when retrying or dead-lettering cannot help (bad config,
-    lost model files): the role stops and reports it."""
 
 
 @dataclass
@@ -81,6 +76,7 @@ class RoleRunner:
         self._group: Consumer | None = None
         self._bcast: Consumer | None = None
         self._unconfirmed = False
+        self._assigned: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -178,6 +174,7 @@ class RoleRunner:
     # ------------------------------------------------------------------ rebalance
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned.update((p.topic, p.partition) for p in partitions)
         self.role.on_assign(self.state, [(p.topic, p.partition) for p in partitions])
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -187,6 +184,7 @@ class RoleRunner:
         except TapiocaError as exc:
             log.warning("commit on revoke failed: %s", exc)
         tps = [(p.topic, p.partition) for p in partitions]
+        self._assigned.difference_update(tps)
         self.role.on_revoke(self.state, tps)
         for tp in tps:
             self._next.pop(tp, None)
@@ -217,11 +215,17 @@ class RoleRunner:
                     raise FatalRoleError(f"consumer failed: {err.str()}")
                 log.warning("consumer error (will retry): %s", err.str())
                 continue
-            self._handle_message(msg, broadcast)
+            if not broadcast and (msg.topic(), msg.partition()) not in self._assigned:
+                # Fetched before a rebalance took the partition away: its new owner
+                # reads it from the committed offset; handling it here would race.
+                continue
+            if not self._handle_message(msg, broadcast):
+                break  # stopping mid-failure: leave the rest for redelivery
             handled = True
         return handled
 
-    def _handle_message(self, msg: Message, broadcast: bool) -> None:
+    def _handle_message(self, msg: Message, broadcast: bool) -> bool:
+        """Handle or dead-letter one record; False when it was left for redelivery."""
         key = msg.key()
         source = Source(
             topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
@@ -237,36 +241,42 @@ class RoleRunner:
         except SchemaError as exc:
             self._dead_letter(raw, source, exc, attempts=1)
         else:
-            if self._ours(event):
-                self._handle_with_retries(event, raw, source)
-            else:
+            if not self._ours(event):
                 self.stats.foreign += 1
+            elif not self._handle_with_retries(event, raw, source):
+                return False
         if not broadcast:
             self._next[(source.topic, source.partition)] = source.offset + 1
+        return True
 
-    def _handle_with_retries(self, event: Event, raw: bytes, source: Source) -> None:
+    def _handle_with_retries(self, event: Event, raw: bytes, source: Source) -> bool:
         attempts = 0
         while True:
             attempts += 1
             try:
-                outputs = list(self.role.handle(event, self.state, source) or ())
+                # Publishing is inside: an output that cannot be encoded (too large,
+                # invalid) dead-letters its input instead of stopping the role.
+                self._publish(list(self.role.handle(event, self.state, source) or ()))
             except FatalRoleError:
                 raise
             except SchemaError as exc:  # invalid in a way no retry can fix
                 self._dead_letter(raw, source, exc, attempts=attempts)
-                return
+                return True
             except Exception as exc:
-                if attempts >= self.cfg.handler_max_attempts or self._stop.is_set():
+                if self._stop.is_set():
+                    log.warning("stopping during a failing %s; left for redelivery: %s",
+                                self.role.name, exc)
+                    return False
+                if attempts >= self.cfg.handler_max_attempts:
                     log.error("handler of %s failed %d times, dead-lettering: %s",
                               self.role.name, attempts, exc)
                     self._dead_letter(raw, source, exc, attempts=attempts)
-                    return
+                    return True
                 self.stats.retries += 1
                 time.sleep(self.cfg.handler_backoff_s * (2 ** (attempts - 1)))
                 continue
             self.stats.handled += 1
-            self._publish(outputs)
-            return
+            return True
 
     def _dead_letter(self, raw: bytes | None, source: Source, exc: BaseException,
                      *, attempts: int) -> None:

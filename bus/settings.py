@@ -99,6 +99,9 @@ class BusConfig:
             "message.max.bytes": self.max_message_bytes + 64 * 1024,
             "message.timeout.ms": self.delivery_timeout_ms,
             "compression.type": "none",
+            # The Java client's partitioner: a group's trajectories (ours) and rewards
+            # (an external scorer's, maybe in Java) must land on the same partition.
+            "partitioner": "murmur2_random",
         }
         conf.update(self.extra_producer)
         return conf

@@ -120,8 +120,12 @@ class AdvantageConfig:
     reward_clip: Optional[float] = None
     eps: float = 1e-6
     std_unbiased: bool = False
+    # A group still missing trajectories or rewards this long after its first event is
+    # dropped (counted as rejected by the trainer, so the head gate frees its slot).
+    group_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        _require(self.group_timeout_s > 0, "advantage.group_timeout_s must be > 0")
         _require(self.estimator in ("grpo", "dr_grpo", "rloo"),
                  f"advantage.estimator={self.estimator!r}: use grpo, dr_grpo or rloo")
         _require(self.reward_clip is None or self.reward_clip > 0,
@@ -152,11 +156,19 @@ class ActorConfig:
     param_dtype: str = "float32"
     autocast_dtype: str = ""
     torch_threads: int = 1
+    # 1 makes restarts exact. Larger values save time, but a crash (kill -9) between
+    # checkpoints re-trains the groups of the steps after the last checkpoint.
     checkpoint_every_steps: int = 1
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
         _require(0 < self.eps_clip < 1, "actor.eps_clip must be in (0, 1)")
+        _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
+                 "actor.eps_clip_higher must be > 0 (or null: same as eps_clip)")
+        _require(self.c_clip is None or self.c_clip > 1,
+                 "actor.c_clip (dual clip) must be > 1 (or null: off)")
+        _require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
+                 "actor.behav_imp_weight_cap must be > 1 (or null: off)")
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.ppo_n_minibatches >= 1, "actor.ppo_n_minibatches must be >= 1")
         _require(self.checkpoint_every_steps >= 1, "actor.checkpoint_every_steps must be >= 1")

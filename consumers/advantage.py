@@ -6,7 +6,11 @@ partition number of both topics and one member sees the whole group.
 Emits one ``SampleEvent`` per complete group on ``samples.v1`` keyed by ``group_id``:
 rewards shaped (bias, scale, clip) and turned into advantages (GRPO, Dr.GRPO, RLOO).
 
-State is only "groups seen but not yet complete". Offsets are committed only up to
+State is only "groups seen but not yet complete". A group still incomplete
+``group_timeout_s`` after its first event (a dead-lettered trajectory or reward, a
+crashed scorer, a fragment of a group emitted before a restart) is emitted as dropped
+(``dropped_reason``): the trainer counts it as rejected, the head gate frees its slot,
+and the commit floor moves on. Offsets are committed only up to
 the oldest event of an incomplete group, so after a crash the state is rebuilt by
 reading the log again; a group that completes twice is emitted twice with the same
 ``group_id`` and the trainer de-duplicates it.
@@ -14,6 +18,7 @@ reading the log again; a group that completes twice is emitted twice with the sa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -31,6 +36,7 @@ class _PendingGroup:
     rewards: dict[str, float] = field(default_factory=dict)
     # Earliest offset of this group's events per (topic, partition): the commit floor.
     first_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
         return (self.group_size > 0 and len(self.trajectories) >= self.group_size
@@ -42,6 +48,7 @@ class AdvantageState:
     pending: dict[str, _PendingGroup] = field(default_factory=dict)
     emitted: SeenSet = field(default_factory=SeenSet)
     groups_emitted: int = 0
+    groups_dropped: int = 0
 
 
 class AdvantageProcessor(Role[AdvantageState]):
@@ -50,13 +57,15 @@ class AdvantageProcessor(Role[AdvantageState]):
 
     def __init__(self, *, estimator: str = "grpo", reward_bias: float = 0.0,
                  reward_scaling: float = 1.0, reward_clip: float | None = None,
-                 eps: float = 1e-6, std_unbiased: bool = False) -> None:
+                 eps: float = 1e-6, std_unbiased: bool = False,
+                 group_timeout_s: float = 600.0) -> None:
         self.estimator = estimator
         self.reward_bias = reward_bias
         self.reward_scaling = reward_scaling
         self.reward_clip = reward_clip
         self.eps = eps
         self.std_unbiased = std_unbiased
+        self.group_timeout_s = group_timeout_s
 
     def init_state(self) -> AdvantageState:
         return AdvantageState()
@@ -113,6 +122,24 @@ class AdvantageProcessor(Role[AdvantageState]):
             run_id=first.run_id,
         )
 
+    def on_tick(self, state: AdvantageState, now: float) -> Iterable[Event]:
+        deadline = time.monotonic() - self.group_timeout_s
+        out = []
+        for gid in [g for g, grp in state.pending.items() if grp.first_seen < deadline]:
+            group = state.pending.pop(gid)
+            state.emitted.first(gid)
+            state.groups_dropped += 1
+            first = next(iter(group.trajectories.values()), None)
+            out.append(SampleEvent(
+                group_id=gid, prompt_id=first.prompt_id if first else "",
+                prompt_ids=list(first.prompt_ids) if first else [], sequences=[],
+                group_index=first.group_index if first else 0,
+                run_id=first.run_id if first else "default",
+                dropped_reason=(f"timeout after {self.group_timeout_s:.0f} s: "
+                                f"{len(group.trajectories)} of {group.group_size or '?'} "
+                                f"trajectories, {len(group.rewards)} rewards")))
+        return out
+
     def committable(self, state: AdvantageState, topic: str, partition: int, next_offset: int) -> int:
         floors = [g.first_offsets[(topic, partition)] for g in state.pending.values()
                   if (topic, partition) in g.first_offsets]
@@ -125,4 +152,5 @@ class AdvantageProcessor(Role[AdvantageState]):
             del state.pending[gid]
 
     def describe(self, state: AdvantageState) -> dict[str, Any]:
-        return {"pending_groups": len(state.pending), "emitted": state.groups_emitted}
+        return {"pending_groups": len(state.pending), "emitted": state.groups_emitted,
+                "dropped": state.groups_dropped}

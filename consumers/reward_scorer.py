@@ -42,6 +42,7 @@ class RewardScorer(Role[ScorerState]):
         self.reward_fn = reward_fn
         self.scorer = scorer
         self.timeout_s = timeout_s
+        self.threads = threads
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward")
 
     def init_state(self) -> ScorerState:
@@ -63,7 +64,12 @@ class RewardScorer(Role[ScorerState]):
         try:
             value = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            # A running thread cannot be stopped; a fresh pool keeps a hung scorer from
+            # starving every later trajectory (the stuck thread is abandoned).
+            if not future.cancel():
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="reward")
             raise RewardError(f"reward for {event.traj_id} timed out after {self.timeout_s} s "
                               "(raise reward.timeout_s if the scorer is slow)") from None
         except Exception as exc:

@@ -125,6 +125,10 @@ class InferenceEngine(abc.ABC):
         futures = [self.submit(r) for r in requests]
         return [f.result() for f in futures]
 
+    def validate(self, request: GenRequest) -> None:
+        """Raise EngineError if ``request`` could never be generated (empty or too long
+        prompt, unknown token ids); lets callers reject it before queueing it."""
+
     @abc.abstractmethod
     def pause(self) -> None:
         """Stop decoding at the next step boundary (returns once no step is running)."""

@@ -285,6 +285,9 @@ class TorchEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ validation / weights
 
+    def validate(self, request: GenRequest) -> None:
+        self._validate(request)
+
     def _validate(self, request: GenRequest) -> None:
         if not request.prompt_ids:
             raise EngineError(f"request {request.request_id!r} has an empty prompt; give at least one token")

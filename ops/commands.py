@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -43,6 +44,8 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
 
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, overrides)
+    # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
         cfg.bus.bootstrap_servers = G.bootstrap
     latest: dict[str, dict] = {}

@@ -9,7 +9,6 @@ Ctrl-C, or when a role dies (then exits non-zero with that role's error).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -110,7 +109,9 @@ class Launcher:
         if not self.cfg.bus.bootstrap_servers:
             self.broker = EmbeddedBroker(log_path=run_dir / "logs" / "broker.log")
             (run_dir / "logs").mkdir(exist_ok=True)
-            self.broker.start()
+            # Its own session: a Ctrl-C in the terminal must not kill the broker before
+            # the roles have flushed and committed through it.
+            self.broker.start(detach=True)
             self.cfg.bus.bootstrap_servers = self.broker.bootstrap
         ensure_topics(self.cfg.bus)
         config_path = self.config_path
@@ -186,15 +187,17 @@ class Launcher:
             self.on_metrics(row)
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every role (its whole process group), wait, then kill what is left;
+        the broker goes last."""
         for child in self.children:
             if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+                _signal_group(child.proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                child.proc.kill()
+                _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(5)
         if self.broker is not None:
             self.broker.stop()
@@ -208,5 +211,9 @@ class Launcher:
         self.stop()
 
 
-def config_dict(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    # Each role leads its own session, so its pid is its process group id.
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -142,7 +142,8 @@ def build_advantage(cfg: TrainConfig) -> Role:
     a = advantage_section(cfg).advantage
     return AdvantageProcessor(estimator=a.estimator, reward_bias=a.reward_bias,
                               reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
-                              eps=a.eps, std_unbiased=a.std_unbiased)
+                              eps=a.eps, std_unbiased=a.std_unbiased,
+                              group_timeout_s=a.group_timeout_s)
 
 
 def build_trainer(cfg: TrainConfig) -> Role:

@@ -51,12 +51,17 @@ class RolloutState:
     window_start: float = field(default_factory=time.time)
     window_tokens: int = 0
     weight_loads: int = 0
+    # Older weights events on the replayed broadcast topic are skipped up to this one.
+    skip_weights_until: str = ""
 
 
 class RolloutWorker(Role[RolloutState]):
     name = "rollout"
     group_inputs = ("prompts",)
     broadcast_inputs = ("weights",)
+    # The newest weights event is loaded at start; replaying every older version from
+    # the broadcast topic would load files the trainer has long deleted.
+    recover_from = ("weights",)
 
     def __init__(
         self,
@@ -78,18 +83,32 @@ class RolloutWorker(Role[RolloutState]):
     def init_state(self) -> RolloutState:
         return RolloutState(loaded_version=self.engine.version)
 
+    def recover(self, state: RolloutState, latest: list[Event]) -> None:
+        weights = [e for e in latest if isinstance(e, WeightsEvent)]
+        if weights:
+            newest = weights[-1]
+            if newest.version != state.loaded_version or newest.rollback_of is not None:
+                state.pending_weights = newest
+            state.skip_weights_until = newest.event_id
+
     # ------------------------------------------------------------------ events
 
     def handle(self, event: Event, state: RolloutState, source: Source) -> Iterable[Event]:
         if isinstance(event, WeightsEvent):
-            # Only the newest matters; loading every historical version on start-up
-            # would be wasted work.
+            if state.skip_weights_until:
+                if event.event_id == state.skip_weights_until:
+                    state.skip_weights_until = ""
+                return ()
+            # Only the newest matters: a version superseded before the next tick is skipped.
             if event.version != state.loaded_version or event.rollback_of is not None:
                 state.pending_weights = event
             return ()
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
+        # Reject an impossible prompt now (retried, then dead-lettered by the bus), not
+        # after it has waited for its weights.
+        self.engine.validate(self._requests(event)[0])
         if event.admitted_at_version > state.loaded_version:
             pending = state.pending_weights
             if pending is not None and pending.version >= event.admitted_at_version:
@@ -105,10 +124,13 @@ class RolloutWorker(Role[RolloutState]):
         state.inflight[event.group_id] = _Group(event, source, futures)
         return ()
 
-    def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
+    def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
-        return [self.engine.submit(GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling))
+        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling)
                 for i in range(prompt.n_samples)]
+
+    def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
+        return [self.engine.submit(r) for r in self._requests(prompt)]
 
     def _apply_weights(self, state: RolloutState) -> None:
         event, state.pending_weights = state.pending_weights, None

@@ -18,6 +18,7 @@ from tapioca.schemas.errors import (
     BusError,
     ConfigError,
     EngineError,
+    FatalRoleError,
     RewardError,
     SchemaError,
     TapiocaError,

@@ -30,3 +30,8 @@ class EngineError(TapiocaError):
 
 class RewardError(TapiocaError):
     """A reward function or service failed."""
+
+
+class FatalRoleError(TapiocaError):
+    """Raised by a role when retrying or dead-lettering cannot help (a bad config, a
+    failed training step, lost model files): the role stops and reports it."""

@@ -81,8 +81,9 @@ class TrajectoryEvent(Event):
 class RewardEvent(Event):
     """A scalar reward for one trajectory from one scorer (built-in or external).
 
-    Keyed by ``group_id`` so rewards land on the partition of their group. Consumers
-    de-duplicate by (``traj_id``, ``scorer``).
+    Keyed by ``group_id`` so rewards land on the partition of their group. The group
+    advantage processor takes the first reward it sees for each ``traj_id`` (later ones,
+    redeliveries included, change nothing).
     """
 
     TYPE: ClassVar[str] = "reward"
@@ -132,6 +133,9 @@ class SampleEvent(Event):
     max_version: int = 0
     estimator: str = "grpo"
     task: str = ""
+    # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
+    # trainer counts it as rejected, which frees its slot in the feeder's head gate.
+    dropped_reason: str = ""
 
 
 @dataclass(kw_only=True)

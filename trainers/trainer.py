@@ -29,6 +29,7 @@ from tapioca.bus.role import Role, Source
 from tapioca.config.sections import TrainerSection
 from tapioca.models.weight_files import save_weights
 from tapioca.schemas.envelope import Event
+from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
@@ -46,6 +47,7 @@ class TrainerState:
     handled_to: dict[tuple[str, int], int] = field(default_factory=dict)
     staleness_hist: Counter = field(default_factory=Counter)
     rejected_stale: int = 0
+    rejected_dropped: int = 0
     duplicates: int = 0
     announce_rejections: bool = False
     done: bool = False
@@ -113,6 +115,11 @@ class Trainer(Role[TrainerState]):
                 s.group_id == gid for s, _ in state.buffer):
             state.duplicates += 1
             return ()
+        if event.dropped_reason:  # given up upstream; nothing to train
+            state.rejected.add(gid)
+            state.rejected_dropped += 1
+            state.announce_rejections = True
+            return ()
         staleness = state.progress.version - event.min_version
         if staleness > self.cfg.max_head_offpolicyness:
             state.rejected.add(gid)
@@ -126,13 +133,20 @@ class Trainer(Role[TrainerState]):
 
     def _step(self, state: TrainerState) -> list[Event]:
         batch = state.buffer[: self.cfg.prompts_per_step]
-        state.buffer = state.buffer[self.cfg.prompts_per_step:]
         samples = [s for s, _ in batch]
         v_before = state.progress.version
+        t0 = time.perf_counter()
+        try:
+            result = self.actor.train_step(flatten_groups(samples))
+        except Exception as exc:
+            # Retrying the triggering event would lose the rest of the batch; a failed
+            # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
+            raise FatalRoleError(f"training step {v_before + 1} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        # Only a successful step consumes the batch.
+        state.buffer = state.buffer[self.cfg.prompts_per_step:]
         for s in samples:
             state.staleness_hist[v_before - s.min_version] += 1
-        t0 = time.perf_counter()
-        result = self.actor.train_step(flatten_groups(samples))
         p = state.progress
         p.version += 1
         group_ids = [s.group_id for s in samples]
@@ -150,6 +164,7 @@ class Trainer(Role[TrainerState]):
             "trainer/staleness_mean": sum(v_before - s.min_version for s in samples) / len(samples),
             "trainer/staleness_max": float(max(v_before - s.min_version for s in samples)),
             "trainer/rejected_stale": float(state.rejected_stale),
+            "trainer/rejected_dropped": float(state.rejected_dropped),
             "trainer/duplicates": float(state.duplicates),
             "trainer/step_wall_s": time.perf_counter() - t0,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
@@ -189,6 +204,10 @@ class Trainer(Role[TrainerState]):
         return state.done
 
     def on_stop(self, state: TrainerState) -> Iterable[Event]:
+        # A clean stop (SIGTERM, done, stop_at_reward) leaves no published version
+        # uncovered by a checkpoint, whatever actor.checkpoint_every_steps says.
+        if state.progress.weights_path and state.progress.version > 0:
+            self._checkpoint(state)
         self.sink.close()
         return ()
 

@@ -101,6 +101,13 @@ def test_no_group_trained_twice_or_lost(run):
     cfg, _, _ = run
     latest = _latest_per_version(cfg)
     assert sorted(latest) == list(range(1, STEPS + 1)), "versions are not contiguous"
+    # A version announced twice (the restart's re-announcement) must name the same
+    # groups: a redone step would show up here as a different set.
+    sets: dict[int, set[frozenset]] = defaultdict(set)
+    for ev in read_events(cfg.bus, "weights"):
+        if ev.group_ids:
+            sets[ev.version].add(frozenset(ev.group_ids))
+    assert all(len(v) == 1 for v in sets.values()), "a version was trained twice"
     trained = [g for ev in latest.values() for g in ev.group_ids]
     assert len(trained) == len(set(trained)) == STEPS * B
     # Lost: a group the trainer read past (an earlier offset on its partition than some

@@ -230,3 +230,21 @@ def test_group_whose_shaping_fails_is_raised_again_on_retry():
     assert feed.state.groups_emitted == 0
     assert role.committable(feed.state, TRAJ, 0, 5) == 3
     assert role.committable(feed.state, REW, 0, 10) == 8
+
+
+def test_group_incomplete_past_its_timeout_is_dropped_and_releases_the_commit_floor():
+    import time as _time
+
+    feed = Feed(AdvantageProcessor(group_timeout_s=0.05))
+    feed(traj("g-lost", 0, 2))  # its second trajectory was dead-lettered upstream
+    feed(reward("g-lost", 0, 1.0))
+    assert feed.role.committable(feed.state, TRAJ, 0, 1) == 0
+    assert list(feed.role.on_tick(feed.state, _time.time())) == []  # not yet timed out
+    _time.sleep(0.06)
+    (dropped,) = feed.role.on_tick(feed.state, _time.time())
+    assert isinstance(dropped, SampleEvent) and dropped.group_id == "g-lost"
+    assert dropped.sequences == [] and "1 of 2 trajectories" in dropped.dropped_reason
+    assert feed.role.committable(feed.state, TRAJ, 0, 1) == 1
+    # A late straggler of a dropped group changes nothing.
+    assert feed(traj("g-lost", 1, 2)) == [] and feed(reward("g-lost", 1, 0.0)) == []
+    assert feed.state.pending == {}

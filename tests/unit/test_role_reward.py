@@ -131,3 +131,23 @@ def test_failure_then_retry_succeeds(make):
         list(scorer.handle(traj(), state, SRC))
     (ev,) = scorer.handle(traj(), state, SRC)
     assert ev.reward == 0.25
+
+
+def test_hung_scorer_threads_do_not_starve_later_trajectories(make):
+    import threading
+
+    release = threading.Event()
+
+    def fn(event):
+        if event.output_text == "hang":
+            release.wait(10)  # never returns within the timeout
+        return 1.0
+
+    scorer = make(fn, timeout_s=0.2, threads=1)
+    state = scorer.init_state()
+    with pytest.raises(RewardError, match="timed out"):
+        scorer.handle(traj(0, text="hang"), state, SRC)
+    # With the only worker thread stuck, this would time out too without a fresh pool.
+    (ev,) = scorer.handle(traj(1, text="42"), state, SRC)
+    assert ev.reward == 1.0
+    release.set()

@@ -219,3 +219,18 @@ def test_pending_weights_are_loaded_before_a_prompt_that_needs_them(h):
     assert [e.version for e in h.loads] == [1] and len(h.submitted) == 2
     trajs = h.collect(2)
     assert all(v == 1 for t in trajs for v in t.output_versions)
+
+
+def test_restart_loads_only_the_newest_weights_and_skips_the_replayed_history(h):
+    history = [WeightsEvent(version=v, path=f"/w{v}", sha256="x") for v in (1, 2, 3)]
+    h.role.recover(h.state, history)
+    # The broadcast topic is replayed from the start: older versions must not load
+    # (their files may be gone), the recovered newest one loads once.
+    for i, ev in enumerate(history):
+        assert list(h.role.handle(ev, h.state, Source(WEIGHTS, 0, i, broadcast=True))) == []
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3]
+    newer = WeightsEvent(version=4, path="/w4", sha256="x")
+    h.role.handle(newer, h.state, Source(WEIGHTS, 0, 3, broadcast=True))
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3, 4]

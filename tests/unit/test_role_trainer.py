@@ -209,3 +209,14 @@ def test_restart_resumes_from_checkpoint(tmp_path):
     (w,) = [e for e in out if isinstance(e, WeightsEvent)]
     assert w.version == 3 and w.group_ids == ["g4", "g5"]
     t2.sink.close()
+
+
+def test_dropped_group_counts_as_rejected_and_frees_its_slot(trainer):
+    state = start(trainer)
+    dropped = sample("g-dropped")
+    dropped.sequences = []
+    dropped.dropped_reason = "timeout after 600 s: 1 of 2 trajectories, 1 rewards"
+    assert list(trainer.handle(dropped, state, src(0))) == []
+    assert state.buffer == [] and "g-dropped" in state.rejected
+    (announce,) = trainer.on_tick(state, 0.0)
+    assert isinstance(announce, WeightsEvent) and announce.groups_rejected == 1
