@@ -1,5 +1,6 @@
-"""Local metric sinks of the trainer: a JSONL file (always) and TensorBoard (when the
-`tensorboard` package is installed). The same numbers also go to ``metrics.v1``."""
+"""Local metric sinks of the trainer: a JSONL file and TensorBoard event files (the
+`tensorboard` package is a dependency; without it only JSONL is written). The same
+numbers also go to ``metrics.v1``."""
 
 from __future__ import annotations
 
