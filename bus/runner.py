@@ -29,6 +29,7 @@ from tapioca.bus.producer import EventProducer
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
 from tapioca.schemas.envelope import Event, decode_event
+from tapioca.schemas.events import MetricsEvent
 from tapioca.schemas.errors import FatalRoleError, SchemaError, TapiocaError
 from tapioca.schemas.registry import TopicSpec, topic
 
@@ -59,6 +60,7 @@ class RoleRunner:
         group_id: str | None = None,
         batch_size: int = 64,
         poll_timeout_s: float = 0.05,
+        status_interval_s: float = 1.0,
     ) -> None:
         self.role = role
         self.cfg = cfg
@@ -66,6 +68,8 @@ class RoleRunner:
         self.group_id = group_id or f"{cfg.topic_prefix}.{role.name}"
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
+        self.status_interval_s = status_interval_s
+        self._next_status = 0.0
         self.stats = RunnerStats()
         self.state: Any = None
         self._stop = threading.Event()
@@ -112,6 +116,9 @@ class RoleRunner:
                 if handled_any or now >= next_tick:
                     self._publish(self.role.on_tick(self.state, time.time()))
                     next_tick = now + self.role.tick_interval_s
+                if now >= self._next_status:
+                    self._publish([self._status()])
+                    self._next_status = now + self.status_interval_s
                 self._confirm_and_commit()
                 if self.role.finished(self.state):
                     break
@@ -277,6 +284,18 @@ class RoleRunner:
                 continue
             self.stats.handled += 1
             return True
+
+    def _status(self) -> MetricsEvent:
+        """The member's counters and the role's own numbers (``describe``), so tools can
+        follow progress and backlogs from the log."""
+        s = self.stats
+        metrics = {"bus/consumed": s.consumed, "bus/handled": s.handled, "bus/produced": s.produced,
+                   "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries}
+        for key, value in self.role.describe(self.state).items():
+            if isinstance(value, (int, float)):  # bools too
+                metrics[f"{self.role.name}/{key}"] = value
+        return MetricsEvent(source=self.member_id, step=s.handled,
+                            metrics={k: float(v) for k, v in metrics.items()})
 
     def _dead_letter(self, raw: bytes | None, source: Source, exc: BaseException,
                      *, attempts: int) -> None:

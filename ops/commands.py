@@ -17,18 +17,34 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_CONFIG = "demo_cpu.yaml"
 
 
-def _progress_table(rows: dict[str, dict], started: float, recent: list[float]) -> Table:
+def _backlogs(status: dict[str, dict]) -> tuple[float, float] | None:
+    """(prompt groups admitted but not yet generated, sample groups emitted but not yet
+    consumed by the trainer), from every member's status event on metrics.v1."""
+    def total(key: str) -> float:
+        return sum(row.get(key, 0.0) for row in status.values())
+
+    if not any("feeder/groups" in r for r in status.values()):
+        return None
+    prompts = total("feeder/groups") - total("rollout/groups_done")
+    samples = total("advantage/emitted") + total("advantage/dropped") - total("trainer/groups_consumed")
+    return max(prompts, 0.0), max(samples, 0.0)
+
+
+def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: float,
+                    recent: list[float]) -> Table:
     table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
-    for col in ("step", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
-                "staleness mean/max", "rejected", "step s"):
+    for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
+                "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
         table.add_column(col, justify="right")
     t = rows.get("trainer", {})
     r = rows.get("rollout", {})
     fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"  # noqa: E731
     smoothed = sum(recent[-20:]) / len(recent[-20:]) if recent else None
+    backlog = _backlogs(status)
     table.add_row(
         fmt(t.get("step"), "{}"), fmt(smoothed),
         fmt(t.get("actor/tokens_per_s"), "{:,.0f}"), fmt(r.get("rollout/tokens_per_s"), "{:,.0f}"),
+        f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-",
         f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
     )
@@ -48,18 +64,22 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
         cfg.bus.bootstrap_servers = G.bootstrap
-    latest: dict[str, dict] = {}
+    latest: dict[str, dict] = {}  # role -> its latest step metrics
+    status: dict[str, dict] = {}  # member -> its latest status (bus counters, describe)
     recent: list[float] = []
     started = time.monotonic()
     launcher = Launcher(cfg)
-    with Live(_progress_table(latest, started, recent), console=console, refresh_per_second=2,
-              transient=False, auto_refresh=live) as view:
+    with Live(_progress_table(latest, status, started, recent), console=console,
+              refresh_per_second=2, transient=False, auto_refresh=live) as view:
         def on_metrics(row: dict) -> None:
-            role = row["source"].split("-")[0]
-            latest[role] = row
-            if role == "trainer" and "reward/mean" in row:
-                recent.append(row["reward/mean"])
-            view.update(_progress_table(latest, started, recent))
+            if "bus/handled" in row:
+                status[row["source"]] = row
+            else:
+                role = row["source"].split("-")[0]
+                latest[role] = row
+                if role == "trainer" and "reward/mean" in row:
+                    recent.append(row["reward/mean"])
+            view.update(_progress_table(latest, status, started, recent))
 
         launcher.on_metrics = on_metrics
         try:

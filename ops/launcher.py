@@ -177,7 +177,7 @@ class Launcher:
     def _observe(self, source: str, step: int, metrics: dict) -> None:
         s = self.summary
         row = {"source": source, "step": step, **metrics}
-        if source.startswith("trainer"):
+        if source.startswith("trainer") and "reward/mean" in metrics:
             s.history.append(row)
             s.steps = step
             r = metrics.get("reward/mean")

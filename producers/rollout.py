@@ -51,6 +51,7 @@ class RolloutState:
     window_start: float = field(default_factory=time.time)
     window_tokens: int = 0
     weight_loads: int = 0
+    groups_done: int = 0
     # Older weights events on the replayed broadcast topic are skipped up to this one.
     skip_weights_until: str = ""
 
@@ -167,6 +168,7 @@ class RolloutWorker(Role[RolloutState]):
                 state.window_tokens += n_tokens
             if len(group.published) == len(group.futures):
                 del state.inflight[group_id]
+                state.groups_done += 1
         if now - state.window_start >= self.metrics_every_s:
             out.append(MetricsEvent(source=self.member_id, step=state.trajectories,
                                     policy_version=state.loaded_version, metrics={
@@ -208,4 +210,4 @@ class RolloutWorker(Role[RolloutState]):
 
     def describe(self, state: RolloutState) -> dict[str, Any]:
         return {"version": state.loaded_version, "inflight": len(state.inflight),
-                "trajectories": state.trajectories}
+                "groups_done": state.groups_done, "trajectories": state.trajectories}

@@ -213,6 +213,7 @@ class Trainer(Role[TrainerState]):
 
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),
+                "groups_consumed": len(state.trained) + len(state.rejected) + len(state.buffer),
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward}
 
 

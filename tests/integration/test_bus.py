@@ -331,3 +331,24 @@ def test_failed_delivery_raises_bus_error():
         producer.flush()
     assert time.monotonic() - started < 15
     assert producer.delivered == 0
+
+
+class Counting(Collector):
+    def describe(self, state):
+        return {"handled_here": len(state["handled"]), "label": "not a number"}
+
+
+def test_runner_publishes_its_status_on_the_metrics_topic(bus_cfg, start_runner, wait_until):
+    with EventProducer(bus_cfg) as producer:
+        for i in range(3):
+            producer.publish(prompt(i, "s"))
+    rt = start_runner(Counting(), bus_cfg, member_id="collector-7", status_interval_s=0.2)
+    wait_until(lambda: len(handled(rt)) >= 3, what="the runner to handle 3 events")
+    time.sleep(0.5)  # at least one status after the events
+    rt.finish()
+    statuses = [e for e in read_events(bus_cfg, "metrics") if e.source == "collector-7"]
+    assert statuses, "no status event"
+    last = max(statuses, key=lambda e: e.produced_at)
+    assert last.metrics["bus/handled"] == 3.0 and last.metrics["bus/consumed"] == 3.0
+    assert last.metrics["collector/handled_here"] == 3.0
+    assert "collector/label" not in last.metrics  # only numbers are reported
