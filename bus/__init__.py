@@ -15,7 +15,7 @@ from tapioca.bus.dedup import SeenSet
 from tapioca.bus.producer import EventProducer
 from tapioca.bus.reader import Record, TopicReader, read_events
 from tapioca.bus.role import Role, Source
-from tapioca.bus.runner import FatalRoleError, RoleRunner, RunnerStats, run_role
+from tapioca.bus.runner import FatalRoleError, RoleRunner, RunnerStats
 from tapioca.bus.settings import BOOTSTRAP_ENV, BusConfig
 
 __all__ = [name for name in dir() if not name.startswith("_")]

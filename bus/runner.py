@@ -339,7 +339,3 @@ class RoleRunner:
         for tp in offsets:
             self._committed[(tp.topic, tp.partition)] = tp.offset
 
-
-def run_role(role: Role, cfg: BusConfig, **kwargs: Any) -> Any:
-    """Convenience: build a runner and run it to the end; returns the final state."""
-    return RoleRunner(role, cfg, **kwargs).run()

@@ -8,7 +8,7 @@ the key.
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -53,9 +53,3 @@ def _explain(exc: OmegaConfBaseException) -> str:
 def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(asdict(cfg), sort_keys=False)
 
-
-def section(cfg: Any, name: str) -> Any:
-    """One section of a config, for handing to a single process."""
-    if not is_dataclass(cfg) or name not in {f.name for f in fields(cfg)}:
-        raise ConfigError(f"no config section {name!r}")
-    return getattr(cfg, name)

@@ -210,9 +210,3 @@ class TrainConfig:
 
         return os.path.join(self.run_dir, self.experiment_name, self.trial_name)
 
-
-def as_plain(obj: Any) -> Any:
-    """A config dataclass as plain dicts/lists (for YAML and logging)."""
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(obj) if is_dataclass(obj) else obj
