@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from tapioca.schemas.errors import TapiocaError
 
@@ -39,11 +39,14 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -
         if key is not None:
             seen[key] = name
         tensors[name] = t.detach().contiguous().cpu()
-    save_file(tensors, str(tmp))
-    digest = sha256_file(tmp)
-    size = tmp.stat().st_size
+    # Serialise once in memory, hash those bytes and write them: no second pass over
+    # the file to hash it.
+    blob = save(tensors)
+    digest = hashlib.sha256(blob).hexdigest()
+    with open(tmp, "wb") as f:
+        f.write(blob)
     os.replace(tmp, path)
-    return digest, size
+    return digest, len(blob)
 
 
 def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
