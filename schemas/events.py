@@ -159,6 +159,9 @@ class WeightsEvent(Event):
     # feeder's head gate frees their slots; the trainer re-announces its current version
     # when this count changes, so the gate never waits on groups that will not come.
     groups_rejected: int = 0
+    # The groups rejected since the trainer's previous weights event: with group_ids,
+    # every group the trainer read has its fate on the log.
+    rejected_group_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

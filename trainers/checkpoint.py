@@ -27,6 +27,10 @@ class TrainerProgress:
     weights_sha256: str = ""
     # Groups of the step that made `version`, re-announced after a restart.
     last_group_ids: list[str] = field(default_factory=list)
+    # Rejected groups named on the latest step's weights event, and those not yet named
+    # on any: both are announced again after a restart (the event may not have made it).
+    last_rejected_ids: list[str] = field(default_factory=list)
+    unannounced_rejections: list[str] = field(default_factory=list)
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

@@ -50,6 +50,7 @@ class TrainerState:
     rejected_dropped: int = 0
     duplicates: int = 0
     announce_rejections: bool = False
+    unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
 
@@ -79,6 +80,8 @@ class Trainer(Role[TrainerState]):
         for key, off in progress.offsets.items():
             topic, _, part = key.rpartition(":")
             state.handled_to[(topic, int(part))] = off
+        state.unannounced = list(dict.fromkeys(progress.last_rejected_ids
+                                               + progress.unannounced_rejections))
         state.announce_rejections = True  # announce the current version at start
         state.done = progress.version >= self.cfg.total_train_steps
         self._resumed = resumed
@@ -95,7 +98,8 @@ class Trainer(Role[TrainerState]):
             old.unlink(missing_ok=True)
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
                             step=p.version, group_ids=group_ids,
-                            groups_rejected=len(state.rejected))
+                            groups_rejected=len(state.rejected),
+                            rejected_group_ids=self._take_unannounced(state, p))
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
         p = state.progress
@@ -103,7 +107,14 @@ class Trainer(Role[TrainerState]):
             return self._publish_weights(state, [])
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
                             step=p.version, group_ids=list(p.last_group_ids),
-                            groups_rejected=len(state.rejected))
+                            groups_rejected=len(state.rejected),
+                            rejected_group_ids=self._take_unannounced(state, p))
+
+    @staticmethod
+    def _take_unannounced(state: TrainerState, p: TrainerProgress) -> list[str]:
+        taken, state.unannounced = state.unannounced, []
+        p.last_rejected_ids = taken
+        return taken
 
     # ------------------------------------------------------------------ events
 
@@ -117,12 +128,14 @@ class Trainer(Role[TrainerState]):
             return ()
         if event.dropped_reason:  # given up upstream; nothing to train
             state.rejected.add(gid)
+            state.unannounced.append(gid)
             state.rejected_dropped += 1
             state.announce_rejections = True
             return ()
         staleness = state.progress.version - event.min_version
         if staleness > self.cfg.max_head_offpolicyness:
             state.rejected.add(gid)
+            state.unannounced.append(gid)
             state.rejected_stale += 1
             state.announce_rejections = True
             return ()
@@ -184,6 +197,7 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         p.trained_groups = sorted(state.trained)
         p.rejected_groups = sorted(state.rejected)
+        p.unannounced_rejections = list(state.unannounced)
         offsets = dict(state.handled_to)
         for _, src in state.buffer:  # buffered groups must be read again after a restart
             key = (src.topic, src.partition)
@@ -206,10 +220,11 @@ class Trainer(Role[TrainerState]):
     def on_stop(self, state: TrainerState) -> Iterable[Event]:
         # A clean stop (SIGTERM, done, stop_at_reward) leaves no published version
         # uncovered by a checkpoint, whatever actor.checkpoint_every_steps says.
+        final = [self._announce(state)] if state.unannounced else []
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
         self.sink.close()
-        return ()
+        return final
 
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),

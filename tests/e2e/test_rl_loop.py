@@ -17,6 +17,7 @@ from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.ops.launcher import Launcher
 from tapioca.schemas import SampleEvent, WeightsEvent
+from tapioca.schemas import topic as topic_spec
 from tapioca.trainers.trainer import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -110,24 +111,30 @@ def test_no_group_trained_twice_or_lost(run):
     assert all(len(v) == 1 for v in sets.values()), "a version was trained twice"
     trained = [g for ev in latest.values() for g in ev.group_ids]
     assert len(trained) == len(set(trained)) == STEPS * B
-    # Lost: a group the trainer read past (an earlier offset on its partition than some
-    # trained group) that was neither trained nor rejected as over-stale.
-    last_trained_offset: dict[int, int] = defaultdict(lambda: -1)
-    sample_offsets: dict[str, tuple[int, int]] = {}
-    from tapioca.bus import TopicReader
+    # Lost: a group the trainer read (below its committed offset, which is exact) that
+    # is neither trained in some version nor named as rejected on a weights event.
+    weights = read_events(cfg.bus, "weights")
+    rejected = {g for ev in weights for g in ev.rejected_group_ids}
+    trained_set = set(trained)
+    assert not rejected & trained_set
+    assert len(rejected) == max(ev.groups_rejected for ev in weights)
+    first_offset: dict[str, tuple[int, int]] = {}
+    from tapioca.bus import TopicReader, consumer_lag
 
     with TopicReader(cfg.bus, "samples") as reader:
         for rec in reader.records(idle_s=0.5):
             if isinstance(rec.event, SampleEvent):
-                sample_offsets.setdefault(rec.event.group_id, (rec.source.partition, rec.source.offset))
-    trained_set = set(trained)
-    for gid in trained_set:
-        p, off = sample_offsets[gid]
-        last_trained_offset[p] = max(last_trained_offset[p], off)
-    passed_over = {gid for gid, (p, off) in sample_offsets.items()
-                   if off < last_trained_offset[p] and gid not in trained_set}
-    final_rejected = max(ev.groups_rejected for ev in read_events(cfg.bus, "weights"))
-    assert len(passed_over) == final_rejected, (len(passed_over), final_rejected)
+                first_offset.setdefault(rec.event.group_id, (rec.source.partition, rec.source.offset))
+    samples_topic = cfg.bus.topic(topic_spec("samples"))
+    committed = {row.partition: row.committed for row in
+                 consumer_lag(cfg.bus, [f"{cfg.bus.topic_prefix}.trainer"])
+                 if row.topic == samples_topic and row.committed is not None}
+    assert committed, "the trainer committed nothing"
+    read = {gid for gid, (p, off) in first_offset.items() if off < committed.get(p, 0)}
+    assert trained_set | rejected <= set(first_offset)
+    assert read - trained_set - rejected == set(), "groups read by the trainer were lost"
+    print(f"\n{len(trained_set)} groups trained, {len(rejected)} rejected, "
+          f"{len(first_offset) - len(read)} not yet read when the run ended")
 
 
 def test_trainer_killed_mid_run_resumes_without_repeating(run):

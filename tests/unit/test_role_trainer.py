@@ -131,6 +131,7 @@ def test_tail_gate_rejects_over_stale_group(trainer):
     # latest event per version always lists them), never the rejected group.
     assert announce.version == 2 and announce.groups_rejected == 1
     assert announce.group_ids == ["g2", "g3"]
+    assert announce.rejected_group_ids == ["stale"]  # the rejection is named on the log
     assert announce.path == state.progress.weights_path and Path(announce.path).exists()
     assert list(trainer.on_tick(state, 0.0)) == []
     # A redelivered rejected group is a duplicate, not a second rejection.
@@ -140,7 +141,7 @@ def test_tail_gate_rejects_over_stale_group(trainer):
     (w,) = [e for e in out if isinstance(e, WeightsEvent)]
     trained += w.group_ids
     assert "stale" not in trained
-    assert w.groups_rejected == 1
+    assert w.groups_rejected == 1 and w.rejected_group_ids == []  # named once already
     (m,) = [e for e in out if isinstance(e, MetricsEvent)]
     assert m.metrics["trainer/rejected_stale"] == 1.0
 
