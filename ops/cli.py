@@ -281,7 +281,8 @@ def schemas_check() -> None:
 
 
 def main() -> None:
-    from tapioca.ops import commands  # noqa: F401  registers the remaining commands
+    # Each module registers its commands on `app` when imported.
+    from tapioca.ops import commands, fleet_cli, offline_cli, proxy_cli, replay_cli  # noqa: F401
 
     try:
         app()

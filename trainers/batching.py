@@ -25,6 +25,9 @@ class SeqItem:
     loss_mask: list[int]
     advantage: float
     reward: float
+    # Per-output-token advantages (GAE, KL-in-reward, batch normalisation): when set
+    # they replace the scalar ``advantage`` for every token.
+    token_advantages: list[float] | None = None
 
     @property
     def length(self) -> int:
@@ -103,6 +106,9 @@ def to_tensors(items: list[SeqItem], pad_token_id: int, device: torch.device | s
         labels[b, sl] = torch.tensor(it.input_ids[P:])
         mask[b, sl] = torch.tensor(it.loss_mask, dtype=torch.bool)
         behav[b, sl] = torch.tensor(it.behav_logprobs, dtype=torch.float32)
-        adv[b, sl] = it.advantage
+        if it.token_advantages is not None:
+            adv[b, sl] = torch.tensor(it.token_advantages, dtype=torch.float32)
+        else:
+            adv[b, sl] = it.advantage
         versions[b, sl] = torch.tensor(it.versions)
     return TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)))
