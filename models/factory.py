@@ -104,7 +104,9 @@ def load_model_and_tokenizer(
     **model_kwargs: Any,
 ):
     """Load ``(model, tokenizer)`` from a local Hugging Face directory (never the network)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from tapioca.models.tokenizer import load_tokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -114,7 +116,7 @@ def load_model_and_tokenizer(
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
     return model.to(device), tokenizer
 

@@ -17,6 +17,7 @@ user's text (``"3+4="`` -> the model writes ``"7<eos>"``).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from tapioca.schemas.errors import ConfigError
@@ -86,3 +87,28 @@ def build_char_tokenizer(alphabet: str | None = None) -> "PreTrainedTokenizerFas
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> "PreTrainedTokenizerFast":
+    """Load the tokenizer of a local model directory (never the network).
+
+    Why not plain ``AutoTokenizer``: transformers 5 picks the tokenizer class from the
+    directory's ``config.json`` (``Qwen2Tokenizer`` for the tiny model), and that class
+    replaces the saved pre-tokenizer with Qwen's byte-level one, so the char tokenizer
+    silently drops spaces and newlines (``"a b\\nc"`` -> 3 tokens, measured). A
+    tokenizer saved by :func:`build_char_tokenizer` (``tokenizer_class`` is the generic
+    fast tokenizer) is therefore loaded as that generic class, with its own pipeline
+    and chat template; any other tokenizer goes through ``AutoTokenizer``.
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    cls = ""
+    if config.is_file():
+        cls = json.loads(config.read_text()).get("tokenizer_class", "")
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

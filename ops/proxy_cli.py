@@ -1,1 +1,90 @@
-"""Placeholder: commands are registered here by the work in progress (see issues 4-6)."""
+"""`tapioca proxy`: serve the OpenAI-compatible agent proxy of a run.
+
+Builds the proxy from the run's config (the same model directory, generation defaults
+and head-gate parameters the rollout workers use) and serves it until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Optional
+
+import typer
+
+from tapioca.ops.cli import G, app, console
+
+
+def build_proxy_service(cfg, *, member: int = 0):
+    """A :class:`~tapioca.producers.proxy.ProxyService` for ``cfg`` (a TrainConfig)."""
+    from tapioca.config.sections import proxy_section
+    from tapioca.engines.base import SamplingParams
+    from tapioca.engines.torch_engine import TorchEngine
+    from tapioca.models.factory import load_model_and_tokenizer
+    from tapioca.models.tokenizer import load_tokenizer
+    from tapioca.models.weight_files import load_verified
+    from tapioca.ops.role_builders import set_torch_threads
+    from tapioca.producers.proxy import ProxyService
+    from tapioca.schemas.errors import ConfigError
+
+    sec = proxy_section(cfg)
+    if not sec.model.path:
+        raise ConfigError("model.path is empty; point it to the run's model directory (e.g. "
+                          "runs/<experiment>/<trial>/model) or create one with `tapioca model-init DIR`")
+    set_torch_threads(sec.rollout.torch_threads)
+    model, _ = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
+                                        device=sec.rollout.device)
+    # The char tokenizer must not be reloaded as Qwen's byte-level one (see load_tokenizer).
+    tokenizer = load_tokenizer(sec.model.path)
+    engine = TorchEngine(model, device=sec.rollout.device, max_batch_size=sec.rollout.max_batch_size,
+                         interruptible=sec.rollout.interruptible, seed=sec.seed * 1000 + 500 + member,
+                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
+    g = sec.gconfig
+    sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                              max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
+
+    def load_weights(event) -> None:
+        engine.update_weights(load_verified(event.path, event.sha256), event.version)
+
+    p = sec.proxy
+    return ProxyService(
+        engine=engine, tokenizer=tokenizer, bus=cfg.bus, load_weights=load_weights, sampling=sampling,
+        api_key=p.api_key, served_model_name=p.served_model_name, default_group_size=g.n_samples,
+        max_head_offpolicyness=sec.max_head_offpolicyness, prompts_per_step=sec.prompts_per_step,
+        max_tokens_per_request=p.max_tokens_per_request,
+        max_tokens_per_session=p.max_tokens_per_session, max_request_bytes=p.max_request_bytes,
+        session_ttl_s=p.session_ttl_s, max_sessions=p.max_sessions, end_mode=p.end_mode,
+        turn_discount=p.turn_discount, run_tag=sec.run_id,
+        max_context_tokens=getattr(model.config, "max_position_embeddings", None))
+
+
+@app.command("proxy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def proxy(
+    ctx: typer.Context,
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file of the run."),
+) -> None:
+    """Serve a run's OpenAI-compatible agent proxy (agents set base_url to it).
+
+    Extra arguments are dotted overrides, e.g. proxy.port=8001 proxy.api_key=KEY."""
+    from tapioca.bus.admin import ensure_topics
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops import broker_state
+    from tapioca.producers.proxy import ProxyServer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    cfg = load_config(TrainConfig, config, list(ctx.args))
+    if not cfg.bus.bootstrap_servers or G.bootstrap:
+        cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap or cfg.bus.bootstrap_servers or None)
+    if cfg.bus.run_id == "default":
+        cfg.bus.run_id = cfg.run_id
+    if not cfg.proxy.api_key:
+        cfg.proxy.api_key = f"tpa-{secrets.token_urlsafe(24)}"
+        console.print(f"admin key (proxy.api_key): {cfg.proxy.api_key}")
+    ensure_topics(cfg.bus)
+    server = ProxyServer(build_proxy_service(cfg), cfg.proxy.host, cfg.proxy.port)
+    console.print(f"proxy of run {cfg.run_id} on {server.base_url} (model {cfg.proxy.served_model_name}, "
+                  f"broker {cfg.bus.bootstrap_servers})")
+    server.serve()

@@ -1,0 +1,1 @@
+"""Agents that train through the OpenAI-compatible proxy: tools, workflows, the runner."""

@@ -1,0 +1,131 @@
+"""The proxy's head gate and its follower of ``weights.v1``.
+
+Consumes ``weights.v1`` (broadcast, through a :class:`~tapioca.bus.runner.RoleRunner`
+in a background thread): each version is loaded into the proxy's engine and its
+``version`` / ``groups_rejected`` move the gate. Emits nothing but the runner's status
+metrics.
+
+Gate (DESIGN.md §3, the feeder's rule): a session that starts a new group waits until
+``k - rejected - abandoned < (eta + v + 1) * B`` with k the groups this proxy has
+admitted in the run, v and ``rejected`` from the latest weights event, eta =
+``rollout.max_head_offpolicyness`` and B = ``train_dataset.prompts_per_step``.
+``abandoned`` counts admitted groups that ended without a trajectory (every session
+expired): the trainer never sees them, so nothing else would free their slot.
+k is recovered at start from this run's latest proxy trajectories on
+``trajectories.v1`` (highest ``group_index`` + 1), so a restarted proxy does not
+re-admit a full window; groups admitted but unpublished before a crash are not
+counted (the gate is then looser by at most those).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable
+
+from tapioca.bus.reader import TopicReader
+from tapioca.bus.role import Role, Source
+from tapioca.bus.settings import BusConfig
+from tapioca.schemas.envelope import Event
+from tapioca.schemas.events import TrajectoryEvent, WeightsEvent
+
+PROXY_PRODUCER_PREFIX = "proxy"
+
+
+class HeadGate:
+    """Thread-safe admission counter; ``ready`` once the latest weights are known."""
+
+    def __init__(self, eta: int, prompts_per_step: int, admitted: int = 0) -> None:
+        self.eta = eta
+        self.B = prompts_per_step
+        self.admitted = admitted
+        self.abandoned = 0
+        self.version = 0
+        self.rejected = 0
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+
+    def capacity(self) -> int:
+        """Groups that may still be admitted now."""
+        with self._lock:
+            return (self.eta + self.version + 1) * self.B - (self.admitted - self.rejected - self.abandoned)
+
+    def try_admit(self) -> int | None:
+        """The new group's index k, or None while the gate is closed."""
+        if not self.ready.is_set():
+            return None
+        with self._lock:
+            if self.admitted - self.rejected - self.abandoned < (self.eta + self.version + 1) * self.B:
+                k = self.admitted
+                self.admitted += 1
+                return k
+            return None
+
+    def update(self, version: int, rejected: int) -> None:
+        with self._lock:
+            # A rollback republishes an older version; the gate follows the log.
+            self.version = version
+            self.rejected = rejected
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned += 1
+
+
+def recover_admitted(cfg: BusConfig, per_partition: int = 256) -> int:
+    """Highest ``group_index`` + 1 of this run's proxy trajectories (0 if none)."""
+    k = 0
+    with TopicReader(cfg, "trajectories", tail=per_partition) as reader:
+        for r in reader.records(idle_s=0.3, timeout_s=30):
+            e = r.event
+            if (isinstance(e, TrajectoryEvent) and e.producer_id.startswith(PROXY_PRODUCER_PREFIX)
+                    and (cfg.run_id == "default" or e.run_id == cfg.run_id)):
+                k = max(k, e.group_index + 1)
+    return k
+
+
+class WeightsFollower(Role[dict]):
+    """Loads every new version into the engine (``load``) and moves the gate."""
+
+    name = "proxy-weights"
+    broadcast_inputs = ("weights",)
+    recover_from = ("weights",)
+
+    def __init__(self, gate: HeadGate, load: Callable[[WeightsEvent], Any],
+                 current_version: Callable[[], int]) -> None:
+        self.gate = gate
+        self.load = load
+        self.current_version = current_version
+
+    def init_state(self) -> dict:
+        return {"skip_until": "", "loads": 0}
+
+    def recover(self, state: dict, latest: list[Event]) -> None:
+        weights = [e for e in latest if isinstance(e, WeightsEvent)]
+        if weights:
+            newest = weights[-1]
+            self._apply(newest, state)
+            # The replayed broadcast topic repeats older versions: skip up to this one.
+            state["skip_until"] = newest.event_id
+        self.gate.ready.set()
+
+    def handle(self, event: Event, state: dict, source: Source) -> Iterable[Event]:
+        if not isinstance(event, WeightsEvent):
+            return ()
+        if state["skip_until"]:
+            if event.event_id == state["skip_until"]:
+                state["skip_until"] = ""
+            return ()
+        self._apply(event, state)
+        return ()
+
+    def _apply(self, event: WeightsEvent, state: dict) -> None:
+        if event.version != self.current_version() or event.rollback_of is not None:
+            # Loading waits for a decode-step boundary; requests queue meanwhile and
+            # continue on the new weights (interruptible generation), none fails.
+            self.load(event)
+            state["loads"] += 1
+        self.gate.update(event.version, event.groups_rejected)
+
+    def describe(self, state: dict) -> dict[str, Any]:
+        return {"version": self.gate.version, "admitted": self.gate.admitted,
+                "rejected": self.gate.rejected, "weight_loads": state["loads"]}

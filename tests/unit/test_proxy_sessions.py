@@ -1,0 +1,201 @@
+"""Proxy sessions: discounted rewards, the concat chain, group publishing, the head
+gate's counter, limits and expiry (pure bookkeeping; the HTTP side is in
+tests/integration/test_proxy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tapioca.producers.proxy.gate import HeadGate
+from tapioca.producers.proxy.openai_errors import ApiError
+from tapioca.producers.proxy.sessions import (
+    Completion,
+    SessionStore,
+    build_concat,
+    common_prefix_len,
+    concat_chain,
+    discounted_returns,
+)
+from tapioca.schemas.events import RewardEvent, TrajectoryEvent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def comp(call: str, prompt, out, version=0, index=0):
+    return Completion(call, index, list(prompt), list(out), [-0.5] * len(out), [version] * len(out), "stop")
+
+
+def store(clock=None, **kw) -> SessionStore:
+    args = dict(ttl_s=10.0, max_sessions=100, max_tokens_per_session=1000, run_tag="r",
+                decode=lambda ids: ",".join(map(str, ids)))
+    args.update(kw)
+    return SessionStore(clock=clock or Clock(), **args)
+
+
+def test_discounted_returns_follow_arealrule():
+    # AReaL: reward[i] += reward[i+1] * turn_discount, unset rewards are 0.
+    assert discounted_returns([None, None, 1.0], 0.9) == pytest.approx([0.81, 0.9, 1.0])
+    assert discounted_returns([1.0, None, 2.0], 0.5) == pytest.approx([1.5, 1.0, 2.0])
+    assert discounted_returns([0.3], 0.0) == [0.3]
+
+
+def test_concat_chain_and_masks():
+    a = comp("a", [1, 2], [10, 11], version=0)
+    side = comp("s", [1, 2], [12], version=0)  # a sibling that was not continued
+    b = comp("b", [1, 2, 10, 11, 5, 6], [13, 2], version=1)
+    chain = concat_chain([a, side, b], b)
+    assert chain == [a, b]
+    built = build_concat(chain)
+    assert built["prompt_ids"] == [1, 2]
+    assert built["output_ids"] == [10, 11, 5, 6, 13, 2]
+    assert built["loss_mask"] == [1, 1, 0, 0, 1, 1]
+    assert built["output_logprobs"] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+    assert built["output_versions"] == [0, 0, 0, 0, 1, 1]  # fill: the model token before
+    assert built["turn_boundaries"] == [0, 4]
+    # A conversation the client re-rendered differently breaks the chain there.
+    c = comp("c", [1, 2, 10, 99, 5], [7])
+    assert concat_chain([a, c], c) == [c]
+    assert common_prefix_len([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+
+
+def test_group_publishes_when_every_session_is_over():
+    gate = HeadGate(eta=0, prompts_per_step=4)
+    gate.ready.set()
+    st = store()
+    s0 = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={"answer": "1"},
+                  policy_version=0, admit=gate.try_admit)
+    s1 = st.start(group_id=s0.group.group_id, group_size=2, sample_index=None, task="t", task_data={},
+                  policy_version=0, admit=gate.try_admit)
+    assert (s0.sample_index, s1.sample_index, gate.admitted) == (0, 1, 1)
+    with pytest.raises(ApiError) as err:  # the group is full
+        st.start(group_id=s0.group.group_id, group_size=2, sample_index=None, task="t", task_data={},
+                 policy_version=0, admit=gate.try_admit)
+    assert err.value.status == 409
+    # Session 0: two turns with a different first prompt suffix than session 1.
+    st.record(s0, [comp("a", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
+    st.record(s0, [comp("b", [1, 2, 3, 10, 2, 7], [11, 2])], ["y"], ["y"], [[]])
+    assert st.set_reward(s0, 1.0, None) == ["b:0"]
+    ids, rewards, events, _, abandoned = st.end(s0, "concat", 0.5)
+    assert ids == [f"{s0.group.group_id}:0"] and rewards == [0.5] and events == [] and not abandoned
+    st.record(s1, [comp("c", [1, 2, 4], [12, 2])], ["z"], ["z"], [[]])
+    st.set_reward(s1, 0.25, "c")
+    ids, rewards, events, group, abandoned = st.end(s1, "per_completion", None)
+    assert not abandoned
+    assert rewards == [0.25]
+    trajs = [e for e in events if isinstance(e, TrajectoryEvent)]
+    rews = [e for e in events if isinstance(e, RewardEvent)]
+    assert len(trajs) == 2 and len(rews) == 2
+    # The shared prompt is the common prefix; the rest moved into the output, masked.
+    assert [t.prompt_ids for t in trajs] == [[1, 2], [1, 2]]
+    assert trajs[0].output_ids == [3, 10, 2, 7, 11, 2] and trajs[0].loss_mask == [0, 1, 1, 0, 1, 1]
+    assert trajs[0].turn_boundaries == [1, 4]
+    assert trajs[1].output_ids == [4, 12, 2] and trajs[1].loss_mask == [0, 1, 1]
+    assert [t.group_size for t in trajs] == [2, 2] and [t.sample_index for t in trajs] == [0, 1]
+    assert trajs[0].task_data == {"answer": "1"} and trajs[0].group_index == 0
+    assert {r.scorer for r in rews} == {"session"} and [r.reward for r in rews] == [0.5, 0.25]
+    for t in trajs:
+        t.validate()
+    with pytest.raises(ApiError) as err:  # the finished group takes no one else
+        st.start(group_id=group.group_id, group_size=2, sample_index=None, task="t", task_data={},
+                 policy_version=0, admit=gate.try_admit)
+    assert err.value.status == 409
+
+
+def test_keys_expire_and_tokens_are_limited():
+    clock = Clock()
+    st = store(clock, max_tokens_per_session=10)
+    admit = iter(range(100)).__next__
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    assert st.by_api_key(s.api_key) is s
+    st.begin_call(s, 8)
+    st.end_call(s, 2)  # 6 used
+    with pytest.raises(ApiError) as err:
+        st.begin_call(s, 5)
+    assert err.value.code == "session_token_limit" and s.in_flight == 0
+    with pytest.raises(ApiError) as err:
+        st.by_api_key("tpk-unknown")
+    assert err.value.status == 401
+    clock.t = 11.0
+    with pytest.raises(ApiError) as err:
+        st.by_api_key(s.api_key)
+    assert err.value.status == 401 and "expired" in err.value.message
+    # The group of an expired session finishes empty: the gate's slot is given back.
+    events, empty = st.reap()
+    assert events == [] and empty == 1
+
+
+def test_head_gate_counts_rejected_and_abandoned_groups():
+    gate = HeadGate(eta=1, prompts_per_step=2)
+    assert gate.try_admit() is None  # not ready before the latest weights are known
+    gate.ready.set()
+    assert [gate.try_admit() for _ in range(5)] == [0, 1, 2, 3, None]  # (1 + 0 + 1) * 2
+    gate.update(version=0, rejected=1)
+    assert gate.try_admit() == 4 and gate.try_admit() is None
+    gate.abandon()
+    assert gate.try_admit() == 5
+    gate.update(version=1, rejected=1)
+    assert gate.capacity() == 2
+
+
+def test_a_session_with_a_call_in_flight_is_not_expired():
+    clock = Clock()
+    st = store(clock)
+    admit = iter(range(100)).__next__
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    st.begin_call(s, 5)
+    clock.t = 50.0  # generating for longer than the TTL
+    assert st.reap() == ([], 0) and s.state == "open"
+    assert st.by_api_key(s.api_key) is s
+    st.end_call(s, 0)  # the idle time restarts when the call is over
+    clock.t = 55.0
+    st.record(s, [comp("a", [1], [2])], ["x"], ["x"], [[]])
+    clock.t = 66.0
+    events, empty = st.reap()
+    assert s.state == "expired" and events == [] and empty == 1
+
+
+def test_ended_sessions_refuse_late_replies_and_rewards():
+    st = store()
+    admit = iter(range(100)).__next__
+    s = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    st.record(s, [comp("a", [1], [2])], ["x"], ["x"], [[]])
+    st.begin_call(s, 5)  # a second call is generating when the harness ends the session
+    st.end(s, "concat", None)
+    st.end_call(s, 0)
+    with pytest.raises(ApiError) as err:
+        st.record(s, [comp("b", [1, 2], [3])], ["y"], ["y"], [[]])
+    assert err.value.status == 409 and len(s.completions) == 1
+    with pytest.raises(ApiError) as err:
+        st.set_reward(s, 1.0, None)
+    assert err.value.status == 409 and err.value.code == "session_closed"
+
+
+def test_an_empty_group_is_abandoned_exactly_once():
+    clock = Clock()
+    st = store(clock)
+    admit = iter(range(100)).__next__
+    # Ended with no completion, alone in its group: this end() abandons it.
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    assert st.end(s, None, None).abandoned
+    assert st.reap() == ([], 0)
+    # Two sessions, no completions: the second one expires and the reaper finishes the
+    # group; an end() of the first one afterwards must not count it again.
+    a = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="", task_data={},
+                 policy_version=0, admit=admit)
+    first = st.end(a, None, None)
+    assert not first.abandoned and first.events == []
+    clock.t = 20.0
+    events, empty = st.reap()
+    assert b.state == "expired" and events == [] and empty == 1
