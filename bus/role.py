@@ -8,9 +8,12 @@ retries, publishing and commits around it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Iterable, TypeVar
 
 from tapioca.schemas.envelope import Event
+
+if TYPE_CHECKING:
+    from tapioca.schemas.events import ControlEvent
 
 S = TypeVar("S")
 
@@ -78,4 +81,30 @@ class Role(Generic[S]):
         return False
 
     def describe(self, state: S) -> dict[str, Any]:
+        """Numbers about the role for status events and fleet heartbeats; a ``version``
+        (or ``policy_version``) entry is shown as the member's policy version."""
         return {}
+
+    # ------------------------------------------------------------------ fleet control
+    # The runner handles `pause`, `resume` and `drain` from control.v1 itself (bus/fleet.py)
+    # and calls these hooks; any other command goes to ``on_control``.
+
+    def on_pause(self, state: S, paused: bool) -> None:
+        """Called when the member is paused (``paused=True``: no events and no ticks reach
+        the role until resumed) and when it resumes. E.g. pause an inference engine."""
+
+    def on_drain(self, state: S) -> Iterable[Event]:
+        """Called once when a drain starts: no new group input arrives from now on; ticks
+        and broadcast inputs go on. Stop starting new work; returns events to publish."""
+        return ()
+
+    def drained(self, state: S) -> bool:
+        """While draining: True once in-flight work is finished (or safely left
+        uncommitted for another member); the runner then stops cleanly and exits."""
+        return True
+
+    def on_control(self, command: "ControlEvent", state: S) -> tuple[bool, str, Iterable[Event]]:
+        """A role-specific command (anything but pause / resume / drain) addressed to this
+        member: returns (ok, message for the acknowledgement, events to publish)."""
+        return (False, f"role {self.name!r} does not handle the command {command.command!r} "
+                       "(every role handles pause, resume and drain)", ())

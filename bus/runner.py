@@ -11,6 +11,12 @@ is dead-lettered. Either way the loop goes on and nothing else is lost.
 
 SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after the
 current batch: outputs are flushed, offsets committed, the group left cleanly.
+
+Fleet control (``MemberFleet`` in bus/fleet.py, to which the runner delegates): the
+member heartbeats on ``fleet.v1`` and obeys commands on ``control.v1``. Paused, its input partitions are paused and the role gets neither
+events nor ticks (so it publishes nothing) until resumed; draining, group input stops,
+ticks and broadcast inputs go on, and the loop ends once ``role.drained(state)``.
+Other commands go to ``role.on_control``. Every command it takes is acknowledged.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Iterable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
 from tapioca.bus.dlq import dead_letter
+from tapioca.bus.fleet import MemberFleet, pause_partitions
 from tapioca.bus.producer import EventProducer
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
@@ -81,6 +88,11 @@ class RoleRunner:
         self._bcast: Consumer | None = None
         self._unconfirmed = False
         self._assigned: set[tuple[str, int]] = set()
+        # Fleet control: heartbeats, commands and their acknowledgements.
+        self.fleet = MemberFleet(self)
+        self.control = self.fleet.control
+        self._held: list[tuple[Message, bool]] = []  # fetched while paused / draining
+        self._repause = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -104,26 +116,40 @@ class RoleRunner:
         if self.role.recover_from:
             self.role.recover(self.state, self._latest_events(self.role.recover_from))
         self.producer = EventProducer(self.cfg, self.member_id)
+        self.control.started_at = time.time()
         self._open_consumers()
         deadline = time.monotonic() + max_seconds if max_seconds else None
         next_tick = 0.0
         try:
+            self.fleet.heartbeat("starting")
             while not self._stop.is_set():
                 if deadline and time.monotonic() > deadline:
                     break
+                self.fleet.serve()
                 handled_any = self._poll_once()
                 now = time.monotonic()
-                if handled_any or now >= next_tick:
+                # Paused: no ticks either, so no timer or async result is published.
+                if not self.control.paused and (handled_any or now >= next_tick):
                     self._publish(self.role.on_tick(self.state, time.time()))
                     next_tick = now + self.role.tick_interval_s
                 if now >= self._next_status:
-                    self._publish([self._status()])
+                    self._publish_own(self._status())
                     self._next_status = now + self.status_interval_s
+                if now >= self.fleet.next_heartbeat:
+                    self.fleet.heartbeat()
                 self._confirm_and_commit()
                 if self.role.finished(self.state):
                     break
+                if self.control.draining and self.role.drained(self.state):
+                    log.info("%s drained: stopping", self.member_id)
+                    break
             self._publish(self.role.on_stop(self.state))
             self._confirm_and_commit()
+            self.fleet.heartbeat("stopped")
+            self._confirm_and_commit()
+        except Exception as exc:
+            self.fleet.heartbeat_failed(exc)
+            raise
         finally:
             self._close()
         return self.state
@@ -165,6 +191,7 @@ class RoleRunner:
                         f"topic {full} does not exist; run `tapioca topics create` first")
                 assignment += [TopicPartition(full, p, OFFSET_BEGINNING) for p in md.partitions]
             self._bcast.assign(assignment)
+        self.fleet.open()
 
     def _close(self) -> None:
         try:
@@ -177,11 +204,15 @@ class RoleRunner:
                         consumer.close()
                     except Exception:  # closing after a broker loss must not mask the cause
                         pass
+            self.fleet.close()
 
     # ------------------------------------------------------------------ rebalance
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned.update((p.topic, p.partition) for p in partitions)
+        # Partitions cannot be paused before the assignment takes effect; the next loop
+        # turn pauses them (records fetched meanwhile are held, not handled).
+        self._repause = True
         self.role.on_assign(self.state, [(p.topic, p.partition) for p in partitions])
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -192,6 +223,7 @@ class RoleRunner:
             log.warning("commit on revoke failed: %s", exc)
         tps = [(p.topic, p.partition) for p in partitions]
         self._assigned.difference_update(tps)
+        self._held = [(m, b) for m, b in self._held if b or (m.topic(), m.partition()) not in tps]
         self.role.on_revoke(self.state, tps)
         for tp in tps:
             self._next.pop(tp, None)
@@ -200,6 +232,11 @@ class RoleRunner:
     # ------------------------------------------------------------------ the loop
 
     def _poll_once(self) -> bool:
+        if self.control.paused or self.control.draining:
+            return self._poll_stopped_intake()
+        if self._held:  # fetched while paused: handled first, in order, after a resume
+            messages, self._held = self._held, []
+            return self._handle_messages(messages)
         messages: list[tuple[Message, bool]] = []
         if self._bcast is not None:
             messages += [(m, True) for m in self._bcast.consume(self.batch_size, timeout=0)]
@@ -212,6 +249,33 @@ class RoleRunner:
             messages += [(m, False) for m in first]
         elif not messages:
             time.sleep(min(self.poll_timeout_s, self.role.tick_interval_s))
+        return self._handle_messages(messages)
+
+    def _poll_stopped_intake(self) -> bool:
+        """Paused or draining: input partitions are paused, but the group consumer is
+        still polled (rebalance callbacks, and staying in the group); whatever was
+        already fetched is held for after a resume. Draining still handles broadcasts."""
+        if self._repause and self._group is not None:
+            self._repause = False
+            pause_partitions(self._group, True)
+        handled = False
+        if self._bcast is not None:
+            got = [(m, True) for m in self._bcast.consume(self.batch_size, timeout=0)]
+            if self.control.draining:
+                # In-flight work may wait for a broadcast (the weights it was admitted under).
+                held = [x for x in self._held if x[1]]
+                self._held = [x for x in self._held if not x[1]]
+                handled = self._handle_messages(held + got)
+            else:
+                self._held += got
+        if self._group is not None:
+            self._held += [(m, False) for m in self._group.consume(
+                self.batch_size, timeout=self.poll_timeout_s)]
+        else:
+            time.sleep(min(self.poll_timeout_s, self.role.tick_interval_s))
+        return handled
+
+    def _handle_messages(self, messages: list[tuple[Message, bool]]) -> bool:
         handled = False
         for msg, broadcast in messages:
             err = msg.error()
@@ -312,6 +376,13 @@ class RoleRunner:
             self.producer.publish(event)
             self._unconfirmed = True
             self.stats.produced += 1
+            if isinstance(event, MetricsEvent):  # shown in heartbeats (e.g. staleness)
+                self.fleet.last_role_metrics = dict(list(event.metrics.items())[:64])
+
+    def _publish_own(self, event: Event) -> None:
+        """The runner's own events (status, heartbeats, acks): not counted as outputs."""
+        self.producer.publish(event)
+        self._unconfirmed = True
 
     def _confirm_and_commit(self) -> None:
         """Flush outputs, then commit every partition whose safe offset advanced."""

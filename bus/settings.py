@@ -53,6 +53,10 @@ class BusConfig:
     # Bounded retry of a failing handler before its event is dead-lettered.
     handler_max_attempts: int = 3
     handler_backoff_s: float = 0.2
+    # Fleet control (bus/fleet.py): how often every member heartbeats on fleet.v1. Not
+    # Kafka's group heartbeat (heartbeat_interval_ms above); a member whose last
+    # heartbeat is older than three intervals is shown as stale by `tapioca status`.
+    fleet_heartbeat_interval_s: float = 2.0
     extra_producer: dict[str, Any] = field(default_factory=dict)
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
@@ -70,6 +74,10 @@ class BusConfig:
             raise ConfigError("bus.max_message_bytes must be at least 1024")
         if self.handler_max_attempts < 1:
             raise ConfigError("bus.handler_max_attempts must be >= 1")
+        if not self.fleet_heartbeat_interval_s > 0:
+            raise ConfigError(
+                f"bus.fleet_heartbeat_interval_s={self.fleet_heartbeat_interval_s} must be > 0 "
+                "(seconds between a member's heartbeats on fleet.v1)")
 
     def require_bootstrap(self) -> str:
         if not self.bootstrap_servers:

@@ -13,6 +13,11 @@ not started before the worker has loaded the version the feeder admitted it unde
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
 that overtakes its weights event is generated one version too old and later rejected as
 over-stale. A prompt's offset is committed only after all its trajectories are delivered.
+
+Fleet control: paused, the engine is paused too (the runner hands the worker no events
+and no ticks, so nothing is published); draining, no waiting prompt is started and the
+worker is drained once no generation is in flight (waiting prompts stay uncommitted,
+so another member or a restart generates them).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class RolloutState:
     groups_done: int = 0
     # Older weights events on the replayed broadcast topic are skipped up to this one.
     skip_weights_until: str = ""
+    draining: bool = False
 
 
 class RolloutWorker(Role[RolloutState]):
@@ -154,7 +160,7 @@ class RolloutWorker(Role[RolloutState]):
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
-                if group.prompt.admitted_at_version > state.loaded_version:
+                if state.draining or group.prompt.admitted_at_version > state.loaded_version:
                     continue
                 group.futures = self._submit(group.prompt)
             for i, fut in enumerate(group.futures):
@@ -203,6 +209,17 @@ class RolloutWorker(Role[RolloutState]):
                 if g.source.topic == topic and g.source.partition == partition]
         return min(held) if held else next_offset
 
+    def on_pause(self, state: RolloutState, paused: bool) -> None:
+        # No point generating what cannot be published until a resume.
+        (self.engine.pause if paused else self.engine.resume)()
+
+    def on_drain(self, state: RolloutState) -> Iterable[Event]:
+        state.draining = True
+        return ()
+
+    def drained(self, state: RolloutState) -> bool:
+        return not any(group.futures for group in state.inflight.values())
+
     def on_stop(self, state: RolloutState) -> Iterable[Event]:
         # Unfinished groups are not committed: another member (or a restart) redoes them.
         self.engine.shutdown()
@@ -210,4 +227,5 @@ class RolloutWorker(Role[RolloutState]):
 
     def describe(self, state: RolloutState) -> dict[str, Any]:
         return {"version": state.loaded_version, "inflight": len(state.inflight),
+                "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories}

@@ -1,0 +1,183 @@
+"""A run whose only reward comes from a separate process: the example reward service
+(examples/reward_service/service.py, plain confluent-kafka + the exported JSON Schemas),
+started with plain python, next to the feeder, rollout and advantage roles of a run
+configured with ``reward.scorer: none``, against the real embedded broker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tapioca.bus import BusConfig, EventProducer, RoleRunner, TopicReader, ensure_topics
+from tapioca.bus.dlq import original_payload
+from tapioca.config.schema import (
+    AdvantageConfig,
+    ArchiveConfig,
+    DatasetConfig,
+    GenerationConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from tapioca.models.factory import create_tiny_checkpoint
+from tapioca.ops.launcher import role_counts
+from tapioca.ops.role_builders import build_role
+from tapioca.schemas import DlqRecord, RewardEvent, SampleEvent, TrajectoryEvent, topic
+from tapioca.schemas.errors import ConfigError
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ROOT / "examples" / "reward_service" / "service.py"
+SCORER = "length_penalty"
+BUDGET = 4  # outputs are 1..3 tokens: rewards 0.75, 0.5, 0.25
+WEIGHT = 2.0
+GROUPS = 4
+
+
+def test_service_uses_no_tapioca_code():
+    src = SERVICE.read_text()
+    assert "import tapioca" not in src and "from tapioca" not in src
+    assert "jsonschema" in src and "confluent_kafka" in src
+
+
+def test_scorer_none_runs_no_builtin_scorer_and_archive_adds_the_archiver():
+    cfg = TrainConfig(reward=RewardConfig(scorer="none"), archive=ArchiveConfig(enabled=True))
+    roles = dict(role_counts(cfg))
+    assert "reward" not in roles and roles["archiver"] == 1
+    assert "archiver" not in dict(role_counts(TrainConfig()))
+    with pytest.raises(ConfigError, match="external service"):
+        build_role("reward", cfg)
+
+
+def _records(cfg: BusConfig, name: str) -> list:
+    with TopicReader(cfg, name) as reader:
+        return [r for r in reader.records(idle_s=0.5, timeout_s=30)]
+
+
+def _service_dead_letters(cfg: BusConfig) -> list:
+    group = f"{cfg.topic_prefix}.reward-service.{SCORER}"
+    return [r.event for r in _records(cfg, "dlq")
+            if r.event is not None and r.event.consumer_group == group]
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def test_a_run_whose_only_reward_is_the_external_service(broker, tmp_path, one_torch_thread):
+    bus = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:12]}",
+                    run_id="ext.run")
+    ensure_topics(bus)
+    cfg = TrainConfig(
+        experiment_name="ext", trial_name="run", run_dir=str(tmp_path / "runs"), bus=bus,
+        model=ModelConfig(path=str(create_tiny_checkpoint(tmp_path / "model"))),
+        train_dataset=DatasetConfig(prompts_per_step=2),
+        gconfig=GenerationConfig(n_samples=2, max_new_tokens=3),
+        rollout=RolloutConfig(max_head_offpolicyness=1),
+        reward=RewardConfig(scorer="none"),
+        # The external source, weighted: a sample's reward is 2 x the service's.
+        advantage=AdvantageConfig(reward_weights={SCORER: WEIGHT}))
+    assert [r for r, _ in role_counts(cfg)] == ["trainer", "advantage", "rollout", "feeder"]
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAPIOCA")}
+    log_path = tmp_path / "service.log"
+    with open(log_path, "wb") as log:
+        service = subprocess.Popen(
+            [sys.executable, str(SERVICE), "--bootstrap-server", broker.bootstrap,
+             "--prefix", bus.topic_prefix, "--scorer", SCORER, "--budget-tokens", str(BUDGET)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    runners = [RoleRunner(build_role(name, cfg), bus, member_id=f"{name}-0")
+               for name in ("advantage", "rollout", "feeder")]
+    errors: list[BaseException] = []
+
+    def go(r: RoleRunner) -> None:
+        try:
+            r.run(max_seconds=240)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in runners]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: len(_records(bus, "samples")) >= GROUPS or errors
+              or service.poll() is not None, 180, f"{GROUPS} samples")
+        assert service.poll() is None, log_path.read_text()
+        assert not errors, errors
+
+        # Bad input and a redelivery, as a producer bug or a crash would cause them.
+        traj_topic = bus.topic(topic("trajectories"))
+        first_traj = _records(bus, "trajectories")[0].event
+        with EventProducer(bus, "test") as producer:
+            producer.publish_raw(traj_topic, b"g-bad", b"{not json")
+            producer.publish_raw(traj_topic, b"g-bad", orjson.dumps(
+                {"type": "trajectory", "event_id": "x", "schema_version": 1,
+                 "traj_id": "t-bad"}))  # valid JSON, missing required fields
+            again = TrajectoryEvent(**{**first_traj.__dict__, "event_id": uuid.uuid4().hex})
+            producer.publish(again)
+        _wait(lambda: len(_service_dead_letters(bus)) >= 2, 60, "the service's dead letters")
+        time.sleep(1.5)  # give a (wrong) second reward for the redelivery time to appear
+    finally:
+        for r in runners:
+            r.stop()
+        for t in threads:
+            t.join(30)
+        service.send_signal(signal.SIGTERM)
+        try:
+            service.wait(20)
+        except subprocess.TimeoutExpired:
+            service.kill()
+            service.wait(5)
+    assert not errors, errors
+    assert service.returncode == 0, log_path.read_text()
+
+    trajectories = {r.event.traj_id: r for r in _records(bus, "trajectories")
+                    if r.event is not None}
+    rewards = [r for r in _records(bus, "rewards")]
+    # Every reward on rewards.v1 is the service's, valid for Tapioca's own decoder,
+    # one per trajectory (the redelivered one was not scored twice).
+    assert all(isinstance(r.event, RewardEvent) for r in rewards)
+    assert {r.event.scorer for r in rewards} == {SCORER}
+    assert sorted(r.event.traj_id for r in rewards) == sorted(trajectories)
+    assert len(rewards) == 2 * GROUPS
+    for r in rewards:
+        t = trajectories[r.event.traj_id]
+        assert r.event.reward == max(0.0, 1.0 - len(t.event.output_ids) / BUDGET)
+        assert r.event.run_id == "ext.run" and r.event.group_id == t.event.group_id
+        # Keyed by group_id with murmur2: the trajectory's partition number.
+        assert r.source.key == t.event.group_id and r.source.partition == t.source.partition
+
+    samples = [r.event for r in _records(bus, "samples")]
+    assert len(samples) == GROUPS and all(isinstance(s, SampleEvent) for s in samples)
+    by_traj = {r.event.traj_id: r.event.reward for r in rewards}
+    for s in samples:
+        assert not s.dropped_reason
+        assert [q.reward for q in s.sequences] == [WEIGHT * by_traj[q.traj_id]
+                                                   for q in s.sequences]
+
+    # The advantage processor dead-letters the same two records in its own group.
+    dead = _service_dead_letters(bus)
+    assert len(dead) == 2 and all(isinstance(d, DlqRecord) for d in dead)
+    assert {d.error_type for d in dead} == {"JSONDecodeError", "SchemaValidationError"}
+    assert b"{not json" in {original_payload(d) for d in dead}
+    assert all(d.source_topic == traj_topic and d.source_key == "g-bad" for d in dead)
+    # The service's own counts: the redelivered trajectory was seen and skipped.
+    counts = orjson.loads(log_path.read_text().split("stopped: ")[-1].splitlines()[0])
+    assert counts == {"scored": 2 * GROUPS, "duplicates": 1, "dead_lettered": 2,
+                      "other_runs": 0}
