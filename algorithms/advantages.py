@@ -1,38 +1,81 @@
-"""Reward shaping and outcome (group) advantage estimators.
+"""Reward shaping and outcome advantage estimators, with AReaL's normalisation levels.
 
 Consumes scalar rewards (one float per sample; a group is the ``n`` samples of one
 prompt) and emits one float advantage per sample, in the same order. Used by the
-group advantage processor, which keys groups by prompt; this module knows nothing
+group advantage processor (group-level parts, one group at a time) and as the
+pure-Python reference of the trainer's batch-level parts; this module knows nothing
 about keys, events or Kafka.
 
 Plain Python on purpose: no torch, no numpy. The advantage processor is a light
 consumer and groups are small (tens of samples), so exact ``math.fsum`` sums are
 cheap and give the same numbers on every machine.
 
+Normalisation (AReaL's ``NormConfig`` names)::
+
+    b_i = mean_j r_j                       mean_level "group"/"batch"
+        = (sum_j r_j - r_i) / (n - 1)      ... with mean_leave1out
+        = 0                                mean_level "none"
+    c_i = r_i - b_i
+    s   = sqrt(sum_i c_i^2 / d),  d = n - 1 if std_unbiased else n
+    A_i = c_i / (s + eps)                  std_level "group"/"batch"
+        = c_i                              std_level "none"
+
+The std is taken around the baseline that was subtracted (AReaL's convention): with
+``mean_level="none"`` it is the root mean square, and with a group mean followed by a
+batch std it is the spread of the group-centred values over the batch.
+
 Tapioca's conventions (peers differ; each one has a golden test):
 
 * **std**: population std (divide by ``n``) by default; ``std_unbiased=True``
   uses Bessel's correction (divide by ``n - 1``), which is what ``torch.std``
-  (verl's GRPO) does by default.
-* **eps**: added to the std, ``(r - mean) / (std + eps)``, default ``1e-6``.
-  It is not under a square root and not ``max(std, eps)``.
-* **singleton groups** (``n == 1``): advantage ``0.0`` for every estimator.
-  No baseline exists, and Bessel's std and RLOO's leave-one-out mean are
-  undefined; returning the raw reward instead would inject an un-baselined,
-  un-normalised signal on a different scale from the rest of the batch.
-* **all-equal rewards**: exactly ``0.0`` for every sample (checked explicitly, so
-  float round-off in the mean can never leak a tiny non-zero advantage).
+  (verl's GRPO) and AReaL (since v0.3.4) do by default.
+* **eps**: added to the std, ``(r - mean) / (std + eps)``, default ``1e-6``
+  (AReaL 1e-5). It is not under a square root and not ``max(std, eps)``.
+* **singleton groups** (``n == 1``): advantage ``0.0`` whenever a group mean is
+  subtracted (leave-one-out included; AReaL's leave-one-out keeps the raw reward).
+  No baseline exists, and returning the raw reward would inject an un-baselined
+  signal on a different scale from the rest of the batch. A group std of one
+  sample is undefined, so it is skipped (the value is left as is).
+* **all-equal rewards**: exactly ``0.0`` for every sample whenever a group mean is
+  subtracted (checked explicitly, so float round-off in the mean can never leak a
+  tiny non-zero advantage).
+* **extreme values**: the std is computed on values scaled by their largest
+  magnitude, so rewards near 1e300 do not overflow to an infinite std.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from tapioca.algorithms.errors import AlgorithmInputError
 
+#: Values of ``mean_level`` / ``std_level``.
+LEVELS: tuple[str, ...] = ("group", "batch", "none")
+
+#: Each estimator (``advantage.estimator``) as a normalisation preset. The processor
+#: applies the ``group`` parts; the trainer applies the ``batch`` parts over each
+#: training batch. ``gae``: the processor passes shaped rewards with advantage 0, the
+#: trainer computes GAE with its critic and then applies the batch levels.
+ESTIMATOR_NORMS: dict[str, dict[str, Any]] = {
+    "grpo": {"mean_level": "group", "std_level": "group", "mean_leave1out": False},
+    "dr_grpo": {"mean_level": "group", "std_level": "none", "mean_leave1out": False},
+    "lite_ppo": {"mean_level": "group", "std_level": "batch", "mean_leave1out": False},
+    "rloo": {"mean_level": "group", "std_level": "none", "mean_leave1out": True},
+    "reinforce_pp": {"mean_level": "batch", "std_level": "batch", "mean_leave1out": False},
+    "reinforce_pp_baseline": {"mean_level": "group", "std_level": "batch",
+                              "mean_leave1out": False},
+    "gae": {"mean_level": "batch", "std_level": "batch", "mean_leave1out": False},
+}
+
 #: Valid values of ``group_advantages(estimator=...)``.
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+ESTIMATORS: tuple[str, ...] = tuple(ESTIMATOR_NORMS)
+
+#: Estimators whose group-level part subtracts a group mean: singleton and all-equal
+#: groups give exact zeros for these.
+GROUP_BASELINE_ESTIMATORS: tuple[str, ...] = tuple(
+    e for e, n in ESTIMATOR_NORMS.items() if n["mean_level"] == "group")
 
 
 def shape_reward(
@@ -63,6 +106,136 @@ def shape_reward(
     return shaped
 
 
+def estimator_norm(estimator: str, *, eps: float = 1e-6,
+                   std_unbiased: bool = False) -> dict[str, Any]:
+    """The full normalisation (keyword arguments of :func:`normalize_group` /
+    :func:`normalize_batch`) of an estimator preset."""
+    if estimator not in ESTIMATOR_NORMS:
+        raise AlgorithmInputError(
+            f"unknown estimator {estimator!r}; use one of {', '.join(ESTIMATORS)}."
+        )
+    return {**ESTIMATOR_NORMS[estimator], "std_unbiased": std_unbiased, "eps": eps}
+
+
+def check_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
+               std_unbiased: bool = False, eps: float = 1e-6) -> None:
+    """Raise :class:`AlgorithmInputError` unless the normalisation is one Tapioca can run."""
+    for name, level in (("mean_level", mean_level), ("std_level", std_level)):
+        if level not in LEVELS:
+            raise AlgorithmInputError(
+                f"{name}={level!r}: use one of {', '.join(LEVELS)} (or null for none)."
+            )
+    if mean_level == "batch" and std_level == "group":
+        # The processor sees one group and cannot know the batch mean its std needs.
+        raise AlgorithmInputError(
+            "mean_level=batch with std_level=group is not supported: the group std "
+            "would need the batch mean. Use std_level batch or none."
+        )
+    if mean_leave1out and mean_level == "none":
+        raise AlgorithmInputError("mean_leave1out needs mean_level group or batch.")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise AlgorithmInputError(f"eps={eps!r} must be a finite number >= 0.")
+
+
+def _finite_values(values: Sequence[float], who: str) -> list[float]:
+    out = [float(v) for v in values]
+    if not out:
+        raise AlgorithmInputError(f"{who}: empty input; a group needs at least one reward.")
+    bad = [v for v in out if not math.isfinite(v)]
+    if bad:
+        raise AlgorithmInputError(
+            f"{who}: non-finite values {bad!r}; fix the reward function "
+            "(or shape_reward) before computing advantages."
+        )
+    return out
+
+
+def _centre(values: list[float], leave1out: bool) -> list[float]:
+    n = len(values)
+    total = math.fsum(values)
+    if leave1out:
+        # r_i - (sum - r_i)/(n-1) == n/(n-1) * (r_i - mean); the product form keeps
+        # the exact zeros of the plain centring.
+        mean = total / n
+        factor = n / (n - 1)
+        return [factor * (v - mean) for v in values]
+    mean = total / n
+    return [v - mean for v in values]
+
+
+def _scale(centred: list[float], *, std_unbiased: bool, eps: float) -> list[float]:
+    n = len(centred)
+    denom = n - 1 if std_unbiased else n
+    peak = max(abs(c) for c in centred)
+    if n == 1 or peak == 0.0:
+        # One value (no spread defined) or nothing to scale: left as is.
+        return centred
+    # Scale by the largest magnitude first so squares of huge values cannot overflow.
+    std = peak * math.sqrt(math.fsum((c / peak) ** 2 for c in centred) / denom)
+    return [c / (std + eps) for c in centred]
+
+
+def _normalize(values: list[float], *, level: str, mean_level: str, std_level: str,
+               mean_leave1out: bool, std_unbiased: bool, eps: float) -> list[float]:
+    n = len(values)
+    centred = values
+    if mean_level == level:
+        # Singleton and all-equal: no relative signal, exact zeros.
+        if n == 1 or max(values) == min(values):
+            return [0.0] * n
+        centred = _centre(values, mean_leave1out)
+    if std_level == level:
+        return _scale(centred, std_unbiased=std_unbiased, eps=eps)
+    return list(centred)
+
+
+def normalize_group(
+    rewards: Sequence[float],
+    *,
+    mean_level: str = "group",
+    std_level: str = "group",
+    mean_leave1out: bool = False,
+    std_unbiased: bool = False,
+    eps: float = 1e-6,
+) -> list[float]:
+    """The group-level parts of a normalisation, applied to one group's rewards.
+
+    Only levels equal to ``"group"`` act here; ``"batch"`` levels are the trainer's
+    (:func:`normalize_batch` over a training batch) and ``"none"`` does nothing.
+    See the module docstring for the formula and the edge-case conventions.
+    """
+    check_norm(mean_level=mean_level, std_level=std_level, mean_leave1out=mean_leave1out,
+               std_unbiased=std_unbiased, eps=eps)
+    values = _finite_values(rewards, "normalize_group")
+    return _normalize(values, level="group", mean_level=mean_level, std_level=std_level,
+                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
+
+
+def normalize_batch(
+    values: Sequence[float],
+    *,
+    mean_level: str = "batch",
+    std_level: str = "batch",
+    mean_leave1out: bool = False,
+    std_unbiased: bool = False,
+    eps: float = 1e-6,
+) -> list[float]:
+    """The batch-level parts of a normalisation, over one training batch.
+
+    ``values`` are the elements being normalised: one per sequence (the results of
+    :func:`normalize_group`) or, as the trainer does it (AReaL's masked
+    normalisation), one per trained token, so longer sequences weigh more. Only
+    ``"batch"`` levels act. When the group level subtracted a mean, the batch std is
+    the spread of the centred values around 0 (their batch mean is 0 for complete
+    groups when taken per sequence).
+    """
+    check_norm(mean_level=mean_level, std_level=std_level, mean_leave1out=mean_leave1out,
+               std_unbiased=std_unbiased, eps=eps)
+    vals = _finite_values(values, "normalize_batch")
+    return _normalize(vals, level="batch", mean_level=mean_level, std_level=std_level,
+                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
+
+
 def group_advantages(
     rewards: Sequence[float],
     *,
@@ -70,46 +243,19 @@ def group_advantages(
     eps: float = 1e-6,
     std_unbiased: bool = False,
 ) -> list[float]:
-    """Advantages of one group of samples of the same prompt.
+    """Group-level advantages of one group of samples of the same prompt.
 
-    * ``"grpo"``: ``(r_i - mean) / (std + eps)`` (population std unless
-      ``std_unbiased``).
+    * ``"grpo"``: ``(r_i - mean) / (std + eps)``.
     * ``"dr_grpo"``: ``r_i - mean`` (Dr. GRPO drops the std normalisation).
+    * ``"lite_ppo"``, ``"reinforce_pp_baseline"``: ``r_i - mean``; the trainer
+      divides by the batch std.
     * ``"rloo"``: ``r_i - mean(r_j, j != i) = n / (n - 1) * (r_i - mean)``.
-
-    ``eps`` and ``std_unbiased`` only matter for ``"grpo"``. Singleton groups and
-    all-equal groups give all zeros (see the module docstring).
+    * ``"reinforce_pp"``: ``r_i`` (no group baseline; batch mean and std in the trainer).
+    * ``"gae"``: ``0.0`` (the trainer computes GAE with its critic).
     """
-    if estimator not in ESTIMATORS:
-        raise AlgorithmInputError(
-            f"group_advantages: unknown estimator {estimator!r}; "
-            f"use one of {', '.join(ESTIMATORS)}."
-        )
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise AlgorithmInputError(f"group_advantages: eps={eps!r} must be a finite number >= 0.")
-    values = [float(r) for r in rewards]
-    n = len(values)
-    if n == 0:
-        raise AlgorithmInputError("group_advantages: empty group; a group needs at least one reward.")
-    bad = [r for r in values if not math.isfinite(r)]
-    if bad:
-        raise AlgorithmInputError(
-            f"group_advantages: non-finite rewards {bad!r}; fix the reward function "
-            "(or shape_reward) before computing advantages."
-        )
-    # Singleton and all-equal groups carry no relative signal: exact zeros.
-    if n == 1 or max(values) == min(values):
-        return [0.0] * n
-
-    mean = math.fsum(values) / n
-    centred = [r - mean for r in values]
-    if estimator == "dr_grpo":
-        return centred
-    if estimator == "rloo":
-        # Leave-one-out baseline: r_i - (sum - r_i)/(n-1) == n/(n-1) * (r_i - mean).
-        factor = n / (n - 1)
-        return [factor * c for c in centred]
-    # grpo
-    denom = n - 1 if std_unbiased else n
-    std = math.sqrt(math.fsum(c * c for c in centred) / denom)
-    return [c / (std + eps) for c in centred]
+    norm = estimator_norm(estimator, eps=eps, std_unbiased=std_unbiased)
+    check_norm(**norm)
+    values = _finite_values(rewards, "group_advantages")
+    if estimator == "gae":
+        return [0.0] * len(values)
+    return normalize_group(values, **norm)

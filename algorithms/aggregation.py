@@ -23,8 +23,18 @@ Tapioca's conventions (peers differ):
 * Masked positions are selected away with ``torch.where``, not multiplied by 0,
   so a NaN/inf sitting in a masked position (e.g. padding) cannot leak into the
   loss or its gradient.
-* Denominators are over this call's tensor only. Normalising across
-  micro-batches or ranks is the trainer's job.
+* Denominators are over this call's tensor only. A trainer that splits a batch
+  into micro-batches scales each micro-batch's loss by
+  ``agg_units(mask_mb, mode) / agg_units(mask_batch, mode)`` (tokens for
+  ``token-mean``, non-empty sequences for the ``seq-mean-*`` modes, which never
+  split a sequence): the summed gradients then equal the gradient of the
+  full-batch aggregated loss.
+
+Peers: verl's ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor``
+(default: the padded response length of the batch, which moves with padding);
+AReaL's ``loss_aggregation`` names ``token_mean`` (= ``token-mean``),
+``seq_mean`` (= ``seq-mean-token-mean``) and ``constant`` with a ``divisor``
+(= ``seq-mean-token-sum-norm`` with ``max_tokens = divisor``).
 """
 
 from __future__ import annotations
@@ -81,3 +91,16 @@ def aggregate_loss(
     n_seqs = (tokens_B > 0).sum().clamp(min=1).to(masked.dtype)
     # Empty rows have seq_loss 0 already; they are only excluded from n_seqs.
     return seq_loss_B.sum() / n_seqs
+
+
+def agg_units(mask_BT: torch.Tensor, mode: str = "token-mean") -> int:
+    """What ``mode`` averages over in ``mask_BT``: unmasked tokens for ``token-mean``,
+    sequences with at least one unmasked token otherwise (a host sync)."""
+    if mode not in AGG_MODES:
+        raise AlgorithmInputError(
+            f"agg_units: unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}."
+        )
+    mask = mask_BT.bool()
+    if mode == "token-mean":
+        return int(mask.sum())
+    return int((mask.sum(dim=-1) > 0).sum())

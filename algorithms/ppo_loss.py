@@ -1,4 +1,10 @@
-"""AReaL's decoupled PPO actor loss.
+"""AReaL's decoupled PPO actor loss (the default policy loss).
+
+``decoupled_ppo_loss`` is :func:`tapioca.algorithms.policy_losses.policy_loss`
+with the PPO surrogate; that module also has GSPO, SAPO, CISPO, M2PO, the
+entropy bonus and the pipeline they share, and
+:mod:`tapioca.algorithms.rejection_sampling` the behaviour weight, its cap and
+``rejection_sampling`` (IcePop, KPop).
 
 Consumes, per token and all of one shape (usually ``[B, T]``):
 
@@ -20,8 +26,15 @@ The loss per token (AReaL, "Decoupled PPO", arXiv:2505.24298)::
     w      = exp(prox_logp - behav_logp)             # detached off-policy weight
     loss_t = w * pg
 
+Config (``actor.*``, AReaL's names): ``eps_clip`` (0.2), ``eps_clip_higher``
+(null = ``eps_clip``; DAPO's clip-higher, e.g. 0.28), ``c_clip`` (null = off;
+dual clip, > 1), ``behav_imp_weight_cap`` (null = off), ``loss_agg_mode``
+(``token-mean``: DAPO's token-level loss).
+
 Tapioca's conventions (peers differ; each has a golden test):
 
+* **Behaviour weight** ``w`` always applies (every rollout is asynchronous);
+  AReaL multiplies by it only when ``rejection_sampling`` is set.
 * **Behaviour-weight cap**: with ``behav_imp_weight_cap`` set, tokens with
   ``w > cap`` get loss 0 but stay in the aggregation denominator (AReaL's
   choice), so the loss scale does not move with how many tokens the cap drops.
@@ -43,15 +56,13 @@ Tapioca's conventions (peers differ; each has a golden test):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tapioca.algorithms.aggregation import aggregate_loss
 from tapioca.algorithms.errors import AlgorithmInputError
+from tapioca.algorithms.policy_losses import policy_loss
+from tapioca.algorithms.rejection_sampling import LOG_RATIO_CLAMP
 
-#: Bound on |log-ratio| before exp (verl uses the same): e^20 ~ 4.9e8.
-LOG_RATIO_CLAMP = 20.0
+__all__ = ["LOG_RATIO_CLAMP", "decoupled_ppo_loss"]
 
 
 def decoupled_ppo_loss(
@@ -67,98 +78,22 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None = None,
     agg_mode: str = "token-mean",
     max_tokens: int | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss and its statistics; see the module docstring.
 
     ``eps_clip_higher`` (DAPO's clip-higher) defaults to ``eps_clip``. ``c_clip``
     must be > 1. ``max_tokens`` is passed to ``aggregate_loss`` (needed only by
-    ``"seq-mean-token-sum-norm"``).
+    ``"seq-mean-token-sum-norm"``). Other keyword arguments (GSPO's
+    ``importance_sampling_level``, ``rejection_sampling``, ``m2_threshold``,
+    ``entropy_BT``/``entropy_coeff`` ...) go to
+    :func:`~tapioca.algorithms.policy_losses.policy_loss`.
     """
-    shape = logprobs_BT.shape
-    for name, t in (
-        ("prox_logprobs", prox_logprobs_BT),
-        ("behav_logprobs", behav_logprobs_BT),
-        ("advantages", advantages_BT),
-        ("mask", mask_BT),
-    ):
-        if t.shape != shape:
-            raise AlgorithmInputError(
-                f"decoupled_ppo_loss: {name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}; "
-                "all per-token inputs must have the same shape."
-            )
-    if not 0.0 < eps_clip < 1.0:
-        raise AlgorithmInputError(f"decoupled_ppo_loss: eps_clip={eps_clip!r} must be in (0, 1).")
-    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-    if not eps_high > 0.0:
-        raise AlgorithmInputError(f"decoupled_ppo_loss: eps_clip_higher={eps_clip_higher!r} must be > 0.")
-    if c_clip is not None and not c_clip > 1.0:
-        raise AlgorithmInputError(f"decoupled_ppo_loss: c_clip={c_clip!r} must be > 1 (or None to disable).")
-    if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 0.0:
+    if kwargs.get("use_sapo_loss") or kwargs.get("use_cispo_loss"):
         raise AlgorithmInputError(
-            f"decoupled_ppo_loss: behav_imp_weight_cap={behav_imp_weight_cap!r} must be > 0 (or None)."
-        )
-
-    mask = mask_BT.bool()
-    zeros = torch.zeros_like(logprobs_BT)
-    prox = prox_logprobs_BT.detach()
-    adv = torch.where(mask, advantages_BT.detach(), zeros)
-
-    # Trust-region ratio pi_theta / pi_prox.
-    log_ratio = torch.where(mask, logprobs_BT - prox, zeros)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
-    pg1 = -adv * ratio
-    pg2 = -adv * clipped_ratio
-    clip_mask = (pg1.detach() < pg2.detach()) & mask
-    pg = torch.maximum(pg1, pg2)
-
-    if c_clip is not None:
-        # Dual clip (Ye et al. 2020): for A < 0 the unclipped -A*r grows without
-        # bound in r; cap it at -A*c_clip.
-        pg3 = -adv * c_clip
-        neg = adv < 0
-        dual_clip_mask = neg & (pg3 < pg.detach()) & mask
-        pg = torch.where(neg, torch.minimum(pg, pg3), pg)
-    else:
-        dual_clip_mask = torch.zeros_like(mask)
-
-    # Off-policy correction pi_prox / pi_behav: a constant weight, no gradient.
-    log_w = torch.where(mask, prox - behav_logprobs_BT.detach(), zeros)
-    w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    keep = mask
-    if behav_imp_weight_cap is not None:
-        # Compare in log space so the decision does not depend on the clamp.
-        keep = mask & (log_w <= math.log(behav_imp_weight_cap))
-    loss_BT = torch.where(keep, pg * w, zeros)
-
-    # Denominator: the loss mask, not `keep` (capped tokens count as zero loss).
-    loss = aggregate_loss(loss_BT, mask, agg_mode, max_tokens=max_tokens)
-
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1).to(torch.float64)
-        w_valid = torch.where(mask, w, zeros)
-        stats_t = torch.stack(
-            [
-                clip_mask.sum() / n,
-                dual_clip_mask.sum() / n,
-                w_valid.sum().double() / n,
-                # w > 0 and masked entries are 0, so the max over all is the
-                # max over unmasked tokens (0 when none); no host sync needed.
-                w_valid.max().double() if w_valid.numel() else n.new_zeros(()),
-                (mask & ~keep).sum() / n,
-                torch.where(mask, logprobs_BT.detach() - prox, zeros).sum().double() / n,
-                torch.where(mask, ratio.detach(), zeros).sum().double() / n,
-            ]
-        )
-    # One device->host copy for all statistics.
-    values = stats_t.tolist()
-    names = (
-        "clip_ratio",
-        "dual_clip_ratio",
-        "importance_weight_mean",
-        "importance_weight_max",
-        "behav_capped_ratio",
-        "approx_kl",
-        "ratio_mean",
-    )
-    return loss, dict(zip(names, values))
+            "decoupled_ppo_loss is the PPO surrogate; call policy_loss for SAPO or CISPO.")
+    return policy_loss(
+        logprobs_BT, prox_logprobs_BT, behav_logprobs_BT, advantages_BT, mask_BT,
+        eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
+        behav_imp_weight_cap=behav_imp_weight_cap, agg_mode=agg_mode, max_tokens=max_tokens,
+        **kwargs)

@@ -4,7 +4,10 @@ Field names follow AReaL where AReaL has one (``gconfig.n_samples``,
 ``rollout.max_head_offpolicyness``, ``actor.eps_clip``); new names carry their unit
 (``prompts_per_step``, ``max_new_tokens``, ``timeout_s``). Each ``__post_init__``
 validates its own section and says how to fix a bad value. Each role process is
-handed only the sections it needs (see :mod:`tapioca.config.sections`).
+handed only the sections it needs (see :mod:`tapioca.config.sections`). The
+algorithm sections (``NormConfig``, ``RejectionSamplingConfig``, ``CriticConfig``,
+``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tapioca.bus.settings import BusConfig
+# The algorithm sections live in config/algorithms.py; re-exported here, where
+# every caller imports config sections from.
+from tapioca.config.algorithms import (  # noqa: F401
+    CriticConfig,
+    DistillConfig,
+    NormConfig,
+    RefConfig,
+    RejectionSamplingConfig,
+)
 from tapioca.schemas.errors import ConfigError
 
 
@@ -103,34 +115,103 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    # Built-in scorer: "auto" picks the task's own reward (synthetic / math).
+    # Built-in scorer: "auto" picks the task's own reward (synthetic / math); "none"
+    # runs no built-in scorer process (rewards come only from external services,
+    # docs/reward-services.md).
     scorer: str = "auto"
     workers: int = 1
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.timeout_s > 0, "reward.timeout_s must be > 0")
+        _require(bool(self.scorer), "reward.scorer is empty: use auto, a task name, or none "
+                 "(no built-in scorer; rewards from an external service)")
 
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = "grpo"  # grpo | dr_grpo | rloo
+    """How rewards become advantages (advantage processor; batch levels in the trainer).
+
+    ``estimator`` picks a normalisation preset (see ``ESTIMATOR_NORMS`` in
+    ``tapioca.algorithms.advantages``): grpo, dr_grpo, lite_ppo, rloo, reinforce_pp,
+    reinforce_pp_baseline, gae. ``adv_norm`` (AReaL's name), when set, replaces the
+    preset entirely (its own ``eps``/``std_unbiased``); otherwise the preset's levels
+    use this section's ``eps`` and ``std_unbiased``. :meth:`norm` is the effective
+    one: the processor applies its ``group`` levels, the trainer its ``batch`` levels.
+    """
+
+    estimator: str = "grpo"
+    adv_norm: Optional[NormConfig] = None
     reward_bias: float = 0.0
     reward_scaling: float = 1.0
     reward_clip: Optional[float] = None
     eps: float = 1e-6
     std_unbiased: bool = False
+    # DAPO dynamic sampling: a group whose shaped rewards are all equal is not trained
+    # (emitted with dropped_reason "filtered: ..."; the batch keeps filling).
+    dynamic_sampling: bool = False
+    # DAPO soft overlong punishment (AReaL names); the limit is gconfig.max_new_tokens.
+    overlong_reward_penalty: bool = False
+    overlong_tokens: Optional[int] = None
+    overlong_penalty_factor: Optional[float] = None
+    # Several reward sources, keyed by RewardEvent.scorer: r = sum_s w_s * r_s, and a
+    # group completes only when every weighted source scored every trajectory. Empty:
+    # the first reward of a trajectory from any scorer.
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    # Seconds after a group's trajectories are all present before missing rewards are
+    # given up on (null: only group_timeout_s). missing_reward: drop | zero.
+    reward_timeout_s: Optional[float] = None
+    missing_reward: str = "drop"
     # A group still missing trajectories or rewards this long after its first event is
     # dropped (counted as rejected by the trainer, so the head gate frees its slot).
     group_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        from tapioca.algorithms.advantages import ESTIMATORS
+
         _require(self.group_timeout_s > 0, "advantage.group_timeout_s must be > 0")
-        _require(self.estimator in ("grpo", "dr_grpo", "rloo"),
-                 f"advantage.estimator={self.estimator!r}: use grpo, dr_grpo or rloo")
+        _require(self.estimator in ESTIMATORS,
+                 f"advantage.estimator={self.estimator!r}: use one of {', '.join(ESTIMATORS)}")
         _require(self.reward_clip is None or self.reward_clip > 0,
                  "advantage.reward_clip must be > 0 (or null for no clipping)")
         _require(self.reward_scaling != 0, "advantage.reward_scaling must not be 0")
+        _require(self.eps >= 0, "advantage.eps must be >= 0")
+        if self.estimator == "gae" and self.adv_norm is not None:
+            _require("group" not in (self.adv_norm.mean_level, self.adv_norm.std_level),
+                     "advantage.adv_norm: estimator gae computes advantages in the trainer, "
+                     "so only batch or none levels apply; set mean_level/std_level to "
+                     "batch or none")
+        if self.overlong_reward_penalty:
+            _require(self.overlong_tokens is not None and self.overlong_tokens >= 1,
+                     "advantage.overlong_tokens must be >= 1 with overlong_reward_penalty")
+            _require(self.overlong_penalty_factor is not None
+                     and self.overlong_penalty_factor >= 0,
+                     "advantage.overlong_penalty_factor must be >= 0 with "
+                     "overlong_reward_penalty")
+        for scorer, weight in self.reward_weights.items():
+            _require(weight != 0 and weight == weight and abs(weight) != float("inf"),
+                     f"advantage.reward_weights.{scorer}={weight}: weights must be finite "
+                     "and non-zero (remove a source instead of weighting it 0)")
+        _require(self.reward_timeout_s is None or self.reward_timeout_s > 0,
+                 "advantage.reward_timeout_s must be > 0 (or null for no reward timeout)")
+        # The group timeout runs from the group's first event, so a reward timeout as
+        # long would never fire: the group would always be dropped first.
+        if self.reward_timeout_s is not None:
+            _require(self.reward_timeout_s < self.group_timeout_s,
+                     f"advantage.reward_timeout_s={self.reward_timeout_s:g} must be less than "
+                     f"advantage.group_timeout_s={self.group_timeout_s:g}: lower "
+                     "reward_timeout_s or raise group_timeout_s")
+        _require(self.missing_reward in ("drop", "zero"),
+                 f"advantage.missing_reward={self.missing_reward!r}: use drop or zero")
+
+    def norm(self) -> NormConfig:
+        """The effective normalisation: ``adv_norm`` if set, else the estimator's preset."""
+        if self.adv_norm is not None:
+            return self.adv_norm
+        from tapioca.algorithms.advantages import ESTIMATOR_NORMS
+
+        return NormConfig(**ESTIMATOR_NORMS[self.estimator], std_unbiased=self.std_unbiased,
+                          eps=self.eps)
 
 
 @dataclass
@@ -143,11 +224,27 @@ class ActorConfig:
     eps_clip_higher: Optional[float] = None
     c_clip: Optional[float] = None
     behav_imp_weight_cap: Optional[float] = None
+    # --- token-level parts computed in the trainer (AReaL names) ---
+    # GAE / returns: discount (gamma) and lambda, per timestep; a timestep is every
+    # trained output token ("token") or every turn ("turn").
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    gae_timestep_unit: str = "token"
+    # KL to the reference model in the reward: r_t -= kl_ctl * KL_t (0 = off; AReaL's
+    # default is 0.1, Tapioca's 0 keeps the reference model unloaded unless asked for).
+    kl_ctl: float = 0.0
+    kl_estimator: str = "k1"
     # Tokens per micro-batch (prompt + output); gradients accumulate across them.
     mb_max_tokens: int = 16384
     # Tokens per chunk when computing logprobs / entropy from hidden states.
     logprob_chunk_tokens: int = 4096
     ppo_n_minibatches: int = 1
+    # True: pi_prox = the policy before this update (decoupled PPO). The first
+    # minibatch gets it exactly from its own training forward (free; with
+    # ppo_n_minibatches 1 that is the whole step); later minibatches per
+    # prox_logp_method. False: pi_prox = pi_behav (coupled PPO, behaviour weight 1),
+    # so the pi_prox/pi_behav filters (behav_imp_weight_cap, rejection_sampling,
+    # m2_threshold) could never fire and are refused.
     recompute_logprob: bool = True
     device: str = "cpu"
     # Master weights and optimizer state stay in param_dtype; forward/backward run
@@ -159,16 +256,50 @@ class ActorConfig:
     # 1 makes restarts exact. Larger values save time, but a crash (kill -9) between
     # checkpoints re-trains the groups of the steps after the last checkpoint.
     checkpoint_every_steps: int = 1
+    # --- policy loss (AReaL's names; formulas in tapioca.algorithms.policy_losses) ---
+    # token-mean (DAPO's token-level loss) | seq-mean-token-sum | seq-mean-token-mean |
+    # seq-mean-token-sum-norm (Dr. GRPO; divides by loss_agg_max_tokens).
+    loss_agg_mode: str = "token-mean"
+    # The constant divisor of seq-mean-token-sum-norm: set it to gconfig.max_new_tokens.
+    loss_agg_max_tokens: Optional[int] = None
+    # token: per-token ratio pi_theta/pi_prox (PPO); sequence: geometric mean over the
+    # sequence (GSPO).
+    importance_sampling_level: str = "token"
+    # SAPO: smooth sigmoid gate instead of the clip, temperature per advantage sign.
+    use_sapo_loss: bool = False
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # CISPO: clip the detached IS weight, gradient on every token (needs eps_clip_higher).
+    use_cispo_loss: bool = False
+    # M2PO: drop the tokens with the largest (log pi_prox/pi_behav)^2 until their mean
+    # is below this (null = off; the paper uses 0.04).
+    m2_threshold: Optional[float] = None
+    # Drop / clamp tokens by pi_prox-vs-pi_behav divergence (IcePop, KPop); null = off.
+    rejection_sampling: Optional[RejectionSamplingConfig] = None
+    # pi_prox of minibatches after the first (the first is exact anyway): recompute:
+    # no-grad forward with the pre-update weights | loglinear: interpolate by policy
+    # version, no forward pass | metrics: recompute and report loglinear's error.
+    prox_logp_method: str = "recompute"
+    # Entropy bonus: loss -= entropy_coeff * aggregated entropy of the current policy.
+    entropy_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
-        _require(0 < self.eps_clip < 1, "actor.eps_clip must be in (0, 1)")
+        _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
+                 "actor.eps_clip must be in (0, 1) (with use_cispo_loss also 1: no lower clip)")
         _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
                  "actor.eps_clip_higher must be > 0 (or null: same as eps_clip)")
         _require(self.c_clip is None or self.c_clip > 1,
                  "actor.c_clip (dual clip) must be > 1 (or null: off)")
         _require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
                  "actor.behav_imp_weight_cap must be > 1 (or null: off)")
+        _require(0 <= self.discount <= 1, "actor.discount must be in [0, 1]")
+        _require(0 <= self.gae_lambda <= 1, "actor.gae_lambda must be in [0, 1]")
+        _require(self.gae_timestep_unit in ("token", "turn"),
+                 f"actor.gae_timestep_unit={self.gae_timestep_unit!r}: use token or turn")
+        _require(self.kl_ctl >= 0, "actor.kl_ctl must be >= 0 (0 = no KL penalty)")
+        _require(self.kl_estimator in ("k1", "k2", "k3"),
+                 f"actor.kl_estimator={self.kl_estimator!r}: use k1, k2 or k3")
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.ppo_n_minibatches >= 1, "actor.ppo_n_minibatches must be >= 1")
         _require(self.checkpoint_every_steps >= 1, "actor.checkpoint_every_steps must be >= 1")
@@ -176,6 +307,176 @@ class ActorConfig:
                  "actor.param_dtype must be float32 or bfloat16")
         _require(self.autocast_dtype in ("", "bfloat16", "float16"),
                  "actor.autocast_dtype must be empty (off), bfloat16 or float16")
+        self._check_policy_loss()
+
+    def _check_policy_loss(self) -> None:
+        modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                 "seq-mean-token-sum-norm")
+        _require(self.loss_agg_mode in modes,
+                 f"actor.loss_agg_mode={self.loss_agg_mode!r}: use one of {', '.join(modes)}")
+        _require(self.loss_agg_mode != "seq-mean-token-sum-norm"
+                 or (self.loss_agg_max_tokens is not None and self.loss_agg_max_tokens >= 1),
+                 "actor.loss_agg_mode=seq-mean-token-sum-norm divides by a constant: set "
+                 "actor.loss_agg_max_tokens (e.g. to gconfig.max_new_tokens)")
+        _require(self.loss_agg_max_tokens is None or self.loss_agg_max_tokens >= 1,
+                 "actor.loss_agg_max_tokens must be >= 1 (or null)")
+        _require(self.importance_sampling_level in ("token", "sequence"),
+                 f"actor.importance_sampling_level={self.importance_sampling_level!r}: use "
+                 "token (PPO) or sequence (GSPO)")
+        _require(not (self.use_sapo_loss and self.use_cispo_loss),
+                 "actor.use_sapo_loss and actor.use_cispo_loss exclude each other: set one")
+        _require(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0,
+                 "actor.sapo_tau_pos and actor.sapo_tau_neg must be > 0")
+        if self.use_cispo_loss:
+            _require(self.eps_clip_higher is not None,
+                     "actor.use_cispo_loss needs actor.eps_clip_higher (CISPO's upper clip, "
+                     "e.g. 4.0, with eps_clip 1.0)")
+            _require(self.importance_sampling_level == "token",
+                     "actor.use_cispo_loss is token level only: set "
+                     "actor.importance_sampling_level=token")
+        _require(self.m2_threshold is None or self.m2_threshold > 0,
+                 "actor.m2_threshold must be > 0 (e.g. 0.04) or null (off)")
+        _require(self.behav_imp_weight_cap is None or self.rejection_sampling is None,
+                 "actor.behav_imp_weight_cap and actor.rejection_sampling both filter by "
+                 "pi_prox/pi_behav: set one (the cap = rejection_sampling {level: token, "
+                 "action: mask, metric: ratio, upper: cap})")
+        _require(self.prox_logp_method in ("recompute", "loglinear", "metrics"),
+                 f"actor.prox_logp_method={self.prox_logp_method!r}: use recompute, "
+                 "loglinear or metrics")
+        if not self.recompute_logprob:
+            on = [name for name in ("behav_imp_weight_cap", "rejection_sampling", "m2_threshold")
+                  if getattr(self, name) is not None]
+            _require(not on,
+                     f"actor.{' / actor.'.join(on)} filters tokens by pi_prox/pi_behav, but "
+                     "actor.recompute_logprob=false makes pi_prox the behaviour policy (ratio 1 "
+                     "on every token), so it could never fire: set recompute_logprob true "
+                     "(free with ppo_n_minibatches 1: pi_prox comes from the training forward) "
+                     f"or remove {', '.join(on)}")
+        _require(self.prox_logp_method == "recompute" or self.recompute_logprob,
+                 f"actor.prox_logp_method={self.prox_logp_method} approximates pi_prox, but "
+                 "actor.recompute_logprob=false uses the behaviour logprobs as pi_prox: set "
+                 "recompute_logprob true or prox_logp_method recompute")
+        _require(self.entropy_coeff >= 0, "actor.entropy_coeff must be >= 0 (0 = no bonus)")
+
+
+@dataclass
+class ProxyConfig:
+    """`tapioca proxy`: the OpenAI-compatible HTTP endpoint agents train through."""
+
+    host: str = "127.0.0.1"
+    # 0 = any free port (printed at start).
+    port: int = 8000
+    # Admin key: starts sessions (`POST /v1/sessions`). Empty: a random key is generated
+    # and printed at start.
+    api_key: str = ""
+    # The model name `/v1/models` lists (requests may name any model).
+    served_model_name: str = "tapioca"
+    # One request: prompt tokens + n x max_tokens.
+    max_tokens_per_request: int = 4096
+    # One session: prompt + generated tokens over all its calls (each call's usage.total_tokens).
+    max_tokens_per_session: int = 32768
+    max_request_bytes: int = 1_000_000
+    # A session idle this long expires (its key then gets 401 and its completions are
+    # dropped from its group).
+    session_ttl_s: float = 600.0
+    # Defaults of `POST /v1/sessions/{id}/end` (AReaL's export style / turn_discount).
+    end_mode: str = "concat"
+    turn_discount: float = 1.0
+    max_sessions: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "proxy.port must be in [0, 65535] (0 = any free port)")
+        _require(self.max_tokens_per_request >= 1, "proxy.max_tokens_per_request must be >= 1")
+        _require(self.max_tokens_per_session >= 1, "proxy.max_tokens_per_session must be >= 1")
+        _require(self.max_request_bytes >= 1024, "proxy.max_request_bytes must be >= 1024")
+        _require(self.session_ttl_s > 0, "proxy.session_ttl_s must be > 0")
+        _require(self.end_mode in ("concat", "per_completion"),
+                 f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
+        _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
+        _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+
+
+@dataclass
+class ArchiveConfig:
+    """The archiver role (consumers/archiver.py): every topic of the run to Parquet."""
+
+    # True: `tapioca train` also runs the archiver.
+    enabled: bool = False
+    # Empty: <run dir>/archive.
+    dir: str = ""
+    # A topic partition's buffer becomes a file at this many payload bytes ...
+    roll_bytes: int = 64 * 1024 * 1024
+    # ... or this long after its first buffered record, whichever comes first.
+    roll_interval_s: float = 60.0
+    # Registry topic names to archive; empty: all of them.
+    topics: list[str] = field(default_factory=list)
+    compression: str = "zstd"
+
+    def __post_init__(self) -> None:
+        from tapioca.schemas.registry import TOPICS
+
+        _require(self.roll_bytes >= 1, "archive.roll_bytes must be >= 1")
+        _require(self.roll_interval_s > 0, "archive.roll_interval_s must be > 0")
+        known = {t.name for t in TOPICS}
+        unknown = [t for t in self.topics if t not in known]
+        _require(not unknown, f"archive.topics: unknown {unknown}; use names from "
+                 f"{sorted(known)} (or [] for all)")
+        _require(self.compression in ("zstd", "snappy", "gzip", "lz4", "none"),
+                 f"archive.compression={self.compression!r}: use zstd, snappy, gzip, lz4 "
+                 "or none")
+
+
+@dataclass
+class AgentConfig:
+    """Agent mode (tapioca.agents): `tapioca train` runs the proxy, the agent runner(s),
+    the advantage processor and the trainer instead of feeder + rollout + reward. Each
+    prompt of ``train_dataset`` becomes ``gconfig.n_samples`` proxy sessions sharing a
+    group id; sampling comes from ``gconfig`` (``max_new_tokens`` per chat call)."""
+
+    enabled: bool = False
+    # math: answer, feedback, retry (multi-turn); tir: python + calculator tools;
+    # command: an unmodified program (``command``) pointed at the proxy.
+    workflow: str = "math"
+    # Runner processes (each plays groups concurrently). 0: none; drive the proxy's
+    # sessions from your own program (the proxy still trains on what they publish).
+    workers: int = 1
+    # math: answer attempts; tir: rounds of tool calls before the answer is forced.
+    max_turns: int = 3
+    # math: a correct answer at turn t (0-based) earns turn_discount ** t.
+    turn_discount: float = 0.5
+    feedback: str = "wrong, try again"
+    # concat: one trajectory per session (loss mask over model tokens); per_completion.
+    end_mode: str = "concat"
+    # Groups a runner plays (or waits at the head gate for) at once.
+    max_concurrent_groups: int = 64
+    request_timeout_s: float = 600.0
+    # Empty: this run's proxy (http://proxy.host:proxy.port/v1).
+    base_url: str = ""
+    tool_timeout_s: float = 5.0
+    tool_memory_mb: int = 512
+    system_prompt: str = ""
+    command: str = ""
+    command_timeout_s: float = 600.0
+    # A runner exits with an error after this many failed episodes in a row (0: never).
+    max_consecutive_failures: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_consecutive_failures >= 0,
+                 "agent.max_consecutive_failures must be >= 0 (0: never give up)")
+        _require(self.workflow in ("math", "tir", "command"),
+                 f"agent.workflow={self.workflow!r}: use math, tir or command")
+        _require(self.workers >= 0, "agent.workers must be >= 0 (0: no built-in runner)")
+        _require(self.max_turns >= 1, "agent.max_turns must be >= 1")
+        _require(0 < self.turn_discount <= 1, "agent.turn_discount must be in (0, 1]")
+        _require(self.end_mode in ("concat", "per_completion"),
+                 f"agent.end_mode={self.end_mode!r}: use concat or per_completion")
+        _require(self.max_concurrent_groups >= 1, "agent.max_concurrent_groups must be >= 1")
+        _require(self.request_timeout_s > 0, "agent.request_timeout_s must be > 0")
+        _require(self.tool_timeout_s > 0, "agent.tool_timeout_s must be > 0")
+        _require(self.tool_memory_mb >= 64, "agent.tool_memory_mb must be >= 64")
+        _require(self.workflow != "command" or bool(self.command.strip()),
+                 "agent.command is required for agent.workflow=command, e.g. "
+                 "'python examples/agents/openai_agent.py'")
 
 
 @dataclass
@@ -196,6 +497,12 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")

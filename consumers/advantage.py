@@ -3,14 +3,56 @@
 Consumes ``trajectories.v1`` and ``rewards.v1`` in one consumer group. Both are keyed
 by ``group_id`` with equal partition counts, so a group's events arrive on the same
 partition number of both topics and one member sees the whole group.
-Emits one ``SampleEvent`` per complete group on ``samples.v1`` keyed by ``group_id``:
-rewards shaped (bias, scale, clip) and turned into advantages (GRPO, Dr.GRPO, RLOO).
+Emits one ``SampleEvent`` per complete group on ``samples.v1`` keyed by ``group_id``.
 
-State is only "groups seen but not yet complete". A group still incomplete
-``group_timeout_s`` after its first event (a dead-lettered trajectory or reward, a
-crashed scorer, a fragment of a group emitted before a restart) is emitted as dropped
-(``dropped_reason``): the trainer counts it as rejected, the head gate frees its slot,
-and the commit floor moves on. Offsets are committed only up to
+Per trajectory, in this order (AReaL's): the reward (one source, or the weighted sum
+of several), plus DAPO's overlong penalty, then ``reward_bias`` / ``reward_scaling`` /
+``reward_clip``; per group, the ``group`` levels of the normalisation (estimator
+preset or ``advantage.adv_norm``). ``SampleSequence.reward`` is the shaped reward and
+``SampleSequence.advantage`` the group-level result; ``batch`` levels (and GAE for
+``estimator: gae``, whose advantages leave here as 0) are the trainer's.
+With ``dynamic_sampling`` a group whose shaped rewards are all equal is emitted with
+``dropped_reason`` ``"filtered: zero reward variance (all 1.0)"`` and its sequences
+(advantages 0): it stays in the log with its reason, the trainer counts it as
+rejected, the feeder's head gate frees its slot and the batch keeps filling.
+
+## Late, duplicate and missing rewards
+
+This is the contract an external reward service can rely on (``RewardEvent`` on
+``rewards.v1``, keyed by ``group_id``, one event per ``(traj_id, scorer)``):
+
+* **Sources.** Without ``advantage.reward_weights`` the first reward of a trajectory
+  from any scorer is used; when rewards from two different scorers are seen, a warning
+  is logged once per extra scorer and counted (``mixed_scorers``): set weights when
+  more than one source may publish. With weights (``{scorer: weight}``, keyed by
+  ``RewardEvent.scorer``) the reward is ``sum_s weight_s * reward_s`` and a group is
+  complete only when every weighted source has scored every trajectory. Rewards from
+  scorers without a weight are ignored and counted (``ignored_rewards``).
+* **Duplicates.** Idempotent by ``(traj_id, scorer)`` (by ``traj_id`` alone without
+  weights): the first reward wins; later ones, redeliveries included, change nothing
+  and are counted (``duplicate_rewards``).
+* **Late rewards.** A reward for a group already emitted, filtered or dropped is
+  ignored and counted (``late_rewards``). A sample is never revised. (The processor
+  remembers the last million group ids, in memory; a reward later than that, or one
+  re-read after a restart, opens a fragment that ``group_timeout_s`` drops and the
+  trainer ignores as already seen.)
+* **Missing rewards.** ``advantage.reward_timeout_s`` after a group's trajectories
+  are all present, rewards still missing are handled by ``advantage.missing_reward``:
+  ``drop`` emits the group with ``dropped_reason`` ``"reward timeout after 30 s:
+  missing judge for 2 of 4 trajectories"`` (the trainer counts it as rejected);
+  ``zero`` counts each missing weighted source (or missing reward, without weights)
+  as 0.0 and emits the group for training (counted as ``zero_filled``). Without a
+  reward timeout, and for groups whose trajectories never all arrive,
+  ``advantage.group_timeout_s`` after the group's first event drops it.
+* **Pauses.** Time while the member is paused (``tapioca pause advantage``) does not
+  count towards either timeout: on resume every pending group's timers move forward
+  by the paused time, since its remaining events are still waiting in Kafka.
+* **Bad values.** A NaN or infinite reward fails event validation and goes to the
+  dead-letter topic (with the reason); the group then waits for the reward timeout.
+
+## Keys, commits and restarts
+
+State is only "groups seen but not yet complete". Offsets are committed only up to
 the oldest event of an incomplete group, so after a crash the state is rebuilt by
 reading the log again; a group that completes twice is emitted twice with the same
 ``group_id`` and the trainer de-duplicates it.
@@ -18,29 +60,52 @@ reading the log again; a group that completes twice is emitted twice with the sa
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from tapioca.algorithms.advantages import group_advantages, shape_reward
+from tapioca.algorithms.advantages import check_norm, estimator_norm, normalize_group, shape_reward
+from tapioca.algorithms.errors import AlgorithmInputError
+from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
 from tapioca.bus.dedup import SeenSet
 from tapioca.bus.role import Role, Source
+from tapioca.config.schema import NormConfig
 from tapioca.schemas.envelope import Event
+from tapioca.schemas.errors import ConfigError
 from tapioca.schemas.events import RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent
+
+if TYPE_CHECKING:
+    from tapioca.config.sections import AdvantageSection
+
+log = logging.getLogger(__name__)
+
+_ANY = ""  # the scorer key of rewards when no weights are configured
 
 
 @dataclass
 class _PendingGroup:
+    first_seen: float
     group_size: int = 0  # known once a trajectory arrives (rewards may come first)
     trajectories: dict[str, TrajectoryEvent] = field(default_factory=dict)
-    rewards: dict[str, float] = field(default_factory=dict)
+    # (traj_id, scorer) -> reward; scorer is _ANY without weights.
+    rewards: dict[tuple[str, str], float] = field(default_factory=dict)
+    # When the last trajectory arrived: the reward timeout runs from here.
+    all_present_at: float | None = None
     # Earliest offset of this group's events per (topic, partition): the commit floor.
     first_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
-    first_seen: float = field(default_factory=time.monotonic)
 
-    def complete(self) -> bool:
-        return (self.group_size > 0 and len(self.trajectories) >= self.group_size
-                and all(t in self.rewards for t in self.trajectories))
+    def trajectories_complete(self) -> bool:
+        return self.group_size > 0 and len(self.trajectories) >= self.group_size
+
+    def missing(self, sources: tuple[str, ...]) -> dict[str, int]:
+        """Per source: how many present trajectories it has not scored."""
+        out = {}
+        for s in sources:
+            n = sum((t, s) not in self.rewards for t in self.trajectories)
+            if n:
+                out[s] = n
+        return out
 
 
 @dataclass
@@ -49,6 +114,16 @@ class AdvantageState:
     emitted: SeenSet = field(default_factory=SeenSet)
     groups_emitted: int = 0
     groups_dropped: int = 0
+    groups_filtered: int = 0
+    groups_zero_filled: int = 0
+    duplicate_rewards: int = 0
+    late_rewards: int = 0
+    ignored_rewards: int = 0
+    # Without weights: the scorers seen, and rewards from any but the first of them.
+    scorers_seen: list[str] = field(default_factory=list)
+    mixed_scorers: int = 0
+    # Clock reading when the member was paused (None while running).
+    paused_at: float | None = None
 
 
 class AdvantageProcessor(Role[AdvantageState]):
@@ -58,49 +133,146 @@ class AdvantageProcessor(Role[AdvantageState]):
     def __init__(self, *, estimator: str = "grpo", reward_bias: float = 0.0,
                  reward_scaling: float = 1.0, reward_clip: float | None = None,
                  eps: float = 1e-6, std_unbiased: bool = False,
-                 group_timeout_s: float = 600.0) -> None:
+                 adv_norm: Mapping[str, Any] | None = None,
+                 dynamic_sampling: bool = False,
+                 overlong_reward_penalty: bool = False, overlong_tokens: int | None = None,
+                 overlong_penalty_factor: float | None = None,
+                 max_new_tokens: int | None = None,
+                 reward_weights: Mapping[str, float] | None = None,
+                 reward_timeout_s: float | None = None, missing_reward: str = "drop",
+                 group_timeout_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            # adv_norm (keyword arguments of normalize_group) replaces the preset.
+            self.norm = dict(adv_norm) if adv_norm is not None else estimator_norm(
+                estimator, eps=eps, std_unbiased=std_unbiased)
+            check_norm(**self.norm)
+            # Carried on every SampleEvent: the trainer checks it matches its own config.
+            self.norm_spec = NormConfig(**self.norm).spec()
+        except (AlgorithmInputError, TypeError) as exc:
+            raise ConfigError(f"advantage normalisation: {exc}") from None
+        if overlong_reward_penalty and (overlong_tokens is None or overlong_penalty_factor is None
+                                        or not max_new_tokens):
+            raise ConfigError("overlong_reward_penalty needs overlong_tokens, "
+                              "overlong_penalty_factor and max_new_tokens")
+        if missing_reward not in ("drop", "zero"):
+            raise ConfigError(f"missing_reward={missing_reward!r}: use drop or zero")
         self.estimator = estimator
         self.reward_bias = reward_bias
         self.reward_scaling = reward_scaling
         self.reward_clip = reward_clip
-        self.eps = eps
-        self.std_unbiased = std_unbiased
+        self.dynamic_sampling = dynamic_sampling
+        self.overlong = ((max_new_tokens, overlong_tokens, overlong_penalty_factor)
+                         if overlong_reward_penalty else None)
+        self.reward_weights = dict(reward_weights or {})
+        # The reward sources a trajectory needs before its group is complete.
+        self.sources: tuple[str, ...] = tuple(sorted(self.reward_weights)) or (_ANY,)
+        self.reward_timeout_s = reward_timeout_s
+        self.missing_reward = missing_reward
         self.group_timeout_s = group_timeout_s
+        self._clock = clock
+
+    @classmethod
+    def from_section(cls, sec: AdvantageSection, **kwargs: Any) -> AdvantageProcessor:
+        a = sec.advantage
+        return cls(estimator=a.estimator, reward_bias=a.reward_bias,
+                   reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
+                   adv_norm=a.norm().as_kwargs(), dynamic_sampling=a.dynamic_sampling,
+                   overlong_reward_penalty=a.overlong_reward_penalty,
+                   overlong_tokens=a.overlong_tokens,
+                   overlong_penalty_factor=a.overlong_penalty_factor,
+                   max_new_tokens=sec.max_new_tokens, reward_weights=a.reward_weights,
+                   reward_timeout_s=a.reward_timeout_s, missing_reward=a.missing_reward,
+                   group_timeout_s=a.group_timeout_s, **kwargs)
 
     def init_state(self) -> AdvantageState:
         return AdvantageState()
 
     def handle(self, event: Event, state: AdvantageState, source: Source) -> Iterable[Event]:
-        group_id = event.group_id  # type: ignore[attr-defined]
-        if group_id in state.emitted:
-            return ()
         if not isinstance(event, (TrajectoryEvent, RewardEvent)):
             return ()
+        group_id = event.group_id
+        is_reward = isinstance(event, RewardEvent)
+        if group_id in state.emitted:
+            if is_reward:
+                state.late_rewards += 1
+            return ()
+        if is_reward and self.reward_weights and event.scorer not in self.reward_weights:
+            state.ignored_rewards += 1
+            return ()
+        if is_reward and not self.reward_weights:
+            self._note_scorer(state, event.scorer)
         # Trajectories and rewards travel on different topics: either may come first.
-        group = state.pending.setdefault(group_id, _PendingGroup())
+        group = state.pending.get(group_id)
+        if group is None:
+            group = state.pending[group_id] = _PendingGroup(first_seen=self._clock())
         if isinstance(event, TrajectoryEvent):
             group.group_size = event.group_size
             group.trajectories.setdefault(event.traj_id, event)
+            if group.all_present_at is None and group.trajectories_complete():
+                group.all_present_at = self._clock()
         else:
-            group.rewards.setdefault(event.traj_id, event.reward)
-        tp = (source.topic, source.partition)
-        group.first_offsets.setdefault(tp, source.offset)
-        if not group.complete():
+            key = (event.traj_id, event.scorer if self.reward_weights else _ANY)
+            if key in group.rewards:
+                state.duplicate_rewards += 1
+            else:
+                group.rewards[key] = event.reward
+        group.first_offsets.setdefault((source.topic, source.partition), source.offset)
+        if not group.trajectories_complete() or group.missing(self.sources):
             return ()
         # Built before the group leaves state: if shaping raises, the bus's retry (then
         # dead letter) sees the same complete group instead of an already-emitted one.
         sample = self._sample(group)
-        del state.pending[group_id]
-        state.emitted.first(group_id)
-        state.groups_emitted += 1
+        self._finish(state, group_id, sample)
         return (sample,)
 
-    def _sample(self, group: _PendingGroup) -> SampleEvent:
+    def _note_scorer(self, state: AdvantageState, scorer: str) -> None:
+        """Without weights, "first reward wins" races the sources against each other (a
+        leftover external service against the built-in scorer): say so once per scorer."""
+        seen = state.scorers_seen
+        if not seen:
+            seen.append(scorer)
+            return
+        if scorer == seen[0]:
+            return
+        state.mixed_scorers += 1
+        if scorer not in seen:
+            seen.append(scorer)
+            log.warning("rewards from scorers %s reach this run without advantage.reward_weights:"
+                        " the first reward of each trajectory wins, whichever source sent it; set"
+                        " advantage.reward_weights (e.g. {%s: 1.0}) or stop the extra source",
+                        ", ".join(repr(s) for s in seen), seen[0])
+
+    # ----------------------------------------------------------------------- building
+
+    def _raw_reward(self, group: _PendingGroup, traj_id: str, fill_missing: bool) -> float:
+        if not self.reward_weights:
+            if fill_missing:
+                return group.rewards.get((traj_id, _ANY), 0.0)
+            return group.rewards[(traj_id, _ANY)]
+        scores = {s: group.rewards[(traj_id, s)] for s in self.sources
+                  if (traj_id, s) in group.rewards}
+        if fill_missing:
+            scores = {s: scores.get(s, 0.0) for s in self.sources}
+        return weighted_reward(scores, self.reward_weights)
+
+    def _sample(self, group: _PendingGroup, fill_missing: bool = False) -> SampleEvent:
         trajs = sorted(group.trajectories.values(), key=lambda t: t.sample_index)
-        shaped = [shape_reward(group.rewards[t.traj_id], bias=self.reward_bias,
-                               scale=self.reward_scaling, clip=self.reward_clip) for t in trajs]
-        advantages = group_advantages(shaped, estimator=self.estimator, eps=self.eps,
-                                      std_unbiased=self.std_unbiased)
+        raw = [self._raw_reward(group, t.traj_id, fill_missing) for t in trajs]
+        if self.overlong is not None:
+            max_new, tail, factor = self.overlong
+            # Response length as AReaL counts it: the trained (loss-mask) tokens.
+            raw = [r + overlong_penalty(sum(t.loss_mask) if t.loss_mask else len(t.output_ids),
+                                        max_new_tokens=max_new, overlong_tokens=tail,
+                                        overlong_penalty_factor=factor)
+                   for r, t in zip(raw, trajs)]
+        shaped = [shape_reward(r, bias=self.reward_bias, scale=self.reward_scaling,
+                               clip=self.reward_clip) for r in raw]
+        filtered = self.dynamic_sampling and max(shaped) == min(shaped)
+        if filtered or self.estimator == "gae":
+            advantages = [0.0] * len(shaped)
+        else:
+            advantages = normalize_group(shaped, **self.norm)
         versions = [v for t in trajs for v in t.output_versions] or [0]
         first = trajs[0]
         return SampleEvent(
@@ -111,34 +283,95 @@ class AdvantageProcessor(Role[AdvantageState]):
                 SampleSequence(traj_id=t.traj_id, output_ids=t.output_ids,
                                behav_logprobs=t.output_logprobs, output_versions=t.output_versions,
                                reward=r, advantage=a, loss_mask=t.loss_mask,
-                               finish_reason=t.finish_reason)
+                               finish_reason=t.finish_reason,
+                               turn_boundaries=list(t.turn_boundaries))
                 for t, r, a in zip(trajs, shaped, advantages)
             ],
             group_index=first.group_index,
             min_version=min(versions),
             max_version=max(versions),
-            estimator=self.estimator,
+            estimator=self.estimator, adv_norm=self.norm_spec,
             task=first.task,
             run_id=first.run_id,
+            dropped_reason=(f"filtered: zero reward variance (all {round(shaped[0], 6)!r})"
+                            if filtered else ""),
         )
 
-    def on_tick(self, state: AdvantageState, now: float) -> Iterable[Event]:
-        deadline = time.monotonic() - self.group_timeout_s
-        out = []
-        for gid in [g for g, grp in state.pending.items() if grp.first_seen < deadline]:
-            group = state.pending.pop(gid)
-            state.emitted.first(gid)
+    def _finish(self, state: AdvantageState, group_id: str, sample: SampleEvent) -> None:
+        del state.pending[group_id]
+        state.emitted.first(group_id)
+        if sample.dropped_reason.startswith("filtered:"):
+            state.groups_filtered += 1
+        elif sample.dropped_reason:
             state.groups_dropped += 1
-            first = next(iter(group.trajectories.values()), None)
-            out.append(SampleEvent(
-                group_id=gid, prompt_id=first.prompt_id if first else "",
-                prompt_ids=list(first.prompt_ids) if first else [], sequences=[],
-                group_index=first.group_index if first else 0,
-                run_id=first.run_id if first else "default",
-                dropped_reason=(f"timeout after {self.group_timeout_s:.0f} s: "
-                                f"{len(group.trajectories)} of {group.group_size or '?'} "
-                                f"trajectories, {len(group.rewards)} rewards")))
+        else:
+            state.groups_emitted += 1
+
+    def _dropped(self, gid: str, group: _PendingGroup, reason: str) -> SampleEvent:
+        first = next(iter(group.trajectories.values()), None)
+        return SampleEvent(
+            group_id=gid, prompt_id=first.prompt_id if first else "",
+            prompt_ids=list(first.prompt_ids) if first else [], sequences=[],
+            group_index=first.group_index if first else 0, estimator=self.estimator,
+            adv_norm=self.norm_spec,
+            task=first.task if first else "",
+            run_id=first.run_id if first else "default", dropped_reason=reason)
+
+    # ----------------------------------------------------------------------- timeouts
+
+    def _on_reward_timeout(self, state: AdvantageState, gid: str,
+                           group: _PendingGroup) -> SampleEvent:
+        n = len(group.trajectories)
+        missing = group.missing(self.sources)
+        # Nothing missing: a complete group whose building failed (and was dead-lettered)
+        # in handle(); it is retried once here and dropped with the reason if it fails.
+        if self.missing_reward == "zero" or not missing:
+            try:
+                sample = self._sample(group, fill_missing=True)
+            except AlgorithmInputError as exc:  # a bad shaping config: drop, say why
+                return self._dropped(gid, group, f"reward timeout: cannot build the group: {exc}")
+            state.groups_zero_filled += bool(missing)
+            return sample
+        what = ", ".join(f"{s} for {k} of {n} trajectories" for s, k in missing.items())
+        if not self.reward_weights:
+            what = f"rewards for {missing[_ANY]} of {n} trajectories"
+        return self._dropped(gid, group, f"reward timeout after {self.reward_timeout_s:g} s: "
+                                         f"missing {what}")
+
+    def on_tick(self, state: AdvantageState, now: float) -> Iterable[Event]:
+        mono = self._clock()
+        out = []
+        for gid, group in list(state.pending.items()):
+            if (self.reward_timeout_s is not None and group.all_present_at is not None
+                    and mono - group.all_present_at >= self.reward_timeout_s):
+                sample = self._on_reward_timeout(state, gid, group)
+            elif mono - group.first_seen > self.group_timeout_s:
+                sample = self._dropped(gid, group, (
+                    f"timeout after {self.group_timeout_s:.0f} s: "
+                    f"{len(group.trajectories)} of {group.group_size or '?'} "
+                    f"trajectories, {len(group.rewards)} rewards"))
+            else:
+                continue
+            self._finish(state, gid, sample)
+            out.append(sample)
         return out
+
+    def on_pause(self, state: AdvantageState, paused: bool) -> None:
+        # Paused, the group's remaining events wait in Kafka: that time must not count
+        # towards its timeouts, else the first tick after a resume ends groups whose
+        # events were never read.
+        now = self._clock()
+        if paused:
+            if state.paused_at is None:
+                state.paused_at = now
+            return
+        if state.paused_at is None:
+            return
+        shift, state.paused_at = now - state.paused_at, None
+        for group in state.pending.values():
+            group.first_seen += shift
+            if group.all_present_at is not None:
+                group.all_present_at += shift
 
     def committable(self, state: AdvantageState, topic: str, partition: int, next_offset: int) -> int:
         floors = [g.first_offsets[(topic, partition)] for g in state.pending.values()
@@ -153,4 +386,8 @@ class AdvantageProcessor(Role[AdvantageState]):
 
     def describe(self, state: AdvantageState) -> dict[str, Any]:
         return {"pending_groups": len(state.pending), "emitted": state.groups_emitted,
-                "dropped": state.groups_dropped}
+                "dropped": state.groups_dropped, "filtered": state.groups_filtered,
+                "zero_filled": state.groups_zero_filled,
+                "duplicate_rewards": state.duplicate_rewards,
+                "late_rewards": state.late_rewards, "ignored_rewards": state.ignored_rewards,
+                "mixed_scorers": state.mixed_scorers}

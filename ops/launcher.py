@@ -5,10 +5,16 @@ creates the tiny model when ``model.path`` is empty, writes the resolved config 
 the run directory, launches the roles (``tapioca role NAME``), follows ``metrics.v1``
 for a live display, and stops every child cleanly when the trainer finishes, on
 Ctrl-C, or when a role dies (then exits non-zero with that role's error).
+
+Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
+(``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
+scorers; the launcher fixes the proxy's port and admin key in the written config so
+both sides read the same ones.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +29,13 @@ from tapioca.bus.settings import BOOTSTRAP_ENV
 from tapioca.config.loader import to_yaml
 from tapioca.config.schema import TrainConfig
 from tapioca.schemas.errors import TapiocaError
+
+log = logging.getLogger(__name__)
+
+
+# After the other roles stopped, how long the archiver may read their last events
+# (it polls continuously, so its lag is well under this) before it is stopped.
+ARCHIVER_CATCH_UP_S = 2.0
 
 
 class RoleFailedError(TapiocaError):
@@ -89,8 +102,59 @@ def prepare_run(cfg: TrainConfig) -> Path:
 
 
 def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
-    return [("trainer", 1), ("advantage", 1), ("reward", cfg.reward.workers),
-            ("rollout", cfg.rollout.workers), ("feeder", 1)]
+    # reward.scorer none: rewards come from an external service, no built-in scorer.
+    reward = 0 if cfg.reward.scorer == "none" else cfg.reward.workers
+    archiver = 1 if cfg.archive.enabled else 0
+    counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("reward", reward),
+              ("rollout", cfg.rollout.workers), ("feeder", 1)]
+    if cfg.agent.enabled:
+        # Agent mode: the proxy generates and publishes trajectories + session rewards;
+        # agent runners play the dataset's prompts through it (no feeder/rollout/reward).
+        counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
+                  ("agent", cfg.agent.workers)]
+    return [(role, n) for role, n in counts if n > 0]
+
+
+def role_command(role: str, member: int, config_path: Path) -> list[str]:
+    """The command line of one child process."""
+    if role == "proxy":
+        return [sys.executable, "-m", "tapioca.ops.cli", "proxy", "--config", str(config_path)]
+    if role == "agent":
+        return [sys.executable, "-m", "tapioca.agents.runner", "--config", str(config_path),
+                "--member", str(member)]
+    return [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
+            "--member", str(member)]
+
+
+def resolve_proxy_endpoint(cfg: TrainConfig) -> None:
+    """Agent mode: fix the proxy's port and admin key before the config is written, so
+    the proxy and the agent runners read the same ones (port 0 / an empty key would
+    otherwise be chosen by the proxy alone)."""
+    import secrets
+    import socket
+
+    if not cfg.proxy.api_key:
+        cfg.proxy.api_key = "tapioca-admin-" + secrets.token_hex(16)
+    if cfg.proxy.port == 0:
+        with socket.socket() as s:
+            s.bind((cfg.proxy.host, 0))
+            cfg.proxy.port = s.getsockname()[1]
+
+
+def last_member_warning(role: str, config_path: Path) -> str:
+    """What to tell the user when the last live member of ``role`` exited cleanly (a
+    drain): on stderr, since the CLI logs only warnings and the run does not stop."""
+    if role == "archiver":
+        return (f"warning: no archiver member left: the run goes on but is no longer "
+                f"archived; start one with `tapioca role archiver --config {config_path}`\n")
+    if role == "agent":
+        start = f"python -m tapioca.agents.runner --config {config_path}"
+    elif role == "proxy":
+        start = f"tapioca proxy --config {config_path}"
+    else:
+        start = f"tapioca role {role} --config {config_path}"
+    return (f"warning: no {role} member left: the run cannot progress; start one with "
+            f"`{start}` or stop the run (Ctrl-C)\n")
 
 
 class Launcher:
@@ -114,6 +178,8 @@ class Launcher:
             self.broker.start(detach=True)
             self.cfg.bus.bootstrap_servers = self.broker.bootstrap
         ensure_topics(self.cfg.bus)
+        if self.cfg.agent.enabled:
+            resolve_proxy_endpoint(self.cfg)
         config_path = self.config_path
         config_path.write_text(to_yaml(self.cfg))
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -139,8 +205,7 @@ class Launcher:
         log_path = Path(self.cfg.run_path) / "logs" / f"{role}-{member}.log"
         env = {**os.environ, BOOTSTRAP_ENV: self.cfg.bus.bootstrap_servers,
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
-               "--member", str(member)]
+        cmd = role_command(role, member, config_path)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -162,12 +227,23 @@ class Launcher:
                         continue
                     self._observe(ev.source, ev.step, ev.metrics)
                 self.summary.wall_s = time.monotonic() - start
-                for child in self.children:
+                for child in list(self.children):
                     code = child.proc.poll()
                     if code is None:
                         continue
                     if child.role == "trainer" and code == 0:
                         return self.summary
+                    if code == 0:
+                        # A clean exit of another role is a `tapioca drain`: the run goes on
+                        # (its work is committed; the rest of the group takes over) -- unless
+                        # it was the role's last member, which the user must hear about.
+                        log.info("role %s exited cleanly (drained)", child.label)
+                        self.children.remove(child)
+                        if not any(c.role == child.role and c.proc.poll() is None
+                                   for c in self.children):
+                            sys.stderr.write(last_member_warning(child.role, self.config_path))
+                            sys.stderr.flush()
+                        continue
                     raise RoleFailedError(
                         f"role {child.label} exited with code {code}; last lines of "
                         f"{child.log_path}:\n{child.log_tail()}")
@@ -188,20 +264,32 @@ class Launcher:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every role (its whole process group), wait, then kill what is left;
-        the broker goes last."""
-        for child in self.children:
+        agent runners first, the archiver after the others (so it reads their last
+        events), the broker last."""
+        archivers = [c for c in self.children if c.role == "archiver"]
+        # Agent runners before the proxy they talk to (else every open episode logs a
+        # connection error on the way down).
+        self._stop_children([c for c in self.children if c.role == "agent"], timeout_s)
+        self._stop_children([c for c in self.children if c.role not in ("archiver", "agent")],
+                            timeout_s)
+        if any(c.proc.poll() is None for c in archivers):
+            time.sleep(ARCHIVER_CATCH_UP_S)
+        self._stop_children(archivers, timeout_s)
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+
+    def _stop_children(self, children: list[Child], timeout_s: float) -> None:
+        for child in children:
             if child.proc.poll() is None:
                 _signal_group(child.proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
+        for child in children:
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(5)
-        if self.broker is not None:
-            self.broker.stop()
-            self.broker = None
 
     def __enter__(self) -> "Launcher":
         self.start()

@@ -1,1 +1,76 @@
-"""Placeholder: commands are registered here by the work in progress (see issues 4-6)."""
+"""Offline trainers on the RL run's backbone: `tapioca sft|dpo|rm|distill`.
+
+Each takes ``--config X.yaml`` plus dotted overrides (``actor.lr=1e-4 beta=0.2``),
+trains in this process, and prints where the run directory, metrics and final model
+are. With ``--bootstrap-server`` (or ``bus.bootstrap_servers`` / ``$TAPIOCA_BOOTSTRAP``)
+it also publishes ``WeightsEvent``s and ``MetricsEvent``s, and can read a run's logged
+trajectories (``train_dataset.source=topics``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import typer
+
+from tapioca.ops.cli import G, app, console, emit_json
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_CONFIG_HELP = "YAML config file (see examples/sft.yaml, dpo.yaml, reward_model.yaml, distill.yaml)."
+
+
+def _run(kind: str, config: Optional[str], overrides: list[str], output: str) -> None:
+    from tapioca.config.loader import load_config
+    from tapioca.config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
+    from tapioca.trainers.offline_loop import run_metadata
+
+    if output not in ("table", "json"):
+        raise typer.BadParameter("--output must be table or json")
+    # kind -> (config class, trainer module, entry point); imported on use (torch is slow to import)
+    classes = {"sft": (SFTConfig, "sft", "train_sft"), "dpo": (DPOConfig, "dpo", "train_dpo"),
+               "rm": (RewardModelConfig, "reward_model", "train_reward_model"),
+               "distill": (DistillConfig, "distill", "train_distill")}
+    cls, module, entry = classes[kind]
+    train = getattr(importlib.import_module(f"tapioca.trainers.{module}"), entry)
+    cfg = load_config(cls, config, overrides)
+    if G.bootstrap and not cfg.bus.bootstrap_servers:
+        cfg.bus.bootstrap_servers = G.bootstrap
+    if cfg.train_dataset.source == "topics" and not cfg.bus.bootstrap_servers:
+        # Reading a run's topics needs a broker: the embedded one of `tapioca broker up`
+        # (or a clear error saying how to name one).
+        from tapioca.ops.broker_state import resolve_bootstrap
+
+        cfg.bus.bootstrap_servers = resolve_bootstrap(None)
+    if G.prefix != "tapioca" and cfg.bus.topic_prefix == "tapioca":
+        cfg.bus.topic_prefix = G.prefix
+    summary = train(cfg)
+    meta = run_metadata(summary)
+    if output == "json":
+        emit_json(meta)
+        return
+    loss_key = {"sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss", "distill": "distill/loss"}[kind]
+    first, last = meta["first"].get(loss_key), meta["last"].get(loss_key)
+    trend = f"; {loss_key} {first:.4f} -> {last:.4f}" if first is not None and last is not None else ""
+    console.print(f"{kind}: {summary.steps} steps in {summary.wall_s:.1f} s{trend}")
+    console.print(f"metrics: {summary.run_dir}/metrics/metrics.jsonl; final model: {summary.final_model_dir}")
+
+
+def _register(kind: str, doc: str) -> None:
+    def command(ctx: typer.Context,
+                config: Optional[str] = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
+                output: str = typer.Option("table", "-o", "--output", help="table or json")) -> None:
+        _run(kind, config, list(ctx.args), output)
+
+    command.__doc__ = doc
+    app.command(kind, context_settings=_EXTRA)(command)
+
+
+_register("sft", "Supervised fine-tuning: masked NLL on responses, from a dataset or from a "
+                 "run's trajectories with reward >= train_dataset.min_reward.")
+_register("dpo", "DPO (loss_type sigmoid | ipo) against a frozen reference, from preference "
+                 "pairs or from a run's groups (best vs worst trajectory).")
+_register("rm", "Bradley-Terry reward model: a one-label classification head on the policy "
+                "backbone, trained on preference pairs.")
+_register("distill", "Knowledge distillation: forward KL(teacher || student) on dataset tokens, "
+                     "optionally mixed with NLL (kd_coef, nll_coef).")

@@ -18,22 +18,24 @@ from tapioca.config.sections import (
 )
 from tapioca.schemas.errors import ConfigError
 
-ROLES = ("feeder", "rollout", "reward", "advantage", "trainer")
+ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver")
 
 
-def _torch_threads(n: int) -> None:
+def set_torch_threads(n: int) -> None:
+    """Intra-op threads of this process's PyTorch (at least 1); shared by the role
+    builders and `tapioca proxy`."""
     import torch
 
     torch.set_num_threads(max(1, n))
 
 
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from tapioca.models.tokenizer import load_tokenizer
 
     if not path:
         raise ConfigError("model.path is empty; `tapioca train` creates the tiny model, or set "
                           "model.path to a local Hugging Face directory")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load_tokenizer(path)
 
 
 def dataset_rows(ds: DatasetConfig, seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
@@ -90,7 +92,7 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     from tapioca.producers.rollout import RolloutWorker
 
     sec = rollout_section(cfg)
-    _torch_threads(sec.rollout.torch_threads)
+    set_torch_threads(sec.rollout.torch_threads)
     model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
                                                 device=sec.rollout.device)
 
@@ -117,6 +119,10 @@ def build_reward(cfg: TrainConfig) -> Role:
     from tapioca.tasks.base import get_task
 
     sec = reward_section(cfg)
+    if sec.reward.scorer == "none":
+        raise ConfigError("reward.scorer is none: this run has no built-in scorer process "
+                          "(rewards come from an external service, docs/reward-services.md); "
+                          "set reward.scorer to auto or a task name to run one")
     fixed = None if sec.reward.scorer == "auto" else get_task(sec.reward.scorer)
 
     from tapioca.tasks.math_reward import math_reward
@@ -139,11 +145,7 @@ def build_reward(cfg: TrainConfig) -> Role:
 def build_advantage(cfg: TrainConfig) -> Role:
     from tapioca.consumers.advantage import AdvantageProcessor
 
-    a = advantage_section(cfg).advantage
-    return AdvantageProcessor(estimator=a.estimator, reward_bias=a.reward_bias,
-                              reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
-                              eps=a.eps, std_unbiased=a.std_unbiased,
-                              group_timeout_s=a.group_timeout_s)
+    return AdvantageProcessor.from_section(advantage_section(cfg))
 
 
 def build_trainer(cfg: TrainConfig) -> Role:
@@ -152,7 +154,7 @@ def build_trainer(cfg: TrainConfig) -> Role:
     from tapioca.trainers.trainer import Trainer
 
     sec = trainer_section(cfg)
-    _torch_threads(sec.actor.torch_threads)
+    set_torch_threads(sec.actor.torch_threads)
     import torch
 
     torch.manual_seed(sec.seed)
@@ -161,6 +163,16 @@ def build_trainer(cfg: TrainConfig) -> Role:
     actor = PPOActor(model, sec.actor, temperature=sec.temperature,
                      pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)
     return Trainer(actor, sec)
+
+
+def build_archiver(cfg: TrainConfig) -> Role:
+    from tapioca.config.sections import archive_section
+    from tapioca.consumers.archiver import ALL_TOPICS, Archiver
+
+    sec = archive_section(cfg)
+    a = sec.archive
+    return Archiver(sec.dir, topics=tuple(a.topics) or ALL_TOPICS, roll_bytes=a.roll_bytes,
+                    roll_interval_s=a.roll_interval_s, compression=a.compression)
 
 
 def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
@@ -174,4 +186,6 @@ def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
         return build_advantage(cfg)
     if name == "trainer":
         return build_trainer(cfg)
+    if name == "archiver":
+        return build_archiver(cfg)
     raise ConfigError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")

@@ -112,6 +112,9 @@ class SampleSequence:
     advantage: float
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
+    # Output-token offsets where turns start (copied from the TrajectoryEvent); the
+    # trainer's turn-level GAE uses them. Empty: turns are the runs of loss_mask 1.
+    turn_boundaries: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -132,6 +135,10 @@ class SampleEvent(Event):
     min_version: int = 0
     max_version: int = 0
     estimator: str = "grpo"
+    # The processor's effective normalisation (NormConfig.spec(), e.g. "mean=group
+    # std=group leave1out=0 unbiased=0 eps=1e-06"); the trainer refuses a mismatch with
+    # its own. Empty (events from before this field): not compared.
+    adv_norm: str = ""
     task: str = ""
     # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
     # trainer counts it as rejected, which frees its slot in the feeder's head gate.

@@ -165,3 +165,39 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def start_proxy(broker, one_torch_thread):
+    """``start_proxy(model_dir, api_key="test-admin-key", run_id="proxytest.t0", seed=3,
+    **overrides) -> (ProxyServer, BusConfig)``: the agent proxy as `tapioca proxy` builds
+    it (``build_proxy_service``), serving the model in ``model_dir`` on a free loopback
+    port, over a fresh topic prefix of the module's broker. ``overrides`` are config
+    fields as ``section__field=value`` (e.g. ``proxy__session_ttl_s=5.0``,
+    ``gconfig__max_new_tokens=2``). Every proxy still running when the module ends is
+    stopped; stopping one earlier (``server.stop()``) is fine."""
+    from tapioca.config.schema import ModelConfig, TrainConfig
+    from tapioca.ops.proxy_cli import build_proxy_service
+    from tapioca.producers.proxy import ProxyServer
+
+    servers: list = []
+
+    def start(model_dir: str, *, api_key: str = "test-admin-key", run_id: str = "proxytest.t0",
+              seed: int = 3, **overrides: Any):
+        bus = make_bus_cfg(broker.bootstrap, run_id=run_id)
+        experiment, _, trial = run_id.partition(".")
+        cfg = TrainConfig(experiment_name=experiment, trial_name=trial or "t0", seed=seed,
+                          model=ModelConfig(path=model_dir))
+        cfg.bus = bus
+        cfg.proxy.api_key = api_key
+        cfg.proxy.port = 0
+        for key, value in overrides.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        server = ProxyServer(build_proxy_service(cfg), "127.0.0.1", 0).start()
+        servers.append(server)
+        return server, bus
+
+    yield start
+    for server in servers:
+        server.stop()

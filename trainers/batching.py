@@ -8,7 +8,7 @@ output token the loss trains on (loss mask 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,12 @@ class SeqItem:
     # Per-output-token advantages (GAE, KL-in-reward, batch normalisation): when set
     # they replace the scalar ``advantage`` for every token.
     token_advantages: list[float] | None = None
+    # Output-token offsets where turns start (turn-level GAE); empty: loss-mask runs.
+    turn_boundaries: list[int] = field(default_factory=list)
+    # Critic targets per output token, set with the advantages when a critic trains:
+    # the value before the update and the GAE return.
+    token_values: list[float] | None = None
+    token_returns: list[float] | None = None
 
     @property
     def length(self) -> int:
@@ -50,6 +56,7 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 loss_mask=list(seq.loss_mask) if seq.loss_mask else [1] * n,
                 advantage=seq.advantage,
                 reward=seq.reward,
+                turn_boundaries=list(seq.turn_boundaries),
             ))
     return items
 
@@ -80,6 +87,9 @@ class TensorBatch:
     behav_logprobs_BT: torch.Tensor  # [B, T-1]
     advantages_BT: torch.Tensor  # [B, T-1]
     versions_BT: torch.Tensor  # [B, T-1], -1 where not an output token
+    # Only when every item carries them (a critic step): value before the update, return.
+    old_values_BT: torch.Tensor | None = None  # [B, T-1]
+    returns_BT: torch.Tensor | None = None  # [B, T-1]
 
     @property
     def n_tokens(self) -> int:
@@ -111,4 +121,18 @@ def to_tensors(items: list[SeqItem], pad_token_id: int, device: torch.device | s
         else:
             adv[b, sl] = it.advantage
         versions[b, sl] = torch.tensor(it.versions)
-    return TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)))
+    batch = TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)))
+    if all(it.token_values is not None and it.token_returns is not None for it in items):
+        old_values = torch.zeros((B, T - 1), dtype=torch.float32)
+        returns = torch.zeros((B, T - 1), dtype=torch.float32)
+        for b, it in enumerate(items):
+            sl = slice(it.prompt_len - 1, it.length - 1)
+            old_values[b, sl] = torch.tensor(it.token_values, dtype=torch.float32)
+            returns[b, sl] = torch.tensor(it.token_returns, dtype=torch.float32)
+        batch.old_values_BT, batch.returns_BT = old_values.to(device), returns.to(device)
+    return batch
+
+
+def output_slice(item: SeqItem) -> slice:
+    """Where an item's output tokens sit in the ``[B, T-1]`` per-token tensors."""
+    return slice(item.prompt_len - 1, item.length - 1)

@@ -12,11 +12,21 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - De-duplication by ``group_id`` against the groups trained or rejected so far, which
   the checkpoint records; offsets are committed only up to what the last checkpoint
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
+- A sample made for another advantage config (``SampleEvent.estimator`` or
+  ``adv_norm`` differing from this trainer's ``advantage`` section) stops the trainer
+  with a FatalRoleError, uncommitted: it would train silently wrong advantages.
+- Token-level parts (:mod:`tapioca.trainers.token_advantages`): GAE with a critic,
+  KL to a reference in the reward, batch-level normalisation, on-policy distillation.
+  The critic trains after the policy on the same batch and is checkpointed with it
+  (``checkpoints/critic_v<version>.pt``, written before ``trainer.pt``, so the file of
+  the checkpointed version always exists).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,8 +43,13 @@ from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
+from tapioca.trainers.critic import Critic
 from tapioca.trainers.metrics_sink import MetricsSink
 from tapioca.trainers.ppo_actor import PPOActor
+from tapioca.trainers.reference import FrozenLogprobModel
+from tapioca.trainers.token_advantages import TokenAdvantages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,14 +75,22 @@ class Trainer(Role[TrainerState]):
     group_inputs = ("samples",)
 
     def __init__(self, actor: PPOActor, section: TrainerSection, *, member_id: str = "trainer",
-                 keep_weight_versions: int = 8) -> None:
+                 keep_weight_versions: int = 8, critic: Critic | None = None,
+                 reference: FrozenLogprobModel | None = None,
+                 teacher: FrozenLogprobModel | None = None) -> None:
         self.actor = actor
         self.cfg = section
         self.member_id = member_id
         self.run_dir = Path(section.run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
         self.keep_weight_versions = keep_weight_versions
+        # Built before init_state loads a checkpoint: a reference copied from the policy
+        # is the initial policy.
+        self.token_adv = TokenAdvantages.from_section(section, actor, critic=critic,
+                                                      reference=reference, teacher=teacher)
+        self.critic = self.token_adv.critic
         self.sink = MetricsSink(self.run_dir / "metrics")
+        self._norm_spec = section.advantage.norm().spec()
 
     # ------------------------------------------------------------------ start
 
@@ -76,6 +99,8 @@ class Trainer(Role[TrainerState]):
         resumed = progress is not None
         if progress is None:
             progress = TrainerProgress()
+        elif self.critic is not None:
+            self._load_critic(progress.version)
         state = TrainerState(progress, set(progress.trained_groups), set(progress.rejected_groups))
         for key, off in progress.offsets.items():
             topic, _, part = key.rpartition(":")
@@ -120,6 +145,7 @@ class Trainer(Role[TrainerState]):
 
     def handle(self, event: Event, state: TrainerState, source: Source) -> Iterable[Event]:
         assert isinstance(event, SampleEvent)
+        self._check_made_for_me(event)
         state.handled_to[(source.topic, source.partition)] = source.offset + 1
         gid = event.group_id
         if gid in state.trained or gid in state.rejected or any(
@@ -144,13 +170,35 @@ class Trainer(Role[TrainerState]):
             return ()
         return self._step(state)
 
+    def _check_made_for_me(self, event: SampleEvent) -> None:
+        """Samples normalised for another advantage config would train silently wrong
+        (e.g. gae samples carry advantage 0, left to the trainer's GAE; a group-level
+        processor with a batch-level trainer normalises twice): stop, uncommitted."""
+        own = self.cfg.advantage.estimator
+        if event.estimator != own:
+            raise FatalRoleError(
+                f"group {event.group_id} was made by an advantage processor with "
+                f"advantage.estimator {event.estimator}, but this trainer's estimator is "
+                f"{own}: the advantages mean something else here. Give the advantage "
+                "processor and the trainer the same advantage section and restart them")
+        if event.adv_norm and event.adv_norm != self._norm_spec:
+            raise FatalRoleError(
+                f"group {event.group_id} was normalised as '{event.adv_norm}' by the advantage "
+                f"processor, but this trainer's advantage config gives '{self._norm_spec}' "
+                "(advantage.adv_norm, or the estimator preset with advantage.eps / "
+                "std_unbiased). Give both roles the same advantage section and restart them")
+
     def _step(self, state: TrainerState) -> list[Event]:
         batch = state.buffer[: self.cfg.prompts_per_step]
         samples = [s for s, _ in batch]
         v_before = state.progress.version
         t0 = time.perf_counter()
         try:
-            result = self.actor.train_step(flatten_groups(samples))
+            items = flatten_groups(samples)
+            token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
+            result = self.actor.train_step(items, policy_version=state.progress.version)
+            if self.critic is not None:
+                token_metrics.update(self.critic.train_step(items))
         except Exception as exc:
             # Retrying the triggering event would lose the rest of the batch; a failed
             # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
@@ -171,6 +219,7 @@ class Trainer(Role[TrainerState]):
         if p.version % self.cfg.actor.checkpoint_every_steps == 0 or p.version >= self.cfg.total_train_steps:
             self._checkpoint(state)
         metrics = dict(result.metrics)
+        metrics.update(token_metrics)
         metrics.update({
             "reward/mean": state.last_reward,
             "reward/max": max(rewards, default=0.0),
@@ -203,7 +252,30 @@ class Trainer(Role[TrainerState]):
             key = (src.topic, src.partition)
             offsets[key] = min(offsets.get(key, src.offset), src.offset)
         p.offsets = {f"{t}:{part}": off for (t, part), off in offsets.items()}
+        if self.critic is not None:
+            # Before trainer.pt: whichever version trainer.pt names, its critic file exists.
+            path = self._critic_path(p.version)
+            tmp = path.with_suffix(".tmp")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.critic.state_dict(), tmp)
+            os.replace(tmp, path)
         save_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer, p)
+        if self.critic is not None:
+            for old in path.parent.glob("critic_v*.pt"):
+                if old != path:
+                    old.unlink(missing_ok=True)
+
+    def _critic_path(self, version: int) -> Path:
+        return self.ckpt_path.parent / f"critic_v{version:06d}.pt"
+
+    def _load_critic(self, version: int) -> None:
+        path = self._critic_path(version)
+        if not path.exists():
+            # E.g. a GRPO run resumed with estimator gae: the critic starts fresh.
+            log.warning("no critic checkpoint %s for version %d; the critic starts from its "
+                        "initial weights", path, version)
+            return
+        self.critic.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         if state.announce_rejections:
@@ -225,6 +297,73 @@ class Trainer(Role[TrainerState]):
             self._checkpoint(state)
         self.sink.close()
         return final
+
+    def on_control(self, command, state: TrainerState) -> tuple[bool, str, list[Event]]:
+        """Operator commands beyond pause / resume / drain (bus/fleet.py). ``rollback``
+        (args ``version``, ``sha256``; sent by `tapioca weights rollback`): load that
+        version's weights file (checksum verified) and publish it as the NEW version v+1
+        with ``rollback_of`` set, so versions stay monotonic and the staleness rules hold;
+        then checkpoint. Old files are deleted after ``keep_weight_versions`` versions.
+        The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
+        of that version when one exists, else keeps its weights with a fresh optimizer
+        state (a warning says so; see :meth:`_rollback_critic`)."""
+        from tapioca.models.weight_files import load_verified
+
+        if command.command != "rollback":
+            return super().on_control(command, state)
+        try:
+            target = int(command.args["version"])
+            sha256 = str(command.args["sha256"])
+        except (KeyError, TypeError, ValueError):
+            return False, "rollback needs args version (int) and sha256 (of its weights file)", []
+        p = state.progress
+        if not 0 <= target < p.version:
+            return False, (f"cannot roll back to version {target}: the current version is "
+                           f"{p.version}; pick an earlier one (`tapioca weights list`)"), []
+        path = self.run_dir / "weights" / f"v{target:06d}.safetensors"
+        if not path.exists():
+            return False, (f"the weights file of version {target} ({path}) is gone: the trainer "
+                           f"keeps only the last keep_weight_versions={self.keep_weight_versions} "
+                           "versions; roll back to a newer one"), []
+        tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
+        own = self.actor.model.state_dict()
+        wrong = [k for k, t in tensors.items() if k not in own or own[k].shape != t.shape]
+        if wrong:
+            return False, (f"version {target}'s file does not fit the model ({len(wrong)} "
+                           f"tensors, e.g. {wrong[0]}); was the model changed?"), []
+        with torch.no_grad():  # tied weights were saved once; copying one sets both
+            for name, tensor in tensors.items():
+                own[name].copy_(tensor)
+        # Adam's moments belong to the abandoned later versions and would push the restored
+        # weights back toward them; the rolled-back policy starts them afresh.
+        self.actor.optimizer.state.clear()
+        critic_note = self._rollback_critic(target, p.version) if self.critic is not None else ""
+        p.version += 1
+        p.last_group_ids = []
+        weights = self._publish_weights(state, [])
+        weights.rollback_of = target
+        self._checkpoint(state)
+        # The rollback's version counts like a step, so it can reach the step budget.
+        if p.version >= self.cfg.total_train_steps:
+            state.done = True
+        return (True, f"version {p.version} published with the weights of version {target}"
+                f"{critic_note}", [weights])
+
+    def _rollback_critic(self, target: int, current: int) -> str:
+        """Bring the critic back to ``target`` with the policy: its checkpoint of that
+        version if one is on disk (only the newest is kept, so usually only when
+        ``checkpoint_every_steps`` > 1 left later versions unsaved), else keep its
+        weights but reset its Adam moments, which belong to the abandoned versions."""
+        path = self._critic_path(target)
+        if path.exists():
+            self.critic.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            return f"; critic restored from {path.name}"
+        self.critic.optimizer.state.clear()
+        log.warning("rollback to version %d: no critic checkpoint of that version (%s); the "
+                    "critic keeps the weights it learned on versions %d..%d (now abandoned) "
+                    "and restarts its optimizer state", target, path, target + 1, current)
+        return (f"; no critic checkpoint of version {target}: the critic keeps its weights "
+                "(learned on the abandoned versions), its optimizer state is reset")
 
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),

@@ -321,8 +321,14 @@ def test_trainer_step_weights_metrics_and_commit(bus_cfg, tiny_ckpt, tokenizer, 
     # The version-0 announcement at start comes first; nothing past version 1.
     assert [e.version for e in weights.events] == [0, 1]
 
-    wait_until(lambda: any(e.step == 1 for e in metrics.poll()), what="trainer metrics")
-    (m1,) = [e for e in metrics.events if isinstance(e, MetricsEvent) and e.step == 1]
+    # The runner's own status events (step = events handled) share the topic: pick the
+    # trainer's step metrics by their content.
+    def step_metrics():
+        return [e for e in metrics.events
+                if isinstance(e, MetricsEvent) and e.step == 1 and "reward/mean" in e.metrics]
+
+    wait_until(lambda: metrics.poll() is not None and bool(step_metrics()), what="trainer metrics")
+    (m1,) = step_metrics()
     assert m1.policy_version == 1 and m1.metrics["reward/mean"] == pytest.approx(0.5)
 
     # Both samples' offsets are committed, and no further than the checkpoint covers.

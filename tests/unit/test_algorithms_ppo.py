@@ -197,3 +197,262 @@ def test_bad_arguments():
         decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=0.0)
     with pytest.raises(ValueError):
         decoupled_ppo_loss(logp, prox, behav[:, :1], adv, mask)
+
+
+# ----------------------------------------------------------------------------------
+# PPOActor wiring: config-selected losses, micro-batch scaling, prox_logp_method
+# ----------------------------------------------------------------------------------
+
+import random  # noqa: E402
+
+from tapioca.algorithms.errors import AlgorithmInputError  # noqa: E402
+from tapioca.config.schema import ActorConfig, RejectionSamplingConfig  # noqa: E402
+from tapioca.models.factory import build_tiny_model  # noqa: E402
+from tapioca.schemas.errors import ConfigError  # noqa: E402
+from tapioca.trainers.batching import SeqItem, to_tensors  # noqa: E402
+from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
+
+VOCAB = 16
+
+
+def _items(seed: int = 0, n: int = 6, version: int = 3) -> list[SeqItem]:
+    """Sequences of different lengths, off-policy behaviour logprobs, a masked token."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        out_len = 2 + i % 5
+        prompt = [rng.randrange(1, VOCAB) for _ in range(3)]
+        out = [rng.randrange(1, VOCAB) for _ in range(out_len)]
+        mask = [1] * out_len
+        if i == 2:
+            mask[0] = 0
+        items.append(SeqItem(
+            group_id=f"g{i // 2}", input_ids=prompt + out, prompt_len=3,
+            behav_logprobs=[-rng.uniform(1.5, 4.0) for _ in range(out_len)],
+            versions=[version - (j % 2) for j in range(out_len)], loss_mask=mask,
+            advantage=1.0 if i % 2 == 0 else -0.7, reward=float(i % 2 == 0)))
+    return items
+
+
+def _actor(**cfg) -> PPOActor:
+    model = build_tiny_model(VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=32, max_position_embeddings=32, seed=0).double()
+    cfg.setdefault("max_grad_norm", 1e9)  # no clipping: compare raw gradients
+    return PPOActor(model, ActorConfig(**cfg), temperature=1.0, pad_token_id=0)
+
+
+def _grads(actor: PPOActor) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in actor.model.parameters() if p.grad is not None]
+
+
+LOSS_CONFIGS = [
+    {},
+    {"importance_sampling_level": "sequence", "entropy_coeff": 0.01},
+    {"m2_threshold": 0.5, "use_sapo_loss": True},
+    {"use_cispo_loss": True, "eps_clip": 1.0, "eps_clip_higher": 4.0,
+     "rejection_sampling": RejectionSamplingConfig(level="sequence", upper=3.0)},
+]
+
+
+@pytest.mark.parametrize("extra", LOSS_CONFIGS, ids=["ppo", "gspo+entropy", "sapo+m2po", "cispo+rs"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_micro_batches_give_full_batch_gradient(mode, extra):
+    # One micro-batch holding every sequence computes the full-batch aggregated loss;
+    # mb_max_tokens=16 splits the same sequences into several micro-batches. The
+    # accumulated gradients must be the same (float64 model: up to rounding).
+    kw = dict(extra, loss_agg_mode=mode, loss_agg_max_tokens=8)
+    one, many = _actor(mb_max_tokens=4096, **kw), _actor(mb_max_tokens=16, **kw)
+    r_one = one.train_step(_items())
+    r_many = many.train_step(_items())
+    assert r_one.metrics["actor/micro_batches"] == 1 and r_many.metrics["actor/micro_batches"] >= 3
+    for g1, g2 in zip(_grads(one), _grads(many), strict=True):
+        assert torch.allclose(g1, g2, rtol=1e-9, atol=1e-12)
+    assert r_one.metrics["actor/loss"] == pytest.approx(r_many.metrics["actor/loss"], rel=1e-9)
+
+
+def test_seq_mode_scaling_differs_from_token_scaling():
+    # Guard that the equivalence above is not vacuous: the seq-mean-token-mean gradient is
+    # not the token-mean one on these (different-length) sequences.
+    a, b = _actor(loss_agg_mode="seq-mean-token-mean"), _actor()
+    a.train_step(_items())
+    b.train_step(_items())
+    assert not all(torch.allclose(g1, g2) for g1, g2 in zip(_grads(a), _grads(b)))
+
+
+def _exact_behaviour(actor: PPOActor, items: list[SeqItem]) -> None:
+    """Set each item's behaviour logprobs to the actor's own (pi_behav = pi_prox)."""
+    with torch.no_grad():
+        for it in items:
+            lp, _ = actor.logprobs(to_tensors([it], 0, "cpu"))
+            n = it.length - it.prompt_len
+            it.behav_logprobs = lp[0, it.prompt_len - 1:it.prompt_len - 1 + n].tolist()
+
+
+def test_loglinear_needs_policy_version():
+    actor = _actor(prox_logp_method="loglinear")
+    with pytest.raises(AlgorithmInputError, match="policy_version"):
+        actor.train_step(_items())
+
+
+def test_loglinear_matches_recompute_when_tokens_are_fresh():
+    # All tokens from version 3 = policy_version: alpha = 0, loglinear's prox = behav,
+    # and behav is the model's own logprobs, which is what recompute computes. Two
+    # minibatches, so the second one really uses the approximation.
+    items = _items(version=3)
+    for it in items:
+        it.versions = [3] * len(it.versions)
+    kw = dict(mb_max_tokens=16, ppo_n_minibatches=2)
+    rec, ll = _actor(**kw), _actor(prox_logp_method="loglinear", **kw)
+    _exact_behaviour(rec, items)
+    rec.train_step(items)
+    r_ll = ll.train_step(items, policy_version=3)
+    for g1, g2 in zip(_grads(rec), _grads(ll), strict=True):
+        assert torch.allclose(g1, g2, rtol=1e-5, atol=1e-9)  # behav is stored as float32
+    assert r_ll.metrics["actor/entropy"] > 0
+
+
+def _params(actor: PPOActor) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in actor.model.parameters()]
+
+
+def _same_step(a: dict[str, float], b: dict[str, float], rel: float = 1e-9) -> None:
+    timing = {"actor/step_time_s", "actor/tokens_per_s"}
+    assert a.keys() == b.keys()
+    for k in a.keys() - timing:
+        assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-12), k
+
+
+@pytest.mark.parametrize("extra", LOSS_CONFIGS + [{"prox_logp_method": "metrics"}],
+                         ids=["ppo", "gspo+entropy", "sapo+m2po", "cispo+rs", "metrics"])
+@pytest.mark.parametrize("n_minibatches", [1, 2])
+def test_first_minibatch_prox_from_training_forward_equals_recompute(extra, n_minibatches):
+    # The first minibatch's training forward runs on the pre-update weights, so its
+    # detached logprobs are pi_prox: the step (metrics and updated weights) must equal
+    # the one with a separate no-grad pi_prox forward for every micro-batch.
+    kw = dict(extra, mb_max_tokens=16, ppo_n_minibatches=n_minibatches)
+    fast, forced = _actor(**kw), _actor(**kw)
+    forced.prox_from_training_forward = False
+    r_fast = fast.train_step(_items(), policy_version=3)
+    r_forced = forced.train_step(_items(), policy_version=3)
+    assert r_fast.metrics["actor/micro_batches"] >= 3
+    _same_step(r_fast.metrics, r_forced.metrics)
+    for p1, p2 in zip(_params(fast), _params(forced), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-9, atol=1e-12)
+
+
+def _count_forwards(actor: PPOActor) -> list[int]:
+    calls = [0]
+    actor.model.get_decoder().register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("cfg, per_mb", [
+    ({}, 1),  # one forward per micro-batch: no separate pi_prox pass
+    ({"prox_logp_method": "loglinear"}, 1),
+    ({"recompute_logprob": False}, 1),
+    ({"m2_threshold": 0.5}, 2),  # step-wide M2PO mask needs every pi_prox up front
+])
+def test_forward_passes_per_step(cfg, per_mb):
+    actor = _actor(mb_max_tokens=16, **cfg)
+    calls = _count_forwards(actor)
+    m = actor.train_step(_items(), policy_version=3).metrics
+    assert calls[0] == per_mb * m["actor/micro_batches"]
+    assert m["actor/entropy"] > 0  # reported from the training forward when no pi_prox pass
+    # Two minibatches under recompute: the second one's pi_prox needs its own forward.
+    actor = _actor(mb_max_tokens=16, ppo_n_minibatches=2)
+    calls = _count_forwards(actor)
+    m = actor.train_step(_items()).metrics
+    n_mbs = int(m["actor/micro_batches"])
+    assert calls[0] == n_mbs + n_mbs // 2
+
+
+def test_loglinear_is_exact_in_the_first_minibatch():
+    # Stale tokens and random behaviour logprobs: the loglinear formula would be far off,
+    # but with one minibatch every pi_prox comes from the pre-update training forward.
+    items = _items(version=3)
+    rec, ll = _actor(mb_max_tokens=16), _actor(mb_max_tokens=16, prox_logp_method="loglinear")
+    r_rec, r_ll = rec.train_step(items), ll.train_step(items, policy_version=5)
+    _same_step(r_rec.metrics, r_ll.metrics)
+    for p1, p2 in zip(_params(rec), _params(ll), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-9, atol=1e-12)
+    # With two minibatches the second one uses the approximation: the results differ.
+    kw = dict(mb_max_tokens=16, ppo_n_minibatches=2)
+    rec, ll = _actor(**kw), _actor(prox_logp_method="loglinear", **kw)
+    rec.train_step(items)
+    ll.train_step(items, policy_version=5)
+    assert not all(torch.allclose(p1, p2) for p1, p2 in zip(_params(rec), _params(ll)))
+
+
+def test_metrics_method_reports_loglinear_error():
+    items = _items(version=3)
+    for it in items:
+        it.versions = [3] * len(it.versions)
+    actor = _actor(prox_logp_method="metrics")
+    _exact_behaviour(actor, items)
+    m = actor.train_step(items, policy_version=3).metrics
+    assert m["actor/prox_loglinear_abs_err"] < 1e-6  # float32 rounding of behav only
+    # Random behaviour logprobs: alpha = 0 -> approx = behav, error = mean |behav - prox| > 0
+    m = _actor(prox_logp_method="metrics").train_step(_items(version=3), policy_version=3).metrics
+    assert m["actor/prox_loglinear_abs_err"] > 0.1
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"importance_sampling_level": "sequence"}, "actor/clip_ratio"),
+    ({"use_sapo_loss": True}, "actor/sapo_gate_mean"),
+    ({"use_cispo_loss": True, "eps_clip_higher": 0.28}, "actor/clip_ratio"),
+    ({"m2_threshold": 0.04}, "actor/m2po_masked_ratio"),
+    ({"rejection_sampling": RejectionSamplingConfig(lower=0.5, upper=2.0)}, "actor/rejection_ratio"),
+    ({"rejection_sampling": RejectionSamplingConfig(metric="binary_kl", upper=0.1)}, "actor/rejection_ratio"),
+    ({"rejection_sampling": RejectionSamplingConfig(action="clamp", upper=2.0)}, "actor/rejection_ratio"),
+    ({"entropy_coeff": 0.01}, "actor/policy_entropy"),
+    ({"prox_logp_method": "loglinear", "m2_threshold": 0.04}, "actor/m2po_masked_ratio"),
+    ({"eps_clip_higher": 0.28, "c_clip": 3.0, "ppo_n_minibatches": 2}, "actor/dual_clip_ratio"),
+])
+def test_every_loss_config_trains(cfg, key):
+    actor = _actor(mb_max_tokens=16, **cfg)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    m = actor.train_step(_items(), policy_version=3).metrics
+    assert key in m
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"loss_agg_mode": "seq-mean"}, "loss_agg_mode"),
+    ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_max_tokens"),
+    ({"importance_sampling_level": "group"}, "importance_sampling_level"),
+    ({"use_sapo_loss": True, "use_cispo_loss": True, "eps_clip_higher": 4.0}, "exclude"),
+    ({"use_cispo_loss": True}, "eps_clip_higher"),
+    ({"use_cispo_loss": True, "eps_clip_higher": 4.0, "importance_sampling_level": "sequence"},
+     "token level"),
+    ({"eps_clip": 1.0}, "eps_clip"),
+    ({"sapo_tau_neg": 0.0}, "sapo_tau"),
+    ({"m2_threshold": 0.0}, "m2_threshold"),
+    ({"behav_imp_weight_cap": 5.0, "rejection_sampling": RejectionSamplingConfig()}, "set one"),
+    ({"prox_logp_method": "guess"}, "prox_logp_method"),
+    ({"prox_logp_method": "loglinear", "recompute_logprob": False}, "recompute_logprob"),
+    ({"recompute_logprob": False, "m2_threshold": 0.04}, "m2_threshold .*could never fire"),
+    ({"recompute_logprob": False, "behav_imp_weight_cap": 5.0}, "behav_imp_weight_cap .*never"),
+    ({"recompute_logprob": False, "rejection_sampling": RejectionSamplingConfig()},
+     "rejection_sampling .*never"),
+    ({"entropy_coeff": -0.1}, "entropy_coeff"),
+])
+def test_actor_config_validation(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        ActorConfig(**cfg)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"level": "batch"}, "level"),
+    ({"action": "drop"}, "action"),
+    ({"metric": "kl"}, "metric"),
+    ({"agg": "median"}, "agg"),
+    ({"upper": 1.0}, "upper"),
+    ({"lower": 3.0, "upper": 2.0}, "lower"),
+    ({"metric": "kl_k3", "action": "clamp"}, "clamp"),
+    ({"metric": "kl_k2", "upper": 0.0}, "upper"),
+])
+def test_rejection_sampling_config_validation(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        RejectionSamplingConfig(**cfg)

@@ -248,3 +248,355 @@ def test_group_incomplete_past_its_timeout_is_dropped_and_releases_the_commit_fl
     # A late straggler of a dropped group changes nothing.
     assert feed(traj("g-lost", 1, 2)) == [] and feed(reward("g-lost", 1, 0.0)) == []
     assert feed.state.pending == {}
+
+
+# ------------------------------------------------ estimators, DAPO and reward sources
+
+
+class Clock:
+    """A hand-advanced monotonic clock for the timeout tests."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sreward(gid: str, i: int, r: float, scorer: str) -> RewardEvent:
+    return RewardEvent(traj_id=f"{gid}:{i}", group_id=gid, reward=r, scorer=scorer)
+
+
+def feed_group(feed: Feed, gid: str, rewards: list[float], **traj_kw) -> list:
+    out = []
+    for i, r in enumerate(rewards):
+        out += feed(traj(gid, i, len(rewards), **traj_kw))
+        out += feed(reward(gid, i, r))
+    return out
+
+
+def test_dynamic_sampling_filters_zero_variance_groups_with_a_reason():
+    feed = Feed(AdvantageProcessor(dynamic_sampling=True))
+    (filtered,) = feed_group(feed, "same", [1.0, 1.0, 1.0])
+    assert filtered.dropped_reason == "filtered: zero reward variance (all 1.0)"
+    # It stays in the log with its data: rewards kept, advantages 0.
+    assert [s.reward for s in filtered.sequences] == [1.0, 1.0, 1.0]
+    assert [s.advantage for s in filtered.sequences] == [0.0, 0.0, 0.0]
+    from tapioca.schemas.envelope import decode_event, encode_event
+
+    again = decode_event(encode_event(filtered))  # a valid event on samples.v1
+    assert again.dropped_reason == filtered.dropped_reason and len(again.sequences) == 3
+    (kept,) = feed_group(feed, "mixed", [1.0, 0.0, 1.0])
+    assert kept.dropped_reason == "" and kept.sequences[0].advantage > 0
+    d = feed.role.describe(feed.state)
+    assert (d["filtered"], d["emitted"], d["dropped"], d["pending_groups"]) == (1, 1, 0, 0)
+    # A redelivered reward of the filtered group is late and changes nothing.
+    assert feed(reward("same", 0, 0.0)) == []
+    assert feed.role.describe(feed.state)["late_rewards"] == 1
+
+
+def test_dynamic_sampling_compares_shaped_rewards():
+    # Raw [2, 5] differ, but clip 1 makes both 1.0 after shaping: filtered.
+    feed = Feed(AdvantageProcessor(dynamic_sampling=True, reward_clip=1.0))
+    (sample,) = feed_group(feed, "g", [2.0, 5.0])
+    assert sample.dropped_reason.startswith("filtered:")
+
+
+def test_weighted_sources_complete_only_when_every_source_scored_every_trajectory():
+    feed = Feed(AdvantageProcessor(estimator="dr_grpo",
+                                   reward_weights={"acc": 1.0, "judge": 0.5}))
+    for i in range(2):
+        assert feed(traj("g", i, 2)) == []
+        assert feed(sreward("g", i, 1.0, "acc")) == []
+    assert feed(sreward("g", 0, 0.2, "judge")) == []
+    # Not weighted: ignored (and not needed for completion).
+    assert feed(sreward("g", 1, 5.0, "style")) == []
+    # Same (traj, scorer) again: the first value wins.
+    assert feed(sreward("g", 0, 0.9, "judge")) == []
+    (sample,) = feed(sreward("g", 1, 0.6, "judge"))
+    # traj0: 1 + 0.5*0.2 = 1.1 ; traj1: 1 + 0.5*0.6 = 1.3 ; dr_grpo: mean 1.2 -> -+0.1.
+    assert [s.reward for s in sample.sequences] == pytest.approx([1.1, 1.3])
+    assert [s.advantage for s in sample.sequences] == pytest.approx([-0.1, 0.1])
+    d = feed.role.describe(feed.state)
+    assert (d["ignored_rewards"], d["duplicate_rewards"], d["emitted"]) == (1, 1, 1)
+
+
+def test_without_weights_the_first_reward_from_any_scorer_wins():
+    feed = Feed(AdvantageProcessor())
+    feed(traj("g", 0, 2))
+    feed(traj("g", 1, 2))
+    assert feed(sreward("g", 0, 1.0, "a")) == []
+    assert feed(sreward("g", 0, 0.0, "b")) == []  # a second reward for traj 0: duplicate
+    (sample,) = feed(sreward("g", 1, 0.0, "b"))
+    assert [s.reward for s in sample.sequences] == [1.0, 0.0]
+    assert feed.role.describe(feed.state)["duplicate_rewards"] == 1
+
+
+def _timeout_feed(policy: str) -> tuple[Feed, Clock]:
+    clock = Clock()
+    role = AdvantageProcessor(estimator="dr_grpo", reward_weights={"acc": 1.0, "judge": 1.0},
+                              reward_timeout_s=30.0, missing_reward=policy, clock=clock)
+    feed = Feed(role)
+    feed(traj("g", 0, 2))
+    clock.t += 100.0  # time before all trajectories are present does not count
+    feed(traj("g", 1, 2))
+    for i in range(2):
+        feed(sreward("g", i, float(i), "acc"))
+    feed(sreward("g", 0, 1.0, "judge"))  # judge never scores traj 1
+    clock.t += 29.0
+    assert list(role.on_tick(feed.state, 0.0)) == []
+    clock.t += 1.0
+    return feed, clock
+
+
+def test_reward_timeout_drop_names_the_missing_sources():
+    feed, _ = _timeout_feed("drop")
+    (dropped,) = feed.role.on_tick(feed.state, 0.0)
+    assert dropped.sequences == []
+    assert dropped.dropped_reason == ("reward timeout after 30 s: "
+                                      "missing judge for 1 of 2 trajectories")
+    assert feed.state.pending == {} and feed.role.committable(feed.state, TRAJ, 0, 2) == 2
+    # The missing reward arrives after all: late, ignored.
+    assert feed(sreward("g", 1, 1.0, "judge")) == []
+    d = feed.role.describe(feed.state)
+    assert (d["dropped"], d["late_rewards"], d["emitted"]) == (1, 1, 0)
+
+
+def test_reward_timeout_zero_counts_missing_sources_as_zero():
+    feed, _ = _timeout_feed("zero")
+    (sample,) = feed.role.on_tick(feed.state, 0.0)
+    # traj0: acc 0 + judge 1 = 1 ; traj1: acc 1 + judge missing -> 0 = 1. dr_grpo: 0, 0.
+    assert sample.dropped_reason == ""
+    assert [s.reward for s in sample.sequences] == [1.0, 1.0]
+    assert [s.advantage for s in sample.sequences] == [0.0, 0.0]
+    d = feed.role.describe(feed.state)
+    assert (d["zero_filled"], d["emitted"]) == (1, 1)
+
+
+def test_reward_timeout_without_weights_counts_trajectories_without_a_reward():
+    clock = Clock()
+    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    feed = Feed(role)
+    for i in range(3):
+        feed(traj("g", i, 3))
+    feed(reward("g", 0, 1.0))
+    clock.t += 5.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert dropped.dropped_reason == ("reward timeout after 5 s: "
+                                      "missing rewards for 2 of 3 trajectories")
+
+
+def test_group_timeout_still_drops_groups_with_missing_trajectories():
+    clock = Clock()
+    role = AdvantageProcessor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
+    feed = Feed(role)
+    feed(traj("g", 0, 2))
+    feed(reward("g", 0, 1.0))
+    clock.t += 59.0
+    assert list(role.on_tick(feed.state, 0.0)) == []  # the reward timeout never started
+    clock.t += 2.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert "1 of 2 trajectories" in dropped.dropped_reason
+
+
+def test_overlong_penalty_is_applied_before_shaping_and_normalisation():
+    # max_new 8, tail 4: lengths 3 and 6 (loss-mask ones) -> penalties 0 and -(6-4)/4 = -0.5.
+    role = AdvantageProcessor(estimator="dr_grpo", overlong_reward_penalty=True,
+                              overlong_tokens=4, overlong_penalty_factor=1.0, max_new_tokens=8,
+                              reward_scaling=2.0)
+    feed = Feed(role)
+    t0 = traj("g", 0, 2, versions=[0, 0, 0])
+    t1 = traj("g", 1, 2, versions=[0] * 7)
+    t1.loss_mask = [1, 1, 1, 1, 1, 1, 0]  # a tool token is not counted: length 6
+    feed(t0)
+    feed(t1)
+    feed(reward("g", 0, 1.0))
+    (sample,) = feed(reward("g", 1, 1.0))
+    # shaped: (1 + 0) * 2 = 2.0 ; (1 - 0.5) * 2 = 1.0 ; dr_grpo: mean 1.5 -> [0.5, -0.5].
+    assert [s.reward for s in sample.sequences] == pytest.approx([2.0, 1.0])
+    assert [s.advantage for s in sample.sequences] == pytest.approx([0.5, -0.5])
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    ("reinforce_pp", [1.0, 0.0, 0.5]),  # no group baseline: the shaped reward
+    ("gae", [0.0, 0.0, 0.0]),           # the trainer computes GAE
+    ("lite_ppo", [0.5, -0.5, 0.0]),     # group mean 0.5; batch std in the trainer
+])
+def test_estimators_without_a_group_std(estimator, expected):
+    feed = Feed(AdvantageProcessor(estimator=estimator))
+    (sample,) = feed_group(feed, "g", [1.0, 0.0, 0.5])
+    assert [s.reward for s in sample.sequences] == [1.0, 0.0, 0.5]
+    assert [s.advantage for s in sample.sequences] == pytest.approx(expected)
+    assert sample.estimator == estimator
+
+
+def test_explicit_adv_norm_overrides_the_preset():
+    # estimator grpo, but adv_norm says leave-one-out mean and no std: RLOO numbers.
+    role = AdvantageProcessor(estimator="grpo", adv_norm={
+        "mean_level": "group", "std_level": "none", "mean_leave1out": True,
+        "std_unbiased": False, "eps": 1e-6})
+    (sample,) = feed_group(Feed(role), "g", [1.0, 0.0, 0.0])
+    # r=1: 1 - 0 = 1 ; r=0: 0 - (1+0)/2 = -0.5.
+    assert [s.advantage for s in sample.sequences] == pytest.approx([1.0, -0.5, -0.5])
+
+
+def test_processor_from_config_section():
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.config.sections import advantage_section
+
+    cfg = load_config(TrainConfig, None, [
+        "advantage.estimator=rloo", "advantage.dynamic_sampling=true",
+        "advantage.overlong_reward_penalty=true", "advantage.overlong_tokens=2",
+        "advantage.overlong_penalty_factor=1.0", "gconfig.max_new_tokens=6",
+        "advantage.reward_weights.acc=1.0", "advantage.reward_timeout_s=9",
+        "advantage.missing_reward=zero"])
+    sec = advantage_section(cfg)
+    assert sec.max_new_tokens == 6
+    role = AdvantageProcessor.from_section(sec)
+    assert role.norm["mean_leave1out"] and role.norm["std_level"] == "none"
+    assert role.overlong == (6, 2, 1.0) and role.sources == ("acc",)
+    assert role.dynamic_sampling and role.missing_reward == "zero"
+
+
+def test_config_errors_say_what_to_change():
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.config.sections import advantage_section
+    from tapioca.schemas.errors import ConfigError
+
+    bad = [
+        (["advantage.estimator=ppo"], "reinforce_pp_baseline"),
+        (["advantage.adv_norm.mean_level=batch", "advantage.adv_norm.std_level=group"],
+         "batch mean"),
+        (["advantage.estimator=gae", "advantage.adv_norm.mean_level=group",
+          "advantage.adv_norm.std_level=batch"], "gae"),
+        (["advantage.overlong_reward_penalty=true"], "overlong_tokens"),
+        (["advantage.missing_reward=wait"], "drop or zero"),
+        (["advantage.reward_weights.judge=0"], "non-zero"),
+        (["advantage.reward_timeout_s=0"], "reward_timeout_s"),
+        (["advantage.reward_timeout_s=600"], "lower reward_timeout_s or raise group_timeout_s"),
+        (["advantage.reward_timeout_s=90", "advantage.group_timeout_s=60"],
+         r"reward_timeout_s=90 must be less than advantage.group_timeout_s=60"),
+    ]
+    for overrides, words in bad:
+        with pytest.raises(ConfigError, match=words):
+            load_config(TrainConfig, None, overrides)
+    # Cross-section: the penalised tail must fit the generation limit.
+    cfg = load_config(TrainConfig, None, [
+        "advantage.overlong_reward_penalty=true", "advantage.overlong_tokens=9",
+        "advantage.overlong_penalty_factor=1.0", "gconfig.max_new_tokens=8"])
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        advantage_section(cfg)
+    cfg = load_config(TrainConfig, None, ["advantage.dynamic_sampling=true",
+                                          "gconfig.n_samples=1"])
+    with pytest.raises(ConfigError, match="n_samples"):
+        advantage_section(cfg)
+    # AReaL writes "no normalisation" as null.
+    cfg = load_config(TrainConfig, None, ["advantage.adv_norm.mean_level=group",
+                                          "advantage.adv_norm.std_level=null"])
+    assert cfg.advantage.norm().std_level == "none"
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_reward_from_an_external_service_fails_validation(literal):
+    # What Python's json.dumps writes for a NaN reward: not JSON, so decode raises
+    # SchemaError and the runner dead-letters the event (it never reaches handle()).
+    import orjson
+
+    from tapioca.schemas.envelope import decode_event, encode_event
+    from tapioca.schemas.errors import SchemaError
+
+    raw = encode_event(RewardEvent(traj_id="g:0", group_id="g", reward=0.5, scorer="judge"))
+    bad = raw.replace(orjson.dumps(0.5), literal.encode())
+    assert bad != raw
+    with pytest.raises(SchemaError):
+        decode_event(bad)
+
+
+def test_reward_timeout_drops_a_complete_group_that_cannot_be_built():
+    # clip < 0 makes shaping raise in handle() (retried, then dead-lettered by the bus);
+    # the reward timeout then drops the group with the reason instead of holding it.
+    from tapioca.algorithms.errors import AlgorithmInputError
+
+    clock = Clock()
+    role = AdvantageProcessor(reward_clip=-1.0, reward_timeout_s=5.0, clock=clock)
+    feed = Feed(role)
+    feed(traj("g", 0, 1))
+    with pytest.raises(AlgorithmInputError):
+        feed(reward("g", 0, 1.0))
+    clock.t += 5.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert dropped.dropped_reason.startswith("reward timeout: cannot build the group")
+    assert "clip" in dropped.dropped_reason and feed.state.pending == {}
+
+
+def test_paused_time_does_not_count_towards_the_timeouts():
+    clock = Clock()
+    role = AdvantageProcessor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
+    feed = Feed(role)
+    feed(traj("waiting", 0, 2))          # group timeout running
+    for i in range(2):
+        feed(traj("scoring", i, 2))      # reward timeout running
+    clock.t += 3.0
+    role.on_pause(feed.state, True)
+    clock.t += 1000.0                    # paused far past both timeouts: its events wait in Kafka
+    role.on_pause(feed.state, False)
+    assert list(role.on_tick(feed.state, 0.0)) == []
+    assert set(feed.state.pending) == {"waiting", "scoring"}
+    # After the resume the timers go on from where they stopped (3 s used).
+    (sample,) = feed(reward("scoring", 0, 1.0)) + feed(reward("scoring", 1, 0.0))
+    assert sample.dropped_reason == ""
+    clock.t += 56.0
+    assert list(role.on_tick(feed.state, 0.0)) == []
+    clock.t += 2.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert dropped.group_id == "waiting" and dropped.dropped_reason.startswith("timeout after 60 s")
+    # A second pause without a resume in between does not restart the pause clock.
+    feed(traj("late", 0, 2))
+    role.on_pause(feed.state, True)
+    clock.t += 10.0
+    role.on_pause(feed.state, True)
+    clock.t += 10.0
+    role.on_pause(feed.state, False)
+    clock.t += 59.0
+    assert list(role.on_tick(feed.state, 0.0)) == []
+
+
+def test_reward_timeout_still_fires_after_a_pause_shorter_than_it():
+    clock = Clock()
+    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    feed = Feed(role)
+    for i in range(2):
+        feed(traj("g", i, 2))
+    clock.t += 4.0
+    role.on_pause(feed.state, True)
+    clock.t += 2.0
+    role.on_pause(feed.state, False)
+    assert list(role.on_tick(feed.state, 0.0)) == []
+    clock.t += 1.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert dropped.dropped_reason.startswith("reward timeout after 5 s")
+
+
+def test_rewards_from_two_scorers_without_weights_warn_once_and_are_counted(caplog):
+    feed = Feed(AdvantageProcessor())
+    feed(traj("g", 0, 2))
+    feed(traj("g", 1, 2))
+    with caplog.at_level("WARNING", logger="tapioca.consumers.advantage"):
+        feed(sreward("g", 0, 1.0, "builtin"))
+        assert feed.role.describe(feed.state)["mixed_scorers"] == 0
+        feed(sreward("g", 0, 0.0, "judge"))
+        feed(sreward("g", 1, 0.0, "judge"))
+        feed(traj("h", 0, 1))
+        feed(sreward("h", 0, 0.5, "judge"))
+    warnings = [r for r in caplog.records if "reward_weights" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "'builtin', 'judge'" in warnings[0].getMessage()
+    assert feed.role.describe(feed.state)["mixed_scorers"] == 3
+    # With weights the sources are explicit: no warning, no count.
+    weighted = Feed(AdvantageProcessor(reward_weights={"builtin": 1.0, "judge": 1.0}))
+    weighted(traj("g", 0, 1))
+    weighted(sreward("g", 0, 1.0, "builtin"))
+    weighted(sreward("g", 0, 1.0, "judge"))
+    assert weighted.role.describe(weighted.state)["mixed_scorers"] == 0

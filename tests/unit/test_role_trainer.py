@@ -1,20 +1,30 @@
 """Trainer as a plain function of events, on a real tiny model: steps of B groups,
-weights files + WeightsEvent, de-duplication, the tail gate, the commit floor, and
-restart from the checkpoint. No broker."""
+weights files + WeightsEvent, de-duplication, the tail gate, the commit floor,
+restart from the checkpoint, and the token-level parts (GAE with a critic, KL to a
+reference, batch normalisation, distillation, the critic's checkpoint). No broker."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from tapioca.bus.role import Source
-from tapioca.config.schema import ActorConfig, ModelConfig
+from tapioca.config.schema import (
+    ActorConfig,
+    AdvantageConfig,
+    CriticConfig,
+    DistillConfig,
+    ModelConfig,
+)
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import build_tiny_model
 from tapioca.models.weight_files import sha256_file
+from tapioca.schemas.errors import ConfigError, FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, SampleSequence, WeightsEvent
+from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.ppo_actor import PPOActor
 from tapioca.trainers.trainer import Trainer
 
@@ -35,7 +45,7 @@ def make_trainer(run_dir: Path, seed: int = 0) -> Trainer:
     return Trainer(actor, section)
 
 
-def sample(gid: str, min_version: int = 0, n: int = 2) -> SampleEvent:
+def sample(gid: str, min_version: int = 0, n: int = 2, estimator: str = "grpo") -> SampleEvent:
     seqs = []
     for i in range(n):
         out = [(3 + 5 * i + j) % VOCAB for j in range(3)]
@@ -44,7 +54,8 @@ def sample(gid: str, min_version: int = 0, n: int = 2) -> SampleEvent:
                                    output_versions=[min_version + (j > 0) for j in range(3)],
                                    reward=float(i == 0), advantage=1.0 if i == 0 else -1.0))
     return SampleEvent(group_id=gid, prompt_id=f"p-{gid}", prompt_ids=[1, 2, 4],
-                       sequences=seqs, min_version=min_version, max_version=min_version + 1)
+                       sequences=seqs, min_version=min_version, max_version=min_version + 1,
+                       estimator=estimator)
 
 
 def src(offset: int, partition: int = 0) -> Source:
@@ -221,3 +232,303 @@ def test_dropped_group_counts_as_rejected_and_frees_its_slot(trainer):
     assert state.buffer == [] and "g-dropped" in state.rejected
     (announce,) = trainer.on_tick(state, 0.0)
     assert isinstance(announce, WeightsEvent) and announce.groups_rejected == 1
+
+
+# ------------------------------------------------------------ token-level parts (issue 4)
+# GAE with a critic, KL to a reference in the reward, batch normalisation, on-policy
+# distillation, and the critic in the checkpoint. Same tiny model, no broker.
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+            max_position_embeddings=64)
+
+
+def make_token_trainer(run_dir: Path, seed: int = 0, *, actor: dict | None = None,
+                       **section_kwargs) -> Trainer:
+    model = build_tiny_model(VOCAB, seed=seed, **TINY)
+    actor_cfg = ActorConfig(lr=1e-2, **(actor or {}))
+    ppo = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
+    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
+                             prompts_per_step=B, total_train_steps=100, temperature=1.0,
+                             run_dir=str(run_dir), seed=0, **section_kwargs)
+    return Trainer(ppo, section)
+
+
+def full_logprobs(model: torch.nn.Module, item) -> list[float]:
+    """Log-probs of an item's output tokens from the plain full-vocabulary logits: an
+    independent path from the chunked gather the trainer uses."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([item.input_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    P = item.prompt_len
+    return [float(logp[P - 1 + j, tok]) for j, tok in enumerate(item.input_ids[P:])]
+
+
+def step_metrics(t: Trainer, state, gids: list[str], offset: int) -> dict[str, float]:
+    out = []
+    for k, g in enumerate(gids):
+        out += list(t.handle(sample(g, min_version=state.progress.version,
+                                    estimator=t.cfg.advantage.estimator), state, src(offset + k)))
+    (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+    return m.metrics
+
+
+def test_default_config_leaves_scalar_advantages(trainer):
+    # Today's behaviour: no token-level part is active, items keep their scalar advantage.
+    assert not trainer.token_adv.active and trainer.critic is None
+    assert trainer.token_adv.reference is None and trainer.token_adv.teacher is None
+
+
+def test_gae_critic_value_loss_falls_on_repeated_batches(tmp_path):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"),
+                           critic=CriticConfig(lr=3e-3),
+                           actor={"discount": 1.0, "gae_lambda": 0.95})
+    assert t.critic is not None and t.token_adv.active
+    state = start(t)
+    losses = []
+    for step in range(8):  # the same two groups' contents, under new ids
+        m = step_metrics(t, state, [f"a{step}", f"b{step}"], 2 * step)
+        losses.append(m["critic/value_loss"])
+        assert all(math.isfinite(m[k]) for k in ("critic/value_loss", "critic/value_mean",
+                                                    "critic/return_mean", "adv/token_mean"))
+    # The value head starts at 0, so the first loss is 0.5 * mean(R^2) over the 12 trained
+    # tokens. With V = 0 the GAE return is sum_k (gamma*lambda)^k r_{t+k}: sequences with
+    # reward 1 (one per group) get [0.95^2, 0.95, 1], those with reward 0 get zeros:
+    # 0.5 * 2 * (0.95^4 + 0.95^2 + 1) / 12 = (0.81450625 + 0.9025 + 1) / 12 = 0.2264171875.
+    assert losses[0] == pytest.approx(0.2264171875, abs=1e-6)
+    # Measured here: 0.226, 0.202, 0.163, 0.129, 0.102, 0.086, 0.069, 0.067.
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert "critic/explained_var" in m
+    # gae preset: batch mean and std over the tokens.
+    assert abs(m["adv/token_mean"]) < 1e-5
+    t.sink.close()
+
+
+def test_gae_turn_level_step_runs(tmp_path):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"),
+                           actor={"gae_timestep_unit": "turn", "discount": 0.9})
+    state = start(t)
+    s0, s1 = sample("g0", estimator="gae"), sample("g1", estimator="gae")
+    for s in (s0, s1):
+        for q in s.sequences:
+            q.turn_boundaries = [0, 2]  # two turns: tokens 0-1 and token 2
+    items = flatten_groups([s0, s1])
+    t.token_adv.compute(items)
+    for it in items:  # every token of a turn shares its advantage
+        assert it.token_advantages[0] == it.token_advantages[1]
+    t.handle(s0, state, src(0))
+    out = list(t.handle(s1, state, src(1)))
+    (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+    assert math.isfinite(m.metrics["critic/value_loss"])
+    t.sink.close()
+
+
+def test_kl_ctl_adds_the_future_kl_penalty_to_the_group_advantage(tmp_path):
+    t = make_token_trainer(tmp_path, actor={"kl_ctl": 0.1, "kl_estimator": "k1"})
+    ref = t.token_adv.reference
+    assert ref is not None and t.critic is None
+    # The reference is a frozen copy of the initial policy, not the policy object.
+    assert ref.model is not t.actor.model
+    assert all(not p.requires_grad for p in ref.model.parameters())
+    items = flatten_groups([sample("g0"), sample("g1")])
+    t.token_adv.compute(items)
+    for it in items:
+        ref_lp = full_logprobs(t.actor.model, it)  # policy == reference before training
+        kl = [b - r for b, r in zip(it.behav_logprobs, ref_lp)]  # k1, behaviour vs ref
+        for j in range(len(kl)):
+            future_penalty = sum(-0.1 * k for k in kl[j:])
+            assert it.token_advantages[j] == pytest.approx(it.advantage + future_penalty, abs=1e-4)
+    state = start(t)
+    m = step_metrics(t, state, ["g0", "g1"], 0)
+    assert math.isfinite(m["actor/kl_ref"]) and m["actor/kl_ref"] != 0.0
+    # After a step the policy moved but the reference did not.
+    assert any(not torch.equal(a, b) for a, b in zip(t.actor.model.parameters(),
+                                                     ref.model.parameters()))
+    t.sink.close()
+
+
+def test_batch_normalisation_gives_zero_mean_unit_std_token_advantages(tmp_path):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="reinforce_pp"))
+    assert t.token_adv.center and t.token_adv.scale
+    samples = [sample("g0"), sample("g1", n=3)]
+    samples[1].sequences[2].reward = 0.25
+    samples[1].sequences[2].advantage = 0.25
+    items = flatten_groups(samples)
+    t.token_adv.compute(items)
+    toks = torch.tensor([a for it in items for a in it.token_advantages])
+    assert abs(float(toks.mean())) < 1e-6
+    assert float(toks.std(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+    # lite_ppo: batch std only (the group mean is the processor's): the RMS becomes 1
+    # and signs are kept.
+    t2 = make_token_trainer(tmp_path / "lite", advantage=AdvantageConfig(estimator="lite_ppo"))
+    assert not t2.token_adv.center and t2.token_adv.scale
+    items = flatten_groups([sample("g0"), sample("g1")])
+    t2.token_adv.compute(items)
+    toks = torch.tensor([a for it in items for a in it.token_advantages])
+    assert float(toks.square().mean().sqrt()) == pytest.approx(1.0, abs=1e-4)
+    assert [a > 0 for a in toks.tolist()] == [it.advantage > 0 for it in items for _ in it.loss_mask]
+    state = start(t)
+    m = step_metrics(t, state, ["g0", "g1"], 0)
+    assert abs(m["adv/token_mean"]) < 1e-5
+    t.sink.close()
+    t2.sink.close()
+
+
+@pytest.fixture
+def teacher_dir(tmp_path):
+    path = tmp_path / "teacher"
+    build_tiny_model(VOCAB, seed=7, **TINY).save_pretrained(path)
+    return path
+
+
+def test_distillation_with_a_teacher(tmp_path, teacher_dir):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    # Pure KD: rl_weight 0, A_t = logp_teacher - logp_student (the behaviour logp).
+    t = make_token_trainer(tmp_path, distill=DistillConfig(teacher_path=str(teacher_dir),
+                                                          kd_weight=1.0, rl_weight=0.0))
+    items = flatten_groups([sample("g0"), sample("g1")])
+    metrics = t.token_adv.compute(items)
+    for it in items:
+        t_lp = full_logprobs(teacher, it)
+        expected = [tl - b for tl, b in zip(t_lp, it.behav_logprobs)]
+        assert it.token_advantages == pytest.approx(expected, abs=1e-4)
+    assert math.isfinite(metrics["distill/reverse_kl"])
+    # RL + KD: A = 1 * A_rl + 0.5 * A_kd.
+    t2 = make_token_trainer(tmp_path / "mix", distill=DistillConfig(
+        teacher_path=str(teacher_dir), kd_weight=0.5, rl_weight=1.0))
+    items = flatten_groups([sample("g0"), sample("g1")])
+    t2.token_adv.compute(items)
+    for it in items:
+        t_lp = full_logprobs(teacher, it)
+        expected = [it.advantage + 0.5 * (tl - b) for tl, b in zip(t_lp, it.behav_logprobs)]
+        assert it.token_advantages == pytest.approx(expected, abs=1e-4)
+    state = start(t)
+    m = step_metrics(t, state, ["g0", "g1"], 0)
+    assert math.isfinite(m["distill/reverse_kl"]) and math.isfinite(m["distill/teacher_logp"])
+    t.sink.close()
+    t2.sink.close()
+
+
+def test_teacher_with_another_vocabulary_is_a_config_error(tmp_path):
+    path = tmp_path / "big-teacher"
+    build_tiny_model(VOCAB + 4, seed=7, **TINY).save_pretrained(path)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        make_token_trainer(tmp_path, distill=DistillConfig(teacher_path=str(path), kd_weight=1.0))
+    with pytest.raises(ConfigError, match="teacher_path"):
+        DistillConfig(kd_weight=1.0)
+
+
+def critic_params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.critic.model.state_dict().items()}
+
+
+def test_critic_checkpoint_restore_is_exact(tmp_path):
+    kw = dict(advantage=AdvantageConfig(estimator="gae"), critic=CriticConfig(lr=1e-2))
+    t1 = make_token_trainer(tmp_path, seed=0, **kw)
+    s1 = start(t1)
+    for k in range(4):
+        t1.handle(sample(f"g{k}", estimator="gae"), s1, src(k))
+    assert s1.progress.version == 2
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("critic_v*.pt"))
+    assert ckpts == ["critic_v000002.pt"]  # older versions are removed
+    saved = critic_params(t1)
+
+    t2 = make_token_trainer(tmp_path, seed=123, **kw)  # other initial weights
+    assert any(not torch.equal(v, saved[k]) for k, v in critic_params(t2).items())
+    s2 = t2.init_state()
+    assert s2.progress.version == 2
+    assert all(torch.equal(v, saved[k]) for k, v in critic_params(t2).items())
+    o1, o2 = t1.critic.optimizer.state_dict(), t2.critic.optimizer.state_dict()
+    assert o1["state"].keys() == o2["state"].keys()
+    assert all(torch.equal(o1["state"][i]["exp_avg_sq"], o2["state"][i]["exp_avg_sq"])
+               for i in o1["state"])
+    # The next step is the same from memory and from the checkpoint.
+    for t, s in ((t1, s1), (t2, s2)):
+        t.handle(sample("g4", min_version=2, estimator="gae"), s, src(4))
+        t.handle(sample("g5", min_version=2, estimator="gae"), s, src(5))
+        assert s.progress.version == 3
+    assert all(torch.equal(v, critic_params(t1)[k]) for k, v in critic_params(t2).items())
+    assert all(torch.equal(v, params(t1)[k]) for k, v in params(t2).items())
+    t1.sink.close()
+    t2.sink.close()
+
+
+def test_gae_samples_on_a_non_gae_trainer_stop_it(trainer):
+    state = start(trainer)
+    s0, s1 = sample("g0"), sample("g1")
+    s1.estimator = "gae"  # advantages 0: only a gae trainer can train these
+    trainer.handle(s0, state, src(0))
+    with pytest.raises(FatalRoleError, match="estimator gae, but this trainer's estimator is grpo"):
+        trainer.handle(s1, state, src(1))
+    assert state.progress.version == 0
+
+
+def test_samples_of_another_estimator_or_normalisation_stop_the_trainer(tmp_path):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="lite_ppo"))
+    state = start(t)
+    with pytest.raises(FatalRoleError, match="estimator grpo, but this trainer's estimator is "
+                       "lite_ppo.*same advantage section"):
+        t.handle(sample("g0"), state, src(0))  # a grpo processor's group
+    # Same estimator, but the processor normalised differently (its adv_norm or eps).
+    own = AdvantageConfig(estimator="lite_ppo").norm().spec()
+    assert own == "mean=group std=batch leave1out=0 unbiased=0 eps=1e-06"
+    other = sample("g1", estimator="lite_ppo")
+    other.adv_norm = own.replace("eps=1e-06", "eps=0.001")
+    with pytest.raises(FatalRoleError, match="normalised as 'mean=group std=batch leave1out=0 "
+                       "unbiased=0 eps=0.001'.*gives 'mean=group std=batch"):
+        t.handle(other, state, src(1))
+    # Matching spec, or none (events from before the field existed): accepted.
+    for k, spec in enumerate((own, "")):
+        ok = sample(f"ok{k}", estimator="lite_ppo")
+        ok.adv_norm = spec
+        t.handle(ok, state, src(2 + k))
+    assert state.progress.version == 1 and state.trained == {"ok0", "ok1"}
+    t.sink.close()
+
+
+def _rollback(t: Trainer, state, target: int):
+    from tapioca.schemas.events import ControlEvent
+
+    path = t.run_dir / "weights" / f"v{target:06d}.safetensors"
+    cmd = ControlEvent(command_id="c1", command="rollback", target="trainer",
+                       args={"version": target, "sha256": sha256_file(path)})
+    return t.on_control(cmd, state)
+
+
+def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, caplog):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"))
+    state = start(t)
+    for k in range(4):
+        t.handle(sample(f"g{k}", min_version=k // 2, estimator="gae"), state, src(k))
+    assert state.progress.version == 2 and t.critic.optimizer.state
+    before = critic_params(t)
+    with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
+        ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.pt is kept
+    assert ok and weights.version == 3 and weights.rollback_of == 1
+    assert "critic keeps its weights" in message and "no critic checkpoint of that version" in caplog.text
+    assert not t.critic.optimizer.state and not t.actor.optimizer.state
+    assert all(torch.equal(v, before[k]) for k, v in critic_params(t).items())
+    t.sink.close()
+
+
+def test_rollback_restores_the_critic_checkpoint_of_that_version(tmp_path):
+    t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"),
+                           actor={"checkpoint_every_steps": 2})
+    state = start(t)
+    for k in range(4):
+        t.handle(sample(f"g{k}", min_version=k // 2, estimator="gae"), state, src(k))
+    assert (tmp_path / "checkpoints" / "critic_v000002.pt").exists()
+    at_v2 = critic_params(t)
+    adam_v2 = {i: s["exp_avg"].clone() for i, s in t.critic.optimizer.state_dict()["state"].items()}
+    for k in range(4, 6):  # version 3: trained, not checkpointed
+        t.handle(sample(f"g{k}", min_version=2, estimator="gae"), state, src(k))
+    assert state.progress.version == 3
+    assert any(not torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
+    ok, message, (weights,) = _rollback(t, state, 2)
+    assert ok and weights.version == 4 and "critic restored from critic_v000002.pt" in message
+    assert all(torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
+    adam = t.critic.optimizer.state_dict()["state"]
+    assert adam.keys() == adam_v2.keys()
+    assert all(torch.equal(adam[i]["exp_avg"], adam_v2[i]) for i in adam)
+    t.sink.close()

@@ -1,0 +1,153 @@
+"""The algorithm sections of a training run's configuration (re-exported by
+:mod:`tapioca.config.schema`, where callers import them from).
+
+``advantage.adv_norm`` (:class:`NormConfig`), ``actor.rejection_sampling``
+(:class:`RejectionSamplingConfig`), and the sections of the extra models:
+``critic`` (:class:`CriticConfig`), ``ref`` (:class:`RefConfig`), ``distill``
+(:class:`DistillConfig`). AReaL's field names; each ``__post_init__`` validates its
+section and says how to fix a bad value (the math checks are the algorithms' own,
+e.g. :func:`tapioca.algorithms.rejection_sampling.check_rejection_sampling`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tapioca.schemas.errors import ConfigError
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class NormConfig:
+    """Reward-to-advantage normalisation, AReaL's ``NormConfig`` names.
+
+    ``mean_level`` / ``std_level``: ``group`` (the samples of one prompt), ``batch``
+    (one training batch) or ``none`` (``null`` is read as ``none``). Group levels are
+    applied by the advantage processor, which sees one group at a time; batch levels
+    by the trainer over each training batch, after the group levels (and after GAE
+    for ``estimator: gae``). ``A = (r - b) / (std + eps)`` with ``b`` the (leave-one-
+    out) mean and the std taken around ``b`` (population std unless ``std_unbiased``).
+    Unlike AReaL there is no ``group_size``: groups are keyed by ``group_id``.
+    """
+
+    mean_level: Optional[str] = "group"
+    mean_leave1out: bool = False
+    std_level: Optional[str] = "group"
+    std_unbiased: bool = False
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        from tapioca.algorithms.advantages import check_norm
+        from tapioca.algorithms.errors import AlgorithmInputError
+
+        self.mean_level = self.mean_level or "none"
+        self.std_level = self.std_level or "none"
+        try:
+            check_norm(**self.as_kwargs())
+        except AlgorithmInputError as exc:
+            raise ConfigError(f"advantage.adv_norm: {exc}") from None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``normalize_group`` / ``normalize_batch``."""
+        return {"mean_level": self.mean_level, "std_level": self.std_level,
+                "mean_leave1out": self.mean_leave1out, "std_unbiased": self.std_unbiased,
+                "eps": self.eps}
+
+    def spec(self) -> str:
+        """One canonical line naming this normalisation (``SampleEvent.adv_norm``: the
+        trainer checks the processor normalised as its own config says)."""
+        return (f"mean={self.mean_level} std={self.std_level} "
+                f"leave1out={int(self.mean_leave1out)} unbiased={int(self.std_unbiased)} "
+                f"eps={self.eps:g}")
+
+
+@dataclass
+class RejectionSamplingConfig:
+    """``actor.rejection_sampling`` (AReaL's names and defaults): drop or clamp tokens
+    whose proximal-vs-behaviour divergence is out of bounds. IcePop = {level: token,
+    action: mask, metric: ratio, lower: 0.5, upper: 2}; KPop = metric binary_kl. See
+    tapioca.algorithms.rejection_sampling for the formulas."""
+
+    # token: each token on its own; sequence: one decision per sequence.
+    level: str = "token"
+    # mask: out-of-bounds tokens get loss 0; clamp: their weight is clamped (ratio only).
+    action: str = "mask"
+    # ratio (pi_prox/pi_behav) | kl_k1 | kl_k2 | kl_k3 | binary_kl
+    metric: str = "ratio"
+    # Sequence-level aggregation of the metric: sum | mean | max (ratio: in log space).
+    agg: str = "mean"
+    upper: float = 5.0
+    lower: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        from tapioca.algorithms.errors import AlgorithmInputError
+        from tapioca.algorithms.rejection_sampling import check_rejection_sampling
+
+        try:
+            check_rejection_sampling(self)
+        except AlgorithmInputError as exc:
+            raise ConfigError(f"actor.{exc}") from None
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with a critic (``advantage.estimator: gae``); AReaL's
+    ``critic`` section (``eps_clip`` is the value-clip range, AReaL's ``value_eps_clip``)."""
+
+    # A local HF directory for the value model's backbone. Empty: the policy's
+    # (model.path), read when the trainer starts.
+    path: str = ""
+    # True: the backbone starts from the checkpoint's weights (the value head is new,
+    # zero-initialised, so V starts at 0). False: random backbone from its config.
+    init_critic_from_actor: bool = True
+    eps_clip: float = 0.5
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0
+    ppo_n_minibatches: int = 1
+    # Tokens per micro-batch (prompt + output) for the value model's forward/backward.
+    mb_max_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        _require(self.eps_clip > 0, "critic.eps_clip (value clip) must be > 0")
+        _require(self.lr > 0, "critic.lr must be > 0")
+        _require(self.ppo_n_minibatches >= 1, "critic.ppo_n_minibatches must be >= 1")
+        _require(self.mb_max_tokens >= 16, "critic.mb_max_tokens must be >= 16")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy for ``actor.kl_ctl > 0`` (AReaL's ``ref`` section)."""
+
+    # A local HF directory. Empty: the initial policy (model.path), frozen.
+    path: str = ""
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation in the RL loop: a teacher scores the sampled tokens and
+    each token gets ``rl_weight * A_rl + kd_weight * A_kd`` with
+    ``A_kd_t = -(logp_student_t - logp_teacher_t)`` (per-token reverse-KL estimate).
+    ``rl_weight: 0`` is pure on-policy KD."""
+
+    # A local HF directory with the same vocabulary as the policy. Required when
+    # kd_weight > 0.
+    teacher_path: str = ""
+    kd_weight: float = 0.0
+    rl_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.kd_weight >= 0, "distill.kd_weight must be >= 0 (0 = no distillation)")
+        _require(self.rl_weight >= 0, "distill.rl_weight must be >= 0")
+        _require(self.rl_weight > 0 or self.kd_weight > 0,
+                 "distill.rl_weight and distill.kd_weight are both 0: nothing would train; "
+                 "set rl_weight 1 (RL) or kd_weight > 0 (distillation)")
+        _require(self.kd_weight == 0 or bool(self.teacher_path),
+                 "distill.teacher_path is required when distill.kd_weight > 0: point it to "
+                 "a local HF model directory with the policy's vocabulary")

@@ -1,0 +1,61 @@
+"""Forward passes of causal LMs that never build ``[B, T, V]`` logits.
+
+Consumes a ``transformers`` causal LM (Qwen2 / Qwen3 / Llama: a decoder body plus an
+LM head) and right-padded token batches (``input_ids_BT``, ``attention_mask_BT``,
+``labels_BT`` over the ``T-1`` predicting positions, -100 where not scored); emits
+per-token log-probabilities (and entropy) of the labels. Every trainer that scores
+tokens goes through here: the PPO actor, the frozen reference / teacher, the offline
+trainers (SFT, DPO, distillation); the critic shares :func:`autocast_context`.
+
+Model plumbing only: the chunked log-softmax math is
+:func:`tapioca.algorithms.logprobs.gather_logprobs_entropy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+from tapioca.algorithms.logprobs import gather_logprobs_entropy
+
+
+def autocast_context(device: str | torch.device, autocast_dtype: str) -> ContextManager:
+    """``torch.autocast`` on ``device``'s type in ``autocast_dtype`` (``bfloat16`` /
+    ``float16``); a no-op context when ``autocast_dtype`` is empty (off)."""
+    if not autocast_dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=getattr(torch, autocast_dtype))
+
+
+def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM, without its LM head."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def last_hidden(model: torch.nn.Module, input_ids_BT: torch.Tensor,
+                attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """``hidden_BTH``: the decoder's last hidden states (the LM head is not applied)."""
+    return decoder_body(model)(input_ids=input_ids_BT,
+                               attention_mask=attention_mask_BT).last_hidden_state
+
+
+def causal_token_logprobs(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    labels_BT: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logprobs_BT, entropy_BT)`` of ``labels_BT`` (``[B, T-1]``: position t predicts
+    token t+1; 0 where the label is -100) at softmax ``temperature``, chunked over
+    ``chunk_tokens`` tokens. ``entropy_BT`` is None unless ``compute_entropy``.
+    Differentiable; the caller picks ``no_grad`` and autocast."""
+    hidden_BTH = last_hidden(model, input_ids_BT, attention_mask_BT)
+    return gather_logprobs_entropy(
+        hidden_BTH[:, :-1], model.get_output_embeddings().weight, labels_BT,
+        temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy)

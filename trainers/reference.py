@@ -1,0 +1,76 @@
+"""Frozen causal LMs that score the sampled tokens: the KL reference and the KD teacher.
+
+Consumes a :class:`~tapioca.trainers.batching.TensorBatch` (the sampled sequences,
+right padded); emits ``logprobs_BT`` of ``labels_BT`` under the frozen model at the
+rollout temperature, the same quantity and layout as the rollout's behaviour
+log-probs, so the two compare token by token. Never trained: no optimizer, no
+gradients, ``eval()`` mode throughout.
+
+The reference defaults to the initial policy: the trainer copies the policy's weights
+when it is built, before any checkpoint is loaded (``ref.path`` names another
+directory). A teacher always comes from a directory (``distill.teacher_path``) and must
+share the policy's vocabulary: distillation compares the two models' log-probs of the
+same token ids.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from tapioca.models.forward import autocast_context, causal_token_logprobs
+from tapioca.schemas.errors import ConfigError
+from tapioca.trainers.batching import TensorBatch
+
+
+class FrozenLogprobModel:
+    """Per-token log-probs of sampled tokens under a frozen model (reference / teacher)."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int = 4096,
+                 autocast_dtype: str = "", device: str | torch.device = "cpu",
+                 name: str = "reference") -> None:
+        self.model = model.to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+        self.autocast_dtype = autocast_dtype
+        self.device = torch.device(device)
+        self.name = name
+
+    @classmethod
+    def copy_of(cls, policy: torch.nn.Module, **kwargs) -> "FrozenLogprobModel":
+        """A frozen copy of ``policy``'s current weights (the initial policy when called
+        before training)."""
+        return cls(copy.deepcopy(policy), **kwargs)
+
+    @classmethod
+    def from_path(cls, path: str | Path, *, vocab_size: int, dtype: str = "float32",
+                  **kwargs) -> "FrozenLogprobModel":
+        """Load a local HF causal-LM directory; its vocabulary must be ``vocab_size``."""
+        from transformers import AutoModelForCausalLM
+
+        name = kwargs.get("name", "reference")
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{name} model: no config.json in {path}; point the {name} path "
+                              "to a local Hugging Face model directory")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                     local_files_only=True)
+        if model.config.vocab_size != vocab_size:
+            raise ConfigError(
+                f"{name} model at {path} has vocab_size {model.config.vocab_size}, the policy "
+                f"{vocab_size}: log-probs of the same token ids are only comparable with the "
+                "same tokenizer; use a model of the policy's family")
+        return cls(model, **kwargs)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        """``[B, T-1]`` log-probs of ``batch.labels_BT`` (0 where the label is -100)."""
+        with autocast_context(self.device, self.autocast_dtype):
+            logp_BT, _ = causal_token_logprobs(
+                self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
+                temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        return logp_BT.float()
