@@ -34,7 +34,7 @@ geometric mean ``exp(mean(log_w))`` for all its tokens (AReaL's choice).
 
 * ``action: mask`` drops out-of-bounds tokens (or whole sequences): their loss is
   0. This gives **IcePop** (``level: token, action: mask, metric: ratio,
-  lower: 0.5, upper: 2``) and **KPop** (``metric: binary_kl``).
+  lower: 0.5, upper: 5``, the published bounds) and **KPop** (``metric: binary_kl``).
 * ``action: clamp`` (``metric: ratio`` only) keeps every token but clamps ``w``
   of out-of-bounds tokens to ``[lower or 0, upper]`` (truncated IS).
 

@@ -70,7 +70,7 @@ class NormConfig:
 class RejectionSamplingConfig:
     """``actor.rejection_sampling`` (AReaL's names and defaults): drop or clamp tokens
     whose proximal-vs-behaviour divergence is out of bounds. IcePop = {level: token,
-    action: mask, metric: ratio, lower: 0.5, upper: 2}; KPop = metric binary_kl. See
+    action: mask, metric: ratio, lower: 0.5, upper: 5}, the published bounds; KPop = metric binary_kl. See
     tapioca.algorithms.rejection_sampling for the formulas."""
 
     # token: each token on its own; sequence: one decision per sequence.

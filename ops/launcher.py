@@ -232,6 +232,11 @@ class Launcher:
                     if code is None:
                         continue
                     if child.role == "trainer" and code == 0:
+                        # Its last step's metrics may still be in flight: read to the end.
+                        for record in reader.records(idle_s=0.5, timeout_s=3.0):
+                            ev = record.event
+                            if ev is not None and ev.run_id == self.cfg.run_id:
+                                self._observe(ev.source, ev.step, ev.metrics)
                         return self.summary
                     if code == 0:
                         # A clean exit of another role is a `tapioca drain`: the run goes on
