@@ -63,6 +63,9 @@ def path_overrides(example: Path, tiny_ckpt: str) -> list[str]:
         out.append(f"distill.teacher_path={tiny_ckpt}")
     if (raw.get("ref") or {}).get("path"):
         out.append(f"ref.path={tiny_ckpt}")
+    # SHRINK cuts the generation budget to 3 tokens; an overlong window must fit in it.
+    if (raw.get("advantage") or {}).get("overlong_tokens", 0) > 2:
+        out.append("advantage.overlong_tokens=2")
     return out
 
 
