@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: fetch.wait.max.ms of the control.v1 consumer (see MemberFleet.open).
+CONTROL_FETCH_WAIT_MS = 500
+
 RUNNER_COMMANDS = ("pause", "resume", "drain")
 ALL = "all"
 # A member is stale when its last heartbeat is older than this many of its intervals.
@@ -193,8 +196,12 @@ class MemberFleet:
         after the first heartbeat cannot fall before the resolved position."""
         r = self.runner
         full = r.cfg.topic(topic("control"))
+        # Commands are rare and a half-second reaction is plenty: a long fetch wait keeps
+        # one idle control consumer per member from costing the broker ~100 fetches/s
+        # (the data-path default of 10 ms made Tansu burn ~40% of a core in the demo).
         self.consumer = Consumer(
-            {**r.cfg.consumer_conf(f"{r.group_id}.{r.member_id}.control")})
+            {**r.cfg.consumer_conf(f"{r.group_id}.{r.member_id}.control"),
+             "fetch.wait.max.ms": CONTROL_FETCH_WAIT_MS})
         md = self.consumer.list_topics(full, timeout=10).topics.get(full)
         if md is None or md.error is not None or not md.partitions:
             log.warning("topic %s does not exist: fleet control is off for %s "
