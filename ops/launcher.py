@@ -14,11 +14,13 @@ both sides read the same ones.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +273,12 @@ class Launcher:
         """SIGTERM every role (its whole process group), wait, then kill what is left;
         agent runners first, the archiver after the others (so it reads their last
         events), the broker last."""
+        # A second Ctrl-C / SIGTERM (or `timeout`'s) while stopping must not abandon
+        # half-stopped roles and the broker as orphans.
+        with _interrupts_ignored():
+            self._stop_all(timeout_s)
+
+    def _stop_all(self, timeout_s: float) -> None:
         archivers = [c for c in self.children if c.role == "archiver"]
         # Agent runners before the proxy they talk to (else every open episode logs a
         # connection error on the way down).
@@ -302,6 +310,19 @@ class Launcher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _interrupts_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
