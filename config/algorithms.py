@@ -14,12 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tapioca.schemas.errors import ConfigError
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from tapioca.schemas.errors import ConfigError, require_config as _require
 
 
 @dataclass

@@ -18,14 +18,9 @@ from typing import Any, Optional
 
 from tapioca.bus.settings import BusConfig
 from tapioca.config.schema import ModelConfig
-from tapioca.schemas.errors import ConfigError
+from tapioca.schemas.errors import require_config as _require
 
 DATA_SOURCES = ("file", "synthetic", "topics", "archive")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 @dataclass

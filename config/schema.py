@@ -25,12 +25,7 @@ from tapioca.config.algorithms import (  # noqa: F401
     RefConfig,
     RejectionSamplingConfig,
 )
-from tapioca.schemas.errors import ConfigError
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from tapioca.schemas.errors import require_config as _require
 
 
 @dataclass

@@ -35,3 +35,10 @@ class RewardError(TapiocaError):
 class FatalRoleError(TapiocaError):
     """Raised by a role when retrying or dead-lettering cannot help (a bad config, a
     failed training step, lost model files): the role stops and reports it."""
+
+
+def require_config(cond: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` (which says what to change) unless
+    ``cond``: the one check every config dataclass's ``__post_init__`` uses."""
+    if not cond:
+        raise ConfigError(message)
