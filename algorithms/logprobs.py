@@ -14,11 +14,17 @@ the per-token log-sum-exp, and recomputes each chunk's logits in backward. Peak
 extra memory is two ``chunk_tokens x V`` buffers plus one fp32 copy and one fp32 gradient of
 the LM head (O(V x H), independent of the number of tokens).
 
-Precision: logits are computed in fp32 (inputs upcast; fp64 inputs stay fp64 so
-the function can be gradchecked) and divided by ``temperature``, as the sampler
-does (the small ``[C, H]`` hidden chunk is scaled before the matmul rather than
-the ``[C, V]`` logits after it: equal up to fp32 rounding). Outputs are in that
-compute dtype.
+Precision: the softmax, log-sum-exp, entropy and gradients are computed in fp32
+(fp64 inputs stay fp64 so the function can be gradchecked), with autocast off
+inside. The two LM-head matmuls run in ``matmul_dtype``: by default fp32, or the
+autocast dtype when the caller runs under ``torch.autocast`` -- then the logits
+are rounded to bf16 / fp16 like an autocast model's LM head (and the inference
+engine's) and upcast before the softmax, as HF / verl trainers do. (Before, an
+ambient autocast silently turned the forward's exp and sums into bf16 too: errors
+of ~0.17 nats, measured; and its fp32 backward matmuls cost ~2x the step on GPU.)
+Logits are divided by ``temperature``, as the sampler does (the small ``[C, H]``
+hidden chunk is scaled before the matmul rather than the ``[C, V]`` logits after
+it: equal up to rounding). Outputs are in the fp32 (or fp64) compute dtype.
 
 Backward, per token with ``z = logits / temperature``, ``p = softmax(z)``,
 ``H = -sum p log p``:
@@ -48,26 +54,52 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+def _scaled_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float,
+                   cdtype: torch.dtype) -> torch.Tensor:
+    """``z_CV`` in ``cdtype`` from the matmul in ``w_VH``'s dtype; forward and backward
+    must round identically, as backward recomputes z against the saved log-sum-exp."""
+    return ((h_CH.to(w_VH.dtype) / temperature) @ w_VH.T).to(cdtype)
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """Chunked ``(logprob, entropy)`` of ``hidden_NH @ weight_VH.T / temperature``."""
 
     @staticmethod
     def forward(
-        ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index
+        ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index,
+        matmul_dtype,
     ):
         # Unused outputs (e.g. entropy only logged) arrive as None in backward,
         # so their term is skipped instead of multiplied by zeros.
         ctx.set_materialize_grads(False)
         cdtype = _compute_dtype(hidden_NH, weight_VH)
+        mm_dtype = matmul_dtype or cdtype
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            outputs = _ChunkedLogprobEntropy._forward(
+                hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
+                compute_entropy, ignore_index, cdtype)
+        logprobs_N, lse_N, entropy_N = outputs
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
+        ctx.temperature = temperature
+        ctx.chunk_tokens = chunk_tokens
+        ctx.ignore_index = ignore_index
+        ctx.compute_entropy = compute_entropy
+        ctx.mm_dtype = mm_dtype
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def _forward(hidden_NH, w_VH, labels_N, temperature, chunk_tokens, compute_entropy,
+                 ignore_index, cdtype):
         n_tokens = hidden_NH.shape[0]
-        w_VH = weight_VH.to(cdtype)
         logprobs_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
         lse_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
         entropy_N = hidden_NH.new_empty(n_tokens if compute_entropy else 0, dtype=cdtype)
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             # Scale the small [C, H] input rather than the [C, V] logits.
-            z_CV = (hidden_NH[start:end].to(cdtype) / temperature) @ w_VH.T
+            z_CV = _scaled_logits(hidden_NH[start:end], w_VH, temperature, cdtype)
             # Hand-rolled log-sum-exp so the exp buffer can be reused for p:
             # at most two [C, V] buffers live at once (z and p).
             max_C = z_CV.amax(dim=-1)
@@ -86,14 +118,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 entropy_N[start:end] = -p_CV.mul_(z_CV).sum(-1)
             # Free before the next chunk allocates, else four buffers peak.
             del z_CV, p_CV
-        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
-        ctx.temperature = temperature
-        ctx.chunk_tokens = chunk_tokens
-        ctx.ignore_index = ignore_index
-        ctx.compute_entropy = compute_entropy
-        if not compute_entropy:
-            ctx.mark_non_differentiable(entropy_N)
-        return logprobs_N, entropy_N
+        return logprobs_N, lse_N, entropy_N
 
     @staticmethod
     @once_differentiable
@@ -103,18 +128,37 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         if not ctx.compute_entropy:
             grad_entropy_N = None
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None
-        cdtype = lse_N.dtype
+            return None, None, None, None, None, None, None, None
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            grad_h_NH, grad_w_VH = _ChunkedLogprobEntropy._backward(
+                ctx, hidden_NH, weight_VH, labels_N, lse_N, entropy_N, grad_logprobs_N,
+                grad_entropy_N, need_h, need_w)
+        return (
+            grad_h_NH.to(hidden_NH.dtype) if need_h else None,
+            grad_w_VH.to(weight_VH.dtype) if need_w else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+    @staticmethod
+    def _backward(ctx, hidden_NH, weight_VH, labels_N, lse_N, entropy_N, grad_logprobs_N,
+                  grad_entropy_N, need_h, need_w):
+        cdtype, mm_dtype = lse_N.dtype, ctx.mm_dtype
         n_tokens = hidden_NH.shape[0]
-        w_VH = weight_VH.to(cdtype)
+        w_VH = weight_VH.to(mm_dtype)
         grad_h_NH = torch.empty_like(hidden_NH, dtype=cdtype) if need_h else None
-        grad_w_VH = torch.zeros_like(w_VH) if need_w else None
+        grad_w_VH = torch.zeros_like(weight_VH, dtype=cdtype) if need_w else None
         for start in range(0, n_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n_tokens)
-            h_CH = hidden_NH[start:end].to(cdtype) / ctx.temperature
+            h_CH = hidden_NH[start:end].to(mm_dtype) / ctx.temperature
             # Recompute this chunk's log-softmax from the saved log-sum-exp; the
             # ops below are in place so only two [C, V] buffers (logp, p) live.
-            logp_CV = (h_CH @ w_VH.T).sub_(lse_N[start:end].unsqueeze(-1))
+            logp_CV = _scaled_logits(hidden_NH[start:end], w_VH, ctx.temperature,
+                                     cdtype).sub_(lse_N[start:end].unsqueeze(-1))
             p_CV = logp_CV.exp()
             if grad_logprobs_N is not None:
                 labels_C = labels_N[start:end]
@@ -133,20 +177,16 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if grad_logprobs_N is not None:
                 g_z_CV.scatter_add_(-1, safe_C.unsqueeze(-1), g_lp_C.unsqueeze(-1))
             # z = (h / T) @ W.T, so dW += dz.T @ (h / T) and dh = (dz @ W) / T.
+            g_z_CV = g_z_CV.to(mm_dtype)
             if need_h:
-                grad_h_NH[start:end] = (g_z_CV @ w_VH) / ctx.temperature
+                grad_h_NH[start:end] = (g_z_CV @ w_VH).to(cdtype) / ctx.temperature
             if need_w:
-                grad_w_VH.addmm_(g_z_CV.T, h_CH)
+                if mm_dtype == cdtype:
+                    grad_w_VH.addmm_(g_z_CV.T, h_CH)
+                else:  # accumulate the chunks in fp32
+                    grad_w_VH.add_(g_z_CV.T @ h_CH)
             del logp_CV, p_CV, g_z_CV  # free before the next chunk allocates
-        return (
-            grad_h_NH.to(hidden_NH.dtype) if need_h else None,
-            grad_w_VH.to(weight_VH.dtype) if need_w else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return grad_h_NH, grad_w_VH
 
 
 def gather_logprobs_entropy(
@@ -158,12 +198,16 @@ def gather_logprobs_entropy(
     chunk_tokens: int = 1024,
     compute_entropy: bool = True,
     ignore_index: int = -100,
+    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(logprobs, entropy)`` without materialising ``N x V`` logits.
 
     Returns tensors shaped like ``labels_BT`` in fp32 (fp64 for fp64 inputs);
     entropy is ``None`` when ``compute_entropy=False``. Gradients flow to
-    ``hidden_BTH`` and ``lm_head_weight_VH`` through both outputs.
+    ``hidden_BTH`` and ``lm_head_weight_VH`` through both outputs. The LM-head
+    matmuls run in ``matmul_dtype`` (default: the autocast dtype when called under
+    ``torch.autocast`` on the hidden states' device, else fp32); the softmax math is
+    always fp32.
     """
     if not temperature > 0:
         raise AlgorithmInputError(f"gather_logprobs_entropy: temperature={temperature!r} must be > 0.")
@@ -179,6 +223,10 @@ def gather_logprobs_entropy(
             "gather_logprobs_entropy: need hidden [..., H], weight [V, H], labels [...]; got "
             f"{tuple(hidden_BTH.shape)}, {tuple(lm_head_weight_VH.shape)}, {tuple(labels_BT.shape)}."
         )
+    if matmul_dtype is None:
+        device_type = hidden_BTH.device.type
+        if torch.is_autocast_enabled(device_type):
+            matmul_dtype = torch.get_autocast_dtype(device_type)
     logprobs_N, entropy_N = _ChunkedLogprobEntropy.apply(
         hidden_BTH.reshape(-1, hidden_size),
         lm_head_weight_VH,
@@ -187,6 +235,7 @@ def gather_logprobs_entropy(
         int(chunk_tokens),
         bool(compute_entropy),
         int(ignore_index),
+        matmul_dtype,
     )
     logprobs_BT = logprobs_N.view(labels_BT.shape)
     return logprobs_BT, (entropy_N.view(labels_BT.shape) if compute_entropy else None)

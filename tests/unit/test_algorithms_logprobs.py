@@ -136,6 +136,40 @@ def test_bf16_inputs_compute_in_fp32():
     assert torch.allclose(ent.detach(), ref_ent, atol=1e-5)
 
 
+def test_under_autocast_matmul_in_bf16_softmax_in_fp32():
+    """Under autocast the LM-head matmuls run in bf16 (as an autocast model's head and
+    the engine do), but the log-softmax stays fp32: equal to the full-logits reference
+    on bf16-rounded logits, with matching gradients. (An ambient autocast used to run
+    the forward's exp and sums in bf16 too: ~0.17 nats off.)"""
+    hidden, weight, labels, c_lp, c_ent = _inputs(2, 6, 16, 64, dtype=torch.float32, seed=5)
+    hidden.data.mul_(3.0)  # logits of a few units, like a trained LM head's
+    t = 0.7
+
+    def rounded_logits_ref(h, w, y, temperature):
+        z = ((h.bfloat16() / temperature) @ w.bfloat16().T).float()
+        return logprobs_from_logits(z, y), entropy_from_logits(z)
+
+    def chunked_autocast(h, w, y, temperature):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return gather_logprobs_entropy(h, w, y, temperature=temperature, chunk_tokens=5)
+
+    lp, ent = chunked_autocast(hidden, weight, labels, t)
+    ref_lp, ref_ent = rounded_logits_ref(hidden, weight, labels, t)
+    assert lp.dtype == torch.float32
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    # Not the fp32-logits answer: the matmul really ran in bf16.
+    fp32_lp, _ = _naive(hidden.detach(), weight.detach(), labels, t)
+    assert (lp.detach() - fp32_lp).abs().max() > 1e-3
+    got = _grads(chunked_autocast, hidden, weight, labels, c_lp, c_ent, t)
+    want = _grads(rounded_logits_ref, hidden, weight, labels, c_lp, c_ent, t)
+    for g, w in zip(got, want):  # bf16 products in the backward matmuls: ~1e-2 relative
+        assert torch.allclose(g, w, rtol=3e-2, atol=3e-2 * w.abs().max().item())
+    # An explicit matmul_dtype outside autocast gives the same numbers.
+    lp2, _ = gather_logprobs_entropy(hidden, weight, labels, temperature=t, chunk_tokens=5,
+                                     matmul_dtype=torch.bfloat16)
+    assert torch.equal(lp2, lp)
+
+
 def test_no_grad_inference_and_bad_args():
     hidden, weight, labels, _, _ = _inputs(1, 4, 3, 5)
     with torch.no_grad():
