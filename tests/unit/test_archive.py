@@ -199,7 +199,7 @@ def _replay_items():
     """Two groups of two trajectories on partitions 0 and 1, each with its rewards and
     sample: g-new (versions 5..6, rewards 0.9 / 0.2) and g-mixed (trajectory 0 at
     version 2, trajectory 1 at version 6; rewards 0.8 / 0.7)."""
-    from tapioca.ops.replay_cli import ReplayItem
+    from tapioca.bus.replay import ReplayItem
 
     spec = {"g-new": (0, [[5, 6], [6, 6]], [0.9, 0.2]),
             "g-mixed": (1, [[2, 2], [6, 6]], [0.8, 0.7])}
@@ -232,7 +232,7 @@ def _replay_items():
 def _replayed(**flt) -> list[tuple[str, str]]:
     """(type, traj_id or group_id) of what a dry run would publish."""
     from tapioca.bus.settings import BusConfig
-    from tapioca.ops.replay_cli import Replayer, ReplayFilter, ReplayStats
+    from tapioca.bus.replay import Replayer, ReplayFilter, ReplayStats
 
     items = _replay_items()
     published = []
@@ -261,7 +261,7 @@ def test_version_filter_keeps_or_drops_whole_groups_by_default():
 
 
 def test_reward_filter_keeps_or_drops_whole_groups_by_default():
-    from tapioca.ops.replay_cli import ReplayFilter, ReplayStats
+    from tapioca.bus.replay import ReplayFilter, ReplayStats
 
     # g-new has a 0.2 reward: dropped whole; g-mixed (0.8, 0.7) kept whole.
     got = _replayed(min_reward=0.5, types=frozenset({"reward", "sample"}))
@@ -273,7 +273,7 @@ def test_reward_filter_keeps_or_drops_whole_groups_by_default():
     assert ("reward", "g-new:1") not in per_event
     # The verdicts are counted.
     from tapioca.bus.settings import BusConfig
-    from tapioca.ops.replay_cli import Replayer
+    from tapioca.bus.replay import Replayer
 
     stats = Replayer(None, BusConfig(topic_prefix="p")).run(
         lambda: iter(_replay_items()), ReplayFilter(max_reward=0.85), ReplayStats(), dry_run=True)
