@@ -12,6 +12,7 @@ re-exported here.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -472,6 +473,13 @@ class AgentConfig:
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")
+
+
+def name_trial(cfg: Any) -> None:
+    """An empty ``trial_name`` (of a TrainConfig or an OfflineTrainConfig) means a new
+    trial: name it by the start time, so the run id and run dir are ``experiment.time``."""
+    if not cfg.trial_name:
+        cfg.trial_name = time.strftime("%Y%m%d-%H%M%S")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Callable
 from tapioca.bus.broker import EmbeddedBroker
 from tapioca.bus.settings import BOOTSTRAP_ENV
 from tapioca.config.loader import to_yaml
-from tapioca.config.schema import TrainConfig
+from tapioca.config.schema import TrainConfig, name_trial
 from tapioca.schemas.errors import TapiocaError
 
 log = logging.getLogger(__name__)
@@ -70,20 +70,20 @@ class RunSummary:
     rewards: dict[int, float] = field(default_factory=dict)  # step -> mean reward
     history: list[dict] = field(default_factory=list)
 
-    def window_means(self, window: int = 20) -> tuple[float, float] | None:
-        """Mean reward of the first and of the last ``window`` steps (single steps are
-        noisy: a step is only B groups)."""
+    def window_means(self, window: int = 20) -> tuple[float, float, int] | None:
+        """``(first, last, w)``: the mean reward of the first and of the last ``w`` steps,
+        ``w`` = ``window`` or half the steps if fewer (single steps are noisy: a step is
+        only B groups)."""
         if not self.rewards:
             return None
         values = [self.rewards[s] for s in sorted(self.rewards)]
         w = max(1, min(window, len(values) // 2 or 1))
-        return sum(values[:w]) / w, sum(values[-w:]) / w
+        return sum(values[:w]) / w, sum(values[-w:]) / w, w
 
 
 def prepare_run(cfg: TrainConfig) -> Path:
     """Resolve the run directory and the model; write the resolved config there."""
-    if not cfg.trial_name:
-        cfg.trial_name = time.strftime("%Y%m%d-%H%M%S")
+    name_trial(cfg)
     cfg.run_dir = str(Path(cfg.run_dir).resolve())
     run_dir = Path(cfg.run_path)
     run_dir.mkdir(parents=True, exist_ok=True)

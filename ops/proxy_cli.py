@@ -68,7 +68,7 @@ def proxy(
     Extra arguments are dotted overrides, e.g. proxy.port=8001 proxy.api_key=KEY."""
     from tapioca.bus.admin import ensure_topics
     from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
+    from tapioca.config.schema import TrainConfig, name_trial
     from tapioca.ops import broker_state
     from tapioca.producers.proxy import ProxyServer
 
@@ -76,6 +76,7 @@ def proxy(
 
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, list(ctx.args))
+    name_trial(cfg)  # an example YAML's empty trial_name: a new run, as `tapioca train` names it
     if not cfg.bus.bootstrap_servers or G.bootstrap:
         cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap or cfg.bus.bootstrap_servers or None)
     if cfg.bus.run_id == "default":

@@ -30,6 +30,7 @@ import torch
 
 from tapioca.config.loader import to_yaml
 from tapioca.config.offline import OfflineTrainConfig
+from tapioca.config.schema import name_trial
 from tapioca.models.forward import autocast_context, causal_token_logprobs
 from tapioca.models.weight_files import save_weights
 from tapioca.schemas.errors import FatalRoleError
@@ -43,8 +44,7 @@ E = TypeVar("E")
 def prepare_offline_run(cfg: OfflineTrainConfig) -> Path:
     """Resolve the run directory, create the tiny model when ``model.path`` is empty,
     write the resolved config; the run directory layout is the RL trainer's."""
-    if not cfg.trial_name:
-        cfg.trial_name = time.strftime("%Y%m%d-%H%M%S")
+    name_trial(cfg)
     cfg.run_dir = str(Path(cfg.run_dir).resolve())
     run_dir = Path(cfg.run_path)
     run_dir.mkdir(parents=True, exist_ok=True)

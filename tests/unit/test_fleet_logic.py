@@ -184,3 +184,18 @@ def test_plot_errors_are_clear(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="no step rows"):
         load_steps(tmp_path)
+
+
+def test_run_summary_window_says_how_many_steps_it_averaged():
+    """The closing line of `tapioca train` names the window it really used: 20 steps,
+    or half the run when it is shorter (3 steps: the first vs the last single step)."""
+    from pathlib import Path
+
+    from tapioca.ops.launcher import RunSummary
+
+    long_run = RunSummary(Path("."), rewards={s: float(s) for s in range(1, 51)})
+    # first 20: mean of 1..20 = 10.5; last 20: mean of 31..50 = 40.5
+    assert long_run.window_means() == (10.5, 40.5, 20)
+    short = RunSummary(Path("."), rewards={1: 0.0, 2: 0.5, 3: 1.0})
+    assert short.window_means() == (0.0, 1.0, 1)
+    assert RunSummary(Path(".")).window_means() is None
