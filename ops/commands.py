@@ -123,7 +123,7 @@ def demo(ctx: typer.Context) -> None:
 @app.command("role", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def role(
     ctx: typer.Context,
-    name: str = typer.Argument(..., help="feeder | rollout | reward | advantage | trainer"),
+    name: str = typer.Argument(..., help="feeder | rollout | reward | advantage | trainer | archiver"),
     config: str = typer.Option(..., "--config", "-c", help="YAML config file of the run."),
     member: int = typer.Option(0, help="Member index (for several rollout workers)."),
 ) -> None:

@@ -387,7 +387,6 @@ def test_fleet_control_on_a_running_loop(cfg, cli, tiny_ckpt, tmp_path, start_ru
         for name, rt in runners.items():
             if name != "rollout":
                 assert rt.thread.is_alive(), f"{name} stopped: {rt.error!r}"
-        print("trainer version at the end:", runners["trainer"].state.progress.version)
     finally:
         trajs.close()
 

@@ -1,0 +1,46 @@
+"""docker-compose.yml cannot be run here (no docker daemon), so this checks what can be
+checked without it: every service's `tapioca` command exists with the arguments it is
+given, every role it names is a role, and the run config it reads loads and validates
+with its dotted overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _services() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def test_every_compose_service_runs_an_existing_command_and_a_valid_config():
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops import commands, fleet_cli, offline_cli, proxy_cli, replay_cli  # noqa: F401
+    from tapioca.ops.cli import app
+    from tapioca.ops.role_builders import ROLES
+
+    runner = CliRunner()
+    checked = []
+    for name, svc in _services().items():
+        cmd = svc.get("command")
+        if not cmd or cmd[0] != "tapioca":
+            continue
+        args = cmd[1:]
+        result = runner.invoke(app, [*args[:1], "--help"])
+        assert result.exit_code == 0, f"service {name}: `tapioca {args[0]}` is not a command"
+        if "--config" in args:
+            i = args.index("--config")
+            path = ROOT / args[i + 1].replace("/app/", "", 1)
+            assert path.exists(), f"service {name} reads {args[i + 1]}, not in the repo"
+            cfg = load_config(TrainConfig, str(path), [a for a in args[i + 2:] if "=" in a])
+            assert cfg.bus.run_id == cfg.run_id, f"service {name}: bus.run_id is not the run's"
+        if args[0] == "role":
+            assert args[1] in ROLES, f"service {name}: no role {args[1]!r}"
+        checked.append(name)
+    # Every role has its service, plus the topic creator and the agent proxy.
+    assert set(ROLES) | {"topics", "proxy"} <= set(checked)
