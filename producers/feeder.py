@@ -19,16 +19,19 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from tapioca.algorithms.head_gate import head_gate_capacity
 from tapioca.bus.role import Role, Source
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import PromptEvent, WeightsEvent
 
 
 def head_gate_open(next_group_index: int, version: int, eta: int, prompts_per_step: int,
-                   rejected: int = 0) -> bool:
+                   rejected: int = 0, rollbacks: int = 0) -> bool:
     """AReaL's admission rule, k < (eta + v + 1) * B, where groups the trainer rejected
-    (over-stale, filtered) free their slots as AReaL's rejected rollouts do."""
-    return next_group_index - rejected < (eta + version + 1) * prompts_per_step
+    (over-stale, filtered) free their slots and v counts trained steps
+    (algorithms/head_gate.py)."""
+    return head_gate_capacity(next_group_index, version, eta, prompts_per_step,
+                              freed=rejected, rollbacks=rollbacks) > 0
 
 
 @dataclass
@@ -49,6 +52,7 @@ class FeederState:
     position: int = 0  # next index into this epoch's order
     latest_version: int = 0
     rejected: int = 0
+    rollbacks: int = 0  # versions that were rollbacks, not trained steps
     exhausted: bool = False
     order: list[int] = field(default_factory=list)
     order_epoch: int = -1
@@ -100,9 +104,9 @@ class PromptFeeder(Role[FeederState]):
 
     def handle(self, event: Event, state: FeederState, source: Source) -> Iterable[Event]:
         if isinstance(event, WeightsEvent):
-            # A rollback republishes an older version; the gate follows the log.
             state.latest_version = event.version
             state.rejected = event.groups_rejected
+            state.rollbacks = event.rollbacks
         return ()
 
     def _order(self, state: FeederState) -> list[int]:
@@ -117,7 +121,7 @@ class PromptFeeder(Role[FeederState]):
         out: list[Event] = []
         while (len(out) < self.max_groups_per_tick and not state.exhausted
                and head_gate_open(state.next_group_index, state.latest_version, self.eta, self.B,
-                              state.rejected)):
+                                  state.rejected, state.rollbacks)):
             if state.position >= len(self.records):
                 state.epoch += 1
                 state.position = 0

@@ -169,6 +169,9 @@ class WeightsEvent(Event):
     # The groups rejected since the trainer's previous weights event: with group_ids,
     # every group the trainer read has its fate on the log.
     rejected_group_ids: list[str] = field(default_factory=list)
+    # Versions so far (this one included) that were rollbacks, not training steps: the
+    # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
+    rollbacks: int = 0
 
 
 @dataclass(kw_only=True)

@@ -31,6 +31,8 @@ class TrainerProgress:
     # on any: both are announced again after a restart (the event may not have made it).
     last_rejected_ids: list[str] = field(default_factory=list)
     unannounced_rejections: list[str] = field(default_factory=list)
+    # Versions that were rollbacks (WeightsEvent.rollbacks).
+    rollbacks: int = 0
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

@@ -123,7 +123,7 @@ class Trainer(Role[TrainerState]):
             old.unlink(missing_ok=True)
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
                             step=p.version, group_ids=group_ids,
-                            groups_rejected=len(state.rejected),
+                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p))
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
@@ -132,7 +132,7 @@ class Trainer(Role[TrainerState]):
             return self._publish_weights(state, [])
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
                             step=p.version, group_ids=list(p.last_group_ids),
-                            groups_rejected=len(state.rejected),
+                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p))
 
     @staticmethod
@@ -339,6 +339,7 @@ class Trainer(Role[TrainerState]):
         self.actor.optimizer.state.clear()
         critic_note = self._rollback_critic(target, p.version) if self.critic is not None else ""
         p.version += 1
+        p.rollbacks += 1  # a version that trained no batch: the head gate must not count it
         p.last_group_ids = []
         weights = self._publish_weights(state, [])
         weights.rollback_of = target

@@ -5,9 +5,10 @@ in a background thread): each version is loaded into the proxy's engine and its
 ``version`` / ``groups_rejected`` move the gate. Emits nothing but the runner's status
 metrics.
 
-Gate (DESIGN.md §3, the feeder's rule): a session that starts a new group waits until
-``k - rejected - abandoned < (eta + v + 1) * B`` with k the groups this proxy has
-admitted in the run, v and ``rejected`` from the latest weights event, eta =
+Gate (DESIGN.md §3, the feeder's rule, algorithms/head_gate.py): a session that starts
+a new group waits until ``k - rejected - abandoned < (eta + v + 1) * B`` with k the
+groups this proxy has admitted in the run, v (trained steps: version - rollbacks) and
+``rejected`` from the latest weights event, eta =
 ``rollout.max_head_offpolicyness`` and B = ``train_dataset.prompts_per_step``.
 ``abandoned`` counts admitted groups that ended without a trajectory (every session
 expired): the trainer never sees them, so nothing else would free their slot.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable
 
+from tapioca.algorithms.head_gate import head_gate_capacity
 from tapioca.bus.reader import TopicReader
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
@@ -41,30 +43,35 @@ class HeadGate:
         self.abandoned = 0
         self.version = 0
         self.rejected = 0
+        self.rollbacks = 0
         self.ready = threading.Event()
         self._lock = threading.Lock()
 
     def capacity(self) -> int:
         """Groups that may still be admitted now."""
         with self._lock:
-            return (self.eta + self.version + 1) * self.B - (self.admitted - self.rejected - self.abandoned)
+            return self._capacity()
+
+    def _capacity(self) -> int:
+        return head_gate_capacity(self.admitted, self.version, self.eta, self.B,
+                                  freed=self.rejected + self.abandoned, rollbacks=self.rollbacks)
 
     def try_admit(self) -> int | None:
         """The new group's index k, or None while the gate is closed."""
         if not self.ready.is_set():
             return None
         with self._lock:
-            if self.admitted - self.rejected - self.abandoned < (self.eta + self.version + 1) * self.B:
+            if self._capacity() > 0:
                 k = self.admitted
                 self.admitted += 1
                 return k
             return None
 
-    def update(self, version: int, rejected: int) -> None:
+    def update(self, version: int, rejected: int, rollbacks: int = 0) -> None:
         with self._lock:
-            # A rollback republishes an older version; the gate follows the log.
             self.version = version
             self.rejected = rejected
+            self.rollbacks = rollbacks
 
     def abandon(self) -> None:
         with self._lock:
@@ -124,7 +131,7 @@ class WeightsFollower(Role[dict]):
             # continue on the new weights (interruptible generation), none fails.
             self.load(event)
             state["loads"] += 1
-        self.gate.update(event.version, event.groups_rejected)
+        self.gate.update(event.version, event.groups_rejected, event.rollbacks)
 
     def describe(self, state: dict) -> dict[str, Any]:
         return {"version": self.gate.version, "admitted": self.gate.admitted,

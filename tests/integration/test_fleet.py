@@ -328,6 +328,8 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     publish(cfg, sample("gc", version=3))
     wait_until(lambda: 4 in versions(), timeout_s=40, what="version 4 after the rollback")
     assert versions()[4].group_ids == ["gc"]
+    # The gate counts trained steps: every version from the rollback on says it had one.
+    assert [versions()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
 
     # Weights files older than keep_weight_versions are deleted: rollback says so.
     Path(versions()[0].path).unlink()

@@ -142,6 +142,9 @@ def test_head_gate_counts_rejected_and_abandoned_groups():
     assert gate.try_admit() == 5
     gate.update(version=1, rejected=1)
     assert gate.capacity() == 2
+    # A rollback's version (rollbacks=1) is not a trained step: no new slots.
+    gate.update(version=2, rejected=1, rollbacks=1)
+    assert gate.capacity() == 2
 
 
 def test_a_session_with_a_call_in_flight_is_not_expired():

@@ -24,9 +24,9 @@ def feeder(n_records: int = 100, *, eta: int = 0, B: int = 4, max_epochs: int = 
                         seed=seed, run_tag="r")
 
 
-def weights(version: int, rejected: int = 0) -> WeightsEvent:
+def weights(version: int, rejected: int = 0, rollbacks: int = 0) -> WeightsEvent:
     return WeightsEvent(version=version, path=f"/w/v{version}", sha256="00" * 32,
-                        groups_rejected=rejected)
+                        groups_rejected=rejected, rollbacks=rollbacks)
 
 
 def drain(f: PromptFeeder, state, ticks: int = 5) -> list[PromptEvent]:
@@ -44,6 +44,31 @@ def test_head_gate_formula():
     assert head_gate_open(4, 0, 0, 4, rejected=1)
     assert not head_gate_open(12, 0, 2, 4)
     assert head_gate_open(11, 0, 2, 4)
+
+
+def test_head_gate_capacity_counts_trained_steps_not_rollback_versions():
+    from tapioca.algorithms.head_gate import head_gate_capacity
+
+    # (eta + (v - rollbacks) + 1) * B - (admitted - freed):
+    # eta 1, v 5 with 1 rollback -> 4 trained steps -> (1 + 4 + 1) * 4 = 24 slots;
+    # 26 admitted, 3 freed -> 23 held -> 1 left.
+    assert head_gate_capacity(26, 5, 1, 4, freed=3, rollbacks=1) == 1
+    # Without the rollback correction the same state would show 5 (one batch too many).
+    assert head_gate_capacity(26, 5, 1, 4, freed=3) == 5
+    assert head_gate_capacity(30, 0, 0, 4) == -26  # over: after a restart, say
+
+
+def test_a_rollback_version_opens_no_batch():
+    """Trainer at v2 (2 steps), then a rollback publishes v3 with rollbacks=1: the gate
+    stays where it was at v2; the next trained step (v4, rollbacks 1) opens B more."""
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    f.handle(weights(2), state, W_SRC)
+    assert len(drain(f, state)) == 12  # (0 + 2 + 1) * 4
+    f.handle(weights(3, rollbacks=1), state, W_SRC)
+    assert drain(f, state) == []
+    f.handle(weights(4, rollbacks=1), state, W_SRC)
+    assert len(drain(f, state)) == 4
 
 
 def test_eta0_publishes_B_groups_then_waits_for_next_version():

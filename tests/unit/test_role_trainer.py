@@ -505,7 +505,8 @@ def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, c
     before = critic_params(t)
     with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
         ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.pt is kept
-    assert ok and weights.version == 3 and weights.rollback_of == 1
+    assert ok and weights.version == 3 and weights.rollback_of == 1 and weights.rollbacks == 1
+    assert state.progress.rollbacks == 1  # checkpointed with the version
     assert "critic keeps its weights" in message and "no critic checkpoint of that version" in caplog.text
     assert not t.critic.optimizer.state and not t.actor.optimizer.state
     assert all(torch.equal(v, before[k]) for k, v in critic_params(t).items())
