@@ -226,11 +226,9 @@ class RewardService:
         try:
             while not self.stopping:
                 msgs = self.consumer.consume(64, timeout=0.1)
-                if not msgs:
-                    if exit_when_idle_s and time.monotonic() - last > exit_when_idle_s:
-                        break
-                    continue
-                last = time.monotonic()
+                if exit_when_idle_s and time.monotonic() - last > exit_when_idle_s:
+                    break
+                handled = 0
                 for msg in msgs:
                     err = msg.error()
                     if err is not None:
@@ -240,6 +238,10 @@ class RewardService:
                             log.warning("consumer error (will retry): %s", err.str())
                         continue
                     self.handle(msg)
+                    handled += 1
+                if not handled:  # none, or only errors (e.g. no topic yet): nothing to commit
+                    continue
+                last = time.monotonic()
                 # At-least-once: outputs delivered before the inputs are marked done.
                 undelivered = self.producer.flush(30)
                 if self.failed or undelivered:

@@ -181,3 +181,15 @@ def test_a_run_whose_only_reward_is_the_external_service(broker, tmp_path, one_t
     counts = orjson.loads(log_path.read_text().split("stopped: ")[-1].splitlines()[0])
     assert counts == {"scored": 2 * GROUPS, "duplicates": 1, "dead_lettered": 2,
                       "other_runs": 0}
+
+
+def test_service_started_before_its_topics_exist_waits_instead_of_crashing(broker, tmp_path):
+    """Started before `tapioca topics create`: only 'unknown topic' errors arrive, so
+    there is no offset to commit; the service keeps waiting (here: until idle) and
+    exits cleanly, rather than dying on a commit of nothing."""
+    proc = subprocess.run(
+        [sys.executable, str(SERVICE), "--bootstrap-server", broker.bootstrap,
+         "--prefix", f"nosuch{uuid.uuid4().hex[:8]}", "--exit-when-idle-s", "4"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stopped:" in proc.stderr + proc.stdout
