@@ -74,8 +74,13 @@ def resolve_bootstrap(flag: str | None) -> str:
 def broker_up(port: int, storage: str) -> dict:
     existing = read_state()
     if existing:
+        if (existing["bootstrap"].rsplit(":", 1)[-1] == str(port)
+                and existing.get("storage") == storage):
+            # Idempotent, so `tapioca broker up && ...` works when it is up already.
+            return {**existing, "already_running": True}
         raise BusError(f"an embedded broker is already running at {existing['bootstrap']} "
-                       f"(pid {existing['pid']}); `tapioca broker down` stops it")
+                       f"(pid {existing['pid']}, {existing.get('storage')}); `tapioca broker "
+                       "down` stops it, or use that one")
     log_path = home() / "broker.log"
     broker = EmbeddedBroker(port=port, storage=storage, log_path=log_path)
     broker.start(detach=True)

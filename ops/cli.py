@@ -88,7 +88,8 @@ def broker_up(
     if output == "json":
         emit_json(state)
     else:
-        console.print(f"broker up at [bold]{state['bootstrap']}[/] (pid {state['pid']}, "
+        verb = "already up" if state.get("already_running") else "up"
+        console.print(f"broker {verb} at [bold]{state['bootstrap']}[/] (pid {state['pid']}, "
                       f"{state['storage']}); log: {state['log']}")
 
 

@@ -23,7 +23,7 @@ from tapioca.bus.replay import (
     Replayer, ReplayFilter, ReplayItem, ReplayStats, items_from_archive, items_from_topic,
 )
 from tapioca.ops.cli import G, app, bus_config, console, emit_json
-from tapioca.schemas.errors import ConfigError
+from tapioca.schemas.errors import BusError, ConfigError
 
 OUTPUT_HELP = "table (for people) or json (for scripts)"
 
@@ -197,8 +197,10 @@ def train_offline(
     source: str = typer.Option(
         "samples", help="samples (the run's advantages) or trajectories (recomputed from "
                         "trajectories + rewards with this config's advantage section)."),
-    trial: str = typer.Option("offline", help="trial_name of the offline run (its own "
-                                               "checkpoints, weights and metrics)."),
+    trial: Optional[str] = typer.Option(
+        None, help="trial_name of the offline run (its own checkpoints, weights and "
+                   "metrics); default: the config's trial_name + '-offline' (a new "
+                   "timestamped trial when the config has none)."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps."),
     publish: bool = typer.Option(True, help="Publish weights and metrics to the broker."),
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
@@ -208,7 +210,7 @@ def train_offline(
     from tapioca.bus.archive import iter_events
     from tapioca.bus.producer import EventProducer
     from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
+    from tapioca.config.schema import TrainConfig, name_trial
     from tapioca.ops import broker_state
     from tapioca.ops.launcher import prepare_run
     from tapioca.ops.role_builders import build_role
@@ -220,6 +222,9 @@ def train_offline(
         raise ConfigError(f"archive {from_archive} does not exist; pass the archive "
                           "directory (archive.dir of the run, or `tapioca archive DIR`)")
     cfg = load_config(TrainConfig, config, list(ctx.args))
+    if trial is None:  # never resume another offline run's checkpoint by accident
+        name_trial(cfg)
+        trial = f"{cfg.trial_name}-offline"
     cfg.trial_name = trial
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
     cfg.rollout.max_head_offpolicyness = OFFLINE_ETA
@@ -228,11 +233,21 @@ def train_offline(
     run_dir = prepare_run(cfg)
     producer = None
     if publish:
-        cfg.bus.bootstrap_servers = cfg.bus.bootstrap_servers or broker_state.resolve_bootstrap(
-            G.bootstrap)
+        # --bootstrap-server / TAPIOCA_BOOTSTRAP first: a run's config.yaml names the
+        # broker it ran on, which stopped with the run if it was the run's own.
+        named = cfg.bus.bootstrap_servers
+        if not named or G.bootstrap:
+            cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap or named or None)
         from tapioca.bus.admin import ensure_topics
 
-        ensure_topics(cfg.bus)
+        try:
+            ensure_topics(cfg.bus)
+        except BusError as exc:
+            raise BusError(
+                f"{exc}. A run's config.yaml names the broker the run used, which is gone "
+                "if it was the run's own embedded broker: pass --bootstrap-server (or "
+                "TAPIOCA_BOOTSTRAP, or bus.bootstrap_servers=...), or --no-publish to "
+                "train without publishing weights and metrics events") from None
         producer = EventProducer(cfg.bus, f"{cfg.run_id}-trainer-offline")
     trainer = build_role("trainer", cfg)
     if source == "samples":

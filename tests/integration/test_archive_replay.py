@@ -334,7 +334,10 @@ def test_archive_command_archives_a_finished_run(run, tmp_path):
 def test_train_offline_from_the_archive(run, tmp_path):
     bus = run.bus
     config = tmp_path / "run.yaml"
-    config.write_text(to_yaml(run.cfg))
+    # As a finished run's config.yaml: it names the run's own broker, now gone; the
+    # CLI's --bootstrap-server (-b) must win over it.
+    config.write_text(to_yaml(run.cfg).replace(bus.bootstrap_servers, "127.0.0.1:9"))
+    assert "127.0.0.1:9" in config.read_text()
     prefix = f"o{uuid.uuid4().hex[:12]}"
     # eta 0 in the config: a live trainer at version 1 would reject the second batch
     # (staleness 1 - 0 = 1 > 0); offline the gate is off, so both batches train.
@@ -348,10 +351,11 @@ def test_train_offline_from_the_archive(run, tmp_path):
     dest = BusConfig(bootstrap_servers=bus.bootstrap_servers, topic_prefix=prefix)
     weights = [r.event for r in _read(dest, "weights")]
     assert [w.version for w in weights] == [0, 1, 2]
-    assert all(w.run_id == "arch.offline" for w in weights)
+    # The default trial is the source's + "-offline": no two runs share a checkpoint.
+    assert all(w.run_id == "arch.run-offline" for w in weights)
     for w in weights:
         assert Path(w.path).is_file() and sha256_file(w.path) == w.sha256
-    assert Path(result["run_dir"]).name == "offline"
+    assert Path(result["run_dir"]).name == "run-offline"
 
     # From trajectories + rewards through this config's advantage processor.
     again = _json(_cli("-b", bus.bootstrap_servers, "--prefix", prefix, "train-offline",

@@ -149,6 +149,15 @@ def test_broker_status_running(env, bootstrap):
     assert status["bootstrap"] == bootstrap
 
 
+def test_broker_up_is_idempotent_on_the_same_port(env, bootstrap):
+    port = bootstrap.rsplit(":", 1)[1]
+    assert "already up at" in ok(env, "broker", "up", "--port", port)
+    again = orjson.loads(ok(env, "broker", "up", "--port", port, "-o", "json"))
+    assert again["bootstrap"] == bootstrap and again["already_running"] is True
+    other = cli(env, "broker", "up", "--port", str(free_port()))  # another broker: refused
+    assert other.returncode != 0 and "already running at" in other.stderr
+
+
 def test_topics_create_is_idempotent(env, created):
     assert set(created) == REGISTRY_TOPICS
     assert "already exist" in ok(env, "topics", "create")
