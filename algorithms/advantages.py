@@ -20,6 +20,11 @@ Normalisation (AReaL's ``NormConfig`` names)::
     A_i = c_i / (s + eps)                  std_level "group"/"batch"
         = c_i                              std_level "none"
 
+Reward normalisation (AReaL's ``reward_norm``, :func:`normalize_rewards`) is the same
+formula applied to the shaped rewards *before* the estimator, ``group`` and ``none``
+levels only (the processor sees one group at a time); the estimator then works on the
+normalised rewards.
+
 The std is taken around the baseline that was subtracted (AReaL's convention): with
 ``mean_level="none"`` it is the root mean square, and with a group mean followed by a
 batch std it is the spread of the group-centred values over the batch.
@@ -137,6 +142,25 @@ def check_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
         raise AlgorithmInputError(f"eps={eps!r} must be a finite number >= 0.")
 
 
+def check_reward_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
+                      std_unbiased: bool = False, eps: float = 1e-6) -> None:
+    """Raise :class:`AlgorithmInputError` unless the reward normalisation is one the
+    advantage processor can apply: a valid norm with ``group`` or ``none`` levels."""
+    batch = [name for name, level in (("mean_level", mean_level), ("std_level", std_level))
+             if level == "batch"]
+    if batch:
+        # A batch-wide reward statistic would need every group of the training batch
+        # before any advantage is computed, but groups leave the processor one by one.
+        raise AlgorithmInputError(
+            f"{' and '.join(batch)}=batch is not supported for reward_norm: rewards are "
+            "normalised in the advantage processor, one group at a time. Use group or "
+            "none here, and advantage.adv_norm batch levels (applied by the trainer over "
+            "the training batch, e.g. {mean_level: batch, std_level: batch}) for "
+            "batch-wide normalisation.")
+    check_norm(mean_level=mean_level, std_level=std_level, mean_leave1out=mean_leave1out,
+               std_unbiased=std_unbiased, eps=eps)
+
+
 def _finite_values(values: Sequence[float], who: str) -> list[float]:
     out = [float(v) for v in values]
     if not out:
@@ -233,6 +257,28 @@ def normalize_batch(
                std_unbiased=std_unbiased, eps=eps)
     vals = _finite_values(values, "normalize_batch")
     return _normalize(vals, level="batch", mean_level=mean_level, std_level=std_level,
+                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
+
+
+def normalize_rewards(
+    rewards: Sequence[float],
+    *,
+    mean_level: str = "group",
+    std_level: str = "group",
+    mean_leave1out: bool = False,
+    std_unbiased: bool = False,
+    eps: float = 1e-6,
+) -> list[float]:
+    """AReaL's ``reward_norm`` on one group's shaped rewards, before the estimator.
+
+    The formula and edge cases of :func:`normalize_group` (singleton and all-equal
+    groups give exact zeros when a group mean is subtracted); only ``group`` and
+    ``none`` levels are accepted (:func:`check_reward_norm`).
+    """
+    check_reward_norm(mean_level=mean_level, std_level=std_level,
+                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
+    values = _finite_values(rewards, "normalize_rewards")
+    return _normalize(values, level="group", mean_level=mean_level, std_level=std_level,
                       mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
 
 

@@ -3,14 +3,17 @@
 Consumes per-trajectory scalars (rewards from one or more scorers, a response length
 in tokens) and returns one float reward per trajectory. Pure Python, no torch; the
 advantage processor applies these in this order, then ``shape_reward`` (bias, scale,
-clip), then the group normalisation (:mod:`tapioca.algorithms.advantages`)::
+clip), then, if set, the reward normalisation, then the estimator's group levels
+(both in :mod:`tapioca.algorithms.advantages`)::
 
     r      = sum_s w_s * r_s                                  (weighted_reward)
     r     += min(-(L - (L_max - L_cache)) / L_cache * f, 0)   (overlong_penalty)
     r      = clip((r + bias) * scale, -clip, clip)            (shape_reward)
+    r'     = (r - b) / (std + eps) per group                  (normalize_rewards, reward_norm)
 
 This is AReaL's order (``reward_overlong_penalty`` runs before
-``reward_bias``/``reward_scaling``/``reward_clip``).
+``reward_bias``/``reward_scaling``/``reward_clip``, and ``reward_norm`` after them,
+before the KL-to-reference token rewards are added and before GAE).
 """
 
 from __future__ import annotations

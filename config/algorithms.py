@@ -1,7 +1,8 @@
 """The algorithm sections of a training run's configuration (re-exported by
 :mod:`tapioca.config.schema`, where callers import them from).
 
-``advantage.adv_norm`` (:class:`NormConfig`), ``actor.rejection_sampling``
+``advantage.adv_norm`` (:class:`NormConfig`), ``advantage.reward_norm``
+(:class:`RewardNormConfig`), ``actor.rejection_sampling``
 (:class:`RejectionSamplingConfig`), and the sections of the extra models:
 ``critic`` (:class:`CriticConfig`), ``ref`` (:class:`RefConfig`), ``distill``
 (:class:`DistillConfig`). AReaL's field names; each ``__post_init__`` validates its
@@ -12,7 +13,7 @@ e.g. :func:`tapioca.algorithms.rejection_sampling.check_rejection_sampling`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from tapioca.schemas.errors import ConfigError, require_config as _require
 
@@ -27,25 +28,39 @@ class NormConfig:
     by the trainer over each training batch, after the group levels (and after GAE
     for ``estimator: gae``). ``A = (r - b) / (std + eps)`` with ``b`` the (leave-one-
     out) mean and the std taken around ``b`` (population std unless ``std_unbiased``).
-    Unlike AReaL there is no ``group_size``: groups are keyed by ``group_id``.
+    ``group_size`` is accepted so AReaL configs load (``${gconfig.n_samples}``), but
+    groups are keyed by ``group_id``: when set it must equal ``gconfig.n_samples``
+    (checked by ``TrainConfig``) and it changes nothing else.
     """
+
+    #: The config key this section sits under (error messages name it).
+    where: ClassVar[str] = "advantage.adv_norm"
 
     mean_level: Optional[str] = "group"
     mean_leave1out: bool = False
     std_level: Optional[str] = "group"
     std_unbiased: bool = False
     eps: float = 1e-6
+    # AReaL's name; only checked against gconfig.n_samples (see the class docstring).
+    group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        from tapioca.algorithms.advantages import check_norm
         from tapioca.algorithms.errors import AlgorithmInputError
 
         self.mean_level = self.mean_level or "none"
         self.std_level = self.std_level or "none"
+        if self.group_size is not None and self.group_size < 1:
+            raise ConfigError(f"{self.where}.group_size={self.group_size} must be >= 1 "
+                              "(or null: groups are the samples of one prompt)")
         try:
-            check_norm(**self.as_kwargs())
+            self._check()
         except AlgorithmInputError as exc:
-            raise ConfigError(f"advantage.adv_norm: {exc}") from None
+            raise ConfigError(f"{self.where}: {exc}") from None
+
+    def _check(self) -> None:
+        from tapioca.algorithms.advantages import check_norm
+
+        check_norm(**self.as_kwargs())
 
     def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``normalize_group`` / ``normalize_batch``."""
@@ -59,6 +74,34 @@ class NormConfig:
         return (f"mean={self.mean_level} std={self.std_level} "
                 f"leave1out={int(self.mean_leave1out)} unbiased={int(self.std_unbiased)} "
                 f"eps={self.eps:g}")
+
+
+def reward_norm_spec(norm: Optional[NormConfig]) -> str:
+    """``SampleEvent.reward_norm``: the reward normalisation's :meth:`NormConfig.spec`,
+    or ``"none"`` when it is unset or does nothing (both levels none), so a processor
+    and a trainer that agree it is off compare equal."""
+    if norm is None or (norm.mean_level == "none" and norm.std_level == "none"):
+        return "none"
+    return norm.spec()
+
+
+@dataclass
+class RewardNormConfig(NormConfig):
+    """``advantage.reward_norm`` (AReaL's ``actor.reward_norm``): the same fields as
+    ``adv_norm``, applied by the advantage processor to each group's shaped rewards
+    (after ``reward_bias``/``reward_scaling``/``reward_clip``) before the estimator, so
+    the normalised reward is what GRPO's group levels, the trainer's batch levels and
+    GAE see. The processor sees one group at a time, so only ``group`` and ``none``
+    levels exist here (a ``batch`` level is refused; use ``adv_norm`` batch levels).
+    Unset (the default): rewards go to the estimator as shaped.
+    """
+
+    where: ClassVar[str] = "advantage.reward_norm"
+
+    def _check(self) -> None:
+        from tapioca.algorithms.advantages import check_reward_norm
+
+        check_reward_norm(**self.as_kwargs())
 
 
 @dataclass

@@ -5,8 +5,8 @@ Field names follow AReaL where AReaL has one (``gconfig.n_samples``,
 (``prompts_per_step``, ``max_new_tokens``, ``timeout_s``). Each ``__post_init__``
 validates its own section and says how to fix a bad value. Each role process is
 handed only the sections it needs (see :mod:`tapioca.config.sections`). The
-algorithm sections (``NormConfig``, ``RejectionSamplingConfig``, ``CriticConfig``,
-``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
+algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
+``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
 re-exported here.
 """
 
@@ -25,6 +25,7 @@ from tapioca.config.algorithms import (  # noqa: F401
     NormConfig,
     RefConfig,
     RejectionSamplingConfig,
+    RewardNormConfig,
 )
 from tapioca.schemas.errors import require_config as _require
 
@@ -134,10 +135,13 @@ class AdvantageConfig:
     preset entirely (its own ``eps``/``std_unbiased``); otherwise the preset's levels
     use this section's ``eps`` and ``std_unbiased``. :meth:`norm` is the effective
     one: the processor applies its ``group`` levels, the trainer its ``batch`` levels.
+    ``reward_norm`` (AReaL's name; unset = off) normalises each group's shaped rewards
+    in the processor before the estimator (group or none levels only).
     """
 
     estimator: str = "grpo"
     adv_norm: Optional[NormConfig] = None
+    reward_norm: Optional[RewardNormConfig] = None
     reward_bias: float = 0.0
     reward_scaling: float = 1.0
     reward_clip: Optional[float] = None
@@ -509,6 +513,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
+        for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
+            if norm is not None and norm.group_size is not None:
+                _require(norm.group_size == self.gconfig.n_samples,
+                         f"{norm.where}.group_size={norm.group_size} differs from "
+                         f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
+                         "samples of one prompt; remove group_size or set it to "
+                         "${gconfig.n_samples}")
 
     @property
     def run_id(self) -> str:

@@ -7,10 +7,16 @@ Emits one ``SampleEvent`` per complete group on ``samples.v1`` keyed by ``group_
 
 Per trajectory, in this order (AReaL's): the reward (one source, or the weighted sum
 of several), plus DAPO's overlong penalty, then ``reward_bias`` / ``reward_scaling`` /
-``reward_clip``; per group, the ``group`` levels of the normalisation (estimator
-preset or ``advantage.adv_norm``). ``SampleSequence.reward`` is the shaped reward and
+``reward_clip``; per group, ``advantage.reward_norm`` if set (AReaL's: the shaped
+rewards normalised within the group), then the ``group`` levels of the advantage
+normalisation (estimator preset or ``advantage.adv_norm``) on those rewards.
+``SampleSequence.reward`` is the shaped reward (never normalised: metrics, archive
+filters and rejection-sampling SFT read it), ``SampleSequence.norm_reward`` the
+reward after ``reward_norm`` (None without it; the trainer's GAE uses it), and
 ``SampleSequence.advantage`` the group-level result; ``batch`` levels (and GAE for
 ``estimator: gae``, whose advantages leave here as 0) are the trainer's.
+``SampleEvent.adv_norm`` / ``reward_norm`` name both normalisations, so a trainer
+configured otherwise refuses the group.
 With ``dynamic_sampling`` a group whose shaped rewards are all equal is emitted with
 ``dropped_reason`` ``"filtered: zero reward variance (all 1.0)"`` and its sequences
 (advantages 0): it stays in the log with its reason, the trainer counts it as
@@ -65,11 +71,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from tapioca.algorithms.advantages import check_norm, estimator_norm, normalize_group, shape_reward
+from tapioca.algorithms.advantages import (
+    check_norm,
+    check_reward_norm,
+    estimator_norm,
+    normalize_group,
+    normalize_rewards,
+    shape_reward,
+)
 from tapioca.algorithms.errors import AlgorithmInputError
 from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
 from tapioca.bus.dedup import SeenSet
 from tapioca.bus.role import Role, Source
+from tapioca.config.algorithms import RewardNormConfig, reward_norm_spec
 from tapioca.config.schema import NormConfig
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import ConfigError
@@ -134,6 +148,7 @@ class AdvantageProcessor(Role[AdvantageState]):
                  reward_scaling: float = 1.0, reward_clip: float | None = None,
                  eps: float = 1e-6, std_unbiased: bool = False,
                  adv_norm: Mapping[str, Any] | None = None,
+                 reward_norm: Mapping[str, Any] | None = None,
                  dynamic_sampling: bool = False,
                  overlong_reward_penalty: bool = False, overlong_tokens: int | None = None,
                  overlong_penalty_factor: float | None = None,
@@ -151,6 +166,18 @@ class AdvantageProcessor(Role[AdvantageState]):
             self.norm_spec = NormConfig(**self.norm).spec()
         except (AlgorithmInputError, TypeError) as exc:
             raise ConfigError(f"advantage normalisation: {exc}") from None
+        try:
+            # reward_norm (keyword arguments of normalize_rewards): None = off; both
+            # levels none is the same as off.
+            rn = dict(reward_norm) if reward_norm is not None else None
+            if rn is not None:
+                check_reward_norm(**rn)
+                if rn["mean_level"] == "none" and rn["std_level"] == "none":
+                    rn = None
+            self.reward_norm = rn
+            self.reward_norm_spec = reward_norm_spec(RewardNormConfig(**rn) if rn else None)
+        except (AlgorithmInputError, KeyError, TypeError) as exc:
+            raise ConfigError(f"advantage.reward_norm: {exc}") from None
         if overlong_reward_penalty and (overlong_tokens is None or overlong_penalty_factor is None
                                         or not max_new_tokens):
             raise ConfigError("overlong_reward_penalty needs overlong_tokens, "
@@ -177,7 +204,9 @@ class AdvantageProcessor(Role[AdvantageState]):
         a = sec.advantage
         return cls(estimator=a.estimator, reward_bias=a.reward_bias,
                    reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
-                   adv_norm=a.norm().as_kwargs(), dynamic_sampling=a.dynamic_sampling,
+                   adv_norm=a.norm().as_kwargs(),
+                   reward_norm=a.reward_norm.as_kwargs() if a.reward_norm else None,
+                   dynamic_sampling=a.dynamic_sampling,
                    overlong_reward_penalty=a.overlong_reward_penalty,
                    overlong_tokens=a.overlong_tokens,
                    overlong_penalty_factor=a.overlong_penalty_factor,
@@ -268,11 +297,15 @@ class AdvantageProcessor(Role[AdvantageState]):
                    for r, t in zip(raw, trajs)]
         shaped = [shape_reward(r, bias=self.reward_bias, scale=self.reward_scaling,
                                clip=self.reward_clip) for r in raw]
+        # On the shaped rewards: reward_norm maps equal rewards to equal values, so the
+        # decision is the same, and the reason can show the reward as scored.
         filtered = self.dynamic_sampling and max(shaped) == min(shaped)
+        normed = normalize_rewards(shaped, **self.reward_norm) if self.reward_norm else shaped
         if filtered or self.estimator == "gae":
             advantages = [0.0] * len(shaped)
         else:
-            advantages = normalize_group(shaped, **self.norm)
+            advantages = normalize_group(normed, **self.norm)
+        norm_rewards = normed if self.reward_norm else [None] * len(shaped)
         versions = [v for t in trajs for v in t.output_versions] or [0]
         first = trajs[0]
         return SampleEvent(
@@ -284,13 +317,14 @@ class AdvantageProcessor(Role[AdvantageState]):
                                behav_logprobs=t.output_logprobs, output_versions=t.output_versions,
                                reward=r, advantage=a, loss_mask=t.loss_mask,
                                finish_reason=t.finish_reason,
-                               turn_boundaries=list(t.turn_boundaries))
-                for t, r, a in zip(trajs, shaped, advantages)
+                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr)
+                for t, r, a, nr in zip(trajs, shaped, advantages, norm_rewards)
             ],
             group_index=first.group_index,
             min_version=min(versions),
             max_version=max(versions),
             estimator=self.estimator, adv_norm=self.norm_spec,
+            reward_norm=self.reward_norm_spec,
             task=first.task,
             run_id=first.run_id,
             dropped_reason=(f"filtered: zero reward variance (all {round(shaped[0], 6)!r})"
@@ -313,7 +347,7 @@ class AdvantageProcessor(Role[AdvantageState]):
             group_id=gid, prompt_id=first.prompt_id if first else "",
             prompt_ids=list(first.prompt_ids) if first else [], sequences=[],
             group_index=first.group_index if first else 0, estimator=self.estimator,
-            adv_norm=self.norm_spec,
+            adv_norm=self.norm_spec, reward_norm=self.reward_norm_spec,
             task=first.task if first else "",
             run_id=first.run_id if first else "default", dropped_reason=reason)
 

@@ -115,6 +115,9 @@ class SampleSequence:
     # Output-token offsets where turns start (copied from the TrajectoryEvent); the
     # trainer's turn-level GAE uses them. Empty: turns are the runs of loss_mask 1.
     turn_boundaries: list[int] = field(default_factory=list)
+    # The reward after advantage.reward_norm, the value the estimator (and the trainer's
+    # GAE) used; ``reward`` stays the shaped, un-normalised reward. None: no reward_norm.
+    norm_reward: Optional[float] = None
 
 
 @dataclass(kw_only=True)
@@ -139,6 +142,9 @@ class SampleEvent(Event):
     # std=group leave1out=0 unbiased=0 eps=1e-06"); the trainer refuses a mismatch with
     # its own. Empty (events from before this field): not compared.
     adv_norm: str = ""
+    # The processor's reward normalisation (advantage.reward_norm as NormConfig.spec(),
+    # "none" when off); the trainer refuses a mismatch. Empty (older events): not compared.
+    reward_norm: str = ""
     task: str = ""
     # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
     # trainer counts it as rejected, which frees its slot in the feeder's head gate.

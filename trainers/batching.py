@@ -55,7 +55,8 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 versions=list(seq.output_versions),
                 loss_mask=list(seq.loss_mask) if seq.loss_mask else [1] * n,
                 advantage=seq.advantage,
-                reward=seq.reward,
+                # The reward the estimator works on: after advantage.reward_norm if set.
+                reward=seq.reward if seq.norm_reward is None else seq.norm_reward,
                 turn_boundaries=list(seq.turn_boundaries),
             ))
     return items

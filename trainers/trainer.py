@@ -12,8 +12,8 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - De-duplication by ``group_id`` against the groups trained or rejected so far, which
   the checkpoint records; offsets are committed only up to what the last checkpoint
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
-- A sample made for another advantage config (``SampleEvent.estimator`` or
-  ``adv_norm`` differing from this trainer's ``advantage`` section) stops the trainer
+- A sample made for another advantage config (``SampleEvent.estimator``, ``adv_norm``
+  or ``reward_norm`` differing from this trainer's ``advantage`` section) stops the trainer
   with a FatalRoleError, uncommitted: it would train silently wrong advantages.
 - Token-level parts (:mod:`tapioca.trainers.token_advantages`): GAE with a critic,
   KL to a reference in the reward, batch-level normalisation, on-policy distillation.
@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from tapioca.bus.role import Role, Source
+from tapioca.config.algorithms import reward_norm_spec
 from tapioca.config.sections import TrainerSection
 from tapioca.models.weight_files import save_weights
 from tapioca.schemas.envelope import Event
@@ -91,6 +92,7 @@ class Trainer(Role[TrainerState]):
         self.critic = self.token_adv.critic
         self.sink = MetricsSink(self.run_dir / "metrics")
         self._norm_spec = section.advantage.norm().spec()
+        self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
 
     # ------------------------------------------------------------------ start
 
@@ -187,6 +189,12 @@ class Trainer(Role[TrainerState]):
                 f"processor, but this trainer's advantage config gives '{self._norm_spec}' "
                 "(advantage.adv_norm, or the estimator preset with advantage.eps / "
                 "std_unbiased). Give both roles the same advantage section and restart them")
+        if event.reward_norm and event.reward_norm != self._reward_norm_spec:
+            raise FatalRoleError(
+                f"group {event.group_id} had its rewards normalised as '{event.reward_norm}' "
+                "by the advantage processor, but this trainer's advantage.reward_norm gives "
+                f"'{self._reward_norm_spec}': its advantages (and GAE rewards) are on another "
+                "scale. Give both roles the same advantage.reward_norm and restart them")
 
     def _step(self, state: TrainerState) -> list[Event]:
         batch = state.buffer[: self.cfg.prompts_per_step]

@@ -39,6 +39,7 @@ SWITCH_METRICS = {
     "reinforce_pp": ["actor/kl_ref", "adv/token_std"],
     "reinforce_pp_baseline": ["adv/token_std"],
     "lite_ppo": ["adv/token_std"],
+    "grpo_reward_norm": ["adv/token_std"],  # its adv_norm batch levels; reward_norm: unit tests
     "kl_ref": ["actor/kl_ref"],
     "kd_rl": ["distill/reverse_kl"],
     "kd_pure": ["distill/reverse_kl"],

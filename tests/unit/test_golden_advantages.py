@@ -16,9 +16,11 @@ from tapioca.algorithms.advantages import (
     ESTIMATORS,
     GROUP_BASELINE_ESTIMATORS,
     estimator_norm,
+    check_reward_norm,
     group_advantages,
     normalize_batch,
     normalize_group,
+    normalize_rewards,
 )
 from tapioca.algorithms.errors import AlgorithmInputError
 from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
@@ -301,3 +303,100 @@ def test_whole_shaping_pipeline_in_the_processor_order():
     assert shaped == pytest.approx([1.4, 1.0, -2.8], **A)
     adv = normalize_group(shaped, eps=0.0)
     assert adv == pytest.approx([0.8101404, 0.5987995, -1.4089399], **A)
+
+
+# ------------------------------------------------------------------ reward_norm
+# AReaL's reward_norm: the same formula as the advantage normalisation, applied to the
+# shaped rewards of one group before the estimator; the estimator then sees r'.
+
+
+def test_reward_norm_group_mean_and_std_then_grpo_eps_zero():
+    # r' = c / s = [2, 0, -1, -1] / 1.2247449 = [1.6329932, 0, -0.8164966, -0.8164966].
+    # GRPO on r': mean(r') = (1.6329932 - 2*0.8164966)/4 = 0, and its population std is
+    # s/s = 1, so A = r' / (1 + 0) = r' (GRPO on group-normalised rewards changes nothing).
+    rn = normalize_rewards(R, mean_level="group", std_level="group", eps=0.0)
+    assert rn == pytest.approx([1.6329932, 0.0, -0.8164966, -0.8164966], **A)
+    adv = group_advantages(rn, estimator="grpo", eps=0.0)
+    assert adv == pytest.approx([1.6329932, 0.0, -0.8164966, -0.8164966], **A)
+
+
+def test_reward_norm_then_grpo_with_default_eps_applies_eps_twice():
+    # r'_0 = 2 / (1.22474487 + 1e-6) = 1.63299183 (test_grpo_default_eps_is_added_to_the_std).
+    # std(r') = s/(s + eps) = 1 - 1e-6/1.22474587 = 1 - 8.1649592e-7 ;
+    # GRPO divides by std(r') + eps = 1 + 1e-6 - 8.1649592e-7 = 1 + 1.8350408e-7:
+    # A_0 = 1.63299183 * (1 - 1.8350408e-7) = 1.63299183 - 0.00000030 = 1.63299153 ;
+    # A_2 = -0.81649591 * (1 - 1.8350408e-7) = -0.81649591 + 0.00000015 = -0.81649576.
+    rn = normalize_rewards(R)
+    assert rn == pytest.approx([1.6329918, 0.0, -0.8164959, -0.8164959], **A)
+    adv = group_advantages(rn, estimator="grpo")
+    assert adv == pytest.approx([1.6329915, 0.0, -0.8164958, -0.8164958], **A)
+
+
+def test_reward_norm_std_only_then_dr_grpo():
+    # mean_level none: scaled by the group RMS, sqrt((9 + 1 + 0 + 0)/4) = sqrt(2.5) =
+    # 1.5811388 ; r' = [3, 1, 0, 0]/1.5811388 = [1.8973666, 0.6324555, 0, 0].
+    # Dr. GRPO subtracts mean(r') = 2.5298221/4 = 0.6324555:
+    # A = [1.2649111, 0, -0.6324555, -0.6324555] (= [2, 0, -1, -1] / 1.5811388).
+    rn = normalize_rewards(R, mean_level="none", std_level="group", eps=0.0)
+    assert rn == pytest.approx([1.8973666, 0.6324555, 0.0, 0.0], **A)
+    adv = group_advantages(rn, estimator="dr_grpo")
+    assert adv == pytest.approx([1.2649111, 0.0, -0.6324555, -0.6324555], **A)
+
+
+def test_reward_norm_leave_one_out_then_reinforce_pp():
+    # Leave-one-out mean, no std: r_i - (sum - r_i)/(n - 1) with sum 4, n 4:
+    # 3 - 1/3 = 2.6666667 ; 1 - 3/3 = 0 ; 0 - 4/3 = -1.3333333 (twice).
+    # REINFORCE++ has no group level: the advantage it passes on is r' itself.
+    rn = normalize_rewards(R, mean_level="group", mean_leave1out=True, std_level="none")
+    assert rn == pytest.approx([2.6666667, 0.0, -1.3333333, -1.3333333], **A)
+    assert group_advantages(rn, estimator="reinforce_pp") == pytest.approx(rn, **A)
+
+
+def test_reward_norm_leave_one_out_with_bessel_std():
+    # centred 4/3 * [2, 0, -1, -1] = [8/3, 0, -4/3, -4/3] ; sum of squares
+    # 64/9 + 16/9 + 16/9 = 96/9 = 10.6666667, /(n-1) = 3.5555556, std 1.8856181 ;
+    # r' = [2.6666667/1.8856181, 0, -1.3333333/1.8856181] = [1.4142136, 0, -0.7071068]
+    # (= the plain Bessel GRPO numbers: leave-one-out only rescales the centring).
+    rn = normalize_rewards(R, mean_level="group", mean_leave1out=True, std_level="group",
+                           std_unbiased=True, eps=0.0)
+    assert rn == pytest.approx([1.4142136, 0.0, -0.7071068, -0.7071068], **A)
+
+
+@pytest.mark.parametrize("loo", [False, True])
+def test_reward_norm_all_equal_and_singleton_groups_are_exact_zeros(loo):
+    # A group mean is subtracted: no relative signal, exactly 0 (never round-off).
+    kw = dict(mean_level="group", std_level="group", mean_leave1out=loo)
+    assert normalize_rewards([0.7, 0.7, 0.7], **kw) == [0.0, 0.0, 0.0]
+    assert normalize_rewards([5.0], **kw) == [0.0]
+
+
+def test_reward_norm_without_a_group_mean_on_all_equal_and_singleton_groups():
+    # std only: all-equal [0.7] * 3 has RMS 0.7, so r' = 0.7/0.7 = 1 each (eps 0);
+    # a singleton has no std: left as is, 5.
+    kw = dict(mean_level="none", std_level="group", eps=0.0)
+    assert normalize_rewards([0.7, 0.7, 0.7], **kw) == pytest.approx([1.0, 1.0, 1.0], **A)
+    assert normalize_rewards([5.0], **kw) == [5.0]
+    # Both levels none: the rewards unchanged.
+    assert normalize_rewards(R, mean_level="none", std_level="none") == R
+
+
+@pytest.mark.parametrize("levels", [("batch", "batch"), ("group", "batch"), ("batch", "none"),
+                                    ("none", "batch")])
+def test_reward_norm_batch_levels_are_refused_with_the_alternative(levels):
+    mean, std = levels
+    with pytest.raises(AlgorithmInputError, match="not supported for reward_norm.*one group at "
+                       "a time.*advantage.adv_norm batch levels"):
+        check_reward_norm(mean_level=mean, std_level=std)
+    with pytest.raises(AlgorithmInputError, match="adv_norm batch levels"):
+        normalize_rewards(R, mean_level=mean, std_level=std)
+
+
+def test_reward_norm_bad_values_are_rejected():
+    with pytest.raises(AlgorithmInputError, match="use one of group, batch, none"):
+        check_reward_norm(mean_level="prompt", std_level="group")
+    with pytest.raises(AlgorithmInputError, match="mean_leave1out needs"):
+        check_reward_norm(mean_level="none", std_level="group", mean_leave1out=True)
+    with pytest.raises(AlgorithmInputError, match="non-finite"):
+        normalize_rewards([1.0, float("nan")])
+    with pytest.raises(AlgorithmInputError, match="empty"):
+        normalize_rewards([])

@@ -600,3 +600,201 @@ def test_rewards_from_two_scorers_without_weights_warn_once_and_are_counted(capl
     weighted(sreward("g", 0, 1.0, "builtin"))
     weighted(sreward("g", 0, 1.0, "judge"))
     assert weighted.role.describe(weighted.state)["mixed_scorers"] == 0
+
+
+# ------------------------------------------------------------------ reward_norm
+# advantage.reward_norm (AReaL's): each group's shaped rewards are normalised before the
+# estimator. R = [3, 1, 0, 0]: mean 1, c = [2, 0, -1, -1], population std sqrt(6/4) =
+# 1.2247449, so with eps 0 r' = c/s = [1.6329932, 0, -0.8164966, -0.8164966].
+RN_R = [3.0, 1.0, 0.0, 0.0]
+RN_NORMED = [1.6329932, 0.0, -0.8164966, -0.8164966]
+GROUP_GROUP = {"mean_level": "group", "std_level": "group", "mean_leave1out": False,
+               "std_unbiased": False, "eps": 0.0}
+
+
+def test_reward_norm_is_off_by_default():
+    (sample,) = feed_group(Feed(AdvantageProcessor()), "g", RN_R)
+    assert sample.reward_norm == "none"
+    assert [s.norm_reward for s in sample.sequences] == [None] * 4
+    assert [s.reward for s in sample.sequences] == RN_R
+    assert [s.advantage for s in sample.sequences] == pytest.approx(group_advantages(RN_R))
+
+
+def test_reward_norm_feeds_the_estimator_and_keeps_the_raw_reward():
+    # Shaping first (bias -1, scale 2: [4, 0, -2, -2], the same c/s after centring:
+    # c = [4, 0, -2, -2] - 0 -> s = sqrt(24/4) = 2.4494897 -> r' = RN_NORMED), then
+    # reward_norm, then dr_grpo's group mean on r' (mean 0): A = r'.
+    role = AdvantageProcessor(estimator="dr_grpo", reward_bias=-1.0, reward_scaling=2.0,
+                              reward_norm=GROUP_GROUP)
+    (sample,) = feed_group(Feed(role), "g", RN_R)
+    assert [s.reward for s in sample.sequences] == [4.0, 0.0, -2.0, -2.0]  # shaped, raw
+    assert [s.norm_reward for s in sample.sequences] == pytest.approx(RN_NORMED, abs=1e-7)
+    assert [s.advantage for s in sample.sequences] == pytest.approx(RN_NORMED, abs=1e-7)
+    assert sample.reward_norm == "mean=group std=group leave1out=0 unbiased=0 eps=0"
+
+
+def test_reward_norm_leave_one_out_and_singleton_through_the_processor():
+    loo = dict(GROUP_GROUP, std_level="none", mean_leave1out=True)
+    role = AdvantageProcessor(estimator="reinforce_pp", reward_norm=loo)
+    feed = Feed(role)
+    # r_i - mean of the others: 3 - 1/3, 1 - 3/3, 0 - 4/3: reinforce_pp passes r' on.
+    (sample,) = feed_group(feed, "g", RN_R)
+    assert [s.advantage for s in sample.sequences] == pytest.approx(
+        [2.6666667, 0.0, -1.3333333, -1.3333333], abs=1e-7)
+    # A group of one has no baseline: exactly 0, while its reward stays as scored.
+    (one,) = feed_group(feed, "h", [5.0])
+    assert (one.sequences[0].reward, one.sequences[0].norm_reward) == (5.0, 0.0)
+    assert one.sequences[0].advantage == 0.0
+
+
+def test_reward_norm_all_equal_group_and_dynamic_sampling():
+    # All equal: r' exactly 0; dynamic sampling still names the shaped reward.
+    (plain,) = feed_group(Feed(AdvantageProcessor(reward_norm=GROUP_GROUP)), "g", [1.0] * 3)
+    assert [s.norm_reward for s in plain.sequences] == [0.0] * 3
+    assert [s.advantage for s in plain.sequences] == [0.0] * 3 and not plain.dropped_reason
+    role = AdvantageProcessor(reward_norm=GROUP_GROUP, dynamic_sampling=True)
+    (filtered,) = feed_group(Feed(role), "g", [1.0] * 3)
+    assert filtered.dropped_reason == "filtered: zero reward variance (all 1.0)"
+
+
+def test_reward_norm_both_levels_none_is_off():
+    none = dict(GROUP_GROUP, mean_level="none", std_level="none")
+    (sample,) = feed_group(Feed(AdvantageProcessor(reward_norm=none)), "g", RN_R)
+    assert sample.reward_norm == "none" and sample.sequences[0].norm_reward is None
+
+
+def test_reward_norm_batch_levels_are_config_errors():
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.schemas.errors import ConfigError
+
+    for level in ("mean_level", "std_level"):
+        with pytest.raises(ConfigError, match=f"advantage.reward_norm: {level}=batch is not "
+                           "supported.*advantage.adv_norm batch levels"):
+            load_config(TrainConfig, None, [f"advantage.reward_norm.{level}=batch"])
+        with pytest.raises(ConfigError, match="adv_norm batch levels"):
+            AdvantageProcessor(reward_norm=dict(GROUP_GROUP, **{level: "batch"}))
+    with pytest.raises(ConfigError, match="advantage.reward_norm: mean_level='prompt'"):
+        load_config(TrainConfig, None, ["advantage.reward_norm.mean_level=prompt"])
+    with pytest.raises(ConfigError, match="advantage.reward_norm"):
+        AdvantageProcessor(reward_norm={"mean_level": "group"})  # not the full kwargs
+    assert load_config(TrainConfig).advantage.reward_norm is None
+
+
+def test_areal_style_reward_norm_yaml_loads(tmp_path):
+    # AReaL's GRPO example: reward_norm group/group, adv_norm batch/batch, each with
+    # group_size: ${gconfig.n_samples}.
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.config.sections import advantage_section
+    from tapioca.schemas.errors import ConfigError
+
+    path = tmp_path / "areal.yaml"
+    path.write_text("gconfig:\n  n_samples: 4\nadvantage:\n"
+                    "  reward_norm:\n    mean_level: group\n    std_level: group\n"
+                    "    group_size: ${gconfig.n_samples}\n"
+                    "  adv_norm:\n    mean_level: batch\n    std_level: batch\n"
+                    "    group_size: ${gconfig.n_samples}\n")
+    cfg = load_config(TrainConfig, str(path), ["advantage.reward_norm.eps=0"])
+    assert cfg.advantage.reward_norm.group_size == 4
+    role = AdvantageProcessor.from_section(advantage_section(cfg))
+    (sample,) = feed_group(Feed(role), "g", RN_R)
+    # Group levels of adv_norm: none, so the processor's advantage is r' itself; the
+    # batch levels are the trainer's.
+    assert [s.advantage for s in sample.sequences] == pytest.approx(RN_NORMED, abs=1e-7)
+    with pytest.raises(ConfigError, match="reward_norm.group_size=3 differs from "
+                       "gconfig.n_samples=4"):
+        load_config(TrainConfig, str(path), ["advantage.reward_norm.group_size=3"])
+    with pytest.raises(ConfigError, match="advantage.adv_norm.group_size=0 must be >= 1"):
+        load_config(TrainConfig, str(path), ["advantage.adv_norm.group_size=0"])
+
+
+def _tiny_trainer(run_dir, advantage, **actor_kw):
+    from tapioca.config.schema import ActorConfig, ModelConfig
+    from tapioca.config.sections import TrainerSection
+    from tapioca.models.factory import build_tiny_model
+    from tapioca.trainers.ppo_actor import PPOActor
+    from tapioca.trainers.trainer import Trainer
+
+    model = build_tiny_model(16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, max_position_embeddings=64, seed=0)
+    actor_cfg = ActorConfig(lr=1e-2, **actor_kw)
+    actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
+    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=1,
+                             prompts_per_step=2, total_train_steps=100, temperature=1.0,
+                             run_dir=str(run_dir), seed=0, advantage=advantage)
+    return Trainer(actor, section)
+
+
+def test_reward_norm_feeds_gae_in_the_trainer(tmp_path):
+    # estimator gae, reward_norm group/group (eps 0), no advantage normalisation;
+    # gamma 0.5, lambda 1, three trained tokens per sequence. The fresh critic's value
+    # head is zero-initialised, so V = 0 and delta_t = r_t: the terminal reward r' on
+    # the last token gives A = [0.25 r', 0.5 r', r'] (A_t = sum_k (gamma lambda)^k r_{t+k}).
+    # r' = RN_NORMED: seq 0 -> [0.4082483, 0.8164966, 1.6329932], seq 1 -> 0,
+    # seqs 2, 3 -> [-0.2041241, -0.4082483, -0.8164966].
+    from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
+    from tapioca.config.sections import AdvantageSection
+    from tapioca.trainers.batching import flatten_groups
+
+    adv = AdvantageConfig(estimator="gae", adv_norm=NormConfig(mean_level="none",
+                                                               std_level="none"),
+                          reward_norm=RewardNormConfig(eps=0.0))
+    role = AdvantageProcessor.from_section(AdvantageSection(adv, max_new_tokens=8, n_samples=4))
+    (sample,) = feed_group(Feed(role), "g", RN_R, versions=[0, 0, 0])
+    assert [s.advantage for s in sample.sequences] == [0.0] * 4  # GAE is the trainer's
+    assert [s.reward for s in sample.sequences] == RN_R
+    trainer = _tiny_trainer(tmp_path, adv, discount=0.5, gae_lambda=1.0)
+    try:
+        items = flatten_groups([sample])
+        trainer.token_adv.compute(items)
+        assert all(v == 0.0 for it in items for v in it.token_values)
+        expected = [[0.4082483, 0.8164966, 1.6329932], [0.0, 0.0, 0.0],
+                    [-0.2041241, -0.4082483, -0.8164966], [-0.2041241, -0.4082483, -0.8164966]]
+        for it, exp in zip(items, expected):
+            assert it.token_advantages == pytest.approx(exp, abs=1e-6)
+            assert it.token_returns == pytest.approx(exp, abs=1e-6)  # R = A + V, V = 0
+    finally:
+        trainer.sink.close()
+
+
+def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
+    from tapioca.bus.role import Source
+    from tapioca.config.schema import AdvantageConfig, RewardNormConfig
+    from tapioca.schemas.envelope import decode_event, encode_event
+    from tapioca.schemas.errors import FatalRoleError
+
+    on = Feed(AdvantageProcessor(reward_norm=GROUP_GROUP))
+    off = Feed(AdvantageProcessor())
+    (normed,) = feed_group(on, "a", RN_R)
+    (normed2,) = feed_group(on, "b", [1.0, 0.0, 0.0, 0.0])
+    (plain,) = feed_group(off, "c", RN_R)
+    # The spec and the normalised reward survive the wire.
+    assert decode_event(encode_event(normed)) == normed
+    src = [Source(topic="t.samples.v1", partition=0, offset=k) for k in range(5)]
+
+    t_off = _tiny_trainer(tmp_path / "off", AdvantageConfig())
+    try:
+        state = t_off.init_state()
+        with pytest.raises(FatalRoleError, match="rewards normalised as 'mean=group std=group "
+                           "leave1out=0 unbiased=0 eps=0'.*gives 'none'.*same "
+                           "advantage.reward_norm and restart"):
+            t_off.handle(normed, state, src[0])
+    finally:
+        t_off.sink.close()
+
+    t_on = _tiny_trainer(tmp_path / "on", AdvantageConfig(reward_norm=RewardNormConfig(eps=0.0)))
+    try:
+        state = t_on.init_state()
+        with pytest.raises(FatalRoleError, match="normalised as 'none'.*gives 'mean=group"):
+            t_on.handle(plain, state, src[0])
+        # Matching spec trains; an event from before the field ("") is not compared.
+        older = decode_event(encode_event(normed2))
+        older.reward_norm = ""
+        t_on.handle(normed, state, src[1])
+        t_on.handle(older, state, src[2])
+        assert state.progress.version == 1 and state.trained == {"a", "b"}
+        # The reward metrics read the raw (shaped) reward, not r': (4 + 1) / 8.
+        assert state.last_reward == pytest.approx(0.625)
+    finally:
+        t_on.sink.close()
