@@ -95,6 +95,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ANY = ""  # the scorer key of rewards when no weights are configured
+# A complete group without its rewards this long is worth a warning (scorers answer in
+# well under a second on the synthetic task; math-verify in a few); repeated at most
+# this often while it lasts.
+REWARD_WAIT_WARN_S = 30.0
+REWARD_WAIT_WARN_EVERY_S = 60.0
 
 
 @dataclass
@@ -138,6 +143,9 @@ class AdvantageState:
     mixed_scorers: int = 0
     # Clock reading when the member was paused (None while running).
     paused_at: float | None = None
+    # Complete groups still missing rewards after REWARD_WAIT_WARN_S (last tick's count).
+    waiting_for_rewards: int = 0
+    warned_at: float | None = None
 
 
 class AdvantageProcessor(Role[AdvantageState]):
@@ -372,8 +380,34 @@ class AdvantageProcessor(Role[AdvantageState]):
         return self._dropped(gid, group, f"reward timeout after {self.reward_timeout_s:g} s: "
                                          f"missing {what}")
 
+    def _warn_if_rewards_stall(self, state: AdvantageState, mono: float) -> None:
+        """A dead reward service (or a scorer name no service publishes) otherwise
+        shows only as a run that stops training until group_timeout_s drops it all."""
+        waiting = [g for g in state.pending.values() if g.all_present_at is not None
+                   and mono - g.all_present_at >= REWARD_WAIT_WARN_S and g.missing(self.sources)]
+        state.waiting_for_rewards = len(waiting)
+        if not waiting or (state.warned_at is not None
+                           and mono - state.warned_at < REWARD_WAIT_WARN_EVERY_S):
+            return
+        state.warned_at = mono
+        missing: dict[str, int] = {}
+        for g in waiting:
+            for source, n in g.missing(self.sources).items():
+                missing[source] = missing.get(source, 0) + n
+        named = ", ".join(f"{n} from {'any scorer' if s == _ANY else repr(s)}"
+                          for s, n in sorted(missing.items()))
+        then = (f"advantage.reward_timeout_s={self.reward_timeout_s:g} s then applies "
+                f"missing_reward={self.missing_reward}" if self.reward_timeout_s is not None
+                else f"they are dropped after advantage.group_timeout_s="
+                     f"{self.group_timeout_s:g} s (set advantage.reward_timeout_s to act sooner)")
+        log.warning("%d complete group(s) have waited over %.0f s for rewards (missing: %s): "
+                    "is the reward scorer or your reward service running, publishing to this "
+                    "run's rewards topic under the scorer names in advantage.reward_weights? "
+                    "%s", len(waiting), REWARD_WAIT_WARN_S, named, then)
+
     def on_tick(self, state: AdvantageState, now: float) -> Iterable[Event]:
         mono = self._clock()
+        self._warn_if_rewards_stall(state, mono)
         out = []
         for gid, group in list(state.pending.items()):
             if (self.reward_timeout_s is not None and group.all_present_at is not None
@@ -424,4 +458,5 @@ class AdvantageProcessor(Role[AdvantageState]):
                 "zero_filled": state.groups_zero_filled,
                 "duplicate_rewards": state.duplicate_rewards,
                 "late_rewards": state.late_rewards, "ignored_rewards": state.ignored_rewards,
-                "mixed_scorers": state.mixed_scorers}
+                "mixed_scorers": state.mixed_scorers,
+                "waiting_for_rewards": state.waiting_for_rewards}

@@ -386,6 +386,37 @@ def test_reward_timeout_without_weights_counts_trajectories_without_a_reward():
                                       "missing rewards for 2 of 3 trajectories")
 
 
+def test_complete_groups_waiting_for_rewards_are_warned_about(caplog):
+    """A dead reward service: groups are complete but no reward comes. Without a reward
+    timeout nothing is dropped for group_timeout_s (600 s); the processor says so after
+    30 s, names the scorer that is missing, and repeats at most once a minute."""
+    clock = Clock()
+    role = AdvantageProcessor(reward_weights={"judge": 1.0}, clock=clock)
+    feed = Feed(role)
+    for i in range(2):
+        feed(traj("g", i, 2))
+    with caplog.at_level("WARNING", logger="tapioca.consumers.advantage"):
+        clock.t += 29.0
+        assert list(role.on_tick(feed.state, 0.0)) == [] and not caplog.records
+        clock.t += 1.0
+        role.on_tick(feed.state, 0.0)
+        assert len(caplog.records) == 1
+        msg = caplog.records[0].getMessage()
+        assert "1 complete group(s)" in msg and "2 from 'judge'" in msg
+        assert "group_timeout_s=600" in msg
+        assert role.describe(feed.state)["waiting_for_rewards"] == 1
+        clock.t += 30.0
+        role.on_tick(feed.state, 0.0)
+        assert len(caplog.records) == 1  # not again within a minute
+        clock.t += 30.0
+        role.on_tick(feed.state, 0.0)
+        assert len(caplog.records) == 2
+    for i in range(2):
+        feed(RewardEvent(traj_id=f"g:{i}", group_id="g", reward=1.0, scorer="judge"))
+    role.on_tick(feed.state, 0.0)
+    assert role.describe(feed.state)["waiting_for_rewards"] == 0
+
+
 def test_group_timeout_still_drops_groups_with_missing_trajectories():
     clock = Clock()
     role = AdvantageProcessor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
