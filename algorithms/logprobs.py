@@ -11,8 +11,9 @@ that materialises ``N x V`` fp32 logits, plus as much again for autograd (e.g.
 32k tokens x 152k vocab x 4 B = 19 GB each). Here a custom autograd function
 processes ``chunk_tokens`` tokens at a time, keeps only ``N``-sized results and
 the per-token log-sum-exp, and recomputes each chunk's logits in backward. Peak
-extra memory is two ``chunk_tokens x V`` buffers plus one fp32 copy and one fp32 gradient of
-the LM head (O(V x H), independent of the number of tokens).
+extra memory is two fp32 ``chunk_tokens x V`` buffers (plus a bf16 one under autocast)
+and O(V x H) for the LM head: a copy in the matmul dtype, an fp32 gradient and, under
+autocast, a bf16 ``V x H`` product per chunk -- independent of the number of tokens.
 
 Precision: the softmax, log-sum-exp, entropy and gradients are computed in fp32
 (fp64 inputs stay fp64 so the function can be gradchecked), with autocast off

@@ -91,14 +91,14 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
             raise typer.Exit(130)
         finally:
             launcher.stop()
+    if not console.is_terminal:  # there, the live table's last line has no newline
+        console.print()
     means = summary.window_means()
     if means is None:
         console.print(f"done: no training step completed ({summary.run_dir})")
         return
     first, last, w = means
     steps = f"{w} steps" if w > 1 else "step"
-    if not console.is_terminal:  # there, the live table's last line has no newline
-        console.print()
     console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
                   f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}. "
                   f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")

@@ -245,9 +245,10 @@ def train_offline(
         except BusError as exc:
             raise BusError(
                 f"{exc}. A run's config.yaml names the broker the run used, which is gone "
-                "if it was the run's own embedded broker: pass --bootstrap-server (or "
-                "TAPIOCA_BOOTSTRAP, or bus.bootstrap_servers=...), or --no-publish to "
-                "train without publishing weights and metrics events") from None
+                "if it was the run's own embedded broker: pass a live one with "
+                "--bootstrap-server (or TAPIOCA_BOOTSTRAP; either wins over the config), "
+                "or --no-publish to train without publishing weights and metrics "
+                "events") from None
         producer = EventProducer(cfg.bus, f"{cfg.run_id}-trainer-offline")
     trainer = build_role("trainer", cfg)
     if source == "samples":

@@ -1,10 +1,11 @@
 """The prompt feeder: dataset records in, prompt groups out, under the head gate.
 
-Consumes ``weights.v1`` (broadcast: the latest policy version v).
+Consumes ``weights.v1`` (broadcast: the latest policy version and its counts).
 Emits ``PromptEvent`` on ``prompts.v1``, keyed by ``group_id``.
 
-Head gate (DESIGN.md §3): group k is published only while ``k < (eta + v + 1) * B``
-(eta = ``rollout.max_head_offpolicyness``, B = ``train_dataset.prompts_per_step``),
+Head gate (DESIGN.md §3, algorithms/head_gate.py): group k is published only while
+``k < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
+``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``),
 where groups the trainer rejected (``groups_rejected`` on the weights event) free
 their slots — as rejected rollouts do in AReaL — so over-stale groups cannot stall it.
 Both k and v come from the log: k is recovered from the feeder's own latest prompt

@@ -226,8 +226,6 @@ class RewardService:
         try:
             while not self.stopping:
                 msgs = self.consumer.consume(64, timeout=0.1)
-                if exit_when_idle_s and time.monotonic() - last > exit_when_idle_s:
-                    break
                 handled = 0
                 for msg in msgs:
                     err = msg.error()
@@ -240,6 +238,8 @@ class RewardService:
                     self.handle(msg)
                     handled += 1
                 if not handled:  # none, or only errors (e.g. no topic yet): nothing to commit
+                    if exit_when_idle_s and time.monotonic() - last > exit_when_idle_s:
+                        break
                     continue
                 last = time.monotonic()
                 # At-least-once: outputs delivered before the inputs are marked done.

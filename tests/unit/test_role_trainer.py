@@ -506,7 +506,14 @@ def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, c
     with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
         ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.pt is kept
     assert ok and weights.version == 3 and weights.rollback_of == 1 and weights.rollbacks == 1
-    assert state.progress.rollbacks == 1  # checkpointed with the version
+    # Checkpointed with the version: a restarted trainer re-announces v3 with rollbacks 1,
+    # so the head gate does not count the rollback as a trained step after a restart.
+    t2 = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"))
+    s2 = t2.init_state()
+    assert s2.progress.version == 3 and s2.progress.rollbacks == 1
+    (again,) = t2.on_tick(s2, 0.0)
+    assert again.version == 3 and again.rollbacks == 1
+    t2.sink.close()
     assert "critic keeps its weights" in message and "no critic checkpoint of that version" in caplog.text
     assert not t.critic.optimizer.state and not t.actor.optimizer.state
     assert all(torch.equal(v, before[k]) for k, v in critic_params(t).items())
