@@ -52,6 +52,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from tapioca.engines.attention import use_decode_attention
 from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
 from tapioca.engines.kv_cache import DEFAULT_BUCKET, SlotKVCache
 from tapioca.engines.sampling import RowParams, sample_next
@@ -178,6 +179,8 @@ class TorchEngine(InferenceEngine):
         # fully padded query row gets its diagonal so no softmax row is all -inf.
         # Other implementations (flash, flex) get the 2-D mask.
         attn_impl = getattr(model.config, "_attn_implementation", None)
+        if use_decode_attention(self.model):  # GQA decode without repeat_kv (attention.py)
+            attn_impl = "sdpa"  # the same mask convention
         self._mask_mode = {"sdpa": "bool", "eager": "additive"}.get(attn_impl)
         self._dtype = next(model.parameters()).dtype
         # Cache bucket (kv_cache.py): on CUDA shape-stable kernels matter; on CPU padded

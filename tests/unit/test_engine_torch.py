@@ -396,3 +396,34 @@ def test_long_prompts_cross_cache_buckets_and_prefill_chunks(model, bucket):
     for r in results:
         assert_lengths(r)
         assert_logprobs_match(model, r, 0.9)
+
+
+def test_gqa_decode_attention_matches_transformers_sdpa_with_padding(model):
+    """The engine's decode attention (SDPA enable_gqa, no repeat_kv) gives transformers'
+    sdpa result for a left-padded decode batch, and prefill is transformers' own path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tapioca.engines.attention import NAME, decode_sdpa_forward
+
+    layer = model.model.layers[0].self_attn
+    assert layer.num_key_value_groups == 2  # the tiny model is grouped-query
+    g = torch.Generator().manual_seed(0)
+    q_BHQD = torch.randn(3, 4, 1, 16, generator=g)
+    k_BHKD, v_BHKD = torch.randn(2, 3, 2, 10, 16, generator=g)
+    mask_B1QK = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask_B1QK[0, ..., :4] = False  # left padding of different lengths
+    mask_B1QK[2, ..., :7] = False
+    got, _ = decode_sdpa_forward(layer, q_BHQD, k_BHKD, v_BHKD, mask_B1QK, scaling=0.25)
+    want, _ = sdpa_attention_forward(layer, q_BHQD, k_BHKD, v_BHKD, mask_B1QK, scaling=0.25)
+    assert got.shape == want.shape == (3, 1, 4, 16)
+    assert torch.allclose(got, want, atol=1e-6)
+    q3 = torch.randn(3, 4, 3, 16, generator=g)  # prefill: delegated, identical
+    assert torch.equal(decode_sdpa_forward(layer, q3, k_BHKD, v_BHKD, None)[0],
+                       sdpa_attention_forward(layer, q3, k_BHKD, v_BHKD, None)[0])
+    eng = TorchEngine(model, seed=0)
+    try:
+        assert model.config._attn_implementation == NAME
+        again = TorchEngine(model, seed=0)  # a second engine on the switched model
+        again.shutdown()
+    finally:
+        eng.shutdown()
