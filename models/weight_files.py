@@ -25,12 +25,16 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -> tuple[str, int]:
-    """Write atomically (temp file + rename); returns (sha256, size in bytes)."""
+def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *,
+                 dtype: torch.dtype | None = None) -> tuple[str, int]:
+    """Write atomically (temp file + rename), cast to ``dtype`` if given; returns
+    (sha256, size in bytes)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    # safetensors refuses shared storage (tied embeddings): store each tensor once.
+    # safetensors refuses shared storage (tied embeddings): store each tensor once. The
+    # cast comes after this check: cast first, tied tensors are two copies (for
+    # Qwen2-0.5B, 1,202 MiB instead of 942 MiB, and the time to hash and write them).
     tensors, seen = {}, {}
     for name, t in state_dict.items():
         key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
@@ -38,7 +42,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -
             continue
         if key is not None:
             seen[key] = name
-        tensors[name] = t.detach().contiguous().cpu()
+        t = t.detach()
+        tensors[name] = (t.to(dtype) if dtype is not None else t).contiguous().cpu()
     # Serialise once in memory, hash those bytes and write them: no second pass over
     # the file to hash it.
     blob = save(tensors)

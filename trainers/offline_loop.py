@@ -194,9 +194,6 @@ class OfflineTrainerBase(Generic[E]):
     def accumulate(self, batch: list[E]) -> dict[str, float]:
         raise NotImplementedError
 
-    def state_dict_to_save(self) -> dict[str, torch.Tensor]:
-        dtype = getattr(torch, self.cfg.model.dtype)
-        return {k: v.to(dtype) for k, v in self.model.state_dict().items()}
 
     def save_final(self, directory: Path) -> None:
         self.model.save_pretrained(directory)
@@ -251,7 +248,8 @@ class OfflineTrainerBase(Generic[E]):
     def _save_version(self) -> None:
         p = self.progress
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
-        sha, size = save_weights(self.state_dict_to_save(), path)
+        sha, size = save_weights(self.model.state_dict(), path,
+                                 dtype=getattr(torch, self.cfg.model.dtype))
         p.weights_path, p.weights_sha256 = str(path.resolve()), sha
         keep = self.cfg.keep_weight_versions
         if keep:  # the newest `keep` files stay (a reader may still be loading one)

@@ -118,7 +118,7 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
         dtype = getattr(torch, self.cfg.model.dtype)
-        sha, size = save_weights({k: v.to(dtype) for k, v in self.actor.model.state_dict().items()}, path)
+        sha, size = save_weights(self.actor.model.state_dict(), path, dtype=dtype)
         p.weights_path, p.weights_sha256 = str(path.resolve()), sha
         old = self.run_dir / "weights" / f"v{p.version - self.keep_weight_versions:06d}.safetensors"
         if self.keep_weight_versions > 0 and p.version >= self.keep_weight_versions:

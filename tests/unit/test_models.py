@@ -136,3 +136,26 @@ def test_checkpoint_refuses_a_foreign_directory(tmp_path):
         create_tiny_checkpoint(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")] == []
+
+
+def test_save_weights_casts_after_finding_tied_tensors(tmp_path):
+    """Tied embeddings are stored once even when cast (cast first, they were two copies:
+    a fifth of Qwen2-0.5B's file), and the file loads back verified, in the new dtype."""
+    import torch
+    from safetensors import safe_open
+
+    from tapioca.models.weight_files import load_verified, save_weights
+
+    emb = torch.randn(10, 4)
+    state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(4)}
+    sha, size = save_weights(state, tmp_path / "w.safetensors", dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "norm.weight"]
+    loaded = load_verified(tmp_path / "w.safetensors", sha)
+    assert loaded["embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(loaded["embed.weight"], emb.to(torch.bfloat16))
+    # Cast first (the old way), the tied tensor is stored twice: 10 x 4 bf16 = 80 bytes
+    # more payload, plus its header entry.
+    _, size2 = save_weights({k: v.to(torch.bfloat16) for k, v in state.items()},
+                            tmp_path / "w2.safetensors")
+    assert size2 >= size + 80
