@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Collection, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -37,10 +37,13 @@ def _full_name(cfg: BusConfig, name: str) -> str:
 
 
 class TopicReader:
-    """Reads every partition of one topic, from the beginning or from ``tail`` records
-    before the (approximate) end of each partition."""
+    """Reads every partition of one topic (or only ``partitions``), from the beginning,
+    from ``start_offset``, or from ``tail`` records before the (approximate) end of each
+    partition."""
 
-    def __init__(self, cfg: BusConfig, name: str, *, tail: int | None = None) -> None:
+    def __init__(self, cfg: BusConfig, name: str, *, tail: int | None = None,
+                 partitions: Collection[int] | None = None,
+                 start_offset: int | None = None) -> None:
         self.cfg = cfg
         self.topic = _full_name(cfg, name)
         try:
@@ -51,30 +54,37 @@ class TopicReader:
             **cfg.consumer_conf(f"tapioca-reader-{uuid.uuid4().hex[:8]}"),
         })
         try:
-            self._assign(tail)
+            self._assign(tail, partitions, start_offset)
         except KafkaException as exc:
             self.consumer.close()
             raise BusError(f"cannot read {self.topic} from {cfg.bootstrap_servers}: {exc}; "
                            "is the broker up (`tapioca broker status`)?") from None
 
-    def _assign(self, tail: int | None) -> None:
+    def _assign(self, tail: int | None, partitions: Collection[int] | None,
+                start_offset: int | None) -> None:
         md = self.consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
         if md is None or md.error is not None or not md.partitions:
             self.consumer.close()
             raise BusError(f"topic {self.topic!r} does not exist; create it with "
                            "`tapioca topics create` (or check --prefix)")
+        wanted = sorted(md.partitions) if partitions is None else sorted(set(partitions))
+        missing = [p for p in wanted if p not in md.partitions]
+        if missing:
+            self.consumer.close()
+            raise BusError(f"topic {self.topic!r} has no partition {missing[0]}; its partitions "
+                           f"are 0..{len(md.partitions) - 1}")
         assignment = []
         # Watermarks may undercount (KAFKA_NOTES.md) but never overcount: reading at
         # least up to them before trusting an idle gap is a safe lower bound, and it
         # keeps a slow first fetch from looking like an empty topic.
         self._targets: dict[int, int] = {}
-        for p in sorted(md.partitions):
+        for p in wanted:
             low, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
-            start = OFFSET_BEGINNING
+            start = OFFSET_BEGINNING if start_offset is None else max(start_offset, low, 0)
             if tail is not None and high >= 0:
                 # A watermark that undercounts only makes us read a little more.
                 start = max(low, high - tail)
-            if high > max(low, 0):
+            if high > max(low, 0, start):
                 self._targets[p] = high
             assignment.append(TopicPartition(self.topic, p, start))
         self.consumer.assign(assignment)

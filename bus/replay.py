@@ -172,12 +172,15 @@ def items_from_archive(path: str, topics: list[str] | None) -> Iterator[ReplayIt
         yield ReplayItem(rec.source, rec.payload.encode(), rec.event())
 
 
-def items_from_topic(cfg, name: str, stats: ReplayStats) -> Iterator[ReplayItem]:
-    """A live topic read from the beginning without a consumer group. The offset and
-    time bounds are filters: ``offsets_for_times`` is not dependable (KAFKA_NOTES.md)."""
+def items_from_topic(cfg, name: str, stats: ReplayStats, *, partition: int | None = None,
+                     from_offset: int | None = None) -> Iterator[ReplayItem]:
+    """A live topic read without a consumer group: only ``partition`` if given, from
+    ``from_offset`` (else the beginning). The upper offset and the time bounds stay
+    filters: ``offsets_for_times`` is not dependable (KAFKA_NOTES.md)."""
     from tapioca.bus.reader import TopicReader
 
-    with TopicReader(cfg, name) as reader:
+    with TopicReader(cfg, name, partitions=None if partition is None else [partition],
+                     start_offset=from_offset) as reader:
         for r in reader.records(idle_s=1.0):
             if r.event is None:
                 stats.undecodable += 1  # a dead letter already names it; not replayable

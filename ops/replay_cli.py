@@ -126,7 +126,8 @@ def replay(
         admin_client(src_cfg)
 
         def items() -> Iterator[ReplayItem]:
-            return items_from_topic(src_cfg, full, stats)
+            return items_from_topic(src_cfg, full, stats, partition=partition,
+                                    from_offset=from_offset)
     else:
         def items() -> Iterator[ReplayItem]:
             return items_from_archive(archive, list(topic))

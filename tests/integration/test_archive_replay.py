@@ -299,6 +299,13 @@ def test_replay_a_live_topic_offset_range_and_refuse_replaying_onto_itself(run):
                      "--from-offset", "0", "--to-offset", "1", "--dry-run", "-o", "json"))
     assert one["published"] == sum(r.source.partition == part and r.source.offset <= 1
                                    for r in run.truth["trajectories"]) >= 1
+    # ... read from that partition alone (not the whole topic, then filtered).
+    assert one["read"] == sum(r.source.partition == part for r in run.truth["trajectories"])
+    late = _json(_cli("-b", bus.bootstrap_servers, "--prefix", bus.topic_prefix, "replay",
+                      "--from-topic", "trajectories", "--partition", str(part),
+                      "--from-offset", "1", "--dry-run", "-o", "json"))
+    assert late["read"] == late["published"] == sum(
+        r.source.partition == part and r.source.offset >= 1 for r in run.truth["trajectories"])
     # (tests/unit/test_archive.py checks --partition against records on two partitions;
     # here the 4 groups may all hash to one of the 4 partitions.)
 
