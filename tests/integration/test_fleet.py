@@ -343,7 +343,11 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
 
 def test_fleet_control_on_a_running_loop(cfg, cli, tiny_ckpt, tmp_path, start_runner,
                                          wait_until, one_torch_thread):
-    tcfg = train_cfg(cfg, tiny_ckpt, tmp_path / "run", prompts_per_step=2, n_samples=2)
+    # A step budget the test cannot reach: on an idle 2-core box this loop trains ~8
+    # steps a second (328 versions in a 40 s run), so a budget of 1,000 ended the
+    # trainer cleanly mid-test on a fast CI machine ("trainer stopped", no error).
+    tcfg = train_cfg(cfg, tiny_ckpt, tmp_path / "run", prompts_per_step=2, n_samples=2,
+                     steps=10**9)
     runners = {name: start_runner(build_role(name, tcfg), cfg, member_id=f"{name}-0",
                                   max_seconds=300)
                for name in ("trainer", "advantage", "reward", "feeder", "rollout")}
@@ -388,7 +392,8 @@ def test_fleet_control_on_a_running_loop(cfg, cli, tiny_ckpt, tmp_path, start_ru
         assert heartbeats(cfg, "rollout-0")[-1].status == "stopped"
         for name, rt in runners.items():
             if name != "rollout":
-                assert rt.thread.is_alive(), f"{name} stopped: {rt.error!r}"
+                assert rt.thread.is_alive(), (
+                    f"{name} stopped: {rt.error!r}; finished: {rt.runner.role.finished(rt.state)}")
     finally:
         trajs.close()
 
