@@ -9,6 +9,7 @@ output token the loss trains on (loss mask 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -62,21 +63,27 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
     return items
 
 
-def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
-    """Greedy packing by padded size (count x longest) <= max_tokens, longest first;
-    a sequence longer than the budget gets a micro-batch of its own."""
-    ordered = sorted(items, key=lambda it: it.length, reverse=True)
-    batches: list[list[SeqItem]] = []
-    current: list[SeqItem] = []
-    for it in ordered:
-        longest = current[0].length if current else it.length
+def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices packed greedily by padded size (count x longest) <= max_tokens, longest
+    first; an item longer than the budget gets a micro-batch of its own. Shared by the
+    RL trainer (:func:`micro_batches`) and the offline trainers."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
         if current and (len(current) + 1) * longest > max_tokens:
             batches.append(current)
             current = []
-        current.append(it)
+        current.append(i)
     if current:
         batches.append(current)
     return batches
+
+
+def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
+    """:func:`pack` over the items' lengths."""
+    return [[items[i] for i in idx] for idx in pack([it.length for it in items], max_tokens)]
 
 
 @dataclass

@@ -27,12 +27,12 @@ from tapioca.algorithms.logprobs import gather_logprobs_entropy
 from tapioca.algorithms.supervised import forward_kl_from_hidden
 from tapioca.config.offline import DistillConfig
 from tapioca.schemas.errors import ConfigError
+from tapioca.trainers.batching import pack
 from tapioca.trainers.offline_data import SeqExample, load_sft_examples
 from tapioca.models.forward import last_hidden
 from tapioca.trainers.offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
-    pack,
     pad_batch,
     setup_offline,
 )

@@ -24,12 +24,12 @@ from tapioca.algorithms.preference import dpo_loss
 from tapioca.algorithms.supervised import sequence_logprobs
 from tapioca.config.offline import DPOConfig
 from tapioca.schemas.errors import ConfigError
+from tapioca.trainers.batching import pack
 from tapioca.trainers.offline_data import PairExample, load_pair_examples
 from tapioca.trainers.offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     mean,
-    pack,
     pad_batch,
     setup_offline,
     token_logprobs,

@@ -83,23 +83,6 @@ def pad_batch(seqs: Sequence[tuple[list[int], int, list[int]]], pad_token_id: in
     return input_ids.to(device), attn.to(device), labels.to(device), mask.to(device)
 
 
-def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices packed so that count x longest <= max_tokens (longest first); an item
-    longer than the budget gets a micro-batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
 def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                    labels_BT: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
     """``logprobs_BT`` of ``labels_BT`` (0 where -100) at temperature 1, as the offline

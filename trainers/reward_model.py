@@ -22,12 +22,12 @@ import torch
 from tapioca.algorithms.preference import bradley_terry_loss
 from tapioca.config.offline import RewardModelConfig
 from tapioca.schemas.errors import ConfigError, TapiocaError
+from tapioca.trainers.batching import pack
 from tapioca.trainers.offline_data import PairExample, load_pair_examples
 from tapioca.trainers.offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     mean,
-    pack,
     pad_batch,
     setup_offline,
 )

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from tapioca.algorithms.supervised import masked_nll
 from tapioca.config.offline import SFTConfig
+from tapioca.trainers.batching import pack
 from tapioca.trainers.offline_data import SeqExample, load_sft_examples
 from tapioca.trainers.offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
-    pack,
     pad_batch,
     setup_offline,
     token_logprobs,
