@@ -56,12 +56,16 @@ def read_state() -> dict | None:
     return state
 
 
-def resolve_bootstrap(flag: str | None) -> str:
+def resolve_bootstrap(flag: str | None, configured: str | None = None) -> str:
+    """``--bootstrap-server``, then ``$TAPIOCA_BOOTSTRAP``, then ``configured`` (a run
+    config's ``bus.bootstrap_servers``), then the broker of `tapioca broker up`."""
     if flag:
         return flag
     env = os.environ.get(BOOTSTRAP_ENV)
     if env:
         return env
+    if configured:
+        return configured
     state = read_state()
     if state:
         return state["bootstrap"]

@@ -77,8 +77,7 @@ def proxy(
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, list(ctx.args))
     name_trial(cfg)  # an example YAML's empty trial_name: a new run, as `tapioca train` names it
-    if not cfg.bus.bootstrap_servers or G.bootstrap:
-        cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap or cfg.bus.bootstrap_servers or None)
+    cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap, cfg.bus.bootstrap_servers)
     if cfg.bus.run_id == "default":
         cfg.bus.run_id = cfg.run_id
     if not cfg.proxy.api_key:

@@ -236,9 +236,8 @@ def train_offline(
     if publish:
         # --bootstrap-server / TAPIOCA_BOOTSTRAP first: a run's config.yaml names the
         # broker it ran on, which stopped with the run if it was the run's own.
-        named = cfg.bus.bootstrap_servers
-        if not named or G.bootstrap:
-            cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap or named or None)
+        cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap,
+                                                                   cfg.bus.bootstrap_servers)
         from tapioca.bus.admin import ensure_topics
 
         try:
