@@ -57,17 +57,21 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    if slot_mapping_T.numel() == 0:
+        return
     slot_T = slot_mapping_T.long()
     valid_T = slot_T >= 0
     any_valid = valid_T.any()
-    first = valid_T.int().argmax()  # first valid row, 0 when none
-    fill_slot = torch.where(any_valid, slot_T[first], torch.zeros_like(slot_T[first]))
-    index_T = torch.where(valid_T, slot_T, fill_slot)
+    # First valid row (0 when none), as a 1-element index: a 0-dim tensor index could be
+    # turned into a host int.
+    first_1 = valid_T.int().argmax().view(1)
+    fill_slot_1 = torch.where(any_valid, slot_T.index_select(0, first_1), 0)
+    index_T = torch.where(valid_T, slot_T, fill_slot_1)
     valid_T11 = valid_T[:, None, None]
     for new_TKD, flat in ((k_TKD, k_flat), (v_TKD, v_flat)):
         new_TKD = new_TKD.to(flat.dtype)
-        fill_KD = torch.where(any_valid, new_TKD[first], flat[0])
-        flat.index_copy_(0, index_T, torch.where(valid_T11, new_TKD, fill_KD))
+        fill_1KD = torch.where(any_valid, new_TKD.index_select(0, first_1), flat[:1])
+        flat.index_copy_(0, index_T, torch.where(valid_T11, new_TKD, fill_1KD))
 
 
 def rope_and_store_kv(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,

@@ -98,6 +98,8 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: 
     rows, vocab = logits_BV.shape
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
+    if isinstance(offset, torch.Tensor):
+        raise TypeError("sample_tokens: offset is a host int (a stream id); advance seed_1 on the device instead")
     if not 0 <= offset < 2 ** 32:
         raise ValueError(f"sample_tokens: offset {offset} must fit in 32 bits")
     tokens_B = torch.empty(rows, dtype=torch.int64, device=logits_BV.device)
