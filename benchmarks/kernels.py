@@ -258,15 +258,15 @@ def bench_prefill(bench: Bench, s: Shape, dev, sweep: bool = False, **knobs) -> 
     return row
 
 
-def _sample_inputs(s: Shape, dev, rows: int):
+def _sample_inputs(s: Shape, dev, rows: int, greedy_only: bool = False):
     logits = (torch.randn(rows, s.vocab, device=dev) * 4).to(_dtype(dev))
-    temps = torch.full((rows,), 0.8, device=dev)
+    temps = torch.full((rows,), 0.0 if greedy_only else 0.8, device=dev)
     temps[::8] = 0.0  # some greedy rows
     return logits, temps, torch.tensor([1], dtype=torch.int64, device=dev)
 
 
-def bench_sample(bench: Bench, s: Shape, dev, sweep: bool = False, **knobs) -> Row:
-    logits, temps, seed = _sample_inputs(s, dev, s.rows)
+def bench_sample(bench: Bench, s: Shape, dev, sweep: bool = False, greedy_only: bool = False, **knobs) -> Row:
+    logits, temps, seed = _sample_inputs(s, dev, s.rows, greedy_only)
     tokens, logprobs = TS.sample_tokens(logits, temps, seed, 0, **knobs)
     greedy = temps == 0
     t = torch.where(greedy, torch.ones_like(temps), temps)
@@ -371,6 +371,7 @@ def run_sweep(bench: Bench, s: Shape, dev, start: float, budget_s: float) -> lis
     for block_v in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
             grids.append(("sample", None, None, dict(block_v=block_v, num_warps=warps)))
+    grids.append(("sample", None, None, dict(greedy_only=True)))  # no noise: what the RNG costs
     if bench.quick:  # --smoke: a few of each, enough to run every code path
         grids = [g for g in grids if g[3].get("num_warps", 4) == 4 and g[3].get("num_stages", 2) == 2]
         grids = [g for g in grids if g[3].get("block_n", 32) <= 64 and g[3].get("block_m", 32) <= 64
@@ -385,7 +386,9 @@ def run_sweep(bench: Bench, s: Shape, dev, start: float, budget_s: float) -> lis
             elif kind == "prefill":
                 r = bench_prefill(bench, s, dev, sweep=True, **knobs)
             else:
-                r = bench_sample(bench, s, dev, sweep=True, **knobs)
+                greedy_only = knobs.pop("greedy_only", False)
+                r = bench_sample(bench, s, dev, sweep=True, greedy_only=greedy_only, **knobs)
+                knobs["greedy_only"] = greedy_only
             out.append({"kind": kind, "rows": rows, "context": ctx, **knobs, "us": r.triton_us,
                         "gbps": r.gbps, "rel_err": r.rel_err, **{k: v for k, v in r.extra.items() if k == "tflops"}})
         except Exception as exc:  # a config that does not compile (shared memory, registers)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -42,6 +43,7 @@ _MODULES = {
     "sampling": "tapioca.engines.kernels.triton_sampling",
 }
 _loaded: dict[str, ModuleType | None] = {}
+_warned: list[str] = []
 
 
 def _triton_module(family: str, required: bool) -> ModuleType | None:
@@ -73,6 +75,10 @@ def backend(family: str, tensor: torch.Tensor) -> ModuleType:
         module = _triton_module(family, required=False)
         if module is not None:
             return module
+        if not _warned:
+            _warned.append(family)
+            warnings.warn("Triton does not import: the fused kernels run on their PyTorch reference "
+                          "(slow on a GPU); pip install triton", RuntimeWarning, stacklevel=3)
     return reference
 
 

@@ -143,7 +143,7 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_tokens, num_heads, head_dim = q_THD.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out_THD = torch.zeros_like(q_THD)
+    out_THD = torch.zeros(q_THD.shape, dtype=q_THD.dtype, device=q_THD.device)
     cu = cu_seqlens_q_S1.tolist()
     ctx = context_lens_S.tolist()
     for s in range(len(ctx)):

@@ -152,7 +152,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     rows, num_heads, head_dim = q_BHD.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out_BHD = torch.empty_like(q_BHD)
+    out_BHD = torch.empty(q_BHD.shape, dtype=q_BHD.dtype, device=q_BHD.device)  # contiguous for o_proj
     if rows == 0:
         return out_BHD
     if num_splits is None:
@@ -267,7 +267,7 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = context_lens_S.shape[0]
-    out_THD = torch.zeros_like(q_THD)
+    out_THD = torch.zeros(q_THD.shape, dtype=q_THD.dtype, device=q_THD.device)
     if num_tokens == 0 or num_seqs == 0 or max_q_len == 0:
         return out_THD
     grid = (triton.cdiv(max_q_len * group, block_m), num_seqs, num_kv_heads)

@@ -175,9 +175,11 @@ def test_paged_decode_attention_triton_matches_reference(heads, kv_heads, num_sp
     lengths = [1, 0, 9, 16, 37, 4]  # a padding row, a block boundary, a ragged tail
     k_cache, v_cache, table = _paged(lengths, kv_heads)
     ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-    q = torch.randn(len(lengths), heads, HEAD_DIM, device=DEV)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * HEAD_DIM, device=DEV)
+    q = qkv[:, :heads * HEAD_DIM].view(len(lengths), heads, HEAD_DIM)  # a strided view, as the engine has
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.3,
                                                   num_splits=num_splits, block_n=16)
+    assert out.is_contiguous()
     ref = R.paged_decode_attention(q, *_reference_caches(k_cache, v_cache), table, ctx, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # context 0: zeros, not NaN
@@ -185,8 +187,9 @@ def test_paged_decode_attention_triton_matches_reference(heads, kv_heads, num_sp
 
 def test_paged_decode_attention_default_splits_through_dispatcher(monkeypatch):
     monkeypatch.setenv("TAPIOCA_KERNELS", "triton")
-    lengths = [70, 3]  # max context 80 tokens
-    k_cache, v_cache, table = _paged(lengths, 2, num_blocks=30)
+    lengths = [300, 3]  # past 256 tokens: the interpreter's default takes 2 splits
+    k_cache, v_cache, table = _paged(lengths, 2, num_blocks=80)
+    assert triton_attention.decode_splits(2, 2, table.shape[1] * BLOCK, torch.device(DEV), 64) >= 2 or CUDA
     ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     q = torch.randn(2, 6, HEAD_DIM, device=DEV)
     out = K.paged_decode_attention(q, k_cache, v_cache, table, ctx, 0.25)
@@ -203,7 +206,8 @@ def test_paged_prefill_attention_triton_matches_reference_with_cached_prefix(hea
     k_cache, v_cache, table = _paged(lengths, kv_heads)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     ctx = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-    q = torch.randn(sum(q_lens), heads, HEAD_DIM, device=DEV)
+    qkv = torch.randn(sum(q_lens), (heads + 2 * kv_heads) * HEAD_DIM, device=DEV)
+    q = qkv[:, :heads * HEAD_DIM].view(sum(q_lens), heads, HEAD_DIM)
     # Small tiles: several query tiles per sequence, both the unmasked and the causal loop.
     out = triton_attention.paged_prefill_attention(q, k_cache, v_cache, table, cu, ctx, 0.25,
                                                    max(q_lens), block_m=16, block_n=16)
