@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -344,7 +343,7 @@ def _graph_step_us(bench: Bench, s: Shape, dev, ctx: int, use_triton: bool) -> f
     with torch.cuda.graph(graph):
         step()
     us = bench.time_us(graph.replay, rep_ms=300)
-    del graph, caches
+    del graph
     torch.cuda.empty_cache()
     return us
 
