@@ -136,6 +136,13 @@ def decode_splits(rows: int, num_kv_heads: int, max_context: int, device: torch.
     return max(1, min(max_splits, triton.cdiv(target, programs), by_length))
 
 
+def _check(head_dim: int, num_heads: int, num_kv_heads: int, op: str) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"{op}: head_dim {head_dim} must be a power of two >= 16 (tl.dot tiles)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{op}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -151,6 +158,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     rows, num_heads, head_dim = q_BHD.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _check(head_dim, num_heads, num_kv_heads, "paged_decode_attention")
     group = num_heads // num_kv_heads
     out_BHD = torch.empty(q_BHD.shape, dtype=q_BHD.dtype, device=q_BHD.device)  # contiguous for o_proj
     if rows == 0:
@@ -265,6 +273,7 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     num_tokens, num_heads, head_dim = q_THD.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _check(head_dim, num_heads, num_kv_heads, "paged_prefill_attention")
     group = num_heads // num_kv_heads
     num_seqs = context_lens_S.shape[0]
     out_THD = torch.zeros(q_THD.shape, dtype=q_THD.dtype, device=q_THD.device)
