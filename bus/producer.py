@@ -8,6 +8,10 @@ When the broker forgets our producer id (a memory broker restarted: UnknownProdu
 forever, see KAFKA_NOTES.md) or the idempotent producer hits a fatal error, the
 producer is recreated and the undelivered records are sent again. Consumers
 de-duplicate by event identity, so a resend after an ambiguous failure is harmless.
+
+Events of signed topics (control, weights) get the run's HMAC in the ``tapioca.sig``
+header when the config names a key (bus/signing.py); ``publish_raw`` sends bytes as
+they are (a republished record keeps only the headers it is given).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Producer
 
 from tapioca.bus.settings import BusConfig
+from tapioca.bus.signing import SIGNATURE_HEADER
 from tapioca.schemas.envelope import Event, encode_event
 from tapioca.schemas.errors import BusError
 from tapioca.schemas.registry import TopicSpec, topic_for
@@ -90,11 +95,15 @@ class EventProducer:
     def publish(
         self, event: Event, *, topic: TopicSpec | None = None, headers: Headers | None = None,
     ) -> None:
-        """Encode (validating first) and enqueue one event; ``flush()`` confirms delivery."""
+        """Encode (validating first) and enqueue one event; ``flush()`` confirms delivery.
+        Events of a signed topic are signed with the run's key (bus/signing.py)."""
         self.stamp(event)
         spec = topic or topic_for(event)
         value = encode_event(event, max_bytes=self.cfg.max_message_bytes)
         key = spec.key_of(event).encode()
+        signing = self.cfg.signing_key() if spec.signed else None
+        if signing is not None:
+            headers = [*(headers or ()), (SIGNATURE_HEADER, signing.sign(value))]
         self.publish_raw(self.cfg.topic(spec), key, value, headers)
 
     def publish_raw(

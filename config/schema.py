@@ -366,9 +366,12 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     # 0 = any free port (printed at start).
     port: int = 8000
-    # Admin key: starts sessions (`POST /v1/sessions`). Empty: a random key is generated
-    # and printed at start.
+    # Admin key: starts sessions (`POST /v1/sessions`). Prefer api_key_file: a key here
+    # is written into the run's config.yaml. Both empty: a random key is generated and
+    # printed at start (`tapioca train` writes one to <run dir>/secrets/proxy-admin.key).
     api_key: str = ""
+    # A file holding the admin key, readable by its owner only (0600).
+    api_key_file: str = ""
     # The model name `/v1/models` lists (requests may name any model).
     served_model_name: str = "tapioca"
     # One request: prompt tokens + n x max_tokens.
@@ -394,6 +397,18 @@ class ProxyConfig:
                  f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
         _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
         _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+        _require(not (self.api_key and self.api_key_file),
+                 "set proxy.api_key or proxy.api_key_file, not both (prefer the file: the "
+                 "run's config.yaml is not secret)")
+
+    def admin_key(self) -> str:
+        """The admin key: proxy.api_key, or the content of proxy.api_key_file ("" if
+        neither is set)."""
+        if self.api_key_file:
+            from tapioca.bus.signing import read_secret_file
+
+            return read_secret_file(self.api_key_file, "the proxy admin key file (proxy.api_key_file)")
+        return self.api_key
 
 
 @dataclass

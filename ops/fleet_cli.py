@@ -90,10 +90,17 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
              output: str, run_id: str | None = None, members=None) -> dict:
     """Check the target against the live fleet, send, wait for acks, report; raise when
     a member did not acknowledge or refused."""
-    from tapioca.bus.fleet import ControlError, read_fleet, resolve_target, send_command
+    from tapioca.bus.fleet import (
+        ControlError,
+        check_signing,
+        read_fleet,
+        resolve_target,
+        send_command,
+    )
 
     cfg = bus_config()
     chosen = resolve_target(members if members is not None else read_fleet(cfg), target)
+    check_signing(cfg, chosen)
     expect = [m.event.member_id for m in chosen]
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
                                run_id=run_id)

@@ -28,12 +28,15 @@ from typing import Callable
 
 from tapioca.bus.broker import EmbeddedBroker
 from tapioca.bus.settings import BOOTSTRAP_ENV
+from tapioca.bus.signing import SECRETS_DIR, create_key_file, key_path_of_run, write_secret_file
 from tapioca.config.loader import to_yaml
 from tapioca.config.schema import TrainConfig, name_trial
 from tapioca.schemas.errors import TapiocaError
 
 log = logging.getLogger(__name__)
 
+
+PROXY_KEY_FILE_NAME = "proxy-admin.key"
 
 # After the other roles stopped, how long the archiver may read their last events
 # (it polls continuously, so its lag is well under this) before it is stopped.
@@ -131,12 +134,17 @@ def role_command(role: str, member: int, config_path: Path) -> list[str]:
 def resolve_proxy_endpoint(cfg: TrainConfig) -> None:
     """Agent mode: fix the proxy's port and admin key before the config is written, so
     the proxy and the agent runners read the same ones (port 0 / an empty key would
-    otherwise be chosen by the proxy alone)."""
+    otherwise be chosen by the proxy alone). The key goes to a 0600 file in the run's
+    secrets directory, and only its path into config.yaml."""
     import secrets
     import socket
 
-    if not cfg.proxy.api_key:
-        cfg.proxy.api_key = "tapioca-admin-" + secrets.token_hex(16)
+    if not cfg.proxy.api_key and not cfg.proxy.api_key_file:
+        path = Path(cfg.run_path) / SECRETS_DIR / PROXY_KEY_FILE_NAME
+        if not path.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_secret_file(path, "tapioca-admin-" + secrets.token_hex(16) + "\n")
+        cfg.proxy.api_key_file = str(path)
     if cfg.proxy.port == 0:
         with socket.socket() as s:
             s.bind((cfg.proxy.host, 0))
@@ -172,6 +180,11 @@ class Launcher:
 
         run_dir = prepare_run(self.cfg)
         self.summary = RunSummary(run_dir)
+        # The run's key signs control commands and weights events (bus/signing.py); a
+        # resumed run keeps its key. Only the path goes into config.yaml.
+        if not self.cfg.bus.signing_key_path:
+            self.cfg.bus.signing_key_path = str(key_path_of_run(run_dir))
+        create_key_file(self.cfg.bus.signing_key_path)
         if not self.cfg.bus.bootstrap_servers:
             self.broker = EmbeddedBroker(log_path=run_dir / "logs" / "broker.log")
             (run_dir / "logs").mkdir(exist_ok=True)
