@@ -27,9 +27,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 broker_app = typer.Typer(no_args_is_help=True, help="The embedded (Tansu) broker.")
 topics_app = typer.Typer(no_args_is_help=True, help="Create and inspect Tapioca topics.")
 schemas_app = typer.Typer(no_args_is_help=True, help="Event JSON Schemas.")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Trainer checkpoints.")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 console = Console()
 OUTPUT_HELP = "table (for people) or json (for scripts)"
@@ -178,6 +180,26 @@ def keygen(path: str = typer.Argument(..., help="Where to write the key (e.g. "
 
     key = create_key_file(path)
     console.print(f"signing key {key.key_id} at {path} (bus.signing_key_path={path})")
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+@checkpoint_app.command("migrate")
+def checkpoint_migrate(run_dir: str = typer.Argument(..., help="The run directory "
+                                                     "(runs/EXPERIMENT/TRIAL).")) -> None:
+    """Convert a run's old pickle checkpoints (checkpoints/*.pt) to safetensors + JSON.
+    They are read with torch.load(weights_only=True), which refuses code; the .pt files
+    are kept (delete them once the run resumes)."""
+    from pathlib import Path
+
+    from tapioca.trainers.checkpoint import migrate_legacy
+
+    olds = sorted((Path(run_dir) / "checkpoints").glob("*.pt"))
+    if not olds:
+        raise TapiocaError(f"no old checkpoints (*.pt) in {Path(run_dir) / 'checkpoints'}")
+    for old in olds:
+        console.print(f"{old} -> {migrate_legacy(old)}")
 
 
 # ---------------------------------------------------------------------- topics
