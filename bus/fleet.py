@@ -193,6 +193,9 @@ class MemberFleet:
         # The role's last MetricsEvent (e.g. staleness), shown in heartbeats.
         self.last_role_metrics: dict[str, float] = {}
         self._forged: set[str] = set()  # command ids already dead-lettered
+        # When the member last consumed or produced anything: `tapioca status` raises a
+        # stall alarm when every running member has been idle for long.
+        self._activity: tuple[int, int, float] = (-1, -1, time.time())
 
     def open(self) -> None:
         """Read control.v1 from its end: commands sent before this member existed are not
@@ -339,11 +342,15 @@ class MemberFleet:
         described = r.role.describe(r.state) if r.state is not None else {}
         rates = self.rates.update(now, {"in": s.consumed, "out": s.produced,
                                         "handled": s.handled})
+        consumed, produced, active_at = self._activity
+        if (s.consumed, s.produced) != (consumed, produced):
+            self._activity = (s.consumed, s.produced, time.time())
         detail = {
             "interval_s": r.cfg.fleet_heartbeat_interval_s,
             "group_id": r.group_id, "consumed": s.consumed, "handled": s.handled,
             "produced": s.produced, "dead_lettered": s.dead_lettered, "retries": s.retries,
             "started_at": self.control.started_at, "lag_approximate": True,
+            "idle_s": round(time.time() - self._activity[2], 1),
             "describe": numeric(described), "metrics": self.last_role_metrics,
             # Which key this member verifies commands with (its id, never the key), so
             # the CLI can say when it lacks the run's key instead of timing out.
@@ -422,6 +429,7 @@ class MemberView:
             "policy_version": e.policy_version, "rates": e.rates, "lag": e.lag,
             "lag_total": sum(e.lag.values()) if e.lag else None,
             "dead_lettered": int(e.detail.get("dead_lettered", 0)),
+            "idle_s": e.detail.get("idle_s"),
             "staleness_mean": metrics.get("trainer/staleness_mean"),
             "staleness_max": metrics.get("trainer/staleness_max"),
             "detail": e.detail,
@@ -474,6 +482,22 @@ def _read_heartbeats(cfg: BusConfig, tail: int | None
     for p in counts:
         oldest.setdefault(p, float("inf"))  # nothing decodable: no reason to read further
     return latest, oldest, counts
+
+
+def stall(members: Iterable[MemberView], stall_after_s: float) -> str | None:
+    """An alarm when every live running member has been idle (consumed and produced
+    nothing) for ``stall_after_s`` or longer: a fleet that claims to run but does not
+    move (e.g. its broker lost the topics). None when some member moves."""
+    running = [m for m in members if m.live and m.event.status == "running"]
+    idle = [m for m in running if isinstance(m.event.detail.get("idle_s"), (int, float))]
+    if not running or len(idle) < len(running):
+        return None
+    least = min(float(m.event.detail["idle_s"]) + m.age_s for m in idle)
+    if least < stall_after_s:
+        return None
+    return (f"stalled: all {len(running)} running member(s) have consumed and produced "
+            f"nothing for at least {least:.0f} s; is the broker healthy (`tapioca topics "
+            "list`: every topic there, with its partitions)? are inputs flowing?")
 
 
 def resolve_target(members: Iterable[MemberView], target: str) -> list[MemberView]:

@@ -145,6 +145,13 @@ class EventProducer:
             if left and not failed and time.monotonic() < deadline:
                 continue
             fatal_codes = {err.code() for err in failed.values()}
+            missing = self._missing_topics()
+            if missing:
+                # No new producer helps: the topic is gone (a broker that lost its data).
+                raise BusError(
+                    f"{len(failed) or pending} event(s) were not delivered to "
+                    f"{self.cfg.bootstrap_servers}: topic(s) {', '.join(missing)} do not exist "
+                    "(did the broker lose its data?); `tapioca topics create` creates them")
             recreate = self._fatal or bool(fatal_codes & _RECREATE_CODES) or (left and not failed)
             if not recreate or attempts >= self.max_recreates or time.monotonic() >= deadline:
                 first = next(iter(failed.values()), None)
@@ -155,6 +162,22 @@ class EventProducer:
                 )
             attempts += 1
             self._recreate()
+
+    def _missing_topics(self) -> list[str]:
+        """Topics of undelivered records that the cluster does not have (best effort)."""
+        with self._lock:
+            topics = sorted({t for t, *_ in self._pending.values()})
+        missing = []
+        try:
+            md = self._producer.list_topics(timeout=5).topics
+        except Exception:  # the broker is unreachable: that is not a missing topic
+            return []
+        for name in topics:
+            t = md.get(name)
+            if t is None or t.error is not None and t.error.code() in (
+                    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                missing.append(name)
+        return missing
 
     def _recreate(self) -> None:
         """Replace the producer (new producer id) and resend everything undelivered."""

@@ -364,7 +364,9 @@ class RoleRunner:
         follow progress and backlogs from the log."""
         s = self.stats
         metrics = {"bus/consumed": s.consumed, "bus/handled": s.handled, "bus/produced": s.produced,
-                   "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries}
+                   "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries,
+                   # A paused member is idle on purpose (the launcher's stall alarm).
+                   "bus/paused": self.control.paused}
         for key, value in self.role.describe(self.state).items():
             if isinstance(value, (int, float)):  # bools too
                 metrics[f"{self.role.name}/{key}"] = value

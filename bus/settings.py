@@ -219,6 +219,11 @@ class BusConfig:
             # The Java client's partitioner: a group's trajectories (ours) and rewards
             # (an external scorer's, maybe in Java) must land on the same partition.
             "partitioner": "murmur2_random",
+            # Never let a produce create a topic: after a broker lost its topics, the
+            # broker's defaults (4 partitions for weights.v1, no cleanup policy) would
+            # silently replace the registry's. A missing topic is an error instead, and
+            # `tapioca topics create` (or the launcher) re-creates it right.
+            "allow.auto.create.topics": False,
         }
         conf.update(self.extra_producer)
         return conf

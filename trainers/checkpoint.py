@@ -64,10 +64,9 @@ class TrainerProgress:
     # The bus run id (one per broker lifetime, ops/launcher.py) the offsets above belong
     # to; "" for checkpoints written before it was recorded.
     bus_run_id: str = ""
-    # Version, trained steps and rejected groups when this bus run id's log began: the
-    # head gate counts only what happened on this log (WeightsEvent.base_version).
-    base_version: int = 0
-    base_rollbacks: int = 0
+    # Trained steps and rejected groups when this bus run id's log began: the head gate
+    # counts only what happened on this log (WeightsEvent.base_steps / base_rejected).
+    base_steps: int = 0
     base_rejected: int = 0
 
     @classmethod

@@ -21,6 +21,8 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   (``checkpoints/critic_v<version>.safetensors``, written before
   ``trainer.safetensors``, so the file of the checkpointed version always exists).
 - Checkpoints are safetensors + JSON (trainers/checkpoint.py): nothing is unpickled.
+  Each records the bus run id whose log its offsets belong to; resumed on another log
+  (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class Trainer(Role[TrainerState]):
         elif self.critic is not None:
             self._load_critic(progress.version)
         state = TrainerState(progress, set(progress.trained_groups), set(progress.rejected_groups))
+        self._adopt_log(progress, state, resumed)
         for key, off in progress.offsets.items():
             topic, _, part = key.rpartition(":")
             state.handled_to[(topic, int(part))] = off
@@ -121,6 +124,26 @@ class Trainer(Role[TrainerState]):
         state.done = progress.version >= self.cfg.total_train_steps
         self._resumed = resumed
         return state
+
+    def _adopt_log(self, progress: TrainerProgress, state: TrainerState, resumed: bool) -> None:
+        """A checkpoint made on another log (its bus run id differs: the broker lost the
+        run's log and the launcher gave the run a new id, config/schema.py) resumes its
+        model, optimizer and version, but its offsets belong to the old log's partitions:
+        they are dropped, and the head gate counts from here (WeightsEvent.base_*)."""
+        own = self.cfg.bus_run_id
+        if not own:
+            return
+        from tapioca.config.schema import split_bus_run_id
+
+        before = progress.bus_run_id or split_bus_run_id(own)[0]
+        if resumed and before != own:
+            log.warning("checkpoint of version %d was made on the log of run id %s; this log is "
+                        "%s: its offsets are dropped, the model and its trained groups are kept",
+                        progress.version, before, own)
+            progress.offsets = {}
+            progress.base_steps = progress.version - progress.rollbacks
+            progress.base_rejected = len(state.rejected)
+        progress.bus_run_id = own
 
     def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
         p = state.progress
@@ -134,7 +157,8 @@ class Trainer(Role[TrainerState]):
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
                             step=p.version, group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p))
+                            rejected_group_ids=self._take_unannounced(state, p),
+                            base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
         p = state.progress
@@ -143,7 +167,8 @@ class Trainer(Role[TrainerState]):
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
                             step=p.version, group_ids=list(p.last_group_ids),
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p))
+                            rejected_group_ids=self._take_unannounced(state, p),
+                            base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     @staticmethod
     def _take_unannounced(state: TrainerState, p: TrainerProgress) -> list[str]:
