@@ -145,7 +145,7 @@ class EventProducer:
             if left and not failed and time.monotonic() < deadline:
                 continue
             fatal_codes = {err.code() for err in failed.values()}
-            missing = self._missing_topics()
+            missing = self._missing_topics() if attempts == 0 else []
             if missing:
                 # No new producer helps: the topic is gone (a broker that lost its data).
                 raise BusError(
@@ -169,7 +169,7 @@ class EventProducer:
             topics = sorted({t for t, *_ in self._pending.values()})
         missing = []
         try:
-            md = self._producer.list_topics(timeout=5).topics
+            md = self._producer.list_topics(timeout=2).topics
         except Exception:  # the broker is unreachable: that is not a missing topic
             return []
         for name in topics:

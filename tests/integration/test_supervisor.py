@@ -164,6 +164,22 @@ def _wrong_partitions(cfg: BusConfig) -> None:
             time.sleep(0.2)
 
 
+def test_producers_never_auto_create_a_lost_topic(broker):
+    """A produce to a topic the broker lost must not bring it back with the broker's
+    defaults (4 partitions for weights.v1): it fails, naming the missing topic."""
+    from tapioca.bus import EventProducer
+    from tapioca.schemas.errors import BusError
+    from tapioca.schemas.events import WeightsEvent
+
+    cfg = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"lost{uuid.uuid4().hex[:8]}",
+                    delivery_timeout_ms=1500)
+    producer = EventProducer(cfg, "trainer", max_recreates=1)
+    producer.publish(WeightsEvent(version=1, path="/w", sha256="0" * 64))
+    with pytest.raises(BusError, match=r"weights\.v1 do not exist.*tapioca topics create"):
+        producer.flush()
+    assert topic_partitions(cfg) == {}
+
+
 def registry_partitions(cfg: BusConfig) -> dict[str, int]:
     return {cfg.topic(t): t.partitions for t in TOPICS}
 
