@@ -53,16 +53,25 @@ from typing import Callable
 
 from tapioca.bus.broker import EmbeddedBroker
 from tapioca.bus.settings import BOOTSTRAP_ENV
-from tapioca.bus.signing import SECRETS_DIR, create_key_file, key_path_of_run, write_secret_file
+from tapioca.bus.signing import create_key_file, key_path_of_run
 from tapioca.config.loader import to_yaml
-from tapioca.config.schema import TrainConfig, name_trial, next_bus_run_id
+from tapioca.config.schema import TrainConfig, next_bus_run_id
 from tapioca.ops.parent_death import guarded
+# The run's parts, re-exported: callers and tests import them from here.
+from tapioca.ops.run_setup import (  # noqa: F401
+    PROXY_KEY_FILE_NAME,
+    last_member_warning,
+    prepare_run,
+    resolve_bus_run_id,
+    resolve_proxy_endpoint,
+    role_command,
+    role_counts,
+    run_on_log,
+)
 from tapioca.schemas.errors import BusError, TapiocaError
 
 log = logging.getLogger(__name__)
 
-
-PROXY_KEY_FILE_NAME = "proxy-admin.key"
 
 # After the other roles stopped, how long the archiver may read their last events
 # (it polls continuously, so its lag is well under this) before it is stopped.
@@ -152,118 +161,6 @@ class RunSummary:
         return sum(values[:w]) / w, sum(values[-w:]) / w, w
 
 
-def prepare_run(cfg: TrainConfig) -> Path:
-    """Resolve the run directory and the model; write the resolved config there."""
-    name_trial(cfg)
-    cfg.run_dir = str(Path(cfg.run_dir).resolve())
-    run_dir = Path(cfg.run_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.model.path:
-        from transformers.utils import logging as hf_logging
-
-        from tapioca.models.factory import create_tiny_checkpoint
-
-        hf_logging.disable_progress_bar()
-        task = "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
-        m = cfg.model
-        cfg.model.path = str(create_tiny_checkpoint(
-            run_dir / "model", task=task, arch=m.arch, hidden_size=m.hidden_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed).resolve())
-    cfg.bus.run_id = cfg.run_id
-    return run_dir
-
-
-def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
-    # reward.scorer none: rewards come from an external service, no built-in scorer.
-    reward = 0 if cfg.reward.scorer == "none" else cfg.reward.workers
-    archiver = 1 if cfg.archive.enabled else 0
-    counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("reward", reward),
-              ("rollout", cfg.rollout.workers), ("feeder", 1)]
-    if cfg.agent.enabled:
-        # Agent mode: the proxy generates and publishes trajectories + session rewards;
-        # agent runners play the dataset's prompts through it (no feeder/rollout/reward).
-        counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
-                  ("agent", cfg.agent.workers)]
-    return [(role, n) for role, n in counts if n > 0]
-
-
-def run_on_log(cfg: TrainConfig, bus_run_id: str) -> bool:
-    """Whether the broker holds the log of ``bus_run_id``: its trainer's weights events
-    (the weights topic is compacted by run id, so its latest event always stays)."""
-    from tapioca.bus.reader import TopicReader
-    from tapioca.schemas.events import WeightsEvent
-
-    with TopicReader(cfg.bus, "weights") as reader:
-        return any(isinstance(r.event, WeightsEvent) and r.event.run_id == bus_run_id
-                   for r in reader.records(idle_s=0.3, timeout_s=60))
-
-
-def resolve_bus_run_id(cfg: TrainConfig) -> str:
-    """The run id this run uses on the bus: ``cfg.run_id`` for a new run; for a resumed
-    one, the bus run id of its checkpoint if the broker still holds that log, else the
-    next one (``demo.t0@2``): the old log is gone, and with it the group numbering."""
-    from tapioca.trainers.checkpoint import SUFFIX, read_progress
-
-    progress = read_progress(Path(cfg.run_path) / "checkpoints" / f"trainer{SUFFIX}")
-    if progress is None or progress.version == 0:
-        return cfg.run_id
-    last = progress.bus_run_id or cfg.run_id
-    if run_on_log(cfg, last):
-        return last
-    new = next_bus_run_id(last)
-    log.warning("the broker does not hold the log of run id %s (checkpoint at version %d): "
-                "resuming as bus run id %s", last, progress.version, new)
-    return new
-
-
-def role_command(role: str, member: int, config_path: Path) -> list[str]:
-    """The command line of one child process."""
-    if role == "proxy":
-        return [sys.executable, "-m", "tapioca.ops.cli", "proxy", "--config", str(config_path)]
-    if role == "agent":
-        return [sys.executable, "-m", "tapioca.agents.runner", "--config", str(config_path),
-                "--member", str(member)]
-    return [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
-            "--member", str(member)]
-
-
-def resolve_proxy_endpoint(cfg: TrainConfig) -> None:
-    """Agent mode: fix the proxy's port and admin key before the config is written, so
-    the proxy and the agent runners read the same ones (port 0 / an empty key would
-    otherwise be chosen by the proxy alone). The key goes to a 0600 file in the run's
-    secrets directory, and only its path into config.yaml."""
-    import secrets
-    import socket
-
-    if not cfg.proxy.api_key and not cfg.proxy.api_key_file:
-        path = Path(cfg.run_path) / SECRETS_DIR / PROXY_KEY_FILE_NAME
-        if not path.exists():
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_secret_file(path, "tapioca-admin-" + secrets.token_hex(16) + "\n")
-        cfg.proxy.api_key_file = str(path)
-    if cfg.proxy.port == 0:
-        with socket.socket() as s:
-            s.bind((cfg.proxy.host, 0))
-            cfg.proxy.port = s.getsockname()[1]
-
-
-def last_member_warning(role: str, config_path: Path) -> str:
-    """What to tell the user when the last live member of ``role`` exited cleanly (a
-    drain): on stderr, since the CLI logs only warnings and the run does not stop."""
-    if role == "archiver":
-        return (f"warning: no archiver member left: the run goes on but is no longer "
-                f"archived; start one with `tapioca role archiver --config {config_path}`\n")
-    if role == "agent":
-        start = f"python -m tapioca.agents.runner --config {config_path}"
-    elif role == "proxy":
-        start = f"tapioca proxy --config {config_path}"
-    else:
-        start = f"tapioca role {role} --config {config_path}"
-    return (f"warning: no {role} member left: the run cannot progress; start one with "
-            f"`{start}` or stop the run (Ctrl-C)\n")
-
-
 class Launcher:
     def __init__(self, cfg: TrainConfig, *, on_metrics: Callable[[dict], None] | None = None,
                  command_for: Callable[[str, int, Path], list[str]] = role_command) -> None:
@@ -285,6 +182,7 @@ class Launcher:
         self._status: dict[str, dict] = {}  # member -> its latest bus status metrics
         self._progress = (None, time.monotonic())  # (sum of counters, when it last changed)
         self._last_report = time.monotonic()
+        self._reported = False
         self._reader = None
 
     # ------------------------------------------------------------------ start
@@ -542,7 +440,10 @@ class Launcher:
             return
         total, since = self._progress
         running = [m for m, st in self._status.items() if not st.get("bus/paused")]
-        if now - self._last_report > lc.stall_alarm_s:
+        # Before any role has reported, loading a large model may take a while: wait
+        # five periods before calling silence a stall.
+        quiet_limit = lc.stall_alarm_s * (1 if self._reported else 5)
+        if now - self._last_report > quiet_limit:
             self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
                                     f"{now - self._last_report:.0f} s although {len(alive)} "
                                     "are alive (is the broker up? `tapioca topics list`)")
@@ -558,6 +459,7 @@ class Launcher:
         row = {"source": source, "step": step, **metrics}
         now = time.monotonic()
         self._last_report = now
+        self._reported = True
         if "bus/handled" in metrics:
             self._status[source] = metrics
             total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)

@@ -221,7 +221,8 @@ def test_embedded_broker_death_is_detected_and_recovered(tmp_path, standin):
 
 
 def test_stall_alarm_when_no_role_reports_or_moves(tmp_path, standin, broker):
-    launcher = make_launcher(tmp_path, standin, {"trainer": "done-after:4"},
+    # Silence before any report is an alarm after 5 x stall_alarm_s (models load slowly).
+    launcher = make_launcher(tmp_path, standin, {"trainer": "done-after:8"},
                              bootstrap=broker.bootstrap, stall_alarm_s=1.0)
     alarms = []
     launcher.on_tick = lambda: alarms.extend(launcher.health()["alarms"])
