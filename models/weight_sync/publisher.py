@@ -141,19 +141,25 @@ class WeightPublisher:
         self._written.update(f.version for f in done)
         return done
 
-    def close(self, final_version: int | None = None, timeout_s: float = 600.0) -> list[DurableFile]:
-        """Write the final version's file if it has none yet (offline use), wait for the
-        writer, stop serving. Returns the files finished since the last poll."""
+    def finish(self, final_version: int | None = None, timeout_s: float = 600.0) -> list[DurableFile]:
+        """Write the final version's file if it has none yet (offline use) and wait for
+        the writer; returns the files finished since the last poll. Publishing and
+        announcing still work afterwards."""
         done = self.poll()
         if (final_version is not None and self.transport != "file" and self.file_every_versions > 0
                 and final_version not in self._written and self.slots is not None):
             s = self.slots.holding(final_version)
-            if s is not None:
-                fields = self._last.get(final_version)
-                if fields is not None:
-                    self.writer.submit(final_version, Layout.from_event(fields["tensors"]),
-                                       self.slots, s)
-        done += self.writer.close(timeout_s)
+            fields = self._last.get(final_version)
+            if s is not None and fields is not None:
+                self.writer.submit(final_version, Layout.from_event(fields["tensors"]),
+                                   self.slots, s)
+        done += self.writer.flush(timeout_s)
+        self._written.update(f.version for f in done)
+        return done
+
+    def close(self, timeout_s: float = 600.0) -> list[DurableFile]:
+        """Stop the writer (after its pending work), the nccl server, free the buffers."""
+        done = self.writer.close(timeout_s)
         self._written.update(f.version for f in done)
         if self.server is not None:
             self.server.close()
