@@ -88,7 +88,7 @@ class DurableWriter:
         """Write slot ``slot`` (holding ``version``) in the background. ``ready``: a CUDA
         event recorded after the slot was packed (the copy waits for it on the GPU)."""
         with self._cv:
-            if self._waiting is not None:
+            if self._waiting is not None and self._waiting[0] != version:
                 self.skipped += 1
                 log.info("durable writer is behind: version %d gets no file",
                          self._waiting[0])

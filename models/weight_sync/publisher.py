@@ -63,7 +63,7 @@ class WeightPublisher:
         self._layout_key: tuple | None = None
         self._last: dict[int, dict[str, Any]] = {}
         self._due: tuple | None = None
-        self._written: set[int] = set()
+        self._written: set[int] = set()  # versions handed to the writer
 
     @classmethod
     def from_config(cls, actor, directory: str | Path, *, publish_dtype: torch.dtype | None,
@@ -136,10 +136,9 @@ class WeightPublisher:
         files finished since the last call."""
         if self._due is not None:
             self.writer.submit(*self._due)
+            self._written.add(self._due[0])  # submitted: written, or skipped when behind
             self._due = None
-        done = self.writer.completed()
-        self._written.update(f.version for f in done)
-        return done
+        return self.writer.completed()
 
     def finish(self, final_version: int | None = None, timeout_s: float = 600.0) -> list[DurableFile]:
         """Write the final version's file if it has none yet (offline use) and wait for
@@ -148,19 +147,17 @@ class WeightPublisher:
         done = self.poll()
         if (final_version is not None and self.transport != "file" and self.file_every_versions > 0
                 and final_version not in self._written and self.slots is not None):
+            self._written.add(final_version)
             s = self.slots.holding(final_version)
             fields = self._last.get(final_version)
             if s is not None and fields is not None:
                 self.writer.submit(final_version, Layout.from_event(fields["tensors"]),
                                    self.slots, s)
-        done += self.writer.flush(timeout_s)
-        self._written.update(f.version for f in done)
-        return done
+        return done + self.writer.flush(timeout_s)
 
     def close(self, timeout_s: float = 600.0) -> list[DurableFile]:
         """Stop the writer (after its pending work), the nccl server, free the buffers."""
         done = self.writer.close(timeout_s)
-        self._written.update(f.version for f in done)
         if self.server is not None:
             self.server.close()
             self.server = None
