@@ -81,6 +81,8 @@ class WeightPublisher:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
         """Pack ``state_dict`` as ``version``; returns the weights event's transport fields."""
+        if self._due is not None:  # the previous version's event is out by now
+            self.poll()
         layout, sources = Layout.from_state_dict(state_dict, self.publish_dtype)
         self._ensure_slots(layout)
         slots = self.slots
