@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class DurableWriter:
         self.directory = Path(directory)
         self.keep_versions = keep_versions
         self.skipped = 0
+        self.last_write_s = 0.0  # wall time of the last file (copy out, hash, write)
         self._cv = threading.Condition()
         self._waiting: tuple | None = None
         self._busy = False
@@ -142,6 +144,7 @@ class DurableWriter:
 
     def _write(self, version: int, layout: Layout, slots: SlotBuffer, slot: int,
                gen: int, ready=None) -> DurableFile | None:
+        t0 = time.perf_counter()
         src = slots.slot(slot)[:layout.data_bytes]
         if slots.kind == "cuda":
             if self._host is None or self._host.numel() < layout.data_bytes:
@@ -166,6 +169,7 @@ class DurableWriter:
                         "(the trainer publishes faster than files are written); no file", version)
             return None
         self._delete_old(version)
+        self.last_write_s = time.perf_counter() - t0
         return DurableFile(version, str(path.resolve()), sha, size)
 
     def _delete_old(self, version: int) -> None:
