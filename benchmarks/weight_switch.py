@@ -477,6 +477,8 @@ def main() -> None:
     ap.add_argument("--file-repeats", type=int, default=2)
     ap.add_argument("--gloo-repeats", type=int, default=3)
     ap.add_argument("--variants", default="file-before,file,ipc-small,ipc-big,gloo,nccl-gpu")
+    ap.add_argument("--gloo-shape", default="", choices=["", *SHAPES],
+                    help="shape of the gloo variant (default: the small shape)")
     ap.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES)
     ap.add_argument("--gen-seqs", type=int, default=64)
     ap.add_argument("--gen-prompt", type=int, default=64)
@@ -504,7 +506,8 @@ def main() -> None:
                 args, big, "ipc", work, trainer_device=dev, engine_device=dev,
                 master_dtype="bfloat16" if gpu else "float32", file_every=0,
                 name="ipc (bf16 trainer, no files)")),
-            ("gloo", "nccl (gloo, CPU)", small, lambda: run_gloo(args, small, work)),
+            ("gloo", "nccl (gloo, CPU)", args.gloo_shape or small,
+             lambda: run_gloo(args, args.gloo_shape or small, work)),
         ]
         if gpu and torch.cuda.device_count() >= 2:
             plan.append(("nccl-gpu", "nccl (2 GPUs)", small, lambda: run_remote_trainer(

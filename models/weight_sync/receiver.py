@@ -46,6 +46,9 @@ class WeightReceiver:
         self._mapped: tuple[str, MappedSlots] | None = None
         self._client = None  # NcclClient of the current trainer session
         self._retry_after: dict[str, float] = {}
+        # Our own CUDA stream: on the engine's (default) stream, the copy and the checks
+        # would queue behind its decode steps, and a device-wide sync would wait for them.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.fast_loads = 0
         self.file_loads = 0
 
@@ -74,6 +77,12 @@ class WeightReceiver:
     # ------------------------------------------------------------------ fast paths
 
     def _fetch_fast(self, event: WeightsEvent) -> Mapping[str, torch.Tensor]:
+        if self._stream is None:
+            return self._fetch_fast_on_stream(event)
+        with torch.cuda.stream(self._stream):
+            return self._fetch_fast_on_stream(event)
+
+    def _fetch_fast_on_stream(self, event: WeightsEvent) -> Mapping[str, torch.Tensor]:
         layout = Layout.from_event(event.tensors)
         if layout.data_bytes != event.data_bytes or not event.bucket_checksums:
             raise WeightsTransferError(
@@ -88,7 +97,7 @@ class WeightReceiver:
             self._receive_nccl(event, buf, padded)
         else:
             raise WeightsUnavailableError(f"unknown weights transport {event.transport!r}")
-        actual = bucket_checksums(buf, padded, event.bucket_bytes)
+        actual = bucket_checksums(buf, padded, event.bucket_bytes)  # syncs this stream
         bad = mismatched_buckets(event.bucket_checksums, actual)
         if bad:
             raise WeightsTransferError(
@@ -117,8 +126,8 @@ class WeightReceiver:
         self._check_tag(slots, s, event.version, "before")
         src = slots.slot(s)[:padded]
         buf.copy_(src, non_blocking=True)
-        for dev in {d for d in (buf.device, src.device) if d.type == "cuda"}:
-            torch.cuda.synchronize(dev)  # the copy must be done before the tag is re-read
+        if self._stream is not None:
+            self._stream.synchronize()  # the copy is done before the tag is read again
         self._check_tag(slots, s, event.version, "while")
 
     @staticmethod
