@@ -45,6 +45,7 @@ CPU self-check of every code path (tiny shapes, shm instead of CUDA IPC, ~1 min)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -526,6 +527,7 @@ def main() -> None:
             res["wall_s"] = round(time.monotonic() - t, 1)
             results.append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "all"}), flush=True)
+            gc.collect()  # the variant's models and buffers, before the next one's
             if gpu:
                 torch.cuda.empty_cache()
     print()

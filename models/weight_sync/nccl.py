@@ -63,9 +63,8 @@ def local_address_towards(host: str, port: int) -> str:
 
 def make_group(store, rank: int, backend: str, timeout_s: float, hostname: str,
                device: torch.device):
-    """A 2-rank process group without the global default group."""
-    from torch.distributed import PrefixStore  # noqa: F401  (the caller prefixes the store)
-
+    """A 2-rank process group over ``store`` (prefixed by the caller), without the
+    global default group."""
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 

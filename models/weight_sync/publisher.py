@@ -34,6 +34,7 @@ import torch
 from tapioca.models.weight_sync.durable import DurableFile, DurableWriter
 from tapioca.models.weight_sync.layout import Layout, bucket_checksums
 from tapioca.models.weight_sync.slots import SlotBuffer
+from tapioca.schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class WeightPublisher:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
         """Pack ``state_dict`` as ``version``; returns the weights event's transport fields."""
-        if self._due is not None:  # the previous version's event is out by now
-            self.poll()
+        self._submit_due()  # the previous version's event is out by now
         layout, sources = Layout.from_state_dict(state_dict, self.publish_dtype)
         self._ensure_slots(layout)
         slots = self.slots
@@ -92,10 +92,12 @@ class WeightPublisher:
         layout.pack(buf, sources)
         slots.end_write(s, version)
         ready = None
-        if slots.kind == "cuda":
+        if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         if self.transport == "file":
+            if slots.kind != "cuda" and ready is not None:
+                ready.synchronize()  # the pack's device-to-host copies have landed
             done = self.writer.write_now(version, layout, slots, s, ready)
             self._written.add(version)
             return {"transport": "file", "path": done.path, "sha256": done.sha256,
@@ -136,11 +138,14 @@ class WeightPublisher:
     def poll(self) -> list[DurableFile]:
         """Start the durable write that is due (after its event went out); returns the
         files finished since the last call."""
+        self._submit_due()
+        return self.writer.completed()
+
+    def _submit_due(self) -> None:
         if self._due is not None:
             self.writer.submit(*self._due)
             self._written.add(self._due[0])  # submitted: written, or skipped when behind
             self._due = None
-        return self.writer.completed()
 
     def finish(self, final_version: int | None = None, timeout_s: float = 600.0) -> list[DurableFile]:
         """Write the final version's file if it has none yet (offline use) and wait for
@@ -178,15 +183,19 @@ class WeightPublisher:
             log.warning("the model's weights layout changed: new %s buffers", self.transport)
             self.writer.flush()
             self.slots.close()
-        if self.device.type == "cuda" and not (self.transport == "nccl"
-                                               and self.nccl["backend"] == "gloo"):
+        gpu = self.device.type == "cuda"
+        nccl_backend = self.transport == "nccl" and self.nccl["backend"] == "nccl"
+        if nccl_backend and not gpu:
+            raise ConfigError("actor.weight_nccl_backend=nccl needs the trainer on a GPU "
+                              "(actor.device=cuda); on CPU use gloo (or auto)")
+        if (gpu and self.transport == "ipc") or nccl_backend:
             kind = "cuda"
         elif self.transport == "ipc":
             kind = "shm"
-        else:
+        else:  # file (and gloo): packed straight into host memory, pinned on a GPU trainer
             kind = "host"
         self.slots = SlotBuffer(kind, self.n_slots, layout.padded_bytes, self.device,
-                                name=self.name)
+                                name=self.name, pin_memory=gpu and kind == "host")
         self._layout_key = key
         self._last.clear()
         if self.transport == "nccl":

@@ -48,7 +48,7 @@ class SlotBuffer:
     """The trainer side: owns the memory; ``slot(s)`` is a uint8 view of slot s."""
 
     def __init__(self, kind: str, n_slots: int, slot_bytes: int, device: torch.device,
-                 *, name: str = "weights") -> None:
+                 *, name: str = "weights", pin_memory: bool = False) -> None:
         if not 1 <= n_slots <= MAX_SLOTS:
             raise TapiocaError(f"{n_slots} weight buffer slots: use 1..{MAX_SLOTS}")
         if slot_bytes % ALIGN_BYTES:
@@ -70,9 +70,9 @@ class SlotBuffer:
                                        dtype=torch.uint8)
             # Unlinked at close, or when this object is collected / the process exits.
             self._unlink = weakref.finalize(self, _unlink, str(self.path))
-        elif kind == "host":
+        elif kind == "host":  # pinned: a GPU trainer's device-to-host copies run async
             self.device = torch.device("cpu")
-            self.buf = torch.zeros(self.total_bytes, dtype=torch.uint8)
+            self.buf = torch.zeros(self.total_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         else:
             raise TapiocaError(f"unknown slot kind {kind!r}: use cuda, shm or host")
         self.tags = self.buf[:HEADER_BYTES].view(torch.int64)[:n_slots]
