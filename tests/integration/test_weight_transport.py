@@ -1,8 +1,8 @@
 """The ``nccl`` weight transport with the gloo backend on CPU, end to end on the real
 broker: the trainer role (in a thread) publishes versions over it, two rollout worker
 processes (the real rollout role, tests/integration/weights_follower.py) join after the
-trainer's first versions, pull every version over their process group, and the weights
-in their engines are compared bit for bit with the trainer's."""
+trainer's first version, pull each later version over their process group, and the
+weights in their engines are compared bit for bit with the trainer's."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_nccl_gloo_two_rollout_processes_get_each_version_bit_for_bit(
                  "gconfig.n_samples=2", "gconfig.max_new_tokens=3"]
     cfg = load_config(TrainConfig, None, overrides)
     trainer = build_role("trainer", cfg)
-    start_runner(trainer, bus_cfg, member_id="trainer-0", max_seconds=150)
+    start_runner(trainer, bus_cfg, member_id="trainer-0", max_seconds=400)
 
     def weights() -> dict[int, WeightsEvent]:
         return {e.version: e for e in read_events(bus_cfg, "weights", idle_s=0.2)}
@@ -58,31 +58,32 @@ def test_nccl_gloo_two_rollout_processes_get_each_version_bit_for_bit(
     def trainer_weights() -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in trainer.actor.model.state_dict().items()}
 
-    publish(bus_cfg, sample("ga", 0))
-    wait_until(lambda: 1 in weights(), timeout_s=60, what="version 1")
-    assert weights()[1].transport == "nccl" and weights()[1].bucket_checksums
-    at_v1 = trainer_weights()  # the trainer waits for its next sample meanwhile
-
-    # Two workers that join after versions 0 and 1 were published.
+    # Two workers, started with the trainer: they join its process group after it has
+    # published version 0 (they take longer to start), pulling the current version.
     out = tmp_path / "follower"
+    logs = [open(tmp_path / f"follower{m}.log", "w") for m in (0, 1)]  # a pipe could fill up
     procs = [subprocess.Popen([sys.executable, FOLLOWER, f"{out}{m}", str(m), "1,2", *overrides],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for m in (0, 1)]
+                              stdout=logs[m], stderr=subprocess.STDOUT) for m in (0, 1)]
+    publish(bus_cfg, sample("ga", 0))
     try:
+        wait_until(lambda: 1 in weights(), timeout_s=60, what="version 1")
+        assert weights()[1].transport == "nccl" and weights()[1].bucket_checksums
+        at_v1 = trainer_weights()  # the trainer waits for its next sample meanwhile
         dumps = [Path(f"{out}{m}.v1.pt") for m in (0, 1)]
         wait_until(lambda: all(p.exists() for p in dumps) or any(
-            p.poll() is not None for p in procs), timeout_s=90, what="both workers on version 1")
+            p.poll() is not None for p in procs), timeout_s=180, what="both workers on version 1")
         publish(bus_cfg, sample("gb", 1))
         wait_until(lambda: 2 in weights(), timeout_s=60, what="version 2")
         at_v2 = trainer_weights()
-        for p in procs:
-            stdout, _ = p.communicate(timeout=90)
-            assert p.returncode == 0, stdout[-3000:]
+        for m, p in enumerate(procs):
+            p.wait(timeout=120)
+            assert p.returncode == 0, (tmp_path / f"follower{m}.log").read_text()[-3000:]
     finally:
-        for p in procs:
+        for p, log in zip(procs, logs):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+            log.close()
 
     for m in (0, 1):
         for version, expected in ((1, at_v1), (2, at_v2)):

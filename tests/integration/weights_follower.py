@@ -32,13 +32,13 @@ def main() -> int:
 
     def run() -> None:
         try:
-            runner.run(max_seconds=150)
+            runner.run(max_seconds=400)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     for target in (int(v) for v in targets.split(",")):
         while role.engine.version < target:
             if errors or not thread.is_alive() or time.monotonic() > deadline:
