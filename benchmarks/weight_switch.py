@@ -362,8 +362,8 @@ def run_remote_trainer(args, shape: str, transport: str, workdir: Path, *, train
     proc.start()
     engine = None
     try:
+        engine, vocab = engine_for(shape, engine_device, args)  # while the trainer builds
         _recv(here)
-        engine, vocab = engine_for(shape, engine_device, args)
         rec = WeightReceiver(engine_device, member="bench-engine")
         copies = timed_copies(engine)
         rows = []
@@ -448,26 +448,33 @@ def run_gloo(args, shape: str, workdir: Path) -> dict:
 
 def print_table(results: list[dict]) -> None:
     cols = ["variant", "shape", "GiB", "publish", "handoff", "fetch", "update", "(stall)",
-            "total", "first", "target"]
+            "total", "first", "bytes", "target"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["variant"], r["shape"], "-", *(["-"] * 7), "FAILED: " + r["error"][:60]])
+            rows.append([r["variant"], r["shape"], "-", *(["-"] * 8), "FAILED: " + r["error"][:60]])
             continue
+        if "bitwise_equal" in r:
+            check = "equal" if r["bitwise_equal"] else "MISMATCH"
+        elif "verified_fetches" in r:
+            check = "verified" if min(r["verified_fetches"]) == r["switches"] else "MISSING"
+        else:
+            check = "sha256"
         m = r["median_warm_s"]
         target = "-" if "target_s" not in r else (
             f"< {r['target_s']} s " + ("met" if r["target_met"] else "NOT met"))
         rows.append([r["variant"], r["shape"], f"{r['gib']:.2f}",
                      *(f"{m[k]:.4f}" for k in ("publish", "handoff", "fetch", "update", "stall",
                                               "total")),
-                     f"{r['first_total_s']:.4f}", target])
+                     f"{r['first_total_s']:.4f}", check, target])
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     print("seconds, median of the warm switches (first = the first switch, cold); the Kafka hop "
-          "of the event is not included (+2-7 ms)")
+          "of the event is not included (+2-7 ms). bytes: equal = the engine's parameters have "
+          "the trainer's checksums; verified = every receiver's checksums matched")
 
 
 def main() -> None:
