@@ -42,6 +42,11 @@ from tapioca.models.weight_sync.slots import SlotBuffer
 
 log = logging.getLogger(__name__)
 
+class VersionGone(WeightsUnavailableError):
+    """The trainer answered cleanly that it no longer holds the version asked for (or
+    rewrote it during the send): the connection is fine, the next version will come."""
+
+
 def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
@@ -297,8 +302,8 @@ class NcclClient:
             raise WeightsUnavailableError(f"weights transfer of version {version} failed: "
                                           f"{exc}") from exc
         if got != version:
-            raise WeightsUnavailableError(f"the trainer no longer holds version {version} "
-                                          "(a newer one replaced it); taking the next event")
+            raise VersionGone(f"the trainer no longer holds version {version} "
+                              "(a newer one replaced it); taking the next event")
         if size != padded_bytes or bucket != bucket_bytes:
             raise WeightsUnavailableError(
                 f"the trainer sends {size} bytes in buckets of {bucket}, the event announced "
@@ -313,8 +318,8 @@ class NcclClient:
             raise WeightsUnavailableError(f"weights transfer of version {version} failed: "
                                           f"{exc}") from exc
         if int(trailer.item()) != 1:
-            raise WeightsUnavailableError(f"version {version} was overwritten by a newer one "
-                                          "while it was sent; taking the next event")
+            raise VersionGone(f"version {version} was overwritten by a newer one while it was "
+                              "sent; taking the next event")
 
     def close(self) -> None:
         if self.backend == "nccl":

@@ -140,7 +140,7 @@ class WeightReceiver:
                 "newer version replaced it; taking the next event")
 
     def _receive_nccl(self, event: WeightsEvent, buf: torch.Tensor, padded: int) -> None:
-        from tapioca.models.weight_sync.nccl import NcclClient
+        from tapioca.models.weight_sync.nccl import NcclClient, VersionGone
 
         info = event.transport_info
         session = str(info.get("session", ""))
@@ -159,6 +159,8 @@ class WeightReceiver:
             client.fetch(event.version, padded, event.bucket_bytes, recv)
             if recv is not buf:
                 buf.copy_(recv)
+        except VersionGone:
+            raise  # a clean answer: the connection stays
         except WeightsUnavailableError:
             # Rejoin on the next version; back off so an unreachable trainer does not cost
             # a timeout per event.
