@@ -40,8 +40,9 @@ from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, W
 
 LoadWeights = Callable[[WeightsEvent], Any]
 log = logging.getLogger(__name__)
-# Where a weights event handed to ``recover`` (no read position) is said to come from.
-_RECOVERED = Source(topic="weights", partition=0, offset=-1, broadcast=True)
+# Where a weights event handed to ``recover`` is said to come from: no read position is
+# known (an empty topic, so `tapioca dlq retry` refuses it rather than guessing).
+_RECOVERED = Source(topic="", partition=0, offset=-1, broadcast=True)
 
 
 @dataclass
