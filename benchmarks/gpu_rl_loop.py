@@ -5,6 +5,9 @@ same config at eta=0 (synchronous) and eta=4 and prints rollout tokens/s, traine
 tokens/s and step times measured from the run's own events and metrics.
 
     python benchmarks/gpu_rl_loop.py --data path/to/gsm8k.jsonl --steps 20 --out results.json
+
+``--weight-transport ipc`` publishes weights over CUDA IPC (default: file, as before);
+the JSON rows say which was used.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def build_model(path: Path) -> None:
 
 
 def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
+    # Its own run directory per transport: a second invocation must not resume the first's.
+    trial = f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}")
     overrides = [
         f"model.path={model_path}", "model.dtype=bfloat16",
         f"train_dataset.path={args.data}", "train_dataset.type=gsm8k",
@@ -49,14 +54,15 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
         f"rollout.max_batch_size={args.prompts * args.samples}",
         f"actor.device={args.device}", "actor.lr=1e-6",
         f"actor.mb_max_tokens={args.mb_tokens}", "actor.checkpoint_every_steps=1000",
-        f"run_dir={run_root}", "experiment_name=gpu", f"trial_name=eta{eta}",
+        f"run_dir={run_root}", "experiment_name=gpu", f"trial_name={trial}",
+        f"actor.weight_transport={args.weight_transport}",
     ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train",
                            "--config", str(REPO / "examples" / "gsm8k_grpo.yaml"), *overrides],
                           capture_output=True, text=True)
     wall = time.time() - t0
-    run_dir = run_root / "gpu" / f"eta{eta}"
+    run_dir = run_root / "gpu" / trial
     if proc.returncode != 0:
         logs = {p.name: p.read_text()[-3000:] for p in (run_dir / "logs").glob("*.log")}
         raise SystemExit(f"eta={eta} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}")
@@ -67,6 +73,7 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
     gen_tokens = sum(r["trainer/mean_output_tokens"] * args.prompts * args.samples for r in rows)
     return {
         "eta": eta,
+        "weight_transport": args.weight_transport,
         "steps": len(rows),
         "wall_s_total": round(wall, 1),
         "step_wall_s_median": round(statistics.median(steady), 3),
@@ -92,6 +99,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/tapioca-gpu")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--weight-transport", default="file", choices=["file", "ipc", "nccl"],
+                    help="actor.weight_transport of the runs")
     args = ap.parse_args()
     work = Path(args.workdir)
     model_path = work / "qwen2-0.5b-shape"

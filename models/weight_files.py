@@ -1,20 +1,35 @@
 """Policy weights as files: safetensors plus a sha256, written by the trainer and
-verified by every reader before use (a torn or tampered file is never loaded)."""
+verified by every reader before use (a torn or tampered file is never loaded); and the
+errors of every weight transport (models/weight_sync/)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from tapioca.schemas.errors import TapiocaError
 
 
 class WeightsChecksumError(TapiocaError):
     """A weights file does not match the checksum announced for it."""
+
+
+class WeightsTransferError(WeightsChecksumError):
+    """Bytes received over a fast transport (ipc, nccl) do not match the checksums the
+    trainer computed: the engine must not load them (dead-lettered; the worker keeps
+    its version)."""
+
+
+class WeightsUnavailableError(TapiocaError):
+    """A fast transport could not deliver this version (the buffer was overwritten by a
+    newer one, the trainer is unreachable or gone, a transfer timed out). Not
+    corruption: the worker keeps its version and takes the next event (or the file)."""
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
@@ -54,16 +69,42 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *
     return digest, len(blob)
 
 
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+              "F64": torch.float64, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+              "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
-    """Load a weights file after checking its checksum."""
+    """Load a weights file after checking its checksum, reading it once: the file is
+    mapped (copy-on-write), hashed, and the tensors are views of the same pages (they
+    stay valid after the file is replaced or deleted: writers rename a new file in)."""
     path = Path(path)
     if not path.exists():
         raise WeightsChecksumError(
             f"weights file {path} does not exist; is the run directory shared between "
             "the trainer and this process?")
-    actual = sha256_file(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    actual = hashlib.sha256(mm).hexdigest()
     if actual != sha256:
+        mm.close()
         raise WeightsChecksumError(
             f"weights file {path} has sha256 {actual[:12]}…, the event announced "
-            f"{sha256[:12]}…; the file is torn or was replaced — do not load it")
-    return load_file(str(path))
+            f"{(sha256 or '(none)')[:12]}…; the file is torn or was replaced — do not load it")
+    n = int.from_bytes(mm[:8], "little")
+    header = json.loads(mm[8:8 + n])
+    header.pop("__metadata__", None)
+    data = torch.frombuffer(mm, dtype=torch.uint8, offset=8 + n, count=len(mm) - 8 - n) \
+        if len(mm) > 8 + n else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightsChecksumError(f"weights file {path}: tensor {name} has dtype "
+                                       f"{info['dtype']}, which this reader does not load")
+        raw = data[begin:end]
+        if begin % dtype.itemsize:  # a writer that did not align tensors: copy this one
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(info["shape"])
+    return out

@@ -183,12 +183,17 @@ def _weights(cfg, run: Optional[str]) -> tuple[str, dict[int, dict]]:
     run_id = run or max(events, key=lambda e: e.produced_at).run_id
     versions: dict[int, dict] = {}
     for e in sorted((e for e in events if e.run_id == run_id), key=lambda e: e.produced_at):
-        prev = versions.get(e.version)
-        row = {"version": e.version, "path": e.path, "sha256": e.sha256, "time": e.produced_at,
+        prev = versions.get(e.version) or {}
+        row = {"version": e.version, "path": e.path or prev.get("path", ""),
+               "sha256": e.sha256 or prev.get("sha256", ""), "time": e.produced_at,
                "rollback_of": e.rollback_of if e.rollback_of is not None
-               else (prev or {}).get("rollback_of"), "step": e.step, "num_bytes": e.num_bytes,
-               "run_id": e.run_id}
+               else prev.get("rollback_of"), "step": e.step, "num_bytes": e.num_bytes,
+               "run_id": e.run_id, "transport": e.transport}
         versions[e.version] = row
+        # Fast transports: a version's durable file is announced by a later event.
+        for f in e.files:
+            if f.version in versions:
+                versions[f.version].update(path=f.path, sha256=f.sha256, num_bytes=f.num_bytes)
     if not versions:
         raise TapiocaError(f"no weights events of run {run_id!r}; runs on this topic: "
                            f"{', '.join(sorted({e.run_id for e in events}))}")
@@ -206,19 +211,22 @@ def weights_list(
 
     _check_output(output)
     run_id, versions = _weights(bus_config(), run)
-    rows = [{**v, "on_disk": Path(v["path"]).exists()} for _, v in sorted(versions.items())]
+    rows = [{**v, "on_disk": bool(v["path"]) and Path(v["path"]).exists()}
+            for _, v in sorted(versions.items())]
     if output == "json":
         emit_json(rows)
         return
-    dirs = {str(Path(r["path"]).parent) for r in rows}
+    dirs = {str(Path(r["path"]).parent) for r in rows if r["path"]}
     table = Table("version", "time", "sha256", "rollback_of", "file", "on disk here",
                   title=f"weights of run {run_id}" + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
-                  caption="the trainer keeps only the last keep_weight_versions files; "
-                          "-o json has full paths")
+                  caption="the trainer keeps only the last keep_weight_versions files "
+                          "(ipc / nccl: every actor.weight_file_every_versions-th version has "
+                          "one); -o json has full paths")
     for r in rows:
-        table.add_row(str(r["version"]), _when(r["time"]), r["sha256"][:12] + "…",
+        table.add_row(str(r["version"]), _when(r["time"]),
+                      r["sha256"][:12] + "…" if r["sha256"] else "-",
                       "-" if r["rollback_of"] is None else str(r["rollback_of"]),
-                      Path(r["path"]).name if len(dirs) <= 1 else r["path"],
+                      (Path(r["path"]).name if len(dirs) <= 1 else r["path"]) or "-",
                       "yes" if r["on_disk"] else "no")
     console.print(table)
 
@@ -240,6 +248,11 @@ def weights_rollback(
         raise TapiocaError(f"run {run_id} has no version {version} on the weights topic; "
                            f"published versions: {known[0]}..{known[-1]}")
     target = versions[version]
+    if not target["sha256"]:
+        raise TapiocaError(f"version {version} of run {run_id} has no durable weights file on "
+                           "the log (ipc / nccl write one every actor.weight_file_every_versions "
+                           "versions, in the background); roll back to a version that has one "
+                           "(`tapioca weights list`)")
     _command("rollback", "trainer", args={"version": version, "sha256": target["sha256"]},
              timeout_s=timeout, output=output, run_id=None if run_id == "default" else run_id)
 

@@ -21,7 +21,7 @@ def build_proxy_service(cfg, *, member: int = 0):
     from tapioca.engines.torch_engine import TorchEngine
     from tapioca.models.factory import load_model_and_tokenizer
     from tapioca.models.tokenizer import load_tokenizer
-    from tapioca.models.weight_files import load_verified
+    from tapioca.models.weight_sync import make_weight_loader
     from tapioca.ops.role_builders import set_torch_threads
     from tapioca.producers.proxy import ProxyService
     from tapioca.schemas.errors import ConfigError
@@ -43,8 +43,7 @@ def build_proxy_service(cfg, *, member: int = 0):
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
 
-    def load_weights(event) -> None:
-        engine.update_weights(load_verified(event.path, event.sha256), event.version)
+    load_weights = make_weight_loader(engine, sec.rollout.device, member=f"proxy-{member}")
 
     p = sec.proxy
     return ProxyService(

@@ -88,7 +88,7 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     from tapioca.engines.base import SamplingParams
     from tapioca.engines.torch_engine import TorchEngine
     from tapioca.models.factory import load_model_and_tokenizer
-    from tapioca.models.weight_files import load_verified
+    from tapioca.models.weight_sync import make_weight_loader
     from tapioca.producers.rollout import RolloutWorker
 
     sec = rollout_section(cfg)
@@ -107,9 +107,8 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
 
-    def load_weights(event) -> None:
-        engine.update_weights(load_verified(event.path, event.sha256), event.version)
-
+    # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
+    load_weights = make_weight_loader(engine, sec.rollout.device, member=f"rollout-{member}")
     return RolloutWorker(engine, load_weights, sampling=sampling, decode=decode,
                          member_id=f"rollout-{member}")
 

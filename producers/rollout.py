@@ -7,8 +7,10 @@ Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
 same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
-A new version on ``weights.v1`` is checksum-verified and loaded between decode steps:
-in-flight sequences continue and their later tokens carry the new version. A prompt is
+A new version on ``weights.v1`` is fetched over the event's transport, verified
+(models/weight_sync/) and loaded between decode steps: in-flight sequences continue
+and their later tokens carry the new version. A version that fails its checksum is
+dead-lettered and the worker stays on its version. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
 that overtakes its weights event is generated one version too old and later rejected as
@@ -23,17 +25,24 @@ so another member or a restart generates them).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tapioca.bus.dedup import SeenSet
+from tapioca.bus.dlq import dead_letter
 from tapioca.bus.role import Role, Source
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.schemas.envelope import Event
+from tapioca.models.weight_files import WeightsChecksumError, WeightsUnavailableError
+from tapioca.schemas.envelope import Event, encode_event
 from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 
 LoadWeights = Callable[[WeightsEvent], Any]
+log = logging.getLogger(__name__)
+# Where a weights event handed to ``recover`` is said to come from: no read position is
+# known (an empty topic, so `tapioca dlq retry` refuses it rather than guessing).
+_RECOVERED = Source(topic="", partition=0, offset=-1, broadcast=True)
 
 
 @dataclass
@@ -50,6 +59,8 @@ class RolloutState:
     inflight: dict[str, _Group] = field(default_factory=dict)
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
     pending_weights: WeightsEvent | None = None
+    pending_source: Source | None = None
+    weight_load_failures: int = 0
     loaded_version: int = 0
     trajectories: int = 0
     tokens: int = 0
@@ -108,7 +119,7 @@ class RolloutWorker(Role[RolloutState]):
                 return ()
             # Only the newest matters: a version superseded before the next tick is skipped.
             if event.version != state.loaded_version or event.rollback_of is not None:
-                state.pending_weights = event
+                state.pending_weights, state.pending_source = event, source
             return ()
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
@@ -116,20 +127,21 @@ class RolloutWorker(Role[RolloutState]):
         # Reject an impossible prompt now (retried, then dead-lettered by the bus), not
         # after it has waited for its weights.
         self.engine.validate(self._requests(event)[0])
+        out: list[Event] = []
         if event.admitted_at_version > state.loaded_version:
             pending = state.pending_weights
             if pending is not None and pending.version >= event.admitted_at_version:
-                self._apply_weights(state)
-            else:
+                out = self._apply_weights(state)
+            if event.admitted_at_version > state.loaded_version:  # still: wait for them
                 state.seen_groups.first(event.group_id)
                 state.inflight[event.group_id] = _Group(event, source)
-                return ()
+                return out
         futures = self._submit(event)
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
         state.inflight[event.group_id] = _Group(event, source, futures)
-        return ()
+        return out
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
@@ -139,11 +151,29 @@ class RolloutWorker(Role[RolloutState]):
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
         return [self.engine.submit(r) for r in self._requests(prompt)]
 
-    def _apply_weights(self, state: RolloutState) -> None:
+    def _apply_weights(self, state: RolloutState) -> list[Event]:
+        """Load the pending version. If it cannot be loaded the engine keeps its version:
+        a transport that cannot deliver it now is logged (the next event, or the file
+        announced later, brings it); bytes that fail their checksum are dead-lettered."""
         event, state.pending_weights = state.pending_weights, None
-        self.load_weights(event)
+        source, state.pending_source = state.pending_source or _RECOVERED, None
+        try:
+            self.load_weights(event)
+        except WeightsUnavailableError as exc:
+            state.weight_load_failures += 1
+            log.warning("version %d not loaded (staying on %d): %s", event.version,
+                        state.loaded_version, exc)
+            return []
+        except WeightsChecksumError as exc:
+            state.weight_load_failures += 1
+            log.error("version %d rejected (staying on %d): %s", event.version,
+                      state.loaded_version, exc)
+            record, _headers = dead_letter(encode_event(event), source, exc,
+                                           consumer_group=self.member_id)
+            return [record]
         state.loaded_version = event.version
         state.weight_loads += 1
+        return []
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -154,9 +184,9 @@ class RolloutWorker(Role[RolloutState]):
         return SamplingParams(**base)
 
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event]:
-        if state.pending_weights is not None:
-            self._apply_weights(state)
         out: list[Event] = []
+        if state.pending_weights is not None:
+            out += self._apply_weights(state)
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
@@ -226,6 +256,7 @@ class RolloutWorker(Role[RolloutState]):
         return ()
 
     def describe(self, state: RolloutState) -> dict[str, Any]:
-        return {"version": state.loaded_version, "inflight": len(state.inflight),
+        return {"version": state.loaded_version, "weight_load_failures": state.weight_load_failures,
+                "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories}

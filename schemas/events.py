@@ -152,9 +152,39 @@ class SampleEvent(Event):
 
 
 @dataclass(kw_only=True)
+class WeightTensor:
+    """One tensor of a flat weights buffer: its bytes are ``[offset, offset + nbytes)``
+    of the buffer (the safetensors data section's order; no gaps)."""
+
+    name: str
+    dtype: str  # a torch dtype name: bfloat16, float32, ...
+    shape: list[int]
+    offset: int
+
+
+@dataclass(kw_only=True)
+class WeightsFile:
+    """A durable weights file (safetensors) written after its version was published."""
+
+    version: int
+    path: str
+    sha256: str
+    num_bytes: int = 0
+
+
+@dataclass(kw_only=True)
 class WeightsEvent(Event):
-    """Policy version ``version`` is ready at ``path`` (safetensors; ``sha256`` of the
-    file). Keyed by ``run_id`` on one partition, so versions are read in order."""
+    """Policy version ``version`` is ready; ``transport`` says how its bytes reach an
+    engine. Keyed by ``run_id`` on one partition, so versions are read in order.
+
+    ``file``: the safetensors file ``path`` (``sha256`` of the file); ``ipc``:
+    a shared buffer on this host (CUDA IPC or a shared-memory file, ``transport_info``);
+    ``nccl``: pulled from the trainer over a process group (nccl, or gloo on CPU) whose
+    rendezvous is ``transport_info["store"]``. Fast transports carry the buffer's
+    ``tensors``, ``data_bytes`` and one checksum per ``bucket_bytes`` of it
+    (models/weight_sync/layout.py); their ``path``/``sha256`` are empty until the
+    background writer has written this version's file (then a later event lists it in
+    ``files``)."""
 
     TYPE: ClassVar[str] = "weights"
 
@@ -162,6 +192,7 @@ class WeightsEvent(Event):
     path: str
     sha256: str
     num_bytes: int = 0
+    # The durable file's format; how this version travels is ``transport``.
     format: Literal["safetensors", "nccl"] = "safetensors"
     step: int = 0
     # Set when an operator republishes an older version as current.
@@ -184,6 +215,19 @@ class WeightsEvent(Event):
     # gate counts only what happened on this log (algorithms/head_gate.py).
     base_steps: int = 0
     base_rejected: int = 0
+    # --- weight transports (docs/weight-sync.md) ---
+    transport: Literal["file", "ipc", "nccl"] = "file"
+    # What a reader of a fast transport needs besides the layout: ipc: the slot and the
+    # CUDA IPC handle (or the shared-memory file); nccl: the store address and session.
+    transport_info: dict[str, Any] = field(default_factory=dict)
+    tensors: list[WeightTensor] = field(default_factory=list)
+    data_bytes: int = 0
+    bucket_bytes: int = 0
+    # One checksum per bucket of the (4 KiB-padded) buffer, computed where the bytes are.
+    bucket_checksums: list[str] = field(default_factory=list)
+    # Durable files (any version) the background writer finished since the previous
+    # weights event: what `tapioca weights list` and rollback read their sha256 from.
+    files: list[WeightsFile] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -40,10 +40,10 @@ import torch
 from tapioca.bus.role import Role, Source
 from tapioca.config.algorithms import reward_norm_spec
 from tapioca.config.sections import TrainerSection
-from tapioca.models.weight_files import save_weights
+from tapioca.models.weight_sync import WeightPublisher
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import FatalRoleError
-from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent
+from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import (
     SUFFIX,
@@ -79,6 +79,8 @@ class TrainerState:
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
+    # Durable weights files finished since the last weights event (WeightsEvent.files).
+    files_to_announce: list[WeightsFile] = field(default_factory=list)
 
 
 class Trainer(Role[TrainerState]):
@@ -102,6 +104,10 @@ class Trainer(Role[TrainerState]):
         self.critic = self.token_adv.critic
         self.sink = MetricsSink(self.run_dir / "metrics")
         self._norm_spec = section.advantage.norm().spec()
+        # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
+        self.weights_out = WeightPublisher.from_config(
+            section.actor, self.run_dir / "weights", publish_dtype=getattr(torch, section.model.dtype),
+            keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
 
     # ------------------------------------------------------------------ start
@@ -147,28 +153,42 @@ class Trainer(Role[TrainerState]):
 
     def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
         p = state.progress
+        # file: written (sha256) before the event; ipc / nccl: the file, if this version
+        # gets one, is written in the background after the event (on_tick polls for it).
+        fields = self.weights_out.publish(self.actor.model.state_dict(), p.version)
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
-        dtype = getattr(torch, self.cfg.model.dtype)
-        sha, size = save_weights(self.actor.model.state_dict(), path, dtype=dtype)
-        p.weights_path, p.weights_sha256 = str(path.resolve()), sha
-        old = self.run_dir / "weights" / f"v{p.version - self.keep_weight_versions:06d}.safetensors"
-        if self.keep_weight_versions > 0 and p.version >= self.keep_weight_versions:
-            old.unlink(missing_ok=True)
-        return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
-                            step=p.version, group_ids=group_ids,
+        p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
+        return WeightsEvent(version=p.version, **fields, step=p.version, group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected)
+                            base_steps=p.base_steps, base_rejected=p.base_rejected,
+                            files=self._take_files(state))
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
         p = state.progress
-        if not p.weights_path or not Path(p.weights_path).exists():
+        fields = self.weights_out.announcement(p.version, p.weights_path, p.weights_sha256)
+        if fields is None:  # its file is gone, or a restarted trainer's buffers are empty
             return self._publish_weights(state, [])
-        return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
-                            step=p.version, group_ids=list(p.last_group_ids),
+        return WeightsEvent(version=p.version, **fields, step=p.version,
+                            group_ids=list(p.last_group_ids),
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected)
+                            base_steps=p.base_steps, base_rejected=p.base_rejected,
+                            files=self._take_files(state))
+
+    @staticmethod
+    def _take_files(state: TrainerState) -> list[WeightsFile]:
+        taken, state.files_to_announce = state.files_to_announce, []
+        return taken
+
+    def _note_files(self, state: TrainerState, files) -> None:
+        """Durable files the background writer finished: announced with the next event."""
+        p = state.progress
+        for f in files:
+            if f.version == p.version:
+                p.weights_path, p.weights_sha256 = f.path, f.sha256
+            state.files_to_announce.append(WeightsFile(version=f.version, path=f.path,
+                                                       sha256=f.sha256, num_bytes=f.num_bytes))
 
     @staticmethod
     def _take_unannounced(state: TrainerState, p: TrainerProgress) -> list[str]:
@@ -317,7 +337,8 @@ class Trainer(Role[TrainerState]):
         load_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
-        if state.announce_rejections:
+        self._note_files(state, self.weights_out.poll())
+        if state.announce_rejections or state.files_to_announce:
             state.announce_rejections = False
             return (self._announce(state),)
         return ()
@@ -331,9 +352,12 @@ class Trainer(Role[TrainerState]):
     def on_stop(self, state: TrainerState) -> Iterable[Event]:
         # A clean stop (SIGTERM, done, stop_at_reward) leaves no published version
         # uncovered by a checkpoint, whatever actor.checkpoint_every_steps says.
-        final = [self._announce(state)] if state.unannounced else []
+        # The final version gets its durable file (offline use) before the last event.
+        self._note_files(state, self.weights_out.finish(state.progress.version))
+        final = [self._announce(state)] if state.unannounced or state.files_to_announce else []
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
+        self.weights_out.close()
         self.sink.close()
         return final
 

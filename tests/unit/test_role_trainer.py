@@ -540,3 +540,60 @@ def test_rollback_restores_the_critic_checkpoint_of_that_version(tmp_path):
     assert adam.keys() == adam_v2.keys()
     assert all(torch.equal(adam[i]["exp_avg"], adam_v2[i]) for i in adam)
     t.sink.close()
+
+
+def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30.0) -> list:
+    """on_tick until the durable files of ``versions`` are announced; the events seen."""
+    import time as _time
+
+    events, announced = [], set()
+    deadline = _time.monotonic() + timeout_s
+    while versions and not versions <= announced:
+        assert _time.monotonic() < deadline, f"files announced: {sorted(announced)}"
+        for e in t.on_tick(state, 0.0):
+            events.append(e)
+            announced |= {f.version for f in e.files}
+        _time.sleep(0.01)
+    return events
+
+
+def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
+    from tapioca.models.weight_files import load_verified
+
+    t = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    state = t.init_state()
+    (hello,) = t.on_tick(state, 0.0)
+    assert hello.transport == "ipc" and hello.version == 0 and hello.path == "" and hello.tensors
+    files = {f.version: f for f in hello.files}
+    for k in range(4):
+        out = t.handle(sample(f"g{k}", min_version=k // 2), state, src(k))
+        for e in out:
+            if isinstance(e, WeightsEvent):
+                assert e.transport == "ipc" and e.version == k // 2 + 1
+                files.update((f.version, f) for f in e.files)
+        # The file of each version comes after its event (background writer), listed by a
+        # later event: the next step's, or a re-announcement of the current version.
+        if k % 2:
+            for e in _wait_for_files(t, state, {k // 2 + 1} - set(files)):
+                assert e.version == state.progress.version
+                files.update((f.version, f) for f in e.files)
+    for v, f in files.items():
+        assert Path(f.path).name == f"v{v:06d}.safetensors" and sha256_file(f.path) == f.sha256
+    assert {1, 2} <= set(files)
+    at_v1 = load_verified(files[1].path, files[1].sha256)
+    # Rollback from the file, published over ipc as version 3.
+    from tapioca.schemas.events import ControlEvent
+
+    ok, message, (v3,) = t.on_control(ControlEvent(
+        command_id="c", command="rollback", target="trainer",
+        args={"version": 1, "sha256": files[1].sha256}), state)
+    assert ok and v3.version == 3 and v3.rollback_of == 1 and v3.transport == "ipc"
+    own = t.actor.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in at_v1.items())
+    # A restarted trainer has no buffers: it publishes its version again at start.
+    t.on_stop(state)
+    t2 = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    s2 = t2.init_state()
+    (again,) = t2.on_tick(s2, 0.0)
+    assert again.version == 3 and again.transport == "ipc" and again.rollbacks == 1
+    t2.on_stop(s2)
