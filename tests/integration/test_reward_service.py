@@ -297,3 +297,43 @@ def test_the_contract_holds_for_both_clients(client, broker, tmp_path):
     counts = orjson.loads(log_path.read_text().split("stopped: ")[-1].splitlines()[0])
     assert counts == {"scored": 2 * GROUPS, "duplicates": 1, "dead_lettered": 2,
                       "other_runs": 0}
+
+
+def test_a_reward_without_run_id_is_dead_lettered_not_dropped(broker, tmp_path):
+    """A named run's advantage processor dead-letters a reward that names no run (an
+    outside service that forgot to copy the trajectory's run_id), with an error saying
+    so; a reward of another run is still skipped and counted as foreign."""
+    bus = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:12]}",
+                    run_id="ext.run")
+    ensure_topics(bus)
+    cfg = TrainConfig(experiment_name="ext", trial_name="run", run_dir=str(tmp_path), bus=bus,
+                      gconfig=GenerationConfig(n_samples=2), reward=RewardConfig(scorer="none"))
+    rewards_topic = bus.topic(topic("rewards"))
+    no_run_id = orjson.dumps({"event_id": "r-no-run", "type": "reward", "schema_version": 1,
+                              "traj_id": "g0:0", "group_id": "g0", "reward": 1.0,
+                              "scorer": SCORER})
+    with EventProducer(bus, "test") as producer:
+        for i in range(2):
+            producer.publish(TrajectoryEvent(
+                traj_id=f"g0:{i}", group_id="g0", prompt_id="p0", sample_index=i, group_size=2,
+                prompt_ids=[1], output_ids=[5], output_logprobs=[-0.5], output_versions=[0]))
+        producer.publish_raw(rewards_topic, b"g0", no_run_id)
+        producer.publish(RewardEvent(traj_id="g0:1", group_id="g0", reward=0.5,
+                                     run_id="another.run"))
+    runner = RoleRunner(build_role("advantage", cfg), bus, member_id="advantage-0")
+    thread = threading.Thread(target=runner.run, kwargs={"max_seconds": 120}, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: runner.stats.consumed >= 4, 60, "the advantage processor to read all 4")
+    finally:
+        runner.stop()
+        thread.join(30)
+    group = f"{bus.topic_prefix}.advantage"
+    dead = [r.event for r in _records(bus, "dlq")
+            if r.event is not None and r.event.consumer_group == group]
+    assert len(dead) == 1, dead
+    assert dead[0].error_type == "UnattributedEventError"
+    assert "'ext.run'" in dead[0].error and "run_id" in dead[0].error
+    assert dead[0].source_topic == rewards_topic and original_payload(dead[0]) == no_run_id
+    assert runner.stats.foreign == 1 and runner.stats.dead_lettered == 1
+    assert _records(bus, "samples") == []  # neither reward counted: the group is incomplete
