@@ -84,6 +84,16 @@ REWARD: dict[str, str] = {
     "details": "Anything JSON about how the reward was computed, for auditing.",
 }
 
+# Fields kept only for readers of older schemas: exported with ``"deprecated": true``
+# and this description, whether or not the event has a FIELD_DESCRIPTIONS table.
+DEPRECATED_FIELDS: dict[str, dict[str, str]] = {
+    "weights": {
+        "step": "Deprecated: always equal to version; read version. Still written (filled "
+                "in from version when a writer leaves it out or sends 0) for readers of "
+                "older schemas.",
+    },
+}
+
 FIELD_DESCRIPTIONS: dict[str, dict[str, str]] = {
     "trajectory": {**ENVELOPE, **TRAJECTORY},
     "reward": {**ENVELOPE, **REWARD},
@@ -92,4 +102,8 @@ FIELD_DESCRIPTIONS: dict[str, dict[str, str]] = {
 
 def field_descriptions(type_name: str) -> dict[str, str]:
     """Descriptions of an event type's fields by name; empty for an undescribed type."""
-    return FIELD_DESCRIPTIONS.get(type_name, {})
+    return {**FIELD_DESCRIPTIONS.get(type_name, {}), **DEPRECATED_FIELDS.get(type_name, {})}
+
+
+def deprecated_fields(type_name: str) -> set[str]:
+    return set(DEPRECATED_FIELDS.get(type_name, {}))

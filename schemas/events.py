@@ -163,6 +163,9 @@ class WeightsEvent(Event):
     sha256: str
     num_bytes: int = 0
     format: Literal["safetensors", "nccl"] = "safetensors"
+    # Deprecated: always equal to ``version``; read ``version``. Writers may leave it out
+    # (0): it is filled in from ``version``, so it stays on the wire for readers of the
+    # older schema, and a value read from an older event is kept as it was.
     step: int = 0
     # Set when an operator republishes an older version as current.
     rollback_of: Optional[int] = None
@@ -178,6 +181,11 @@ class WeightsEvent(Event):
     # Versions so far (this one included) that were rollbacks, not training steps: the
     # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
     rollbacks: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.step == 0:  # the deprecated field (see ``step``)
+            self.step = self.version
 
 
 @dataclass(kw_only=True)

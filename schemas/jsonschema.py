@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from tapioca.schemas.descriptions import field_descriptions
+from tapioca.schemas.descriptions import deprecated_fields, field_descriptions
 from tapioca.schemas.envelope import Event, event_types, field_types
 from tapioca.schemas.registry import topic_for
 
@@ -78,6 +78,8 @@ def event_json_schema(cls: type[Event]) -> dict[str, Any]:
     body["required"] = sorted(set(body["required"]) | {"type", "schema_version", "event_id"})
     for name, text in field_descriptions(cls.TYPE).items():
         body["properties"][name]["description"] = text
+    for name in deprecated_fields(cls.TYPE):
+        body["properties"][name]["deprecated"] = True
     spec = topic_for(cls)
     schema: dict[str, Any] = {
         "$schema": DIALECT,

@@ -124,7 +124,7 @@ class Trainer(Role[TrainerState]):
         if self.keep_weight_versions > 0 and p.version >= self.keep_weight_versions:
             old.unlink(missing_ok=True)
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
-                            step=p.version, group_ids=group_ids,
+                            group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p))
 
@@ -133,7 +133,7 @@ class Trainer(Role[TrainerState]):
         if not p.weights_path or not Path(p.weights_path).exists():
             return self._publish_weights(state, [])
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
-                            step=p.version, group_ids=list(p.last_group_ids),
+                            group_ids=list(p.last_group_ids),
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p))
 

@@ -489,6 +489,20 @@ def test_exported_reward_and_trajectory_schemas_carry_the_descriptions():
     assert "dead-letters" in load_exported()["reward"]["properties"]["run_id"]["description"]
 
 
+def test_weights_step_is_deprecated_but_still_written_and_read():
+    # Writers may leave it out: it is filled in from version, for readers of old schemas.
+    new = WeightsEvent(version=7, path="/w/v7", sha256="00" * 32)
+    assert new.step == 7 and orjson.loads(encode_event(new))["step"] == 7
+    # A value on the wire is read as it is (an older writer's), and 0 reads as version.
+    raw = orjson.loads(encode_event(new))
+    assert decode_event(orjson.dumps(dict(raw, step=6))).step == 6
+    assert decode_event(orjson.dumps(dict(raw, step=0))).step == 7
+    assert decode_event(orjson.dumps({k: v for k, v in raw.items() if k != "step"})).step == 7
+    prop = load_exported()["weights"]["properties"]["step"]
+    assert prop["deprecated"] is True and "read version" in prop["description"]
+    assert "step" not in load_exported()["weights"]["required"]
+
+
 def test_exported_schema_names_topic_and_key():
     for name, schema in load_exported().items():
         spec = topic_for(event_types()[name])
