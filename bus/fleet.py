@@ -82,7 +82,7 @@ class MemberControl:
     role: str
     run_id: str = "default"
     # Commands produced before the member started are history, not orders for it: the
-    # control topic's end offset may be reported too low (KAFKA_NOTES.md), so older
+    # control topic's end offset may be reported too low (docs/kafka-clients.md), so older
     # commands can be read again at start and are skipped by time (with
     # CLOCK_SKEW_SLACK_S of slack: the CLI's clock is not the member's).
     started_at: float = field(default_factory=time.time)
@@ -318,7 +318,7 @@ class MemberFleet:
     def lag(self) -> dict[str, int]:
         """Approximate lag per assigned group partition: the last high watermark seen in a
         fetch (no broker round trip) minus our position. Tansu undercounts watermarks
-        (KAFKA_NOTES.md), so this is a hint, never an input to logic."""
+        (docs/kafka-clients.md), so this is a hint, never an input to logic."""
         r = self.runner
         if r._group is None or not r._assigned:
             return {}
@@ -441,7 +441,7 @@ def read_fleet(cfg: BusConfig, *, window_s: float | None = 900.0, tail: int = 40
     """The latest heartbeat of every member heard from in the last ``window_s`` seconds
     (None: the whole topic), sorted by role and member id.
 
-    Reads by time without ``offsets_for_times`` (not dependable on Tansu, KAFKA_NOTES.md):
+    Reads by time without ``offsets_for_times`` (not dependable on Tansu, docs/kafka-clients.md):
     the last ``tail`` records per partition first, and while a partition's oldest
     record read is still inside the window, four times as many -- so the read grows with
     the number of members (each heartbeats every interval) instead of missing the quiet

@@ -5,7 +5,7 @@ Routes each event to its registry topic, keyed by the topic's key field. Idempot
 :class:`BusError` on a failed delivery — a lost event is an error, not a log line.
 
 When the broker forgets our producer id (a memory broker restarted: UnknownProducerId
-forever, see KAFKA_NOTES.md) or the idempotent producer hits a fatal error, the
+forever, see docs/kafka-clients.md) or the idempotent producer hits a fatal error, the
 producer is recreated and the undelivered records are sent again. Consumers
 de-duplicate by event identity, so a resend after an ambiguous failure is harmless.
 

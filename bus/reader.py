@@ -2,7 +2,7 @@
 that rebuild a fact from the log (the feeder's last group number), and for tests.
 
 The end of a topic is found by reading until nothing arrives for ``idle_s``, not from
-watermarks, which some brokers report wrong (KAFKA_NOTES.md).
+watermarks, which some brokers report wrong (docs/kafka-clients.md).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class TopicReader:
             raise BusError(f"topic {self.topic!r} has no partition {missing[0]}; its partitions "
                            f"are 0..{len(md.partitions) - 1}")
         assignment = []
-        # Watermarks may undercount (KAFKA_NOTES.md) but never overcount: reading at
+        # Watermarks may undercount (docs/kafka-clients.md) but never overcount: reading at
         # least up to them before trusting an idle gap is a safe lower bound, and it
         # keeps a slow first fetch from looking like an empty topic.
         self._targets: dict[int, int] = {}

@@ -176,7 +176,7 @@ def items_from_topic(cfg, name: str, stats: ReplayStats, *, partition: int | Non
                      from_offset: int | None = None) -> Iterator[ReplayItem]:
     """A live topic read without a consumer group: only ``partition`` if given, from
     ``from_offset`` (else the beginning). The upper offset and the time bounds stay
-    filters: ``offsets_for_times`` is not dependable (KAFKA_NOTES.md)."""
+    filters: ``offsets_for_times`` is not dependable (docs/kafka-clients.md)."""
     from tapioca.bus.reader import TopicReader
 
     with TopicReader(cfg, name, partitions=None if partition is None else [partition],

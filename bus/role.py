@@ -44,6 +44,10 @@ class Role(Generic[S]):
     # Topics whose latest events (per partition) are handed to ``recover`` at start,
     # so a role rebuilds counters from the log rather than from memory.
     recover_from: tuple[str, ...] = ()
+    # Group inputs whose events must name this run when the run has a run id: there an
+    # event stamped ``default`` (or without run_id) is dead-lettered, not skipped as
+    # foreign, so an outside writer that forgets the run id finds its events on dlq.v1.
+    attributed_inputs: tuple[str, ...] = ()
     # How often on_tick runs when no event arrives.
     tick_interval_s: float = 0.05
 

@@ -5,6 +5,10 @@ Consumes the role's ``group_inputs`` as one consumer group and its
 calls ``role.handle``; publishes what it returns; and, once those outputs are
 delivered, commits offsets (as far as ``role.committable`` allows).
 
+Events stamped with another run's ``run_id`` are skipped and counted (``bus/foreign``
+in the member's status metrics); one that names no run (``default``) on an input the
+role lists in ``attributed_inputs`` is dead-lettered instead, when the run has an id.
+
 A record that cannot be decoded or validated, or a record of a signed topic (control,
 weights) whose signature does not verify under the run's key (bus/signing.py), goes to
 ``dlq.v1`` at once; a handler
@@ -39,7 +43,12 @@ from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
 from tapioca.schemas.envelope import Event, decode_event
 from tapioca.schemas.events import MetricsEvent
-from tapioca.schemas.errors import FatalRoleError, SchemaError, TapiocaError
+from tapioca.schemas.errors import (
+    FatalRoleError,
+    SchemaError,
+    TapiocaError,
+    UnattributedEventError,
+)
 from tapioca.schemas.registry import TopicSpec, topic
 
 log = logging.getLogger(__name__)
@@ -177,6 +186,11 @@ class RoleRunner:
         """One run per topic prefix is the rule; events stamped with another run id are
         someone else's (a replay, a neighbour run) and are skipped, not dead-lettered."""
         return self.cfg.run_id == "default" or event.run_id == self.cfg.run_id
+
+    def _unattributed(self, event: Event, spec: TopicSpec) -> bool:
+        """An event that names no run, where this role requires its run's id. Broadcast
+        inputs are re-read from the start by every member and never qualify."""
+        return event.run_id == "default" and spec.name in self.role.attributed_inputs
 
     def _open_consumers(self) -> None:
         for name in self.role.group_inputs + self.role.broadcast_inputs:
@@ -323,7 +337,14 @@ class RoleRunner:
             self._dead_letter(raw, source, exc, attempts=1)
         else:
             if not self._ours(event):
-                self.stats.foreign += 1
+                if not broadcast and self._unattributed(event, spec):
+                    self._dead_letter(raw, source, UnattributedEventError(
+                        f"{event.type} event on {source.topic} has run_id {event.run_id!r} "
+                        f"(or none), but this {self.role.name} belongs to run "
+                        f"{self.cfg.run_id!r}: stamp it with the run_id of the events it "
+                        "answers (a reward: its trajectory's)"), attempts=1)
+                else:
+                    self.stats.foreign += 1
             elif not self._handle_with_retries(event, raw, source):
                 return False
         if not broadcast:
@@ -365,6 +386,7 @@ class RoleRunner:
         s = self.stats
         metrics = {"bus/consumed": s.consumed, "bus/handled": s.handled, "bus/produced": s.produced,
                    "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries,
+                   "bus/foreign": s.foreign,
                    # A paused member is idle on purpose (the launcher's stall alarm).
                    "bus/paused": self.control.paused}
         for key, value in self.role.describe(self.state).items():

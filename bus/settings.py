@@ -1,6 +1,6 @@
 """Client settings for one Kafka cluster: the only place that knows librdkafka keys.
 
-Defaults follow KAFKA_NOTES.md: fast group joins (``session.timeout.ms=6000``,
+Defaults follow docs/kafka-clients.md: fast group joins (``session.timeout.ms=6000``,
 ``heartbeat.interval.ms=500``), low fetch latency (``fetch.wait.max.ms=10``, because
 some brokers do not answer a waiting fetch when data arrives), manual commits, and a
 raised message size limit. ``extra_producer`` / ``extra_consumer`` pass anything else.

@@ -151,6 +151,9 @@ class AdvantageState:
 class AdvantageProcessor(Role[AdvantageState]):
     name = "advantage"
     group_inputs = ("trajectories", "rewards")
+    # A reward or trajectory that names no run is dead-lettered in a named run (an
+    # outside service forgot to copy the run_id), not dropped as foreign.
+    attributed_inputs = ("trajectories", "rewards")
 
     def __init__(self, *, estimator: str = "grpo", reward_bias: float = 0.0,
                  reward_scaling: float = 1.0, reward_clip: float | None = None,

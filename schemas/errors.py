@@ -16,6 +16,11 @@ class SchemaError(TapiocaError):
     """An event failed to encode, decode or validate."""
 
 
+class UnattributedEventError(SchemaError):
+    """An event without a run id (or stamped ``default``) read by a role of a named run,
+    on an input where that run's events must say so (``Role.attributed_inputs``)."""
+
+
 class BusError(TapiocaError):
     """Kafka plumbing failed (broker unreachable, delivery failed, ...)."""
 

@@ -194,6 +194,9 @@ class WeightsEvent(Event):
     num_bytes: int = 0
     # The durable file's format; how this version travels is ``transport``.
     format: Literal["safetensors", "nccl"] = "safetensors"
+    # Deprecated: always equal to ``version``; read ``version``. Writers may leave it out
+    # (0): it is filled in from ``version``, so it stays on the wire for readers of the
+    # older schema, and a value read from an older event is kept as it was.
     step: int = 0
     # Set when an operator republishes an older version as current.
     rollback_of: Optional[int] = None
@@ -228,6 +231,11 @@ class WeightsEvent(Event):
     # Durable files (any version) the background writer finished since the previous
     # weights event: what `tapioca weights list` and rollback read their sha256 from.
     files: list[WeightsFile] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.step == 0:  # the deprecated field (see ``step``)
+            self.step = self.version
 
 
 @dataclass(kw_only=True)

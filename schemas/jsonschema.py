@@ -3,7 +3,8 @@
 The Python classes are the source; ``tapioca schemas export`` writes one JSON Schema
 per event into ``schemas/json/`` so services in any language can validate events.
 A change is backward compatible when every old property keeps its type and no new
-property is required (new fields come with defaults).
+property is required (new fields come with defaults). Field descriptions come from
+:mod:`tapioca.schemas.descriptions`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from tapioca.schemas.descriptions import deprecated_fields, field_descriptions
 from tapioca.schemas.envelope import Event, event_types, field_types
 from tapioca.schemas.registry import topic_for
 
@@ -74,6 +76,10 @@ def event_json_schema(cls: type[Event]) -> dict[str, Any]:
         "type": "integer", "minimum": 1, "maximum": cls.SCHEMA_VERSION,
     }
     body["required"] = sorted(set(body["required"]) | {"type", "schema_version", "event_id"})
+    for name, text in field_descriptions(cls.TYPE).items():
+        body["properties"][name]["description"] = text
+    for name in deprecated_fields(cls.TYPE):
+        body["properties"][name]["deprecated"] = True
     spec = topic_for(cls)
     schema: dict[str, Any] = {
         "$schema": DIALECT,

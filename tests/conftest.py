@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded broker (one per test module, KAFKA_NOTES.md), a bus
+"""Shared fixtures: the embedded broker (one per test module, docs/kafka-clients.md), a bus
 config with a unique topic prefix per test, and helpers to run roles in threads.
 
 Integration / e2e modules use them as ``def test_x(bus_cfg): ...`` and mark themselves

@@ -243,7 +243,7 @@ class OfflineTrainerBase(Generic[E]):
         save_checkpoint(self.ckpt_path, self.model, self.optimizer, p)
         if self.producer is not None:
             self.producer.publish(WeightsEvent(version=p.version, path=p.weights_path, sha256=sha,
-                                               num_bytes=size, step=p.version))
+                                               num_bytes=size))
             self.producer.flush()
 
 

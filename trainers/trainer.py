@@ -158,7 +158,7 @@ class Trainer(Role[TrainerState]):
         fields = self.weights_out.publish(self.actor.model.state_dict(), p.version)
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
-        return WeightsEvent(version=p.version, **fields, step=p.version, group_ids=group_ids,
+        return WeightsEvent(version=p.version, **fields, group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p),
                             base_steps=p.base_steps, base_rejected=p.base_rejected,
@@ -169,7 +169,7 @@ class Trainer(Role[TrainerState]):
         fields = self.weights_out.announcement(p.version, p.weights_path, p.weights_sha256)
         if fields is None:  # its file is gone, or a restarted trainer's buffers are empty
             return self._publish_weights(state, [])
-        return WeightsEvent(version=p.version, **fields, step=p.version,
+        return WeightsEvent(version=p.version, **fields,
                             group_ids=list(p.last_group_ids),
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
                             rejected_group_ids=self._take_unannounced(state, p),

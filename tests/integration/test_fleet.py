@@ -434,7 +434,7 @@ def test_read_fleet_reads_back_far_enough_for_a_quiet_member_of_a_big_fleet(cfg)
     busy = [hb(f"busy-{i % 10}", now - 100 + i) for i in range(100)]
     publish(cfg, hb("ancient-0", now - 5000), hb("quiet-0", now - 200), *busy[:-1])
     # The last record in a batch of its own: Tansu's high watermark is the last batch's
-    # base offset + 1 (KAFKA_NOTES.md), so only then does a tail read start at the tail.
+    # base offset + 1 (docs/kafka-clients.md), so only then does a tail read start at the tail.
     publish(cfg, busy[-1])
     members = {m.event.member_id for m in read_fleet(cfg, tail=8, window_s=900, now=now)}
     assert "quiet-0" in members and "ancient-0" not in members

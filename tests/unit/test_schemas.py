@@ -33,6 +33,7 @@ from tapioca.schemas import (
     topic,
     topic_for,
 )
+from tapioca.schemas.descriptions import FIELD_DESCRIPTIONS
 from tapioca.schemas.jsonschema import (
     JSON_DIR,
     all_schemas,
@@ -470,6 +471,36 @@ def test_encoded_event_validates_against_exported_schema(type_name):
     assert not validator.is_valid(dict(data, run_id=7))
     assert not validator.is_valid(dict(data, schema_version=99))
     assert not validator.is_valid({k: v for k, v in data.items() if k != "event_id"})
+
+
+def test_described_events_describe_every_field_and_only_their_fields():
+    assert {"reward", "trajectory"} <= set(FIELD_DESCRIPTIONS)
+    for name, table in FIELD_DESCRIPTIONS.items():
+        fields = {f.name for f in dataclasses.fields(event_types()[name])}
+        assert set(table) == fields, (name, set(table) ^ fields)
+        assert all(text.strip() for text in table.values()), name
+
+
+def test_exported_reward_and_trajectory_schemas_carry_the_descriptions():
+    for name in ("reward", "trajectory"):
+        props = load_exported()[name]["properties"]
+        assert {k: p.get("description") for k, p in props.items()} == FIELD_DESCRIPTIONS[name]
+    # The run_id rule an outside writer needs is in the schema itself.
+    assert "dead-letters" in load_exported()["reward"]["properties"]["run_id"]["description"]
+
+
+def test_weights_step_is_deprecated_but_still_written_and_read():
+    # Writers may leave it out: it is filled in from version, for readers of old schemas.
+    new = WeightsEvent(version=7, path="/w/v7", sha256="00" * 32)
+    assert new.step == 7 and orjson.loads(encode_event(new))["step"] == 7
+    # A value on the wire is read as it is (an older writer's), and 0 reads as version.
+    raw = orjson.loads(encode_event(new))
+    assert decode_event(orjson.dumps(dict(raw, step=6))).step == 6
+    assert decode_event(orjson.dumps(dict(raw, step=0))).step == 7
+    assert decode_event(orjson.dumps({k: v for k, v in raw.items() if k != "step"})).step == 7
+    prop = load_exported()["weights"]["properties"]["step"]
+    assert prop["deprecated"] is True and "read version" in prop["description"]
+    assert "step" not in load_exported()["weights"]["required"]
 
 
 def test_exported_schema_names_topic_and_key():
