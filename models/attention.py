@@ -101,34 +101,34 @@ def sdpa_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
     return out_SHLD.transpose(1, 2).reshape(S * L, n_heads, head_dim).index_select(0, idx)
 
 
-@functools.lru_cache(maxsize=1)
-def _varlen_fn():
-    """``(varlen_attn, takes_enable_gqa)``, or None when this PyTorch has no varlen API."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+# Resolved at import (not per call) so torch.compile sees a plain function.
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # PyTorch < 2.10
+    _varlen_attn = None
+_VARLEN_TAKES_GQA = _varlen_attn is not None and "enable_gqa" in inspect.signature(_varlen_attn).parameters
 
 
 def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
                      seqs: PackedSeqs, scale: float, *, expand_kv: bool = False) -> torch.Tensor:
     """Flash-attention varlen (CUDA, bf16 / fp16). ``expand_kv`` repeats K/V heads for a
     kernel build without grouped-query support (the probe decides)."""
-    fn = _varlen_fn()
-    if fn is None:
+    if _varlen_attn is None:
         raise ConfigError("attention_backend=varlen needs torch.nn.attention.varlen "
                           "(PyTorch >= 2.10); use attention_backend=sdpa")
-    varlen_attn, takes_gqa = fn
     n_heads, n_kv = q_NHD.shape[1], k_NKD.shape[1]
     if expand_kv and n_kv != n_heads:
         k_NKD = k_NKD.repeat_interleave(n_heads // n_kv, dim=1)
         v_NKD = v_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-    extra = {"enable_gqa": True} if takes_gqa and k_NKD.shape[1] != n_heads else {}
     cu = seqs.cu_seqlens_S1
-    # window (-1, 0) is causal in every version of the API (2.10 has no is_causal flag).
-    return varlen_attn(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(), cu, cu,
-                       seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0), **extra)
+    # window (-1, 0) is causal in every version of the API (2.10 has no is_causal flag);
+    # 2.12+ asks for enable_gqa when K/V have fewer heads, 2.10-2.11 take GQA as it is.
+    if _VARLEN_TAKES_GQA and k_NKD.shape[1] != n_heads:
+        return _varlen_attn(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(), cu, cu,
+                            seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0),
+                            enable_gqa=True)
+    return _varlen_attn(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(), cu, cu,
+                        seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +138,7 @@ def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_
     small packed batch against :func:`sdpa_attention` (a few ms, once per shape)."""
     if not str(device).startswith("cuda") or dtype not in (torch.bfloat16, torch.float16):
         return ""
-    if _varlen_fn() is None:
+    if _varlen_attn is None:
         return ""
     gen = torch.Generator(device=device).manual_seed(0)
     seqs = packed_seqs([37, 5, 64], device)
