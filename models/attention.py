@@ -76,7 +76,9 @@ def packed_seqs(lengths: Sequence[int], device: torch.device | str) -> PackedSeq
 
 def position_ids(lengths: Sequence[int]) -> torch.Tensor:
     """Position ids of packed sequences: ``0..L_i-1`` for each, concatenated (host)."""
-    return torch.cat([torch.arange(int(n)) for n in lengths])
+    lengths_S = torch.tensor([int(n) for n in lengths])
+    starts_S = torch.cumsum(lengths_S, 0) - lengths_S
+    return torch.arange(int(lengths_S.sum())) - torch.repeat_interleave(starts_S, lengths_S)
 
 
 # ------------------------------------------------------------------------- backends
