@@ -115,6 +115,7 @@ class PackedCausalLM(nn.Module):
                                attn_dtype if autocast_dtype else None, recompute_swiglu)
             for layer in body.layers)
         self.checkpoint_every_n_layers = checkpoint_every_n_layers
+        self.compiled = compile_layers
         if compile_layers:
             for layer in self.layers:
                 layer.compile()
@@ -122,8 +123,8 @@ class PackedCausalLM(nn.Module):
     def describe(self) -> str:
         """One line for logs / benchmarks: which kernels run."""
         ac = self.checkpoint_every_n_layers
-        return (f"attention={self.attention_backend} ops={self.ops.name} "
-                f"checkpoint={'every ' + str(ac) if ac else 'off'}")
+        return (f"attention={self.attention_backend} ops={self.ops.name}{' compiled' if self.compiled else ''}"
+                f"{' ac/' + str(ac) if ac else ''}")
 
     def forward(self, input_ids_N: torch.Tensor, position_ids_N: torch.Tensor,
                 seqs: PackedSeqs) -> torch.Tensor:
