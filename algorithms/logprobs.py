@@ -68,18 +68,25 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index,
-        matmul_dtype, use_triton,
+        matmul_dtype, use_triton, keep_logits=False,
     ):
         # Unused outputs (e.g. entropy only logged) arrive as None in backward,
         # so their term is skipped instead of multiplied by zeros.
         ctx.set_materialize_grads(False)
         cdtype = _compute_dtype(hidden_NH, weight_VH)
         mm_dtype = matmul_dtype or cdtype
+        # Kept logits (Triton path) spare backward the LM-head matmul that recomputes them.
+        keep = use_triton and keep_logits and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        ctx.logits = []
         with torch.autocast(hidden_NH.device.type, enabled=False):
-            forward = _ChunkedLogprobEntropy._forward_triton if use_triton else _ChunkedLogprobEntropy._forward
-            outputs = forward(
-                hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
-                compute_entropy, ignore_index, cdtype)
+            if use_triton:
+                outputs = _ChunkedLogprobEntropy._forward_triton(
+                    hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
+                    compute_entropy, ignore_index, cdtype, ctx.logits if keep else None)
+            else:
+                outputs = _ChunkedLogprobEntropy._forward(
+                    hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
+                    compute_entropy, ignore_index, cdtype)
         logprobs_N, lse_N, entropy_N = outputs
         ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
         ctx.temperature = temperature
@@ -94,8 +101,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def _forward_triton(hidden_NH, w_VH, labels_N, temperature, chunk_tokens, compute_entropy,
-                        ignore_index, cdtype):
-        """The Triton path: per chunk, the logits in the matmul dtype and one kernel."""
+                        ignore_index, cdtype, keep: list | None):
+        """The Triton path: per chunk, the logits in the matmul dtype and one kernel;
+        ``keep``: a list that receives each chunk's logits for backward."""
         from tapioca.algorithms.logprobs_triton import chunk_forward
 
         n_tokens = hidden_NH.shape[0]
@@ -110,6 +118,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             lse_N[start:end] = lse_C
             if compute_entropy:
                 entropy_N[start:end] = ent_C
+            if keep is not None:
+                keep.append(z_CV)
             del z_CV
         return logprobs_N, lse_N, entropy_N
 
@@ -152,7 +162,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         if not ctx.compute_entropy:
             grad_entropy_N = None
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None, None, None
+            ctx.logits = []
+            return None, None, None, None, None, None, None, None, None, None
         with torch.autocast(hidden_NH.device.type, enabled=False):
             backward = _ChunkedLogprobEntropy._backward_triton if ctx.use_triton else _ChunkedLogprobEntropy._backward
             grad_h_NH, grad_w_VH = backward(
@@ -161,6 +172,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         return (
             grad_h_NH.to(hidden_NH.dtype) if need_h else None,
             grad_w_VH.to(weight_VH.dtype) if need_w else None,
+            None,
             None,
             None,
             None,
@@ -186,8 +198,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         for start in range(0, n_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n_tokens)
             h_CH = hidden_NH[start:end].to(mm_dtype) / ctx.temperature
+            kept = ctx.logits.pop(0) if ctx.logits else None  # overwritten in place below
             g_z_CV = chunk_backward_(
-                h_CH @ w_VH.T, labels_N[start:end], lse_N[start:end],
+                kept if kept is not None else h_CH @ w_VH.T, labels_N[start:end], lse_N[start:end],
                 entropy_N[start:end] if grad_entropy_N is not None else None,
                 grad_logprobs_N[start:end] if grad_logprobs_N is not None else None,
                 grad_entropy_N[start:end] if grad_entropy_N is not None else None, ctx.ignore_index)
@@ -260,6 +273,7 @@ def gather_logprobs_entropy(
     ignore_index: int = -100,
     matmul_dtype: torch.dtype | None = None,
     kernel: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(logprobs, entropy)`` without materialising ``N x V`` logits.
 
@@ -272,6 +286,8 @@ def gather_logprobs_entropy(
     (the chunked PyTorch ops), ``triton`` (:mod:`tapioca.algorithms.logprobs_triton`:
     the same math in one pass over the logits, CUDA or ``TRITON_INTERPRET=1``), or
     ``auto`` (triton on CUDA when Triton is installed and the inputs are not fp64).
+    ``keep_logits`` (Triton path): keep each chunk's logits (``N x V`` in the matmul
+    dtype in all) from forward to backward instead of recomputing them there.
     """
     if not temperature > 0:
         raise AlgorithmInputError(f"gather_logprobs_entropy: temperature={temperature!r} must be > 0.")
@@ -301,6 +317,7 @@ def gather_logprobs_entropy(
         int(ignore_index),
         matmul_dtype,
         _use_triton(kernel, hidden_BTH),
+        bool(keep_logits),
     )
     logprobs_BT = logprobs_N.view(labels_BT.shape)
     return logprobs_BT, (entropy_N.view(labels_BT.shape) if compute_entropy else None)

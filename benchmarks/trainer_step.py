@@ -18,8 +18,9 @@ Runs, in this order (``--only`` picks groups or run names; ``--list`` prints the
 
 today = ``PPOActor`` as it was: right-padded HF forward, fp32 weights under bf16
 autocast, foreach AdamW, PyTorch chunked logprobs. fast = packed sequences, flash varlen
-attention, liger-kernel RMSNorm / rotary / SwiGLU, Triton logprob kernel, bf16 weights
-with fp32 master weights, fused AdamW (plus ``recompute_swiglu`` at >= 1.5B).
+attention, liger-kernel RMSNorm / rotary / SwiGLU, Triton logprob kernel keeping the
+logits for backward, bf16 weights with fp32 master weights, fused AdamW (plus
+``recompute_swiglu`` at >= 1.5B).
 plain HF = fp32 weights, bf16 autocast, full logits + fp32 log-softmax (cross-entropy of
 the sampled tokens), fused AdamW.
 
@@ -61,7 +62,8 @@ TODAY = dict(packed_sequences=False, param_dtype="float32", autocast_dtype="bflo
              fused_optimizer=False, logprob_kernel="torch")
 # The Triton logprob path keeps one bf16 [C, V] buffer (not two fp32 ones): bigger chunks.
 FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", attention_backend="auto",
-            liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192)
+            liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192,
+            logprob_keep_logits=True)
 FAST_BIG = dict(FAST, recompute_swiglu=True)
 M05, M15, M3, Q3 = "qwen2-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen3-1.7b"
 
@@ -86,6 +88,7 @@ RUNS = [
      dict(FAST, logprob_kernel="torch", logprob_chunk_tokens=4096), 6),
     ("switches", "0.5b/fast fp32 weights+autocast", M05, "16x1024", "actor",
      dict(FAST, param_dtype="float32", autocast_dtype="bfloat16"), 6),
+    ("switches", "0.5b/fast -keep logits", M05, "16x1024", "actor", dict(FAST, logprob_keep_logits=False), 6),
     ("switches", "0.5b/fast -fused adamw", M05, "16x1024", "actor", dict(FAST, fused_optimizer=False), 6),
     ("switches", "0.5b/fast +ac", M05, "16x1024", "actor", dict(FAST, gradient_checkpointing=True), 6),
     ("switches", "0.5b/fast +ac every 2", M05, "16x1024", "actor",

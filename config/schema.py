@@ -310,6 +310,10 @@ class ActorConfig:
     offload_optimizer: bool = False
     # Softmax work of the chunked logprobs: auto (triton on CUDA) | torch | triton.
     logprob_kernel: str = "auto"
+    # Triton logprobs of the packed forward: keep each chunk's bf16 logits for backward
+    # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
+    # and a 152k vocabulary; saves the LM-head matmul of the recompute).
+    logprob_keep_logits: bool = False
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")

@@ -93,6 +93,7 @@ def packed_token_logprobs(
     chunk_tokens: int,
     compute_entropy: bool = False,
     kernel: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs_M, entropy_M)`` of ``labels_M`` predicted at packed positions
     ``rows_M`` (the hidden state of packed token ``rows_M[m]`` scores ``labels_M[m]``).
@@ -104,4 +105,4 @@ def packed_token_logprobs(
     return gather_logprobs_entropy(
         hidden_NH.index_select(0, rows_M), weight_VH, labels_M, temperature=temperature,
         chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, kernel=kernel,
-        matmul_dtype=head_matmul_dtype(weight_VH))
+        matmul_dtype=head_matmul_dtype(weight_VH), keep_logits=keep_logits)

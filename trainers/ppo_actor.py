@@ -126,7 +126,8 @@ class PPOActor:
                 lp_M, ent_M = packed_token_logprobs(
                     self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
                     batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                    compute_entropy=entropy, kernel=cfg.logprob_kernel)
+                    compute_entropy=entropy, kernel=cfg.logprob_kernel,
+                    keep_logits=cfg.logprob_keep_logits)
                 return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,

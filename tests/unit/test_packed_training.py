@@ -321,17 +321,18 @@ def test_triton_logprob_kernel_matches_torch_path():
         y = torch.randint(0, V, (N,)); y[3] = -100
         for ent in (True, False):
             res = {}
-            for k in ("torch", "triton"):
+            for k, keep in (("torch", False), ("triton", False), ("triton", True)):
                 lp, e = gather_logprobs_entropy(h, w, y, chunk_tokens=5, compute_entropy=ent,
-                                                kernel=k, temperature=0.7)
+                                                kernel=k, temperature=0.7, keep_logits=keep)
                 loss = (lp * torch.linspace(-1, 1, N)).sum()
                 if ent:
                     loss = loss + (e * torch.linspace(1, 2, N)).sum()
-                res[k] = [lp, e, *torch.autograd.grad(loss, (h, w))]
-            for a, b in zip(res["torch"], res["triton"]):
-                if a is not None:
-                    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
-            assert res["triton"][0][3] == 0  # ignored label
+                res[k, keep] = [lp, e, *torch.autograd.grad(loss, (h, w))]
+            for key in (("triton", False), ("triton", True)):
+                for a, b in zip(res["torch", False], res[key]):
+                    if a is not None:
+                        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (key, (a - b).abs().max())
+            assert res["triton", False][0][3] == 0  # ignored label
         print("ok")
     """)
     assert out.strip() == "ok"
