@@ -76,6 +76,7 @@ RUNS = [
     ("core", "1.5b/fast", M15, "8x2048", "actor", FAST_BIG, 12),
     ("core", "3b/hf+ac", M3, "8x2048", "hf", {"checkpointing": True}, 14),
     ("core", "3b/fast mb4k", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096), 14),
+    ("core", "3b/fast mb2k", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=2048), 14),
     ("core", "3b/fast ac", M3, "8x2048", "actor", dict(FAST, gradient_checkpointing=True), 14),
     ("core", "qwen3-1.7b/hf", Q3, "8x2048", "hf", {}, 10),
     ("core", "qwen3-1.7b/fast", Q3, "8x2048", "actor", FAST_BIG, 12),
@@ -204,7 +205,7 @@ def summary(results: dict, check: dict | None, args) -> None:
     if today and fast:
         print(f"  0.5B 16x1024: fast / today = {fast / today:.2f}x (target >= 2x), "
               f"peak {get('0.5b/fast', 'peak_mem_gib')} GiB (target <= 40)")
-    for name in ("1.5b/fast", "3b/fast mb4k", "3b/fast ac", "qwen3-1.7b/fast"):
+    for name in ("1.5b/fast", "3b/fast mb4k", "3b/fast mb2k", "3b/fast ac", "qwen3-1.7b/fast"):
         if get(name, "mfu") is not None:
             print(f"  {name}: MFU {100 * get(name, 'mfu'):.1f}% (target >= 45), peak {get(name, 'peak_mem_gib')} GiB "
                   "(target <= 60)")
