@@ -436,7 +436,7 @@ def runner_from_config(cfg: Any, member: int = 0) -> AgentRunner:
     host = "127.0.0.1" if p.host in ("0.0.0.0", "::", "") else p.host
     base_url = cfg.agent.base_url or f"http://{host}:{p.port}/v1"
     return AgentRunner(build_agent(cfg), cycle_records(rows, max_epochs=ds.max_epochs),
-                       base_url=base_url, admin_key=p.api_key, group_size=cfg.gconfig.n_samples,
+                       base_url=base_url, admin_key=p.admin_key(), group_size=cfg.gconfig.n_samples,
                        model=None, run_tag=cfg.run_id, end_mode=cfg.agent.end_mode,
                        discount=None, max_concurrent_groups=cfg.agent.max_concurrent_groups,
                        request_timeout_s=cfg.agent.request_timeout_s,

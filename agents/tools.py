@@ -14,18 +14,29 @@ seconds), ``RLIMIT_FSIZE`` (bytes a file may grow to), ``RLIMIT_CORE`` = 0 and, 
 non-root user, ``RLIMIT_NPROC`` (``max_processes`` on top of what the user already
 runs) before the code runs; there is also a wall-clock timeout, and output is read
 incrementally and the program stopped after ``4 * max_output_chars`` bytes (the tool
-message is truncated to ``max_output_chars``). When ``unshare --user --map-root-user
---net`` works unprivileged (checked once), the child runs in a new user + network
-namespace: no network (only a down loopback) and no capabilities on the host.
+message is truncated to ``max_output_chars``).
+
+Other processes (``isolate_processes``): when ``unshare --user --map-root-user --pid
+--fork --mount-proc`` works (checked once; unprivileged user namespaces, or root), the
+program runs in a new PID namespace with its own /proc: it sees only its own processes
+and cannot signal any other (``kill`` of an outside pid is "no such process"), and when
+the executor kills it, the kernel kills everything it forked, ``setsid()`` escapees
+included. Where namespaces are refused but the agent runs as root, the program runs as
+the user ``nobody`` (a non-root user cannot signal root's processes), if the Python
+installation is readable by other users. Otherwise it runs in its own session only
+and CAN signal other processes of the agent's user (:func:`process_isolation` says
+which applies here; docs/security.md).
+Network (``isolate_network``): when ``unshare --user --map-root-user --net`` works, the
+program has no network (only a down loopback) and no capabilities on the host.
 
 Not isolated: the file system (the program can read, and write, whatever the agent's
-user can), other processes of the same user (it can signal them), and system calls (no
-seccomp filter). Without ``unshare`` there is NO network isolation: the program can
-open sockets. ``RLIMIT_NPROC`` is not enforced for root, so as root a fork bomb runs
-until the wall-clock timeout kills its process group. A grandchild that calls ``os.setsid()``
-leaves the process group and survives the timeout (its inherited CPU limit still
-applies); the executor does not wait for it. For code untrusted beyond arithmetic, run
-the agent in a container.
+user can; in a user namespace as root, root's files too), and system calls (no seccomp
+filter). Without ``unshare`` there is NO network isolation: the program can open
+sockets. ``RLIMIT_NPROC`` is not enforced for root, so as root a fork bomb runs until
+the wall-clock timeout kills it. Without a PID namespace, a grandchild that calls
+``os.setsid()`` leaves the process group and survives the timeout (its inherited CPU
+limit still applies); the executor does not wait for it. For code untrusted beyond
+arithmetic, run the agent in a container.
 
 Calculator: parses an arithmetic expression with :mod:`ast` and evaluates only numbers,
 ``+ - * / // % **``, unary signs and a fixed set of math functions and constants. No
@@ -99,6 +110,9 @@ class PythonExecutor:
     max_processes: int = 32
     # Run the program in a new user + network namespace when the OS allows it.
     isolate_network: bool = True
+    # Run it in its own PID namespace (or, as root without namespaces, as nobody) so it
+    # cannot signal other processes (process_isolation()).
+    isolate_processes: bool = True
     python: str = sys.executable
     name: str = "python"
 
@@ -125,17 +139,37 @@ class PythonExecutor:
         mem = self.memory_mb * 1024 * 1024
         limits = [("RLIMIT_AS", mem), ("RLIMIT_CPU", int(math.ceil(self.timeout_s)) + 1),
                   ("RLIMIT_FSIZE", self.max_file_mb * 1024 * 1024), ("RLIMIT_CORE", 0)]
-        if os.geteuid() != 0:
+        uid = self._drop_to()[0] if self._isolation() == "nobody" else os.getuid()
+        if uid != 0:
             # RLIMIT_NPROC caps all processes of the real uid, so the budget is on top of
             # what this user already runs (the kernel ignores it for root).
-            limits.append(("RLIMIT_NPROC", _processes_of(os.getuid()) + self.max_processes))
+            limits.append(("RLIMIT_NPROC", _processes_of(uid) + self.max_processes))
         return limits
 
+    def _isolation(self) -> str:
+        return process_isolation(self.python) if self.isolate_processes else "session"
+
+    @staticmethod
+    def _drop_to() -> tuple[int, int]:
+        import pwd
+
+        nobody = pwd.getpwnam("nobody")
+        return nobody.pw_uid, nobody.pw_gid
+
     def _argv(self) -> list[str]:
-        limits = ",".join(f"{name}={value}" for name, value in self._limits())
-        argv = [self.python, "-I", "-c", _BOOTSTRAP, limits]
+        items = [f"{name}={value}" for name, value in self._limits()]
+        isolation = self._isolation()
+        if isolation == "nobody":
+            uid, gid = self._drop_to()
+            items.append(f"DROP_TO={uid}:{gid}")
+        argv = [self.python, "-I", "-c", _BOOTSTRAP, ",".join(items)]
+        namespaces = []
+        if isolation == "pid-namespace":
+            namespaces += ["--pid", "--fork", "--mount-proc"]
         if self.isolate_network and network_namespace_available():
-            argv = ["unshare", "--user", "--map-root-user", "--net", "--", *argv]
+            namespaces.append("--net")
+        if namespaces:
+            argv = ["unshare", "--user", "--map-root-user", *namespaces, "--", *argv]
         return argv
 
     def run(self, code: str) -> ToolResult:
@@ -146,6 +180,11 @@ class PythonExecutor:
         with tempfile.TemporaryDirectory(prefix="tapioca-py-") as cwd:
             with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
+            argv = self._argv()
+            if any(a.startswith("DROP_TO=") for a in argv[-1].split(",")):
+                uid, gid = self._drop_to()  # the program runs as nobody: its directory too
+                os.chown(cwd, uid, gid)
+                os.chown(os.path.join(cwd, "main.py"), uid, gid)
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "TMPDIR": cwd,
                    # One thread for numeric libraries: RLIMIT_AS counts every thread's stack.
                    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -153,7 +192,7 @@ class PythonExecutor:
             # limits are set by the bootstrap inside the child; start_new_session is
             # done by Popen itself, so a timeout can kill every process it forked.
             proc = subprocess.Popen(
-                self._argv(), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             out, timed_out, overflow = _read_capped(proc, self.timeout_s, cap)
         wall = time.monotonic() - start
@@ -254,27 +293,90 @@ def _processes_of(uid: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def network_namespace_available() -> bool:
-    """Whether ``unshare --user --map-root-user --net`` works here without privileges
-    (util-linux installed, unprivileged user namespaces allowed). Checked once."""
+def pid_namespace_available() -> bool:
+    """Whether ``unshare --user --map-root-user --pid --fork --mount-proc`` works here
+    (unprivileged user namespaces allowed, or root). Checked once."""
+    return _unshare_works("--pid", "--fork", "--mount-proc")
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether every directory above ``path`` lets other users through and ``path`` is
+    readable by them (so a program dropped to nobody can still import the stdlib)."""
+    import stat
+
+    p = os.path.realpath(path)
+    parts = [p] + [os.path.dirname(p)]
+    while parts[-1] != os.path.dirname(parts[-1]):
+        parts.append(os.path.dirname(parts[-1]))
+    try:
+        for i, d in enumerate(parts):
+            mode = os.stat(d).st_mode
+            need = stat.S_IROTH if i == 0 else stat.S_IXOTH
+            if not mode & need:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def process_isolation(python: str = sys.executable) -> str:
+    """How the sandbox keeps a program from signalling other processes here:
+    "pid-namespace" (its own PID namespace), "nobody" (root without namespaces: the
+    program runs as nobody), or "session" (only its own session: it CAN signal the
+    agent user's processes)."""
+    if pid_namespace_available():
+        return "pid-namespace"
+    if os.geteuid() == 0:
+        import sysconfig
+
+        stdlib = sysconfig.get_paths()["stdlib"]
+        try:
+            import pwd
+
+            pwd.getpwnam("nobody")
+        except KeyError:
+            return "session"
+        if _readable_by_others(python) and _readable_by_others(stdlib):
+            return "nobody"
+    return "session"
+
+
+def _unshare_works(*flags: str) -> bool:
     if shutil.which("unshare") is None:
         return False
     try:
-        return subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--", "true"],
+        return subprocess.run(["unshare", "--user", "--map-root-user", *flags, "--", "true"],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-# Runs as ``python -I -c _BOOTSTRAP "RLIMIT_AS=...,RLIMIT_CPU=..."`` in the child's
-# working directory: sets the limits on itself, then runs main.py as __main__. A
-# traceback is printed without the bootstrap's own frames.
+@functools.lru_cache(maxsize=None)
+def network_namespace_available() -> bool:
+    """Whether ``unshare --user --map-root-user --net`` works here without privileges
+    (util-linux installed, unprivileged user namespaces allowed). Checked once."""
+    return _unshare_works("--net")
+
+
+# Runs as ``python -I -c _BOOTSTRAP "RLIMIT_AS=...,RLIMIT_CPU=...[,DROP_TO=uid:gid]"`` in
+# the child's working directory: sets the limits on itself, drops to ``uid:gid`` when
+# asked (root without namespaces: nobody), then runs main.py as __main__. A traceback is
+# printed without the bootstrap's own frames.
 _BOOTSTRAP = """\
-import resource, runpy, sys, traceback
+import os, resource, runpy, sys, traceback
+drop = None
 for item in sys.argv[1].split(','):
     name, value = item.split('=')
+    if name == 'DROP_TO':
+        drop = [int(v) for v in value.split(':')]
+        continue
     resource.setrlimit(getattr(resource, name), (int(value), int(value)))
+if drop:
+    os.setgroups([])
+    os.setgid(drop[1])
+    os.setuid(drop[0])
 sys.argv = ['main.py']
 try:
     runpy.run_path('main.py', run_name='__main__')

@@ -16,6 +16,16 @@ AReaL's rule admits group k while ``k < (eta + v + 1) * B``. Two Tapioca refinem
 from __future__ import annotations
 
 
+def log_counts(rollbacks: int, rejected: int, base_steps: int = 0,
+               base_rejected: int = 0) -> tuple[int, int]:
+    """(rollbacks, freed) for :func:`head_gate_capacity` from a weights event's counts,
+    counting only what happened on the current log: a run resumed on a broker that lost
+    its log numbers its groups from 0 again, so the steps and rejections made before
+    (``base_steps``, ``base_rejected``) must not open the gate. Returned as extra
+    "rollbacks" so that ``version - rollbacks`` is the steps trained on this log."""
+    return rollbacks + base_steps, rejected - base_rejected
+
+
 def head_gate_capacity(admitted: int, version: int, eta: int, prompts_per_step: int, *,
                        freed: int = 0, rollbacks: int = 0) -> int:
     """Groups that may still be admitted: ``(eta + (version - rollbacks) + 1) * B``

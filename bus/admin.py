@@ -78,6 +78,65 @@ def ensure_topics(
     return created
 
 
+def topic_partitions(cfg: BusConfig, specs: Iterable[TopicSpec] = TOPICS,
+                     timeout_s: float = 5.0) -> dict[str, int]:
+    """The partition count of each of ``specs``' topics that exists (by full name)."""
+    admin = admin_client(cfg, timeout_s)
+    md = admin.list_topics(timeout=timeout_s).topics
+    out = {}
+    for spec in specs:
+        name = cfg.topic(spec)
+        if name in md and md[name].error is None and md[name].partitions:
+            out[name] = len(md[name].partitions)
+    return out
+
+
+def repair_topics(cfg: BusConfig, expected: dict[str, int], timeout_s: float = 30.0
+                  ) -> tuple[list[str], list[str]]:
+    """Make every topic in ``expected`` (full name -> partitions) exist with its
+    partitions: missing ones are created; one with another partition count (e.g.
+    auto-created by some client after the broker lost it) is deleted and created again
+    (CreatePartitions cannot shrink, and some brokers do not support it at all).
+    Returns (created, re-created) names. What a wrong topic held is lost, and was
+    written since the loss, with the wrong partitioning."""
+    admin = admin_client(cfg)
+    md = admin.list_topics(timeout=timeout_s).topics
+    wrong = [n for n, parts in expected.items()
+             if n in md and md[n].partitions and len(md[n].partitions) != parts]
+    if wrong:
+        for name, fut in admin.delete_topics(wrong, request_timeout=timeout_s).items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                raise BusError(f"could not delete topic {name} to re-create it: {exc}") from exc
+    by_name = {cfg.topic(t): t for t in TOPICS}
+    created: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    todo = [n for n in expected if n not in md or n in wrong]
+    while todo:
+        new = [NewTopic(n, num_partitions=expected[n], replication_factor=1,
+                        config={"cleanup.policy": by_name[n].cleanup} if n in by_name else {})
+               for n in todo]
+        retry = []
+        for name, fut in admin.create_topics(new, request_timeout=timeout_s).items():
+            try:
+                fut.result()
+                created.append(name)
+            except KafkaException as exc:
+                text = str(exc)
+                if ("TOPIC_ALREADY_EXISTS" in text or "already exists" in text) and name not in wrong:
+                    continue  # created meanwhile by someone else
+                if time.monotonic() > deadline:
+                    raise BusError(f"could not re-create topic {name}: {exc}") from exc
+                retry.append(name)  # a deletion still in progress
+        todo = retry
+        if todo:
+            time.sleep(0.2)
+    if created:
+        _wait_for_topics(admin, created, timeout_s)
+    return [n for n in created if n not in wrong], [n for n in created if n in wrong]
+
+
 def _wait_for_topics(admin: AdminClient, names: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

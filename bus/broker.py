@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 from tapioca.schemas.errors import BusError
 
@@ -78,12 +79,16 @@ class EmbeddedBroker:
         storage: str = "memory://tansu/",
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
+        wrap: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.storage = storage
         self.log_path = Path(log_path) if log_path else None
         self.env = env
+        # Turns the broker's command line into the one started (e.g. so that it dies
+        # with its parent: ops/parent_death.py).
+        self.wrap = wrap
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -106,6 +111,8 @@ class EmbeddedBroker:
                 "running (`tapioca broker status`)? choose another with --port"
             )
         cmd = self.command()
+        if self.wrap is not None:
+            cmd = self.wrap(cmd)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = {**os.environ, **(self.env or {})}
         env.setdefault("RUST_LOG", "warn")

@@ -5,7 +5,9 @@ delegates to; :class:`MemberControl` is its pure state): every member emits a
 :class:`FleetEvent` on ``fleet.v1`` (keyed by ``member_id``) every
 ``bus.fleet_heartbeat_interval_s`` and on each status change, and consumes
 :class:`ControlEvent` from ``control.v1`` (read from the end, never history). A command
-whose ``target`` is the member's role name, its member id or ``"all"`` is applied
+whose ``target`` is the member's role name, its member id or ``"all"``, and whose
+signature verifies under the run's key when one is configured (bus/signing.py; a
+command that does not verify is dead-lettered and ignored), is applied
 (``pause`` / ``resume`` / ``drain`` by the runner, anything else by ``Role.on_control``)
 and answered with a :class:`ControlAckEvent` on ``control.v1`` (keyed by ``target``).
 
@@ -27,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
+from tapioca.bus.role import Source
 from tapioca.bus.settings import BusConfig
+from tapioca.bus.signing import SignatureError
 from tapioca.schemas.envelope import decode_event
 from tapioca.schemas.errors import SchemaError, TapiocaError
 from tapioca.schemas.events import ControlAckEvent, ControlEvent, FleetEvent
@@ -188,6 +192,10 @@ class MemberFleet:
         self.role_paused = False
         # The role's last MetricsEvent (e.g. staleness), shown in heartbeats.
         self.last_role_metrics: dict[str, float] = {}
+        self._forged: set[str] = set()  # command ids already dead-lettered
+        # When the member last consumed or produced anything: `tapioca status` raises a
+        # stall alarm when every running member has been idle for long.
+        self._activity: tuple[int, int, float] = (-1, -1, time.time())
 
     def open(self) -> None:
         """Read control.v1 from its end: commands sent before this member existed are not
@@ -237,6 +245,8 @@ class MemberFleet:
                                      max_bytes=r.cfg.max_message_bytes)
             except SchemaError:
                 continue  # acknowledgements (and anything else) share the topic
+            if not self.authentic(msg, event):
+                continue
             if not self.control.accepts(event):
                 continue
             log.info("%s: control command %s (%s) from %s", r.member_id, event.command,
@@ -258,6 +268,29 @@ class MemberFleet:
             r._publish(outputs)
             r._publish_own(self.control.ack(event, ok, message))
             self.heartbeat()  # the new status (and e.g. a new version) is visible at once
+
+    def authentic(self, msg: Any, event: ControlEvent) -> bool:
+        """A command for this member whose signature does not verify under the run's key
+        (bus/signing.py) is dead-lettered, once, and not obeyed; commands for other
+        members are left to them."""
+        r = self.runner
+        if not matches(event.target, self.control.role, self.control.member_id):
+            return False
+        try:
+            r.cfg.verify(topic("control"), msg.value(), msg.headers())
+            return True
+        except SignatureError as exc:
+            if event.command_id not in self._forged:
+                self._forged.add(event.command_id)
+                key = msg.key()
+                source = Source(topic=msg.topic(), partition=msg.partition(),
+                                offset=msg.offset(),
+                                key=key.decode(errors="replace") if key is not None else None,
+                                timestamp_ms=msg.timestamp()[1])
+                log.warning("%s: refused control command %s (%s) from %s: %s", r.member_id,
+                            event.command, event.command_id, event.producer_id, exc)
+                r._dead_letter(msg.value(), source, exc, attempts=1)
+            return False
 
     def transition(self, change: str) -> list:
         r = self.runner
@@ -309,12 +342,19 @@ class MemberFleet:
         described = r.role.describe(r.state) if r.state is not None else {}
         rates = self.rates.update(now, {"in": s.consumed, "out": s.produced,
                                         "handled": s.handled})
+        consumed, produced, active_at = self._activity
+        if (s.consumed, s.produced) != (consumed, produced):
+            self._activity = (s.consumed, s.produced, time.time())
         detail = {
             "interval_s": r.cfg.fleet_heartbeat_interval_s,
             "group_id": r.group_id, "consumed": s.consumed, "handled": s.handled,
             "produced": s.produced, "dead_lettered": s.dead_lettered, "retries": s.retries,
             "started_at": self.control.started_at, "lag_approximate": True,
+            "idle_s": round(time.time() - self._activity[2], 1),
             "describe": numeric(described), "metrics": self.last_role_metrics,
+            # Which key this member verifies commands with (its id, never the key), so
+            # the CLI can say when it lacks the run's key instead of timing out.
+            "signing_key_id": key.key_id if (key := r.cfg.signing_key()) else None,
         }
         r._publish_own(FleetEvent(
             member_id=r.member_id, role=r.role.name,
@@ -389,6 +429,7 @@ class MemberView:
             "policy_version": e.policy_version, "rates": e.rates, "lag": e.lag,
             "lag_total": sum(e.lag.values()) if e.lag else None,
             "dead_lettered": int(e.detail.get("dead_lettered", 0)),
+            "idle_s": e.detail.get("idle_s"),
             "staleness_mean": metrics.get("trainer/staleness_mean"),
             "staleness_max": metrics.get("trainer/staleness_max"),
             "detail": e.detail,
@@ -443,6 +484,22 @@ def _read_heartbeats(cfg: BusConfig, tail: int | None
     return latest, oldest, counts
 
 
+def stall(members: Iterable[MemberView], stall_after_s: float) -> str | None:
+    """An alarm when every live running member has been idle (consumed and produced
+    nothing) for ``stall_after_s`` or longer: a fleet that claims to run but does not
+    move (e.g. its broker lost the topics). None when some member moves."""
+    running = [m for m in members if m.live and m.event.status == "running"]
+    idle = [m for m in running if isinstance(m.event.detail.get("idle_s"), (int, float))]
+    if not running or len(idle) < len(running):
+        return None
+    least = min(float(m.event.detail["idle_s"]) + m.age_s for m in idle)
+    if least < stall_after_s:
+        return None
+    return (f"stalled: all {len(running)} running member(s) have consumed and produced "
+            f"nothing for at least {least:.0f} s; is the broker healthy (`tapioca topics "
+            "list`: every topic there, with its partitions)? are inputs flowing?")
+
+
 def resolve_target(members: Iterable[MemberView], target: str) -> list[MemberView]:
     """The members a target (role name, member id or "all") names among those that are
     live or only recently stale; a target that names none is an error listing what is
@@ -463,6 +520,24 @@ def resolve_target(members: Iterable[MemberView], target: str) -> list[MemberVie
     ids = sorted(m.event.member_id for m in reachable)
     raise ControlError(f"no live member matches {target!r}{hint}; live roles: "
                        f"{', '.join(roles)}; live members: {', '.join(ids)}; or use 'all'")
+
+
+def check_signing(cfg: BusConfig, members: Iterable[MemberView]) -> None:
+    """Refuse to send a command the members would dead-letter: they verify with a key
+    (their heartbeats name its id) that this config lacks or does not match."""
+    ids = {m.event.detail.get("signing_key_id") for m in members} - {None}
+    if not ids:
+        return
+    key = cfg.signing_key()
+    if key is None:
+        raise ControlError(
+            f"the members verify signed commands (key id {', '.join(sorted(ids))}) and no key "
+            "is given: pass --run-dir RUN_DIR (the run's directory, whose secrets/bus.key "
+            "signs its commands) or --key-file PATH, or set $TAPIOCA_SIGNING_KEY_FILE")
+    if key.key_id not in ids:
+        raise ControlError(
+            f"the key {key.path} (id {key.key_id}) is not the one the members verify with "
+            f"({', '.join(sorted(ids))}): is it another run's? pass that run's --run-dir")
 
 
 def send_command(cfg: BusConfig, command: str, target: str, expect: Iterable[str], *,

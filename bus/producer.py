@@ -8,6 +8,10 @@ When the broker forgets our producer id (a memory broker restarted: UnknownProdu
 forever, see KAFKA_NOTES.md) or the idempotent producer hits a fatal error, the
 producer is recreated and the undelivered records are sent again. Consumers
 de-duplicate by event identity, so a resend after an ambiguous failure is harmless.
+
+Events of signed topics (control, weights) get the run's HMAC in the ``tapioca.sig``
+header when the config names a key (bus/signing.py); ``publish_raw`` sends bytes as
+they are (a republished record keeps only the headers it is given).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from confluent_kafka import KafkaError, Producer
 
 from tapioca.bus.settings import BusConfig
+from tapioca.bus.signing import SIGNATURE_HEADER
 from tapioca.schemas.envelope import Event, encode_event
 from tapioca.schemas.errors import BusError
 from tapioca.schemas.registry import TopicSpec, topic_for
@@ -90,11 +95,15 @@ class EventProducer:
     def publish(
         self, event: Event, *, topic: TopicSpec | None = None, headers: Headers | None = None,
     ) -> None:
-        """Encode (validating first) and enqueue one event; ``flush()`` confirms delivery."""
+        """Encode (validating first) and enqueue one event; ``flush()`` confirms delivery.
+        Events of a signed topic are signed with the run's key (bus/signing.py)."""
         self.stamp(event)
         spec = topic or topic_for(event)
         value = encode_event(event, max_bytes=self.cfg.max_message_bytes)
         key = spec.key_of(event).encode()
+        signing = self.cfg.signing_key() if spec.signed else None
+        if signing is not None:
+            headers = [*(headers or ()), (SIGNATURE_HEADER, signing.sign(value))]
         self.publish_raw(self.cfg.topic(spec), key, value, headers)
 
     def publish_raw(
@@ -136,6 +145,13 @@ class EventProducer:
             if left and not failed and time.monotonic() < deadline:
                 continue
             fatal_codes = {err.code() for err in failed.values()}
+            missing = self._missing_topics() if attempts == 0 else []
+            if missing:
+                # No new producer helps: the topic is gone (a broker that lost its data).
+                raise BusError(
+                    f"{len(failed) or pending} event(s) were not delivered to "
+                    f"{self.cfg.bootstrap_servers}: topic(s) {', '.join(missing)} do not exist "
+                    "(did the broker lose its data?); `tapioca topics create` creates them")
             recreate = self._fatal or bool(fatal_codes & _RECREATE_CODES) or (left and not failed)
             if not recreate or attempts >= self.max_recreates or time.monotonic() >= deadline:
                 first = next(iter(failed.values()), None)
@@ -146,6 +162,22 @@ class EventProducer:
                 )
             attempts += 1
             self._recreate()
+
+    def _missing_topics(self) -> list[str]:
+        """Topics of undelivered records that the cluster does not have (best effort)."""
+        with self._lock:
+            topics = sorted({t for t, *_ in self._pending.values()})
+        missing = []
+        try:
+            md = self._producer.list_topics(timeout=2).topics
+        except Exception:  # the broker is unreachable: that is not a missing topic
+            return []
+        for name in topics:
+            t = md.get(name)
+            if t is None or t.error is not None and t.error.code() in (
+                    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+                missing.append(name)
+        return missing
 
     def _recreate(self) -> None:
         """Replace the producer (new producer id) and resend everything undelivered."""

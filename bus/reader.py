@@ -130,8 +130,10 @@ class TopicReader:
                             msg.value(),
                             allowed_types=self.spec.value_types if self.spec else None,
                             max_bytes=self.cfg.max_message_bytes)
+                        # Signed topics: an unsigned or forged record is an error, not an event.
+                        self.cfg.verify(self.spec, msg.value(), msg.headers())
                     except SchemaError as exc:
-                        error = exc
+                        event, error = None, exc
                 yield Record(source, msg.value(), event, error, list(msg.headers() or []))
                 count += 1
                 if max_records is not None and count >= max_records:

@@ -5,7 +5,9 @@ Consumes the role's ``group_inputs`` as one consumer group and its
 calls ``role.handle``; publishes what it returns; and, once those outputs are
 delivered, commits offsets (as far as ``role.committable`` allows).
 
-A record that cannot be decoded or validated goes to ``dlq.v1`` at once; a handler
+A record that cannot be decoded or validated, or a record of a signed topic (control,
+weights) whose signature does not verify under the run's key (bus/signing.py), goes to
+``dlq.v1`` at once; a handler
 that raises is retried ``bus.handler_max_attempts`` times with backoff, then its event
 is dead-lettered. Either way the loop goes on and nothing else is lost.
 
@@ -112,6 +114,12 @@ class RoleRunner:
     def run(self, *, max_seconds: float | None = None) -> Any:
         """Run the loop; returns the role's final state."""
         self._install_signals()
+        # A configured key that is missing or unreadable stops the member here, saying how
+        # to fix it (bus/signing.py).
+        if self.cfg.signing_key() is None:
+            log.warning("%s: no bus.signing_key_path: control commands and weights events are "
+                        "neither signed nor verified (anyone who can write to the bus can "
+                        "command this member); `tapioca train` sets one", self.member_id)
         self.state = self.role.init_state()
         if self.role.recover_from:
             self.role.recover(self.state, self._latest_events(self.role.recover_from))
@@ -309,6 +317,8 @@ class RoleRunner:
         try:
             event = decode_event(raw, allowed_types=spec.value_types,
                                  max_bytes=self.cfg.max_message_bytes)
+            # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py).
+            self.cfg.verify(spec, raw, msg.headers())
         except SchemaError as exc:
             self._dead_letter(raw, source, exc, attempts=1)
         else:
@@ -354,7 +364,9 @@ class RoleRunner:
         follow progress and backlogs from the log."""
         s = self.stats
         metrics = {"bus/consumed": s.consumed, "bus/handled": s.handled, "bus/produced": s.produced,
-                   "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries}
+                   "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries,
+                   # A paused member is idle on purpose (the launcher's stall alarm).
+                   "bus/paused": self.control.paused}
         for key, value in self.role.describe(self.state).items():
             if isinstance(value, (int, float)):  # bools too
                 metrics[f"{self.role.name}/{key}"] = value

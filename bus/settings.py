@@ -4,6 +4,12 @@ Defaults follow KAFKA_NOTES.md: fast group joins (``session.timeout.ms=6000``,
 ``heartbeat.interval.ms=500``), low fetch latency (``fetch.wait.max.ms=10``, because
 some brokers do not answer a waiting fetch when data arrives), manual commits, and a
 raised message size limit. ``extra_producer`` / ``extra_consumer`` pass anything else.
+
+Security (docs/security.md): ``security_protocol``, ``sasl_*`` and ``ssl_*`` go to every
+client (producer, consumer, admin). Passwords are never config values: they are read
+at connect time from an environment variable or a 0600 file and never logged; the
+config (and the run's config.yaml) holds only where to find them. ``signing_key_path``
+names the run's HMAC key (bus/signing.py) for the signed topics.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from tapioca.bus.signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
 from tapioca.schemas.envelope import DEFAULT_MAX_EVENT_BYTES
 from tapioca.schemas.errors import ConfigError
 from tapioca.schemas.registry import DEFAULT_PREFIX, TopicSpec
 
 BOOTSTRAP_ENV = "TAPIOCA_BOOTSTRAP"
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
 
 _kafka_log = logging.getLogger("tapioca.kafka")
 
@@ -57,12 +66,38 @@ class BusConfig:
     # Kafka's group heartbeat (heartbeat_interval_ms above); a member whose last
     # heartbeat is older than three intervals is shown as stale by `tapioca status`.
     fleet_heartbeat_interval_s: float = 2.0
+    # The run's HMAC key file (bus/signing.py; `tapioca train` creates
+    # <run dir>/secrets/bus.key). Empty: $TAPIOCA_SIGNING_KEY_FILE, else control and
+    # weights events are neither signed nor verified.
+    signing_key_path: str = ""
+    # Kafka security, passed to every client (docs/security.md). PLAINTEXT, SSL,
+    # SASL_PLAINTEXT or SASL_SSL.
+    security_protocol: str = "PLAINTEXT"
+    # PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER or GSSAPI (SASL_* protocols).
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    # The SASL password is never a config value: the environment variable named here,
+    # or (when set) a file readable by its owner only.
+    sasl_password_env: str = "TAPIOCA_SASL_PASSWORD"
+    sasl_password_file: str = ""
+    # CA bundle that signed the brokers' certificates (SSL, SASL_SSL); empty: the
+    # system's CAs.
+    ssl_ca_location: str = ""
+    # Client certificate and key for mutual TLS (optional), and the key's password
+    # from an environment variable.
+    ssl_certificate_location: str = ""
+    ssl_key_location: str = ""
+    ssl_key_password_env: str = ""
+    # "https" checks the broker's host name against its certificate; "none" does not.
+    ssl_endpoint_identification_algorithm: str = "https"
     extra_producer: dict[str, Any] = field(default_factory=dict)
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bootstrap_servers:
             self.bootstrap_servers = os.environ.get(BOOTSTRAP_ENV, "")
+        if not self.signing_key_path:
+            self.signing_key_path = os.environ.get(KEY_FILE_ENV, "")
         if not self.client_id:
             self.client_id = f"tapioca-{socket.gethostname()}-{os.getpid()}"
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
@@ -78,6 +113,79 @@ class BusConfig:
             raise ConfigError(
                 f"bus.fleet_heartbeat_interval_s={self.fleet_heartbeat_interval_s} must be > 0 "
                 "(seconds between a member's heartbeats on fleet.v1)")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        if self.security_protocol.upper() not in SECURITY_PROTOCOLS:
+            raise ConfigError(f"bus.security_protocol={self.security_protocol!r}: use one of "
+                              f"{', '.join(SECURITY_PROTOCOLS)}")
+        self.security_protocol = self.security_protocol.upper()
+        sasl = self.security_protocol.startswith("SASL_")
+        if sasl and self.sasl_mechanism.upper() not in SASL_MECHANISMS:
+            raise ConfigError(f"bus.security_protocol={self.security_protocol} needs "
+                              f"bus.sasl_mechanism: one of {', '.join(SASL_MECHANISMS)}")
+        if not sasl and self.sasl_mechanism:
+            raise ConfigError(f"bus.sasl_mechanism={self.sasl_mechanism} needs "
+                              "bus.security_protocol SASL_PLAINTEXT or SASL_SSL")
+        if sasl and self.sasl_mechanism.upper() in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512") \
+                and not self.sasl_username:
+            raise ConfigError(f"bus.sasl_mechanism={self.sasl_mechanism} needs bus.sasl_username "
+                              "(the password comes from $" + (self.sasl_password_env or "...")
+                              + " or bus.sasl_password_file)")
+        if self.ssl_endpoint_identification_algorithm not in ("https", "none"):
+            raise ConfigError("bus.ssl_endpoint_identification_algorithm must be https or none")
+
+    def signing_key(self) -> SigningKey | None:
+        """The run's signing key (read once per file version), or None when unsigned."""
+        return cached_key(self.signing_key_path) if self.signing_key_path else None
+
+    def verify(self, spec: TopicSpec | None, value: bytes | None, headers) -> None:
+        """Raise SignatureError (a SchemaError) when ``spec`` is a signed topic, this
+        config has a key, and the record's signature does not verify under it."""
+        if spec is None or not spec.signed:
+            return
+        key = self.signing_key()
+        if key is not None:
+            key.verify(value, headers)
+
+    def sasl_password(self) -> str:
+        """The SASL password, from bus.sasl_password_file or $bus.sasl_password_env."""
+        if self.sasl_password_file:
+            return read_secret_file(self.sasl_password_file, "the SASL password file")
+        value = os.environ.get(self.sasl_password_env, "") if self.sasl_password_env else ""
+        if not value:
+            raise ConfigError(
+                f"bus.sasl_mechanism={self.sasl_mechanism} needs a password: set "
+                f"${self.sasl_password_env or 'TAPIOCA_SASL_PASSWORD'} or bus.sasl_password_file "
+                "(a file readable by its owner only)")
+        return value
+
+    def security_conf(self) -> dict[str, Any]:
+        """librdkafka's security keys for this config (secrets resolved now)."""
+        conf: dict[str, Any] = {}
+        if self.security_protocol == "PLAINTEXT":
+            return conf
+        conf["security.protocol"] = self.security_protocol
+        if self.security_protocol.startswith("SASL_"):
+            mech = self.sasl_mechanism.upper()
+            conf["sasl.mechanism"] = mech
+            if mech in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+                conf["sasl.username"] = self.sasl_username
+                conf["sasl.password"] = self.sasl_password()
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            conf["ssl.endpoint.identification.algorithm"] = self.ssl_endpoint_identification_algorithm
+            for key, value in (("ssl.ca.location", self.ssl_ca_location),
+                               ("ssl.certificate.location", self.ssl_certificate_location),
+                               ("ssl.key.location", self.ssl_key_location)):
+                if value:
+                    conf[key] = value
+            if self.ssl_key_password_env:
+                password = os.environ.get(self.ssl_key_password_env, "")
+                if not password:
+                    raise ConfigError(f"bus.ssl_key_password_env names ${self.ssl_key_password_env}, "
+                                      "which is not set")
+                conf["ssl.key.password"] = password
+        return conf
 
     def require_bootstrap(self) -> str:
         if not self.bootstrap_servers:
@@ -96,6 +204,7 @@ class BusConfig:
             "client.id": self.client_id,
             "broker.address.family": "v4",
             "logger": _ClientLogger(),
+            **self.security_conf(),
         }
 
     def producer_conf(self) -> dict[str, Any]:
@@ -110,6 +219,11 @@ class BusConfig:
             # The Java client's partitioner: a group's trajectories (ours) and rewards
             # (an external scorer's, maybe in Java) must land on the same partition.
             "partitioner": "murmur2_random",
+            # Never let a produce create a topic: after a broker lost its topics, the
+            # broker's defaults (4 partitions for weights.v1, no cleanup policy) would
+            # silently replace the registry's. A missing topic is an error instead, and
+            # `tapioca topics create` (or the launcher) re-creates it right.
+            "allow.auto.create.topics": False,
         }
         conf.update(self.extra_producer)
         return conf

@@ -416,9 +416,12 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     # 0 = any free port (printed at start).
     port: int = 8000
-    # Admin key: starts sessions (`POST /v1/sessions`). Empty: a random key is generated
-    # and printed at start.
+    # Admin key: starts sessions (`POST /v1/sessions`). Prefer api_key_file: a key here
+    # is written into the run's config.yaml. Both empty: a random key is generated and
+    # printed at start (`tapioca train` writes one to <run dir>/secrets/proxy-admin.key).
     api_key: str = ""
+    # A file holding the admin key, readable by its owner only (0600).
+    api_key_file: str = ""
     # The model name `/v1/models` lists (requests may name any model).
     served_model_name: str = "tapioca"
     # One request: prompt tokens + n x max_tokens.
@@ -444,6 +447,18 @@ class ProxyConfig:
                  f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
         _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
         _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+        _require(not (self.api_key and self.api_key_file),
+                 "set proxy.api_key or proxy.api_key_file, not both (prefer the file: the "
+                 "run's config.yaml is not secret)")
+
+    def admin_key(self) -> str:
+        """The admin key: proxy.api_key, or the content of proxy.api_key_file ("" if
+        neither is set)."""
+        if self.api_key_file:
+            from tapioca.bus.signing import read_secret_file
+
+            return read_secret_file(self.api_key_file, "the proxy admin key file (proxy.api_key_file)")
+        return self.api_key
 
 
 @dataclass
@@ -529,6 +544,55 @@ class AgentConfig:
                  "'python examples/agents/openai_agent.py'")
 
 
+@dataclass
+class LauncherConfig:
+    """`tapioca train`'s supervisor (ops/launcher.py): restarts crashed roles, watches
+    the broker and raises alarms when the run stops moving."""
+
+    # Restarts of one role member within restart_window_s before the run stops with its
+    # error (0: never restart; the first crash ends the run).
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    # Wait before restarting a crashed member: restart_backoff_s, doubled for each
+    # restart of that member within the window, at most restart_backoff_max_s.
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    # Alarm when no role handled or produced anything (or no role reported at all) for
+    # this long although some are running and not paused (e.g. a broker lost its data).
+    stall_alarm_s: float = 60.0
+    # How often the launcher checks that the broker answers and that every topic exists
+    # with its partitions; lost topics are re-created and the roles restarted.
+    topic_check_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(self.max_restarts >= 0, "launcher.max_restarts must be >= 0 (0: never restart)")
+        _require(self.restart_window_s > 0, "launcher.restart_window_s must be > 0")
+        _require(self.restart_backoff_s >= 0, "launcher.restart_backoff_s must be >= 0")
+        _require(self.restart_backoff_max_s >= self.restart_backoff_s,
+                 "launcher.restart_backoff_max_s must be >= launcher.restart_backoff_s")
+        _require(self.stall_alarm_s > 0, "launcher.stall_alarm_s must be > 0")
+        _require(self.topic_check_interval_s > 0, "launcher.topic_check_interval_s must be > 0")
+
+
+# A run resumed on a broker that lost its log (a memory broker restarted, a fresh
+# broker) gets a new bus run id, "<experiment>.<trial>@<n>": its group ids then cannot
+# collide with those its checkpoint trained on the earlier log (ops/launcher.py).
+BUS_LIFETIME_SEP = "@"
+
+
+def split_bus_run_id(bus_run_id: str) -> tuple[str, int]:
+    """``("demo.t0", 3)`` for ``"demo.t0@3"``; ``(id, 1)`` for an id without a lifetime."""
+    base, sep, n = bus_run_id.rpartition(BUS_LIFETIME_SEP)
+    if sep and n.isdigit():
+        return base, int(n)
+    return bus_run_id, 1
+
+
+def next_bus_run_id(bus_run_id: str) -> str:
+    base, n = split_bus_run_id(bus_run_id)
+    return f"{base}{BUS_LIFETIME_SEP}{n + 1}"
+
+
 def name_trial(cfg: Any) -> None:
     """An empty ``trial_name`` (of a TrainConfig or an OfflineTrainConfig) means a new
     trial: name it by the start time, so the run id and run dir are ``experiment.time``."""
@@ -560,6 +624,7 @@ class TrainConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
@@ -575,6 +640,12 @@ class TrainConfig:
     @property
     def run_id(self) -> str:
         return f"{self.experiment_name}.{self.trial_name}"
+
+    @property
+    def bus_run_id(self) -> str:
+        """The run id on the bus: ``run_id``, or ``run_id@n`` for the n-th broker
+        lifetime of a resumed run (set by the launcher in ``bus.run_id``)."""
+        return self.run_id if self.bus.run_id == "default" else self.bus.run_id
 
     @property
     def run_path(self) -> str:

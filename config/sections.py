@@ -89,6 +89,9 @@ class TrainerSection:
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    # The run id on the bus (one per broker lifetime, TrainConfig.bus_run_id); "" when
+    # the trainer is used without a launcher-resolved run.
+    bus_run_id: str = ""
 
 
 def feeder_section(cfg: TrainConfig) -> FeederSection:
@@ -114,7 +117,7 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           cfg.train_dataset.prompts_per_step, cfg.total_train_steps,
                           temperature, cfg.run_path, cfg.seed, cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill)
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id)
 
 
 @dataclass
@@ -135,7 +138,7 @@ class ProxySection:
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(cfg.proxy, cfg.model, cfg.gconfig, cfg.rollout,
                         cfg.rollout.max_head_offpolicyness, cfg.train_dataset.prompts_per_step,
-                        cfg.run_id, cfg.seed)
+                        cfg.bus_run_id, cfg.seed)
 
 
 @dataclass
@@ -166,4 +169,5 @@ class AgentSection:
 
 
 def agent_section(cfg: TrainConfig) -> AgentSection:
-    return AgentSection(cfg.agent, cfg.train_dataset, cfg.gconfig, cfg.proxy, cfg.run_id, cfg.seed)
+    return AgentSection(cfg.agent, cfg.train_dataset, cfg.gconfig, cfg.proxy, cfg.bus_run_id,
+                        cfg.seed)

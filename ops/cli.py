@@ -1,8 +1,11 @@
 """`tapioca`: the one command for everything a person does with a Tapioca fleet.
 
 Global options: ``--bootstrap-server`` (or ``$TAPIOCA_BOOTSTRAP``; else the broker of
-``tapioca broker up``) and ``--prefix`` (topic prefix, default ``tapioca``). Errors
-are one line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
+``tapioca broker up``), ``--prefix`` (topic prefix, default ``tapioca``), and
+``--run-dir`` (a run's directory: its config.yaml gives the broker, prefix and security
+settings unless the flags do, and its ``secrets/bus.key`` signs commands) or
+``--key-file`` (the signing key alone; or ``$TAPIOCA_SIGNING_KEY_FILE``). Errors are one
+line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 broker_app = typer.Typer(no_args_is_help=True, help="The embedded (Tansu) broker.")
 topics_app = typer.Typer(no_args_is_help=True, help="Create and inspect Tapioca topics.")
 schemas_app = typer.Typer(no_args_is_help=True, help="Event JSON Schemas.")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Trainer checkpoints.")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 console = Console()
 OUTPUT_HELP = "table (for people) or json (for scripts)"
@@ -34,8 +39,10 @@ OUTPUT_HELP = "table (for people) or json (for scripts)"
 
 class _Globals:
     bootstrap: Optional[str] = None
-    prefix: str = "tapioca"
+    prefix: Optional[str] = None
     debug: bool = False
+    run_dir: Optional[str] = None
+    key_file: Optional[str] = None
 
 
 G = _Globals()
@@ -46,21 +53,63 @@ def _main(
     bootstrap_server: Optional[str] = typer.Option(
         None, "--bootstrap-server", "-b", help="Kafka bootstrap servers (HOST:PORT).",
         envvar="TAPIOCA_BOOTSTRAP"),
-    prefix: str = typer.Option("tapioca", "--prefix", help="Topic prefix."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="Topic prefix (default: the "
+                                         "--run-dir config's, else tapioca)."),
+    run_dir: Optional[str] = typer.Option(
+        None, "--run-dir", help="A run's directory (runs/EXPERIMENT/TRIAL): its config.yaml's "
+        "bus settings and its secrets/bus.key (which signs control commands)."),
+    key_file: Optional[str] = typer.Option(
+        None, "--key-file", envvar="TAPIOCA_SIGNING_KEY_FILE",
+        help="The run's signing key file (default: RUN_DIR/secrets/bus.key)."),
     debug: bool = typer.Option(False, "--debug", help="Show stack traces."),
 ) -> None:
     G.bootstrap = bootstrap_server
     G.prefix = prefix
     G.debug = debug
+    G.run_dir = run_dir
+    G.key_file = key_file
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-def bus_config(**overrides):
-    from tapioca.bus.settings import BusConfig
+def run_bus_section(run_dir: str) -> dict:
+    """The ``bus`` section of a run directory's config.yaml (written by `tapioca train`)."""
+    from pathlib import Path
 
-    return BusConfig(bootstrap_servers=broker_state.resolve_bootstrap(G.bootstrap),
-                     topic_prefix=G.prefix, **overrides)
+    import yaml
+
+    from tapioca.schemas.errors import ConfigError
+
+    path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is not a directory (a run's directory is "
+                          "runs/EXPERIMENT/TRIAL)")
+    if not path.exists():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("bus") or {})
+
+
+def bus_config(**overrides):
+    from pathlib import Path
+
+    from tapioca.bus.settings import BusConfig
+    from tapioca.bus.signing import key_path_of_run
+
+    section = run_bus_section(G.run_dir) if G.run_dir else {}
+    for name in ("client_id", "run_id"):
+        section.pop(name, None)  # this process's own
+    section.update(
+        bootstrap_servers=broker_state.resolve_bootstrap(
+            G.bootstrap, section.get("bootstrap_servers")),
+        topic_prefix=G.prefix or section.get("topic_prefix") or "tapioca")
+    if G.key_file:
+        section["signing_key_path"] = G.key_file
+    elif G.run_dir and not section.get("signing_key_path"):
+        default = key_path_of_run(G.run_dir)
+        if Path(default).exists():
+            section["signing_key_path"] = str(default)
+    section.update(overrides)
+    return BusConfig(**section)
 
 
 def emit_json(obj) -> None:
@@ -117,6 +166,40 @@ def broker_status(output: str = typer.Option("table", "-o", "--output", help=OUT
                       f"answering: {status['answering']}")
     if not status["running"]:
         raise typer.Exit(3)
+
+
+# ---------------------------------------------------------------------- keys
+
+
+@app.command("keygen")
+def keygen(path: str = typer.Argument(..., help="Where to write the key (e.g. "
+                                      "runs/compose/secrets/bus.key).")) -> None:
+    """Create a signing key for control commands and weights events (a 0600 file; an
+    existing key is kept). Name it in the run's config as bus.signing_key_path."""
+    from tapioca.bus.signing import create_key_file
+
+    key = create_key_file(path)
+    console.print(f"signing key {key.key_id} at {path} (bus.signing_key_path={path})")
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+@checkpoint_app.command("migrate")
+def checkpoint_migrate(run_dir: str = typer.Argument(..., help="The run directory "
+                                                     "(runs/EXPERIMENT/TRIAL).")) -> None:
+    """Convert a run's old pickle checkpoints (checkpoints/*.pt) to safetensors + JSON.
+    They are read with torch.load(weights_only=True), which refuses code; the .pt files
+    are kept (delete them once the run resumes)."""
+    from pathlib import Path
+
+    from tapioca.trainers.checkpoint import migrate_legacy
+
+    olds = sorted((Path(run_dir) / "checkpoints").glob("*.pt"))
+    if not olds:
+        raise TapiocaError(f"no old checkpoints (*.pt) in {Path(run_dir) / 'checkpoints'}")
+    for old in olds:
+        console.print(f"{old} -> {migrate_legacy(old)}")
 
 
 # ---------------------------------------------------------------------- topics

@@ -30,8 +30,24 @@ def _backlogs(status: dict[str, dict]) -> tuple[float, float] | None:
     return max(prompts, 0.0), max(samples, 0.0)
 
 
+def _supervision_caption(health: dict | None) -> str | None:
+    """Restarts, pending restarts, alarms (red) and the latest notices of the launcher's
+    supervisor (Launcher.health), or None when there is nothing to say."""
+    if not health:
+        return None
+    lines = [f"[bold red]ALARM[/] {a}" for a in health.get("alarms", [])]
+    restarts = health.get("restarts") or {}
+    if restarts or health.get("pending"):
+        text = "restarts: " + (", ".join(f"{m} x{n}" for m, n in sorted(restarts.items())) or "-")
+        if health.get("pending"):
+            text += f" (restarting: {', '.join(health['pending'])})"
+        lines.append(f"[yellow]{text}[/]")
+    lines += [f"[dim]{n}[/]" for n in health.get("notices", [])]
+    return "\n".join(lines) or None
+
+
 def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: float,
-                    recent: list[float]) -> Table:
+                    recent: list[float], health: dict | None = None) -> Table:
     table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
     for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
                 "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
@@ -48,6 +64,8 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
         f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
     )
+    table.caption = _supervision_caption(health)
+    table.caption_justify = "left"
     return table
 
 
@@ -71,6 +89,9 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     launcher = Launcher(cfg)
     with Live(_progress_table(latest, status, started, recent), console=console,
               refresh_per_second=2, transient=False, auto_refresh=live) as view:
+        def redraw() -> None:
+            view.update(_progress_table(latest, status, started, recent, launcher.health()))
+
         def on_metrics(row: dict) -> None:
             if "bus/handled" in row:
                 status[row["source"]] = row
@@ -79,12 +100,16 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
                 latest[role] = row
                 if role == "trainer" and "reward/mean" in row:
                     recent.append(row["reward/mean"])
-            view.update(_progress_table(latest, status, started, recent))
+            redraw()
 
         launcher.on_metrics = on_metrics
+        # Restarts and alarms change when no metrics arrive (a stall): redraw each turn.
+        launcher.on_tick = redraw
         try:
             launcher.start()
-            console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers})")
+            bus_id = "" if cfg.bus.run_id == cfg.run_id else f", bus run id {cfg.bus.run_id}"
+            console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
+                          f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)")
             summary = launcher.wait()
         except KeyboardInterrupt:
             console.print("interrupted: stopping every role")
@@ -94,14 +119,16 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     if not console.is_terminal:  # there, the live table's last line has no newline
         console.print()
     means = summary.window_means()
+    supervision = summary.supervision_line()
+    supervision = f" ({supervision})" if supervision else ""
     if means is None:
-        console.print(f"done: no training step completed ({summary.run_dir})")
+        console.print(f"done: no training step completed ({summary.run_dir}){supervision}")
         return
     first, last, w = means
     steps = f"{w} steps" if w > 1 else "step"
     console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
-                  f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}. "
-                  f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
+                  f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
+                  f"{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
 
 
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

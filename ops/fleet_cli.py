@@ -48,24 +48,29 @@ def status(
                                      "heartbeat is older than --since."),
     since_s: float = typer.Option(600.0, "--since", help="Hide members silent for longer "
                                   "than this many seconds (unless --all)."),
+    stall_after_s: float = typer.Option(60.0, "--stall-after", help="Raise the stall alarm "
+                                        "when every running member has been idle this long."),
 ) -> None:
     """The fleet: every member's role, status, version, throughput, lag, staleness and
-    dead letters, from the heartbeats on fleet.v1."""
+    dead letters, from the heartbeats on fleet.v1; a stall alarm (on stderr, exit code
+    4) when every running member has been idle for --stall-after seconds."""
     from tapioca.bus.admin import admin_client
-    from tapioca.bus.fleet import TARGETABLE_STALE_S, read_fleet
+    from tapioca.bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
 
     _check_output(output)
     cfg = bus_config()
     admin_client(cfg)
     window = None if all_members else max(since_s, TARGETABLE_STALE_S)
     members = [m for m in read_fleet(cfg, window_s=window) if all_members or m.age_s <= since_s]
+    alarm = stall(members, stall_after_s)
     if output == "json":
         emit_json([m.to_json() for m in members])
+        _stall_exit(alarm)
         return
     table = Table(title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
     for col in ("member", "role", "status"):
         table.add_column(col, no_wrap=True)
-    for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "seen"):
+    for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "idle", "seen"):
         table.add_column(col, justify="right")
     for m in members:
         j = m.to_json()
@@ -75,12 +80,24 @@ def status(
         table.add_row(j["member_id"], j["role"], state, str(j["policy_version"]),
                       f"{_fmt(j['rates'].get('in_per_s'))}/{_fmt(j['rates'].get('out_per_s'))}",
                       "-" if j["lag_total"] is None else str(j["lag_total"]), staleness,
-                      str(j["dead_lettered"]), f"{j['age_s']:.0f}s ago")
+                      str(j["dead_lettered"]),
+                      "-" if j["idle_s"] is None else f"{j['idle_s']:.0f}s",
+                      f"{j['age_s']:.0f}s ago")
     table.caption = ("lag~: approximate (broker watermarks); staleness: mean/max versions "
                      "of the trainer's last step")
     if not members:
         table.caption = "no heartbeats on fleet.v1 (are roles running under this --prefix?)"
     console.print(table)
+    _stall_exit(alarm)
+
+
+def _stall_exit(alarm: str | None) -> None:
+    """The stall alarm goes to stderr with exit code 4, so scripts and monitors see it."""
+    if alarm:
+        import sys
+
+        sys.stderr.write(f"ALARM: {alarm}\n")
+        raise typer.Exit(4)
 
 
 # ---------------------------------------------------------------------- commands
@@ -90,10 +107,17 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
              output: str, run_id: str | None = None, members=None) -> dict:
     """Check the target against the live fleet, send, wait for acks, report; raise when
     a member did not acknowledge or refused."""
-    from tapioca.bus.fleet import ControlError, read_fleet, resolve_target, send_command
+    from tapioca.bus.fleet import (
+        ControlError,
+        check_signing,
+        read_fleet,
+        resolve_target,
+        send_command,
+    )
 
     cfg = bus_config()
     chosen = resolve_target(members if members is not None else read_fleet(cfg), target)
+    check_signing(cfg, chosen)
     expect = [m.event.member_id for m in chosen]
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
                                run_id=run_id)

@@ -1,15 +1,40 @@
 """`tapioca train`: one run, every role its own OS process, all meeting on the log.
 
 Starts the embedded broker when no bootstrap server is configured, creates topics,
-creates the tiny model when ``model.path`` is empty, writes the resolved config to
-the run directory, launches the roles (``tapioca role NAME``), follows ``metrics.v1``
-for a live display, and stops every child cleanly when the trainer finishes, on
-Ctrl-C, or when a role dies (then exits non-zero with that role's error).
+creates the tiny model when ``model.path`` is empty, writes the run's signing key
+(``secrets/bus.key``, bus/signing.py) and the resolved config to the run directory,
+launches the roles (``tapioca role NAME``), follows ``metrics.v1`` for a live display,
+and stops every child cleanly when the trainer finishes or on Ctrl-C.
+
+Supervision (``launcher`` config section):
+
+- a role that crashes (non-zero exit) is restarted after a backoff that doubles per
+  restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
+  the run stops with an error naming the role and its log. Exit code 78 (a config or
+  file problem, ``EXIT_NO_RESTART``) is never retried. Restarting is safe: every role
+  resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
+- children die with the launcher even when it is killed with SIGKILL: each arms
+  PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
+  process group, which the launcher signals when it stops.
+- the broker is watched every ``launcher.topic_check_interval_s``: when the embedded
+  broker died it is started again on its port; when topics are missing or have the
+  wrong partition count (a broker that lost its data; clients may auto-create them
+  with its defaults) they are re-created from the registry, and since the log is gone,
+  the run moves to a new bus run id and every role is restarted on it.
+- stall alarm: no role handled or produced anything for ``launcher.stall_alarm_s``
+  although some run unpaused (or none reported at all): shown in the display.
+
+Bus run ids (one per broker lifetime): a run resumed on a broker that does not hold its
+log (the embedded memory broker keeps nothing across restarts) would number its groups
+from 0 again and collide with the groups its checkpoint trained. So the launcher gives
+it a new run id on the bus, ``<experiment>.<trial>@<n>`` (config/schema.py), written to
+``bus.run_id``: group ids carry it, the trainer drops the old log's offsets, and the head
+gate counts from there (docs/design-choices.md).
 
 Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
 (``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
-scorers; the launcher fixes the proxy's port and admin key in the written config so
-both sides read the same ones.
+scorers; the launcher fixes the proxy's port and admin key (a 0600 file beside the
+signing key) in the written config so both sides read the same ones.
 """
 
 from __future__ import annotations
@@ -28,9 +53,22 @@ from typing import Callable
 
 from tapioca.bus.broker import EmbeddedBroker
 from tapioca.bus.settings import BOOTSTRAP_ENV
+from tapioca.bus.signing import create_key_file, key_path_of_run
 from tapioca.config.loader import to_yaml
-from tapioca.config.schema import TrainConfig, name_trial
-from tapioca.schemas.errors import TapiocaError
+from tapioca.config.schema import TrainConfig, next_bus_run_id
+from tapioca.ops.parent_death import guarded
+# The run's parts, re-exported: callers and tests import them from here.
+from tapioca.ops.run_setup import (  # noqa: F401
+    PROXY_KEY_FILE_NAME,
+    last_member_warning,
+    prepare_run,
+    resolve_bus_run_id,
+    resolve_proxy_endpoint,
+    role_command,
+    role_counts,
+    run_on_log,
+)
+from tapioca.schemas.errors import BusError, TapiocaError
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +78,13 @@ log = logging.getLogger(__name__)
 ARCHIVER_CATCH_UP_S = 2.0
 
 
+# A role exits with this code for an error no restart can fix (a bad config, a missing
+# key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
+EXIT_NO_RESTART = 78
+
+
 class RoleFailedError(TapiocaError):
-    """A role process exited with an error."""
+    """A role process exited with an error (and was not, or no longer, restarted)."""
 
 
 @dataclass
@@ -50,6 +93,7 @@ class Child:
     member: int
     proc: subprocess.Popen
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def label(self) -> str:
@@ -63,12 +107,48 @@ class Child:
 
 
 @dataclass
+class Restarts:
+    """One member's crash history, for the restart budget and the display."""
+
+    times: list[float] = field(default_factory=list)  # monotonic time of each crash
+    last_code: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.times)
+
+    def recent(self, now: float, window_s: float) -> int:
+        return sum(1 for t in self.times if now - t < window_s)
+
+
+@dataclass
+class PendingRestart:
+    role: str
+    member: int
+    due: float
+
+
+@dataclass
 class RunSummary:
     run_dir: Path
     steps: int = 0
     wall_s: float = 0.0
     rewards: dict[int, float] = field(default_factory=dict)  # step -> mean reward
     history: list[dict] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)  # member -> restarts
+    # Times the broker lost the run's log and the roles moved to a new bus run id.
+    log_recoveries: int = 0
+    bus_run_id: str = ""
+
+    def supervision_line(self) -> str:
+        """What the closing line says about restarts and recoveries ("" if none)."""
+        parts = []
+        if self.restarts:
+            parts.append("restarts: " + ", ".join(f"{m} x{n}" for m, n in sorted(self.restarts.items())))
+        if self.log_recoveries:
+            parts.append(f"broker lost the log {self.log_recoveries}x (now bus run id "
+                         f"{self.bus_run_id})")
+        return "; ".join(parts)
 
     def window_means(self, window: int = 20) -> tuple[float, float, int] | None:
         """``(first, last, w)``: the mean reward of the first and of the last ``w`` steps,
@@ -81,113 +161,74 @@ class RunSummary:
         return sum(values[:w]) / w, sum(values[-w:]) / w, w
 
 
-def prepare_run(cfg: TrainConfig) -> Path:
-    """Resolve the run directory and the model; write the resolved config there."""
-    name_trial(cfg)
-    cfg.run_dir = str(Path(cfg.run_dir).resolve())
-    run_dir = Path(cfg.run_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.model.path:
-        from transformers.utils import logging as hf_logging
-
-        from tapioca.models.factory import create_tiny_checkpoint
-
-        hf_logging.disable_progress_bar()
-        task = "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
-        m = cfg.model
-        cfg.model.path = str(create_tiny_checkpoint(
-            run_dir / "model", task=task, arch=m.arch, hidden_size=m.hidden_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed).resolve())
-    cfg.bus.run_id = cfg.run_id
-    return run_dir
-
-
-def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
-    # reward.scorer none: rewards come from an external service, no built-in scorer.
-    reward = 0 if cfg.reward.scorer == "none" else cfg.reward.workers
-    archiver = 1 if cfg.archive.enabled else 0
-    counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("reward", reward),
-              ("rollout", cfg.rollout.workers), ("feeder", 1)]
-    if cfg.agent.enabled:
-        # Agent mode: the proxy generates and publishes trajectories + session rewards;
-        # agent runners play the dataset's prompts through it (no feeder/rollout/reward).
-        counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
-                  ("agent", cfg.agent.workers)]
-    return [(role, n) for role, n in counts if n > 0]
-
-
-def role_command(role: str, member: int, config_path: Path) -> list[str]:
-    """The command line of one child process."""
-    if role == "proxy":
-        return [sys.executable, "-m", "tapioca.ops.cli", "proxy", "--config", str(config_path)]
-    if role == "agent":
-        return [sys.executable, "-m", "tapioca.agents.runner", "--config", str(config_path),
-                "--member", str(member)]
-    return [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
-            "--member", str(member)]
-
-
-def resolve_proxy_endpoint(cfg: TrainConfig) -> None:
-    """Agent mode: fix the proxy's port and admin key before the config is written, so
-    the proxy and the agent runners read the same ones (port 0 / an empty key would
-    otherwise be chosen by the proxy alone)."""
-    import secrets
-    import socket
-
-    if not cfg.proxy.api_key:
-        cfg.proxy.api_key = "tapioca-admin-" + secrets.token_hex(16)
-    if cfg.proxy.port == 0:
-        with socket.socket() as s:
-            s.bind((cfg.proxy.host, 0))
-            cfg.proxy.port = s.getsockname()[1]
-
-
-def last_member_warning(role: str, config_path: Path) -> str:
-    """What to tell the user when the last live member of ``role`` exited cleanly (a
-    drain): on stderr, since the CLI logs only warnings and the run does not stop."""
-    if role == "archiver":
-        return (f"warning: no archiver member left: the run goes on but is no longer "
-                f"archived; start one with `tapioca role archiver --config {config_path}`\n")
-    if role == "agent":
-        start = f"python -m tapioca.agents.runner --config {config_path}"
-    elif role == "proxy":
-        start = f"tapioca proxy --config {config_path}"
-    else:
-        start = f"tapioca role {role} --config {config_path}"
-    return (f"warning: no {role} member left: the run cannot progress; start one with "
-            f"`{start}` or stop the run (Ctrl-C)\n")
-
-
 class Launcher:
-    def __init__(self, cfg: TrainConfig, *, on_metrics: Callable[[dict], None] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, *, on_metrics: Callable[[dict], None] | None = None,
+                 command_for: Callable[[str, int, Path], list[str]] = role_command) -> None:
         self.cfg = cfg
         self.on_metrics = on_metrics
+        # Called once per turn of the supervision loop (e.g. to redraw a display).
+        self.on_tick: Callable[[], None] | None = None
+        self.command_for = command_for
         self.children: list[Child] = []
         self.broker: EmbeddedBroker | None = None
         self.summary: RunSummary | None = None
+        self.restarts: dict[str, Restarts] = {}
+        self.pending: list[PendingRestart] = []
+        # Current alarms (shown until they clear) and past notices, newest last.
+        self.alarms: dict[str, str] = {}
+        self.notices: list[str] = []
+        self.expected_topics: dict[str, int] = {}
+        self._next_topic_check = 0.0
+        self._status: dict[str, dict] = {}  # member -> its latest bus status metrics
+        self._progress = (None, time.monotonic())  # (sum of counters, when it last changed)
+        self._last_report = time.monotonic()
+        self._reported = False
+        self._reader = None
+
+    # ------------------------------------------------------------------ start
 
     def start(self) -> None:
-        from tapioca.bus.admin import ensure_topics
+        from tapioca.bus.admin import ensure_topics, topic_partitions
 
         run_dir = prepare_run(self.cfg)
         self.summary = RunSummary(run_dir)
+        # The run's key signs control commands and weights events (bus/signing.py); a
+        # resumed run keeps its key. Only the path goes into config.yaml.
+        if not self.cfg.bus.signing_key_path:
+            self.cfg.bus.signing_key_path = str(key_path_of_run(run_dir))
+        create_key_file(self.cfg.bus.signing_key_path)
+        (run_dir / "logs").mkdir(exist_ok=True)
         if not self.cfg.bus.bootstrap_servers:
-            self.broker = EmbeddedBroker(log_path=run_dir / "logs" / "broker.log")
-            (run_dir / "logs").mkdir(exist_ok=True)
-            # Its own session: a Ctrl-C in the terminal must not kill the broker before
-            # the roles have flushed and committed through it.
-            self.broker.start(detach=True)
+            self._start_broker()
             self.cfg.bus.bootstrap_servers = self.broker.bootstrap
         ensure_topics(self.cfg.bus)
+        self.expected_topics = topic_partitions(self.cfg.bus)
+        self.cfg.bus.run_id = resolve_bus_run_id(self.cfg)
+        self.summary.bus_run_id = self.cfg.bus.run_id
         if self.cfg.agent.enabled:
             resolve_proxy_endpoint(self.cfg)
-        config_path = self.config_path
-        config_path.write_text(to_yaml(self.cfg))
-        (run_dir / "logs").mkdir(exist_ok=True)
+        self._write_config()
+        self._spawn_all()
+        self._progress = (None, time.monotonic())
+        self._last_report = time.monotonic()
+        self._next_topic_check = time.monotonic() + self.cfg.launcher.topic_check_interval_s
+
+    def _start_broker(self, port: int | None = None) -> None:
+        run_dir = Path(self.cfg.run_path)
+        # SIGKILL when the launcher dies: a memory broker has nothing to flush.
+        self.broker = EmbeddedBroker(port=port, log_path=run_dir / "logs" / "broker.log",
+                                     wrap=lambda cmd: guarded(cmd, signal.SIGKILL))
+        # Its own session: a Ctrl-C in the terminal must not kill the broker before
+        # the roles have flushed and committed through it.
+        self.broker.start(detach=True)
+
+    def _write_config(self) -> None:
+        self.config_path.write_text(to_yaml(self.cfg))
+
+    def _spawn_all(self) -> None:
         for role, count in role_counts(self.cfg):
             for member in range(count):
-                self._spawn(role, member, config_path)
+                self._spawn(role, member, self.config_path)
 
     @property
     def config_path(self) -> Path:
@@ -207,59 +248,224 @@ class Launcher:
         log_path = Path(self.cfg.run_path) / "logs" / f"{role}-{member}.log"
         env = {**os.environ, BOOTSTRAP_ENV: self.cfg.bus.bootstrap_servers,
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        cmd = role_command(role, member, config_path)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        # The role dies with the launcher (ops/parent_death.py): SIGTERM (flush, commit)
+        # when the broker outlives us, SIGKILL when it is ours and dies too (nothing to
+        # flush to; the roles are crash-safe).
+        sig = signal.SIGKILL if self.broker is not None else signal.SIGTERM
+        cmd = guarded(self.command_for(role, member, config_path), sig)
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child = Child(role, member, proc, log_path)
         self.children.append(child)
         return child
 
-    def wait(self, timeout_s: float | None = None) -> RunSummary:
-        """Follow metrics until the trainer exits; raise RoleFailedError if a role dies."""
-        from tapioca.bus.reader import TopicReader
+    # ------------------------------------------------------------------ supervision
 
+    def wait(self, timeout_s: float | None = None) -> RunSummary:
+        """Follow metrics and supervise until the trainer exits cleanly; raise
+        RoleFailedError when a role fails for good (or after ``timeout_s``)."""
         start = time.monotonic()
         assert self.summary is not None
-        with TopicReader(self.cfg.bus, "metrics") as reader:
+        try:
             while True:
-                for record in reader.records(idle_s=0.2, timeout_s=0.5):
-                    ev = record.event
-                    if ev is None or ev.run_id != self.cfg.run_id:
-                        continue
-                    self._observe(ev.source, ev.step, ev.metrics)
-                self.summary.wall_s = time.monotonic() - start
-                for child in list(self.children):
-                    code = child.proc.poll()
-                    if code is None:
-                        continue
-                    if child.role == "trainer" and code == 0:
-                        # Its last step's metrics may still be in flight: read to the end.
-                        for record in reader.records(idle_s=0.5, timeout_s=3.0):
-                            ev = record.event
-                            if ev is not None and ev.run_id == self.cfg.run_id:
-                                self._observe(ev.source, ev.step, ev.metrics)
-                        return self.summary
-                    if code == 0:
-                        # A clean exit of another role is a `tapioca drain`: the run goes on
-                        # (its work is committed; the rest of the group takes over) -- unless
-                        # it was the role's last member, which the user must hear about.
-                        log.info("role %s exited cleanly (drained)", child.label)
-                        self.children.remove(child)
-                        if not any(c.role == child.role and c.proc.poll() is None
-                                   for c in self.children):
-                            sys.stderr.write(last_member_warning(child.role, self.config_path))
-                            sys.stderr.flush()
-                        continue
-                    raise RoleFailedError(
-                        f"role {child.label} exited with code {code}; last lines of "
-                        f"{child.log_path}:\n{child.log_tail()}")
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                self._read_metrics(idle_s=0.2, timeout_s=0.5)
+                now = time.monotonic()
+                self.summary.wall_s = now - start
+                self._check_broker(now)
+                if self._check_children(now):
+                    # Its last step's metrics may still be in flight: read to the end.
+                    self._read_metrics(idle_s=0.5, timeout_s=3.0)
+                    return self.summary
+                self._start_due(now)
+                self._check_stall(now)
+                if self.on_tick is not None:
+                    self.on_tick()
+                if timeout_s is not None and now - start > timeout_s:
                     raise RoleFailedError(f"the run did not finish within {timeout_s:.0f} s")
+        finally:
+            self._close_reader()
+
+    def _read_metrics(self, *, idle_s: float, timeout_s: float) -> None:
+        from tapioca.bus.reader import TopicReader
+
+        try:
+            if self._reader is None:
+                self._reader = TopicReader(self.cfg.bus, "metrics")
+            for record in self._reader.records(idle_s=idle_s, timeout_s=timeout_s):
+                ev = record.event
+                if ev is None or ev.run_id != self.cfg.bus.run_id:
+                    continue
+                self._observe(ev.source, ev.step, ev.metrics)
+        except BusError as exc:  # the broker is down or lost the topic: checked below
+            log.debug("metrics reader: %s", exc)
+            self._close_reader()
+            time.sleep(timeout_s)
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            try:
+                self._reader.close()
+            except Exception:  # closing after a broker loss must not mask anything
+                pass
+            self._reader = None
+
+    def _check_children(self, now: float) -> bool:
+        """True when the trainer finished; restarts or fails on crashes."""
+        for child in list(self.children):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.role == "trainer" and code == 0:
+                return True
+            self.children.remove(child)
+            if code == 0:
+                # A clean exit of another role is a `tapioca drain`: the run goes on
+                # (its work is committed; the rest of the group takes over) -- unless
+                # it was the role's last member, which the user must hear about.
+                log.info("role %s exited cleanly (drained)", child.label)
+                if not any(c.role == child.role and c.proc.poll() is None for c in self.children) \
+                        and not any(p.role == child.role for p in self.pending):
+                    sys.stderr.write(last_member_warning(child.role, self.config_path))
+                    sys.stderr.flush()
+                continue
+            self._crashed(child, code, now)
+        return False
+
+    def _crashed(self, child: Child, code: int, now: float) -> None:
+        lc = self.cfg.launcher
+        record = self.restarts.setdefault(child.label, Restarts())
+        recent = record.recent(now, lc.restart_window_s)
+        tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
+        if code == EXIT_NO_RESTART:
+            raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
+                                  f"file problem that a restart cannot fix; {tail}")
+        if recent >= lc.max_restarts:
+            budget = (f"it was restarted {recent} times within {lc.restart_window_s:.0f} s "
+                      f"(launcher.max_restarts={lc.max_restarts})" if lc.max_restarts
+                      else "restarts are off (launcher.max_restarts=0)")
+            raise RoleFailedError(f"role {child.label} exited with code {code} and {budget}; "
+                                  f"{tail}")
+        delay = min(lc.restart_backoff_s * 2 ** recent, lc.restart_backoff_max_s)
+        record.times.append(now)
+        record.last_code = code
+        self.summary.restarts[child.label] = record.count
+        self.pending.append(PendingRestart(child.role, child.member, now + delay))
+        self._notice(f"{child.label} exited with code {code}; restart "
+                     f"{recent + 1}/{lc.max_restarts} in {delay:.1f} s (log: {child.log_path})")
+
+    def _start_due(self, now: float) -> None:
+        for pending in [p for p in self.pending if p.due <= now]:
+            self.pending.remove(pending)
+            self._spawn(pending.role, pending.member, self.config_path)
+            log.warning("restarted %s-%d", pending.role, pending.member)
+
+    def _notice(self, text: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {text}"
+        log.warning("%s", text)
+        self.notices = (self.notices + [stamped])[-20:]
+
+    # ------------------------------------------------------------------ the broker
+
+    def _check_broker(self, now: float) -> None:
+        from tapioca.bus.admin import topic_partitions
+
+        if now < self._next_topic_check:
+            return
+        self._next_topic_check = now + self.cfg.launcher.topic_check_interval_s
+        if self.broker is not None and self.broker.proc is not None \
+                and self.broker.proc.poll() is not None:
+            code = self.broker.proc.returncode
+            port = self.broker.port
+            self._notice(f"the embedded broker exited (code {code}); starting it again on "
+                         f"port {port}")
+            self._start_broker(port)
+            self._recover_lost_log("the embedded broker restarted: its memory storage lost "
+                                   "the run's log")
+            return
+        try:
+            actual = topic_partitions(self.cfg.bus)
+        except BusError as exc:
+            self.alarms.setdefault(
+                "broker", f"{time.strftime('%H:%M:%S')} the broker at "
+                f"{self.cfg.bus.bootstrap_servers} does not answer ({str(exc).split(';')[0]})")
+            return
+        self.alarms.pop("broker", None)
+        missing = [n for n in self.expected_topics if n not in actual]
+        wrong = [f"{n} has {actual[n]} partitions, not {want}"
+                 for n, want in self.expected_topics.items() if n in actual and actual[n] != want]
+        if missing or wrong:
+            what = "; ".join(([f"missing: {', '.join(missing)}"] if missing else []) + wrong)
+            self._recover_lost_log(f"the broker lost the run's topics ({what})")
+
+    def _recover_lost_log(self, reason: str) -> None:
+        """The broker no longer holds the run's log: re-create the topics from the
+        registry, move to a new bus run id, restart every role on it."""
+        from tapioca.bus.admin import repair_topics
+
+        lc = self.cfg.launcher
+        now = time.monotonic()
+        record = self.restarts.setdefault("broker", Restarts())
+        if record.recent(now, lc.restart_window_s) >= max(lc.max_restarts, 1):
+            raise RoleFailedError(f"{reason}, again: {record.count} times within "
+                                  f"{lc.restart_window_s:.0f} s; stopping the run")
+        record.times.append(now)
+        created, recreated = repair_topics(self.cfg.bus, self.expected_topics)
+        self._close_reader()
+        self._stop_children(list(self.children), timeout_s=5.0)
+        self.children.clear()
+        self.pending.clear()
+        old = self.cfg.bus.run_id
+        self.cfg.bus.run_id = next_bus_run_id(old)
+        self.summary.bus_run_id = self.cfg.bus.run_id
+        self.summary.log_recoveries += 1
+        self._write_config()
+        self._status.clear()
+        self._spawn_all()
+        self._progress = (None, time.monotonic())
+        self._last_report = time.monotonic()
+        fixed = ", ".join(([f"created {len(created)}"] if created else [])
+                          + ([f"re-created {len(recreated)} with the right partitions"]
+                             if recreated else [])) or "topics fine"
+        self._notice(f"{reason}: topics {fixed}; every role restarted on bus run id "
+                     f"{self.cfg.bus.run_id} (was {old})")
+
+    # ------------------------------------------------------------------ stall alarm
+
+    def _check_stall(self, now: float) -> None:
+        lc = self.cfg.launcher
+        alive = [c for c in self.children if c.proc.poll() is None]
+        if not alive:
+            self.alarms.pop("stall", None)
+            return
+        total, since = self._progress
+        running = [m for m, st in self._status.items() if not st.get("bus/paused")]
+        # Before any role has reported, loading a large model may take a while: wait
+        # five periods before calling silence a stall.
+        quiet_limit = lc.stall_alarm_s * (1 if self._reported else 5)
+        if now - self._last_report > quiet_limit:
+            self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
+                                    f"{now - self._last_report:.0f} s although {len(alive)} "
+                                    "are alive (is the broker up? `tapioca topics list`)")
+        elif running and now - since > lc.stall_alarm_s:
+            self.alarms["stall"] = (f"stalled: no role handled or produced an event for "
+                                    f"{now - since:.0f} s although {len(running)} report "
+                                    "running (`tapioca status`; `tapioca topics list`)")
+        else:
+            self.alarms.pop("stall", None)
 
     def _observe(self, source: str, step: int, metrics: dict) -> None:
         s = self.summary
         row = {"source": source, "step": step, **metrics}
+        now = time.monotonic()
+        self._last_report = now
+        self._reported = True
+        if "bus/handled" in metrics:
+            self._status[source] = metrics
+            total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)
+                        for m in self._status.values())
+            if total != self._progress[0]:
+                self._progress = (total, now)
         if source.startswith("trainer") and "reward/mean" in metrics:
             s.history.append(row)
             s.steps = step
@@ -268,6 +474,16 @@ class Launcher:
                 s.rewards[step] = r
         if self.on_metrics:
             self.on_metrics(row)
+
+    def health(self) -> dict:
+        """What the display shows about supervision: restarts per member, pending
+        restarts, current alarms and recent notices."""
+        return {"restarts": {m: r.count for m, r in self.restarts.items() if m != "broker"},
+                "pending": [f"{p.role}-{p.member}" for p in self.pending],
+                "alarms": list(self.alarms.values()), "notices": list(self.notices[-3:]),
+                "bus_run_id": self.cfg.bus.run_id}
+
+    # ------------------------------------------------------------------ stop
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every role (its whole process group), wait, then kill what is left;
@@ -279,6 +495,8 @@ class Launcher:
             self._stop_all(timeout_s)
 
     def _stop_all(self, timeout_s: float) -> None:
+        self.pending.clear()
+        self._close_reader()
         archivers = [c for c in self.children if c.role == "archiver"]
         # Agent runners before the proxy they talk to (else every open episode logs a
         # connection error on the way down).

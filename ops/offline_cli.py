@@ -42,7 +42,7 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
         from tapioca.ops.broker_state import resolve_bootstrap
 
         cfg.bus.bootstrap_servers = resolve_bootstrap(None)
-    if G.prefix != "tapioca" and cfg.bus.topic_prefix == "tapioca":
+    if G.prefix and cfg.bus.topic_prefix == "tapioca":
         cfg.bus.topic_prefix = G.prefix
     summary = train(cfg)
     meta = run_metadata(summary)

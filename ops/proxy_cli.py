@@ -49,7 +49,7 @@ def build_proxy_service(cfg, *, member: int = 0):
     p = sec.proxy
     return ProxyService(
         engine=engine, tokenizer=tokenizer, bus=cfg.bus, load_weights=load_weights, sampling=sampling,
-        api_key=p.api_key, served_model_name=p.served_model_name, default_group_size=g.n_samples,
+        api_key=p.admin_key(), served_model_name=p.served_model_name, default_group_size=g.n_samples,
         max_head_offpolicyness=sec.max_head_offpolicyness, prompts_per_step=sec.prompts_per_step,
         max_tokens_per_request=p.max_tokens_per_request,
         max_tokens_per_session=p.max_tokens_per_session, max_request_bytes=p.max_request_bytes,
@@ -80,7 +80,7 @@ def proxy(
     cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap, cfg.bus.bootstrap_servers)
     if cfg.bus.run_id == "default":
         cfg.bus.run_id = cfg.run_id
-    if not cfg.proxy.api_key:
+    if not cfg.proxy.admin_key():
         cfg.proxy.api_key = f"tpa-{secrets.token_urlsafe(24)}"
         console.print(f"admin key (proxy.api_key): {cfg.proxy.api_key}")
     ensure_topics(cfg.bus)

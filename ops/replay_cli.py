@@ -107,7 +107,7 @@ def replay(
     else:  # counting an archive needs no broker
         from tapioca.bus.settings import BusConfig
 
-        src_cfg = dest_cfg = BusConfig(topic_prefix=G.prefix)
+        src_cfg = dest_cfg = BusConfig(topic_prefix=G.prefix or "tapioca")
     if to_prefix:
         dest_cfg.topic_prefix = to_prefix
     elif to_topic and to_topic.count(".") >= 2:
@@ -229,7 +229,7 @@ def train_offline(
     cfg.trial_name = trial
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
     cfg.rollout.max_head_offpolicyness = OFFLINE_ETA
-    if G.prefix != "tapioca":
+    if G.prefix:
         cfg.bus.topic_prefix = G.prefix
     run_dir = prepare_run(cfg)
     producer = None

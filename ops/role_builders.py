@@ -81,7 +81,7 @@ def build_feeder(cfg: TrainConfig) -> Role:
                         prompts_per_step=sec.train_dataset.prompts_per_step,
                         max_head_offpolicyness=sec.max_head_offpolicyness,
                         max_epochs=sec.train_dataset.max_epochs, shuffle=sec.train_dataset.shuffle,
-                        seed=sec.seed, run_tag=cfg.run_id)
+                        seed=sec.seed, run_tag=cfg.bus_run_id)
 
 
 def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:

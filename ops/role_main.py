@@ -12,7 +12,9 @@ from tapioca.bus.runner import RoleRunner
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.ops.role_builders import ROLES, build_role
-from tapioca.schemas.errors import TapiocaError
+from tapioca.ops.launcher import EXIT_NO_RESTART
+from tapioca.schemas.errors import ConfigError, TapiocaError
+from tapioca.trainers.checkpoint import CheckpointFormatError
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
@@ -28,6 +30,11 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         runner.run()
         logging.info("stopped cleanly: %s", runner.stats)
         return 0
+    except (ConfigError, CheckpointFormatError) as exc:
+        # No restart can fix these (the launcher does not retry EXIT_NO_RESTART).
+        traceback.print_exc()
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_NO_RESTART
     except TapiocaError as exc:
         traceback.print_exc()
         sys.stderr.write(f"error: {exc}\n")

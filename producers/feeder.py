@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tapioca.algorithms.head_gate import head_gate_capacity
+from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
 from tapioca.bus.role import Role, Source
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import PromptEvent, WeightsEvent
@@ -106,8 +106,9 @@ class PromptFeeder(Role[FeederState]):
     def handle(self, event: Event, state: FeederState, source: Source) -> Iterable[Event]:
         if isinstance(event, WeightsEvent):
             state.latest_version = event.version
-            state.rejected = event.groups_rejected
-            state.rollbacks = event.rollbacks
+            # Only what happened on this run id's log counts (a resumed run's new log).
+            state.rollbacks, state.rejected = log_counts(
+                event.rollbacks, event.groups_rejected, event.base_steps, event.base_rejected)
         return ()
 
     def _order(self, state: FeederState) -> list[int]:

@@ -178,6 +178,12 @@ class WeightsEvent(Event):
     # Versions so far (this one included) that were rollbacks, not training steps: the
     # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
     rollbacks: int = 0
+    # Trained steps (version - rollbacks) and rejected groups of this run made before
+    # this run id's log began: a run resumed on a broker that lost its log gets a new
+    # run id (ops/launcher.py), its producers number groups from 0 again, and the head
+    # gate counts only what happened on this log (algorithms/head_gate.py).
+    base_steps: int = 0
+    base_rejected: int = 0
 
 
 @dataclass(kw_only=True)

@@ -38,6 +38,9 @@ class TopicSpec:
     cleanup: str  # "delete" | "compact"
     value_types: tuple[type[Event], ...]
     description: str
+    # Records must carry the run's HMAC signature (bus/signing.py): commands and policy
+    # versions steer every role, so only holders of the run's key may publish them.
+    signed: bool = False
 
     def full_name(self, prefix: str = DEFAULT_PREFIX) -> str:
         return f"{prefix}.{self.name}.v{self.version}"
@@ -59,9 +62,9 @@ TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("samples", 1, "group_id", 4, "delete", (SampleEvent,),
               "complete groups with advantages, ready for training"),
     TopicSpec("weights", 1, "run_id", 1, "compact", (WeightsEvent,),
-              "policy versions published by the trainer"),
+              "policy versions published by the trainer", signed=True),
     TopicSpec("control", 1, "target", 1, "delete", (ControlEvent, ControlAckEvent),
-              "operator commands and their acknowledgements"),
+              "operator commands and their acknowledgements", signed=True),
     TopicSpec("fleet", 1, "member_id", 1, "compact", (FleetEvent,),
               "heartbeats and status of every running member"),
     TopicSpec("metrics", 1, "run_id", 1, "delete", (MetricsEvent,),

@@ -7,6 +7,16 @@ with ``pytestmark = pytest.mark.integration`` (or ``e2e``).
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without a GPU, the fused-kernel tests run Triton's interpreter. Triton decides at import
+# time (its own library functions are decorated then), and other test modules import it
+# early (transformers' Qwen2 module does), so the switch is set here, before any of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import threading
 import time
 import uuid

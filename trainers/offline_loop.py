@@ -9,7 +9,7 @@ Emits, on the same backbone as the RL trainer: per-step metrics to the
 configured (``bus.bootstrap_servers``), a ``MetricsEvent`` on ``metrics.v1``; every
 ``save_every_steps`` steps and at the end a safetensors weights file with its sha256
 (``weights/vNNNNNN.safetensors``, :func:`save_weights`), a checkpoint
-(``checkpoints/<kind>.pt``, :func:`save_checkpoint`; version = steps done) and a
+(``checkpoints/<kind>.safetensors``, :func:`save_checkpoint`; version = steps done) and a
 ``WeightsEvent`` on ``weights.v1`` keyed by ``run_id``. The finished model is written to
 ``final/`` with its tokenizer (``save_pretrained``), usable as ``model.path`` of an RL run.
 
@@ -35,7 +35,7 @@ from tapioca.models.forward import autocast_context, causal_token_logprobs
 from tapioca.models.weight_files import save_weights
 from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import MetricsEvent, WeightsEvent
-from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
+from tapioca.trainers.checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
 from tapioca.trainers.metrics_sink import MetricsSink
 
 E = TypeVar("E")
@@ -139,7 +139,7 @@ class OfflineTrainerBase(Generic[E]):
         a = cfg.actor
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                                            betas=tuple(a.adam_betas))
-        self.ckpt_path = self.run_dir / "checkpoints" / f"{self.kind}.pt"
+        self.ckpt_path = self.run_dir / "checkpoints" / f"{self.kind}{SUFFIX}"
         self.progress = load_checkpoint(self.ckpt_path, self.model, self.optimizer) or TrainerProgress()
         self.producer = None
         if cfg.bus.bootstrap_servers:

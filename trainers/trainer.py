@@ -18,15 +18,17 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - Token-level parts (:mod:`tapioca.trainers.token_advantages`): GAE with a critic,
   KL to a reference in the reward, batch-level normalisation, on-policy distillation.
   The critic trains after the policy on the same batch and is checkpointed with it
-  (``checkpoints/critic_v<version>.pt``, written before ``trainer.pt``, so the file of
-  the checkpointed version always exists).
+  (``checkpoints/critic_v<version>.safetensors``, written before
+  ``trainer.safetensors``, so the file of the checkpointed version always exists).
+- Checkpoints are safetensors + JSON (trainers/checkpoint.py): nothing is unpickled.
+  Each records the bus run id whose log its offsets belong to; resumed on another log
+  (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,7 +45,15 @@ from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
-from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
+from tapioca.trainers.checkpoint import (
+    SUFFIX,
+    TrainerProgress,
+    load_checkpoint,
+    load_state,
+    refuse_legacy,
+    save_checkpoint,
+    save_state,
+)
 from tapioca.trainers.critic import Critic
 from tapioca.trainers.metrics_sink import MetricsSink
 from tapioca.trainers.ppo_actor import PPOActor
@@ -83,7 +93,7 @@ class Trainer(Role[TrainerState]):
         self.cfg = section
         self.member_id = member_id
         self.run_dir = Path(section.run_dir)
-        self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
+        self.ckpt_path = self.run_dir / "checkpoints" / f"trainer{SUFFIX}"
         self.keep_weight_versions = keep_weight_versions
         # Built before init_state loads a checkpoint: a reference copied from the policy
         # is the initial policy.
@@ -104,6 +114,7 @@ class Trainer(Role[TrainerState]):
         elif self.critic is not None:
             self._load_critic(progress.version)
         state = TrainerState(progress, set(progress.trained_groups), set(progress.rejected_groups))
+        self._adopt_log(progress, state, resumed)
         for key, off in progress.offsets.items():
             topic, _, part = key.rpartition(":")
             state.handled_to[(topic, int(part))] = off
@@ -113,6 +124,26 @@ class Trainer(Role[TrainerState]):
         state.done = progress.version >= self.cfg.total_train_steps
         self._resumed = resumed
         return state
+
+    def _adopt_log(self, progress: TrainerProgress, state: TrainerState, resumed: bool) -> None:
+        """A checkpoint made on another log (its bus run id differs: the broker lost the
+        run's log and the launcher gave the run a new id, config/schema.py) resumes its
+        model, optimizer and version, but its offsets belong to the old log's partitions:
+        they are dropped, and the head gate counts from here (WeightsEvent.base_*)."""
+        own = self.cfg.bus_run_id
+        if not own:
+            return
+        from tapioca.config.schema import split_bus_run_id
+
+        before = progress.bus_run_id or split_bus_run_id(own)[0]
+        if resumed and before != own:
+            log.warning("checkpoint of version %d was made on the log of run id %s; this log is "
+                        "%s: its offsets are dropped, the model and its trained groups are kept",
+                        progress.version, before, own)
+            progress.offsets = {}
+            progress.base_steps = progress.version - progress.rollbacks
+            progress.base_rejected = len(state.rejected)
+        progress.bus_run_id = own
 
     def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
         p = state.progress
@@ -126,7 +157,8 @@ class Trainer(Role[TrainerState]):
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=sha, num_bytes=size,
                             step=p.version, group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p))
+                            rejected_group_ids=self._take_unannounced(state, p),
+                            base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
         p = state.progress
@@ -135,7 +167,8 @@ class Trainer(Role[TrainerState]):
         return WeightsEvent(version=p.version, path=p.weights_path, sha256=p.weights_sha256,
                             step=p.version, group_ids=list(p.last_group_ids),
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p))
+                            rejected_group_ids=self._take_unannounced(state, p),
+                            base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     @staticmethod
     def _take_unannounced(state: TrainerState, p: TrainerProgress) -> list[str]:
@@ -261,29 +294,27 @@ class Trainer(Role[TrainerState]):
             offsets[key] = min(offsets.get(key, src.offset), src.offset)
         p.offsets = {f"{t}:{part}": off for (t, part), off in offsets.items()}
         if self.critic is not None:
-            # Before trainer.pt: whichever version trainer.pt names, its critic file exists.
+            # Before the trainer checkpoint: whichever version it names, its critic file exists.
             path = self._critic_path(p.version)
-            tmp = path.with_suffix(".tmp")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.critic.state_dict(), tmp)
-            os.replace(tmp, path)
+            save_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
         save_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer, p)
         if self.critic is not None:
-            for old in path.parent.glob("critic_v*.pt"):
+            for old in path.parent.glob(f"critic_v*{SUFFIX}"):
                 if old != path:
                     old.unlink(missing_ok=True)
 
     def _critic_path(self, version: int) -> Path:
-        return self.ckpt_path.parent / f"critic_v{version:06d}.pt"
+        return self.ckpt_path.parent / f"critic_v{version:06d}{SUFFIX}"
 
     def _load_critic(self, version: int) -> None:
         path = self._critic_path(version)
+        refuse_legacy(path)  # an old pickle is never loaded (trainers/checkpoint.py)
         if not path.exists():
             # E.g. a GRPO run resumed with estimator gae: the critic starts fresh.
             log.warning("no critic checkpoint %s for version %d; the critic starts from its "
                         "initial weights", path, version)
             return
-        self.critic.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        load_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         if state.announce_rejections:
@@ -365,7 +396,7 @@ class Trainer(Role[TrainerState]):
         weights but reset its Adam moments, which belong to the abandoned versions."""
         path = self._critic_path(target)
         if path.exists():
-            self.critic.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            load_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
             return f"; critic restored from {path.name}"
         self.critic.optimizer.state.clear()
         log.warning("rollback to version %d: no critic checkpoint of that version (%s); the "

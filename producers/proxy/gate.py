@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable
 
-from tapioca.algorithms.head_gate import head_gate_capacity
+from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
 from tapioca.bus.reader import TopicReader
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
@@ -131,7 +131,9 @@ class WeightsFollower(Role[dict]):
             # continue on the new weights (interruptible generation), none fails.
             self.load(event)
             state["loads"] += 1
-        self.gate.update(event.version, event.groups_rejected, event.rollbacks)
+        rollbacks, rejected = log_counts(event.rollbacks, event.groups_rejected,
+                                         event.base_steps, event.base_rejected)
+        self.gate.update(event.version, rejected, rollbacks)
 
     def describe(self, state: dict) -> dict[str, Any]:
         return {"version": self.gate.version, "admitted": self.gate.admitted,

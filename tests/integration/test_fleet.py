@@ -322,7 +322,7 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     table = cli("weights", "list")
     assert table.returncode == 0 and "v000003.safetensors" in table.stdout, table.stdout
     # ... and checkpointed (the trainer's run directory holds weights/ and checkpoints/).
-    assert (Path(v3.path).parent.parent / "checkpoints" / "trainer.pt").exists()
+    assert (Path(v3.path).parent.parent / "checkpoints" / "trainer.safetensors").exists()
 
     # Training goes on from the rolled-back weights as version 4 (staleness counts from 3).
     publish(cfg, sample("gc", version=3))

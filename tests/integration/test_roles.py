@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tapioca.bus import BusConfig, EventProducer, TopicReader, consumer_lag, read_events
 from tapioca.config.schema import (
@@ -350,10 +349,11 @@ def test_trainer_step_weights_metrics_and_commit(bus_cfg, tiny_ckpt, tokenizer, 
         ends[p] = max(ends.get(p, 0), off + 1)
     wait_until(lambda: all(committed().get(p, -1) >= end for p, end in ends.items()),
                what="the trainer's commit of both samples")
-    ckpt = Path(cfg.run_path) / "checkpoints" / "trainer.pt"
-    progress = torch.load(ckpt, map_location="cpu", weights_only=False)["progress"]
-    assert progress["version"] == 1 and sorted(progress["trained_groups"]) == ["ga", "gb"]
+    from tapioca.trainers.checkpoint import read_progress
+
+    progress = read_progress(Path(cfg.run_path) / "checkpoints" / "trainer.safetensors")
+    assert progress.version == 1 and sorted(progress.trained_groups) == ["ga", "gb"]
     now = committed()
     for p, end in ends.items():
-        assert progress["offsets"][f"{samples_topic}:{p}"] == end == now[p]
+        assert progress.offsets[f"{samples_topic}:{p}"] == end == now[p]
     runner.finish()

@@ -113,6 +113,73 @@ def test_python_has_no_network_when_namespaces_work(py):
     assert 'File "main.py", line 3' in r.output and "runpy" not in r.output
 
 
+def test_python_cannot_signal_a_sibling_process(py):
+    """The program runs in its own PID namespace (or as nobody when root has no
+    namespaces): another process of the agent's user is out of its reach."""
+    import signal
+    import subprocess
+    import sys
+
+    from tapioca.agents.tools import process_isolation
+
+    if process_isolation() == "session":
+        pytest.skip("no PID namespace and not root here: the sandbox can signal the user's "
+                    "processes (documented in agents/tools.py and docs/security.md)")
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        r = py.run("import os, signal\n"
+                   "try:\n"
+                   f"    os.kill({sibling.pid}, signal.SIGKILL)\n"
+                   "    print('killed')\n"
+                   "except ProcessLookupError:\n"
+                   "    print('no such process')\n"
+                   "except PermissionError:\n"
+                   "    print('not permitted')\n"
+                   f"print(os.path.exists('/proc/{sibling.pid}'))")
+        assert r.ok, r.output
+        assert r.output.splitlines()[0] in ("no such process", "not permitted"), r.output
+        assert sibling.poll() is None, "the sandboxed program killed a sibling process"
+        if process_isolation() == "pid-namespace":  # its /proc shows its own processes only
+            assert r.output.splitlines()[1] == "False"
+    finally:
+        sibling.send_signal(signal.SIGKILL)
+        sibling.wait(10)
+
+
+def test_python_as_nobody_when_root_has_no_namespaces(monkeypatch):
+    """The fallback for root where unshare is refused: the program runs as nobody."""
+    import sys
+
+    from tapioca.agents import tools
+
+    if os.geteuid() != 0:
+        pytest.skip("the nobody fallback is for root")
+    import signal
+    import subprocess
+
+    # A Python that nobody may run (this one may live under a private /root).
+    python = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+                   if os.path.exists(p) and tools._readable_by_others(p)
+                   and tools._readable_by_others(os.path.dirname(os.path.realpath(p)))), None)
+    if python is None:
+        pytest.skip("no Python here that the user nobody can read")
+    monkeypatch.setattr(tools, "process_isolation", lambda python=None: "nobody")
+    monkeypatch.setattr(tools, "network_namespace_available", lambda: False)
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        r = PythonExecutor(timeout_s=5.0, memory_mb=256, python=python).run(
+            "import os\nprint(os.getuid(), os.getgid())\n"
+            f"try:\n    os.kill({sibling.pid}, 9)\nexcept PermissionError:\n    print('denied')")
+        import pwd
+
+        nobody = pwd.getpwnam("nobody")
+        assert r.ok and r.output.splitlines() == [f"{nobody.pw_uid} {nobody.pw_gid}", "denied"], r.output
+        assert sibling.poll() is None
+    finally:
+        sibling.send_signal(signal.SIGKILL)
+        sibling.wait(10)
+
+
 def test_python_cpu_limit_stops_a_busy_loop():
     # A wall timeout longer than the CPU limit: RLIMIT_CPU (ceil(timeout)+1 s) must fire
     # first... unless the box is so busy that wall time runs out first; either stops it.

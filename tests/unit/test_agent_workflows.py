@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
@@ -234,7 +235,7 @@ def test_session_start_waits_at_the_head_gate_without_a_read_timeout():
     assert isinstance(openai.DefaultAsyncHttpxClient(), httpx.AsyncClient)
 
 
-def test_agent_config_and_agent_mode_roles():
+def test_agent_config_and_agent_mode_roles(tmp_path):
     from tapioca.config.schema import AgentConfig, TrainConfig
     from tapioca.ops.launcher import resolve_proxy_endpoint, role_command, role_counts
 
@@ -251,5 +252,34 @@ def test_agent_config_and_agent_mode_roles():
                                                        "run.yaml", "--member", "1"]
     assert role_command("proxy", 0, "run.yaml")[1:4] == ["-m", "tapioca.ops.cli", "proxy"]
     cfg.proxy.port, cfg.proxy.api_key = 0, ""
+    cfg.run_dir = str(tmp_path)
     resolve_proxy_endpoint(cfg)  # both sides must read the same port and key
-    assert cfg.proxy.port > 0 and len(cfg.proxy.api_key) > 20
+    assert cfg.proxy.port > 0 and len(cfg.proxy.admin_key()) > 20
+
+
+def test_proxy_admin_key_is_in_an_owner_only_file_not_in_the_run_config(tmp_path):
+    """The run's config.yaml is not secret: it names the key's file, which only the
+    run's user can read."""
+    import stat
+
+    from tapioca.config.loader import load_config, to_yaml
+    from tapioca.config.schema import ProxyConfig, TrainConfig
+    from tapioca.ops.launcher import resolve_proxy_endpoint
+    from tapioca.schemas.errors import ConfigError
+
+    cfg = TrainConfig(run_dir=str(tmp_path), trial_name="t")
+    cfg.agent.enabled = True
+    resolve_proxy_endpoint(cfg)
+    key = cfg.proxy.admin_key()
+    written = to_yaml(cfg)
+    assert key and key not in written
+    key_file = cfg.proxy.api_key_file
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(key_file)).st_mode) == 0o700
+    (tmp_path / "run.yaml").write_text(written)
+    assert load_config(TrainConfig, tmp_path / "run.yaml").proxy.admin_key() == key
+    os.chmod(key_file, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        ProxyConfig(api_key_file=key_file).admin_key()
+    with pytest.raises(ConfigError, match="not both"):
+        ProxyConfig(api_key="k", api_key_file=key_file)

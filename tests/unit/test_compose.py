@@ -46,5 +46,23 @@ def test_every_compose_service_runs_an_existing_command_and_a_valid_config():
         if args[0] == "role":
             assert args[1] in ROLES, f"service {name}: no role {args[1]!r}"
         checked.append(name)
-    # Every role has its service, plus the topic creator.
-    assert set(ROLES) | {"topics"} <= set(checked)
+    # Every role has its service, plus the topic creator and the key maker.
+    assert set(ROLES) | {"topics", "keygen"} <= set(checked)
+
+
+def test_compose_binds_kafka_to_localhost_and_signs_the_run():
+    """An unauthenticated Kafka on every interface lets anyone on the network command
+    the fleet; the run's signing key comes from the keygen service."""
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+
+    services = _services()
+    for mapping in services["kafka"]["ports"]:
+        assert str(mapping).startswith("127.0.0.1:"), f"kafka published on all interfaces: {mapping}"
+    key_path = services["keygen"]["command"][-1]
+    for name, svc in services.items():
+        cmd = svc.get("command") or []
+        if "--config" in cmd:
+            cfg = load_config(TrainConfig, str(ROOT / cmd[cmd.index("--config") + 1].replace("/app/", "", 1)))
+            assert cfg.bus.signing_key_path == key_path, f"service {name} does not verify signatures"
+            assert svc["depends_on"]["keygen"]["condition"] == "service_completed_successfully"

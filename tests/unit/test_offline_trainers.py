@@ -310,7 +310,7 @@ def test_sft_loss_falls_and_the_model_learns_the_task(tiny, tmp_path):
     assert sha256_file(run / "weights" / "v000080.safetensors") == trainer.progress.weights_sha256
     rows = [json.loads(line) for line in (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 81)) and rows[0]["data/examples"] == 100
-    assert (run / "checkpoints" / "sft.pt").is_file() and (run / "final" / "config.json").is_file()
+    assert (run / "checkpoints" / "sft.safetensors").is_file() and (run / "final" / "config.json").is_file()
     reloaded, _ = load_model_and_tokenizer(run / "final")
     assert _greedy_accuracy(reloaded, examples[:20]) == _greedy_accuracy(model, examples[:20])
 

@@ -430,8 +430,8 @@ def test_critic_checkpoint_restore_is_exact(tmp_path):
     for k in range(4):
         t1.handle(sample(f"g{k}", estimator="gae"), s1, src(k))
     assert s1.progress.version == 2
-    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("critic_v*.pt"))
-    assert ckpts == ["critic_v000002.pt"]  # older versions are removed
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").glob("critic_v*.safetensors"))
+    assert ckpts == ["critic_v000002.safetensors"]  # older versions are removed
     saved = critic_params(t1)
 
     t2 = make_token_trainer(tmp_path, seed=123, **kw)  # other initial weights
@@ -504,7 +504,7 @@ def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, c
     assert state.progress.version == 2 and t.critic.optimizer.state
     before = critic_params(t)
     with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
-        ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.pt is kept
+        ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.safetensors is kept
     assert ok and weights.version == 3 and weights.rollback_of == 1 and weights.rollbacks == 1
     # Checkpointed with the version: a restarted trainer re-announces v3 with rollbacks 1,
     # so the head gate does not count the rollback as a trained step after a restart.
@@ -526,7 +526,7 @@ def test_rollback_restores_the_critic_checkpoint_of_that_version(tmp_path):
     state = start(t)
     for k in range(4):
         t.handle(sample(f"g{k}", min_version=k // 2, estimator="gae"), state, src(k))
-    assert (tmp_path / "checkpoints" / "critic_v000002.pt").exists()
+    assert (tmp_path / "checkpoints" / "critic_v000002.safetensors").exists()
     at_v2 = critic_params(t)
     adam_v2 = {i: s["exp_avg"].clone() for i, s in t.critic.optimizer.state_dict()["state"].items()}
     for k in range(4, 6):  # version 3: trained, not checkpointed
@@ -534,7 +534,7 @@ def test_rollback_restores_the_critic_checkpoint_of_that_version(tmp_path):
     assert state.progress.version == 3
     assert any(not torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
     ok, message, (weights,) = _rollback(t, state, 2)
-    assert ok and weights.version == 4 and "critic restored from critic_v000002.pt" in message
+    assert ok and weights.version == 4 and "critic restored from critic_v000002.safetensors" in message
     assert all(torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
     adam = t.critic.optimizer.state_dict()["state"]
     assert adam.keys() == adam_v2.keys()
