@@ -246,6 +246,24 @@ def test_master_weights_follow_a_rollback_and_round_trip_a_checkpoint():
     assert len(opt2.state) == 0
 
 
+def test_master_weights_survive_a_trainer_checkpoint(tmp_path):
+    from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
+
+    cfg = ActorConfig(lr=1e-2, param_dtype="bfloat16")
+    model = _model(dtype=torch.bfloat16)
+    opt = build_optimizer(model, cfg, "cpu")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.3)
+    opt.step()
+    save_checkpoint(tmp_path / "ckpt", model, opt, TrainerProgress(version=1))
+    model2 = _model(dtype=torch.bfloat16, seed=1)
+    opt2 = build_optimizer(model2, cfg, "cpu")
+    assert load_checkpoint(tmp_path / "ckpt", model2, opt2).version == 1
+    for m1, m2, p1, p2 in zip(opt.masters, opt2.masters, model.parameters(), model2.parameters()):
+        assert torch.equal(m1, m2) and torch.equal(p1, p2)
+    assert torch.equal(opt2.state[opt2.params[0]]["exp_avg_sq"], opt.state[opt.params[0]]["exp_avg_sq"])
+
+
 def test_offload_optimizer_steps_like_the_device_one():
     a = _actor(_model(dtype=torch.bfloat16), lr=1e-3, param_dtype="bfloat16")
     b = _actor(_model(dtype=torch.bfloat16), lr=1e-3, param_dtype="bfloat16", offload_optimizer=True)
