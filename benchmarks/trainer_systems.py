@@ -130,7 +130,7 @@ def hf_plain_step(model, batch: Batch, device: str, *, checkpointing: bool = Fal
     def run() -> int:
         model.train()
         with autocast_context(device, autocast):
-            logits_BTV = model(input_ids=ids_BT, attention_mask=ones_BT).logits
+            logits_BTV = model(input_ids=ids_BT, attention_mask=ones_BT, use_cache=False).logits
         logp_BTV = logits_BTV[:, :-1].float().log_softmax(-1)
         logp_BT = logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
         loss = -(logp_BT * adv_B[:, None] * mask_BT).sum() / mask_BT.sum()

@@ -44,9 +44,11 @@ def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
 
 def last_hidden(model: torch.nn.Module, input_ids_BT: torch.Tensor,
                 attention_mask_BT: torch.Tensor) -> torch.Tensor:
-    """``hidden_BTH``: the decoder's last hidden states (the LM head is not applied)."""
-    return decoder_body(model)(input_ids=input_ids_BT,
-                               attention_mask=attention_mask_BT).last_hidden_state
+    """``hidden_BTH``: the decoder's last hidden states (the LM head is not applied).
+    No KV cache: scoring and training never decode further (a config's ``use_cache``
+    would otherwise keep every layer's keys and values for nothing)."""
+    return decoder_body(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
+                               use_cache=False).last_hidden_state
 
 
 def causal_token_logprobs(
