@@ -68,17 +68,25 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden_NH, weight_VH, labels_N, temperature, chunk_tokens, compute_entropy, ignore_index,
-        matmul_dtype,
+        matmul_dtype, use_triton, keep_logits=False,
     ):
         # Unused outputs (e.g. entropy only logged) arrive as None in backward,
         # so their term is skipped instead of multiplied by zeros.
         ctx.set_materialize_grads(False)
         cdtype = _compute_dtype(hidden_NH, weight_VH)
         mm_dtype = matmul_dtype or cdtype
+        # Kept logits (Triton path) spare backward the LM-head matmul that recomputes them.
+        keep = use_triton and keep_logits and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        ctx.logits = []
         with torch.autocast(hidden_NH.device.type, enabled=False):
-            outputs = _ChunkedLogprobEntropy._forward(
-                hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
-                compute_entropy, ignore_index, cdtype)
+            if use_triton:
+                outputs = _ChunkedLogprobEntropy._forward_triton(
+                    hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
+                    compute_entropy, ignore_index, cdtype, ctx.logits if keep else None)
+            else:
+                outputs = _ChunkedLogprobEntropy._forward(
+                    hidden_NH, weight_VH.to(mm_dtype), labels_N, temperature, chunk_tokens,
+                    compute_entropy, ignore_index, cdtype)
         logprobs_N, lse_N, entropy_N = outputs
         ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, entropy_N)
         ctx.temperature = temperature
@@ -86,9 +94,34 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.compute_entropy = compute_entropy
         ctx.mm_dtype = mm_dtype
+        ctx.use_triton = use_triton
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy_N)
         return logprobs_N, entropy_N
+
+    @staticmethod
+    def _forward_triton(hidden_NH, w_VH, labels_N, temperature, chunk_tokens, compute_entropy,
+                        ignore_index, cdtype, keep: list | None):
+        """The Triton path: per chunk, the logits in the matmul dtype and one kernel;
+        ``keep``: a list that receives each chunk's logits for backward."""
+        from tapioca.algorithms.logprobs_triton import chunk_forward
+
+        n_tokens = hidden_NH.shape[0]
+        logprobs_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
+        lse_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
+        entropy_N = hidden_NH.new_empty(n_tokens if compute_entropy else 0, dtype=cdtype)
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            z_CV = (hidden_NH[start:end].to(w_VH.dtype) / temperature) @ w_VH.T
+            lp_C, lse_C, ent_C = chunk_forward(z_CV, labels_N[start:end], ignore_index, compute_entropy, cdtype)
+            logprobs_N[start:end] = lp_C
+            lse_N[start:end] = lse_C
+            if compute_entropy:
+                entropy_N[start:end] = ent_C
+            if keep is not None:
+                keep.append(z_CV)
+            del z_CV
+        return logprobs_N, lse_N, entropy_N
 
     @staticmethod
     def _forward(hidden_NH, w_VH, labels_N, temperature, chunk_tokens, compute_entropy,
@@ -129,9 +162,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         if not ctx.compute_entropy:
             grad_entropy_N = None
         if (grad_logprobs_N is None and grad_entropy_N is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None, None
+            ctx.logits = []
+            return None, None, None, None, None, None, None, None, None, None
         with torch.autocast(hidden_NH.device.type, enabled=False):
-            grad_h_NH, grad_w_VH = _ChunkedLogprobEntropy._backward(
+            backward = _ChunkedLogprobEntropy._backward_triton if ctx.use_triton else _ChunkedLogprobEntropy._backward
+            grad_h_NH, grad_w_VH = backward(
                 ctx, hidden_NH, weight_VH, labels_N, lse_N, entropy_N, grad_logprobs_N,
                 grad_entropy_N, need_h, need_w)
         return (
@@ -143,7 +178,44 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+    @staticmethod
+    def _backward_triton(ctx, hidden_NH, weight_VH, labels_N, lse_N, entropy_N, grad_logprobs_N,
+                         grad_entropy_N, need_h, need_w):
+        """The Triton path: per chunk, recompute the logits in the matmul dtype, one kernel
+        turns them into dL/dz in place, then the two matmuls."""
+        from tapioca.algorithms.logprobs_triton import chunk_backward_
+
+        cdtype, mm_dtype = lse_N.dtype, ctx.mm_dtype
+        n_tokens = hidden_NH.shape[0]
+        w_VH = weight_VH.to(mm_dtype)
+        grad_h_NH = torch.empty_like(hidden_NH, dtype=cdtype) if need_h else None
+        single_chunk = n_tokens <= ctx.chunk_tokens
+        grad_w_VH = None if single_chunk or not need_w else torch.zeros_like(weight_VH, dtype=cdtype)
+        for start in range(0, n_tokens, ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, n_tokens)
+            h_CH = hidden_NH[start:end].to(mm_dtype) / ctx.temperature
+            kept = ctx.logits.pop(0) if ctx.logits else None  # overwritten in place below
+            g_z_CV = chunk_backward_(
+                kept if kept is not None else h_CH @ w_VH.T, labels_N[start:end], lse_N[start:end],
+                entropy_N[start:end] if grad_entropy_N is not None else None,
+                grad_logprobs_N[start:end] if grad_logprobs_N is not None else None,
+                grad_entropy_N[start:end] if grad_entropy_N is not None else None, ctx.ignore_index)
+            # z = (h / T) @ W.T, so dW += dz.T @ (h / T) and dh = (dz @ W) / T.
+            if need_h:
+                grad_h_NH[start:end] = (g_z_CV @ w_VH).to(cdtype) / ctx.temperature
+            if need_w:
+                if single_chunk:  # no accumulation: keep the matmul's output as it is
+                    grad_w_VH = g_z_CV.T @ h_CH
+                elif mm_dtype == cdtype:
+                    grad_w_VH.addmm_(g_z_CV.T, h_CH)
+                else:  # accumulate the chunks in fp32
+                    grad_w_VH.add_(g_z_CV.T @ h_CH)
+            del g_z_CV
+        return grad_h_NH, grad_w_VH
 
     @staticmethod
     def _backward(ctx, hidden_NH, weight_VH, labels_N, lse_N, entropy_N, grad_logprobs_N,
@@ -200,6 +272,8 @@ def gather_logprobs_entropy(
     compute_entropy: bool = True,
     ignore_index: int = -100,
     matmul_dtype: torch.dtype | None = None,
+    kernel: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(logprobs, entropy)`` without materialising ``N x V`` logits.
 
@@ -208,7 +282,12 @@ def gather_logprobs_entropy(
     ``hidden_BTH`` and ``lm_head_weight_VH`` through both outputs. The LM-head
     matmuls run in ``matmul_dtype`` (default: the autocast dtype when called under
     ``torch.autocast`` on the hidden states' device, else fp32); the softmax math is
-    always fp32.
+    always fp32. ``kernel``: ``torch``
+    (the chunked PyTorch ops), ``triton`` (:mod:`tapioca.algorithms.logprobs_triton`:
+    the same math in one pass over the logits, CUDA or ``TRITON_INTERPRET=1``), or
+    ``auto`` (triton on CUDA when Triton is installed and the inputs are not fp64).
+    ``keep_logits`` (Triton path): keep each chunk's logits (``N x V`` in the matmul
+    dtype in all) from forward to backward instead of recomputing them there.
     """
     if not temperature > 0:
         raise AlgorithmInputError(f"gather_logprobs_entropy: temperature={temperature!r} must be > 0.")
@@ -237,9 +316,31 @@ def gather_logprobs_entropy(
         bool(compute_entropy),
         int(ignore_index),
         matmul_dtype,
+        _use_triton(kernel, hidden_BTH),
+        bool(keep_logits),
     )
     logprobs_BT = logprobs_N.view(labels_BT.shape)
     return logprobs_BT, (entropy_N.view(labels_BT.shape) if compute_entropy else None)
+
+
+KERNELS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(kernel: str, hidden: torch.Tensor) -> bool:
+    if kernel not in KERNELS:
+        raise AlgorithmInputError(f"gather_logprobs_entropy: kernel={kernel!r}; use one of {', '.join(KERNELS)}.")
+    if kernel == "auto":
+        return hidden.is_cuda and hidden.dtype != torch.float64 and triton_available()
+    if kernel == "triton" and not triton_available():
+        raise AlgorithmInputError("gather_logprobs_entropy: kernel=triton needs the triton package "
+                                  "(it comes with CUDA builds of PyTorch); use kernel=torch.")
+    return kernel == "triton"
 
 
 def logprobs_from_logits(

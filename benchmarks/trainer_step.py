@@ -1,185 +1,301 @@
-"""Trainer step, DESIGN.md §9 row 2: plain HF full-logits training vs ``PPOActor.train_step``.
+"""Trainer step, DESIGN.md §9 rows 2-3 and issue 16: today's PPOActor path, the packed
+fast path with each speed / memory switch, and the plain HF step, side by side.
 
-Consumes nothing (random weights, random token ids); emits a table on stdout and, with
-``--out``, a JSON file. Same model as ``benchmarks/engine_generate.py`` (Qwen2-0.5B
-shape, random weights, sdpa attention), fp32 master weights + AdamW, forward/backward
-under ``--dtype`` autocast (bfloat16 on cuda, off for float32), one batch of ``--n-seqs``
-x ``--seq-len`` tokens (the first ``--prompt-len`` of each a "prompt": not trained).
+Consumes nothing (random weights from the real ``transformers`` config classes, random
+token ids); emits a table on stdout and JSON to ``--out`` and ``$OUT/trainer_step.json``.
+Runs, in this order (``--only`` picks groups or run names; ``--list`` prints them):
 
-(a) baseline: ``model(ids).logits`` over the full vocabulary, ``.float().log_softmax(-1)``,
-    gather the next-token logprobs, policy-gradient loss ``-(logp * A)`` token-mean over
-    the trained tokens, backward, grad clip, ``AdamW.step``.
-(b) Tapioca: :meth:`tapioca.trainers.ppo_actor.PPOActor.train_step` on the same
-    sequences as :class:`~tapioca.trainers.batching.SeqItem` (decoupled PPO, pi_prox from
-    the training forward, chunked logprobs + entropy from hidden states, never [B,T,V]
-    fp32 logits), one micro-batch of ``--mb-tokens`` (default: the whole batch).
+* ``check``: packed vs padded loss and gradients on one heavy-tailed batch, same weights
+  (fp32 reference; bf16 figures against it and against each other).
+* ``core``: Qwen2-0.5B 16 x 1024 (plain HF, today's PPOActor, fast); Qwen2.5-1.5B,
+  Qwen2.5-3B, Qwen3-1.7B at 8 x 2048 (plain HF eager; fast; for 3B also with
+  activation checkpointing).
+* ``tail``: heavy-tailed lengths (lognormal, median 1024, sigma 1, capped at 8192),
+  today's path vs fast, tokens/s on real tokens only.
+* ``switches``: at 0.5B, the fast path with ONE switch changed per row.
+* ``compile``: torch.compile (of each decoder layer): the fast path with compile instead
+  of liger at 0.5B; the plain HF step compiled at 1.5B and 3B.
 
-Each gets a fresh model (same seed), one warm-up step, then ``--steps`` timed steps
-(median reported). tokens/s = n_seqs x seq_len / step wall time. TFLOP/s = 6·N·D / time
-with D = tokens per step and N = matmul parameters = non-embedding parameters + the LM
-head (vocab x hidden; tied to the embedding here, so N = all 494M parameters, the
-convention of DESIGN §9's 265 TFLOP/s baseline); attention's own FLOPs are not counted.
-The JSON also has MFU with N = non-embedding parameters only. MFU = TFLOP/s / 989 (H200
-bf16 dense peak). Peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps
-(weights, grads and AdamW state included), reset between (a) and (b).
+today = ``PPOActor`` as it was: right-padded HF forward, fp32 weights under bf16
+autocast, foreach AdamW, PyTorch chunked logprobs. fast = packed sequences, flash varlen
+attention, liger-kernel RMSNorm / rotary / SwiGLU, Triton logprob kernel keeping the
+logits for backward, bf16 weights with fp32 master weights, fused AdamW (plus
+``recompute_swiglu`` at >= 1.5B).
+plain HF = fp32 weights, bf16 autocast, full logits + fp32 log-softmax (cross-entropy of
+the sampled tokens), fused AdamW.
 
-On the GPU box:
+Each run gets a fresh model, one warm-up step (compiles; its time is reported), then
+``--steps`` timed steps (median). tokens/s counts real tokens (no padding). MFU = 6·N·D /
+step time / 989 TFLOP/s with N = non-embedding + LM-head parameters and D = real tokens
+(attention FLOPs and recomputation not counted). Peak memory =
+``torch.cuda.max_memory_allocated`` over the timed steps. A run that would start after
+``--budget-s`` seconds is skipped (the table says so); a failing run records its error.
 
-    python benchmarks/trainer_step.py --device cuda --out trainer_step.json
+GPU (one H200; liger-kernel installed):
 
-CPU self-check (< 1 min): ``python benchmarks/trainer_step.py --tiny --device cpu``.
+    python benchmarks/trainer_step.py --device cuda
+
+CPU self-check of the plumbing (< 2 min): ``python benchmarks/trainer_step.py --tiny --device cpu``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import fnmatch
+import gc
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's helpers
-from engine_generate import (  # noqa: E402
-    H200_BF16_DENSE_TFLOPS, QWEN2_05B_SHAPE, TINY_SHAPE, add_common_args, build_model, env_info, fill_defaults, measure,
-    print_table, reset_peak, write_json,
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
+from engine_generate import H200_BF16_DENSE_TFLOPS, env_info, print_table, timed, write_json  # noqa: E402
+from trainer_systems import (  # noqa: E402
+    TINY, VOCAB, actor_config, actor_step, build, fixed_batch, heavy_tailed_batch, hf_plain_step,
+    packed_vs_padded, param_counts,
 )
 
-from tapioca.config.schema import ActorConfig  # noqa: E402
-from tapioca.models.forward import autocast_context  # noqa: E402
-from tapioca.trainers.batching import SeqItem  # noqa: E402
-from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
+TODAY = dict(packed_sequences=False, param_dtype="float32", autocast_dtype="bfloat16",
+             fused_optimizer=False, logprob_kernel="torch")
+# The Triton logprob path keeps one bf16 [C, V] buffer (not two fp32 ones): bigger chunks.
+FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", attention_backend="auto",
+            liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192,
+            logprob_keep_logits=True)
+FAST_BIG = dict(FAST, recompute_swiglu=True)
+M05, M15, M3, Q3 = "qwen2-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen3-1.7b"
 
-LR = 1e-6
-MAX_GRAD_NORM = 1.0
+# (group, name, shape, batch, system, options, estimated seconds on an H200)
+RUNS = [
+    ("core", "0.5b/hf", M05, "16x1024", "hf", {}, 8),
+    ("core", "0.5b/today", M05, "16x1024", "actor", TODAY, 8),
+    ("core", "0.5b/fast", M05, "16x1024", "actor", FAST, 20),
+    ("core", "1.5b/hf", M15, "8x2048", "hf", {}, 10),
+    ("core", "1.5b/fast", M15, "8x2048", "actor", FAST_BIG, 12),
+    ("core", "3b/hf+ac", M3, "8x2048", "hf", {"checkpointing": True}, 14),
+    ("core", "3b/fast mb4k", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096), 14),
+    ("core", "3b/fast mb2k", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=2048), 14),
+    ("core", "3b/fast ac", M3, "8x2048", "actor", dict(FAST, gradient_checkpointing=True), 14),
+    ("core", "qwen3-1.7b/hf", Q3, "8x2048", "hf", {}, 10),
+    ("core", "qwen3-1.7b/fast", Q3, "8x2048", "actor", FAST_BIG, 12),
+    ("tail", "0.5b/tail today", M05, "tail", "actor", TODAY, 12),
+    ("tail", "0.5b/tail fast", M05, "tail", "actor", FAST, 8),
+    ("tail", "1.5b/tail today", M15, "tail", "actor", TODAY, 25),
+    ("tail", "1.5b/tail fast", M15, "tail", "actor", FAST_BIG, 12),
+    ("switches", "0.5b/fast -liger", M05, "16x1024", "actor", dict(FAST, liger_kernels=False), 6),
+    ("switches", "0.5b/fast -triton logprob", M05, "16x1024", "actor",
+     dict(FAST, logprob_kernel="torch", logprob_chunk_tokens=4096), 6),
+    ("switches", "0.5b/fast fp32 weights+autocast", M05, "16x1024", "actor",
+     dict(FAST, param_dtype="float32", autocast_dtype="bfloat16"), 6),
+    ("switches", "0.5b/fast -keep logits", M05, "16x1024", "actor", dict(FAST, logprob_keep_logits=False), 6),
+    ("switches", "0.5b/fast -fused adamw", M05, "16x1024", "actor", dict(FAST, fused_optimizer=False), 6),
+    ("switches", "0.5b/fast +ac", M05, "16x1024", "actor", dict(FAST, gradient_checkpointing=True), 6),
+    ("switches", "0.5b/fast +ac every 2", M05, "16x1024", "actor",
+     dict(FAST, gradient_checkpointing=True, gradient_checkpointing_every_n_layers=2), 6),
+    ("switches", "0.5b/fast +recompute swiglu", M05, "16x1024", "actor", dict(FAST, recompute_swiglu=True), 6),
+    ("switches", "0.5b/fast +offload optimizer", M05, "16x1024", "actor", dict(FAST, offload_optimizer=True), 10),
+    ("switches", "0.5b/fast attention sdpa", M05, "16x1024", "actor", dict(FAST, attention_backend="sdpa"), 6),
+    ("switches", "0.5b/fast -packed (padded)", M05, "16x1024", "actor",
+     dict(FAST, packed_sequences=False, liger_kernels=False), 6),
+    ("switches", "0.5b/fast mb 4k", M05, "16x1024", "actor", dict(FAST, mb_max_tokens=4096), 6),
+    ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
+    ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
+    ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
+]
 
 
-def param_counts(model: torch.nn.Module) -> dict:
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is counted once
-    embed = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings().weight.numel()
-    return {"total": total, "non_embedding": total - embed, "matmul": total - embed + head}
+def make_batches(tiny: bool, seed: int) -> dict:
+    vocab = TINY["vocab_size"] if tiny else VOCAB
+    if tiny:
+        return {"16x1024": fixed_batch(4, 64, 8, vocab, seed), "8x2048": fixed_batch(2, 128, 8, vocab, seed),
+                "tail": heavy_tailed_batch(8, 48, 1.0, 256, vocab, seed),
+                "check": heavy_tailed_batch(4, 32, 1.0, 128, vocab, seed)}
+    return {"16x1024": fixed_batch(16, 1024, 128, vocab, seed), "8x2048": fixed_batch(8, 2048, 128, vocab, seed),
+            "tail": heavy_tailed_batch(32, 1024, 1.0, 8192, vocab, seed),
+            "check": heavy_tailed_batch(8, 512, 1.0, 2048, vocab, seed)}
 
 
-def hf_baseline_fn(model, ids_BT, adv_B, prompt_len: int, autocast_dtype: str, device: str):
-    """One full-logits training step per call (the DESIGN §9 baseline)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)  # same defaults as PPOActor's AdamW
-    ones_BT = torch.ones_like(ids_BT)
-    # Position t predicts token t+1; trained positions predict the non-prompt tokens.
-    mask_BT = torch.zeros(ids_BT.shape[0], ids_BT.shape[1] - 1, device=device)
-    mask_BT[:, prompt_len - 1:] = 1.0
-
-    def run() -> int:
-        model.train()
-        with autocast_context(device, autocast_dtype):
-            logits_BTV = model(input_ids=ids_BT, attention_mask=ones_BT).logits
-        logp_BTV = logits_BTV[:, :-1].float().log_softmax(-1)  # full fp32 logits
-        logp_BT = logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-        loss = -(logp_BT * adv_B[:, None] * mask_BT).sum() / mask_BT.sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return ids_BT.numel()
-    return run
+def cpu_safe(system: str, opts: dict) -> dict:
+    """On the CPU self-check: no liger / compile (Triton needs CUDA; compile is slow)."""
+    if system == "hf":
+        return dict(opts, compiled=False)
+    return dict(opts, liger_kernels=False, compile_layers=False)
 
 
-def ppo_actor_fn(model, ids_BT, adv_B, prompt_len: int, autocast_dtype: str, device: str,
-                 mb_tokens: int, chunk_tokens: int):
-    """One ``PPOActor.train_step`` per call, on the same sequences as the baseline."""
-    cfg = ActorConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM, mb_max_tokens=mb_tokens,
-                      logprob_chunk_tokens=chunk_tokens, autocast_dtype=autocast_dtype,
-                      device=device)
-    actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=device)
-    vocab = model.config.vocab_size
-    n_out = ids_BT.shape[1] - prompt_len
-    # A random model's logprobs are close to uniform: behaviour logprobs of -log(V) keep
-    # the pi_prox/pi_behav weights near 1, as in a real on-policy step.
-    items = [SeqItem(group_id=f"g{b // 8}", input_ids=row, prompt_len=prompt_len,
-                     behav_logprobs=[-math.log(vocab)] * n_out, versions=[0] * n_out,
-                     loss_mask=[1] * n_out, advantage=float(adv_B[b]), reward=0.0)
-             for b, row in enumerate(ids_BT.tolist())]
+def reset(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
-    def run() -> int:
-        result = actor.train_step(items, policy_version=0)
-        if result.n_tokens != len(items) * n_out:
-            raise RuntimeError(f"PPOActor trained {result.n_tokens} tokens, expected {len(items) * n_out}")
-        return sum(it.length for it in items)
-    return run
+
+def run_one(run, batches, args) -> dict:
+    group, name, shape, batch_key, system, opts, _ = run
+    device = args.device
+    batch = batches[batch_key]
+    opts = cpu_safe(system, opts) if not device.startswith("cuda") else opts
+    reset(device)
+    if system == "hf":
+        model = build(shape, args.tiny, torch.float32, device)
+        step = hf_plain_step(model, batch, device, **opts)
+        describe = "plain HF" + (" +ac" if opts.get("checkpointing") else "") + (" compiled" if opts.get("compiled") else "")
+    else:
+        cfg = actor_config(device, **dict(dict(mb_max_tokens=16384, logprob_chunk_tokens=args.chunk_tokens), **opts))
+        model = build(shape, args.tiny, getattr(torch, cfg.param_dtype), device)
+        step, actor = actor_step(model, batch, cfg, device)
+        triton_lp = cfg.logprob_kernel == "triton" or (cfg.logprob_kernel == "auto" and device.startswith("cuda"))
+        describe = (actor.packed.describe() if actor.packed is not None else "padded HF forward") + \
+            f" lp={'triton' if triton_lp else 'torch'} w={'bf16' if cfg.param_dtype == 'bfloat16' else 'fp32'}"
+    counts = param_counts(model)
+    t0 = time.perf_counter()
+    step()  # warm-up: compiles (torch.compile, Triton JIT), allocates
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    reset(device)
+    walls = [timed(step, device)[1] for _ in range(args.steps)]
+    wall = statistics.median(walls)
+    tokens = batch.real_tokens
+    tflops = 6 * counts["matmul"] * tokens / wall / 1e12
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+    return {"group": group, "shape": shape, "batch": batch.name, "system": system, "options": opts,
+            "kernels": describe, "params": counts, "real_tokens": tokens, "warmup_s": round(warmup_s, 1),
+            "wall_s": round(wall, 4), "wall_s_all": [round(w, 4) for w in walls],
+            "tokens_per_s": round(tokens / wall, 1), "tflops_6nd": round(tflops, 1),
+            "mfu": round(tflops / H200_BF16_DENSE_TFLOPS, 4), "peak_mem_gib": peak}
+
+
+def selected(args) -> list:
+    keys = [k.strip() for k in args.only.split(",") if k.strip()] if args.only else []
+    if not keys:
+        return list(RUNS)
+    return [r for r in RUNS if any(k == r[0] or fnmatch.fnmatch(r[1], k) for k in keys)]
+
+
+def summary(results: dict, check: dict | None, args) -> None:
+    rows = []
+    for name, r in results.items():
+        if "error" in r or "skipped" in r:
+            rows.append([name, r.get("error", r.get("skipped"))[:60], None, None, None, None, None])
+            continue
+        kernels = ("FALLBACK " if "fallback_from" in r else "") + r["kernels"]
+        rows.append([name, kernels[:52], r["tokens_per_s"], round(100 * r["mfu"], 1), r["peak_mem_gib"],
+                     r["wall_s"], r["warmup_s"]])
+    print()
+    print_table(["run", "kernels / error", "tokens/s", "MFU %", "peak GiB", "step s", "warm-up s"], rows)
+
+    def get(name, key):
+        return results.get(name, {}).get(key)
+
+    print("\nswitches at 0.5B, 16 x 1024 (one change from fast):")
+    base_t, base_m = get("0.5b/fast", "wall_s"), get("0.5b/fast", "peak_mem_gib")
+    srows = []
+    for name, r in results.items():
+        if r.get("group") == "switches" or name in ("0.5b/fast compile",):
+            if "wall_s" in r and base_t:
+                srows.append([name, round(r["wall_s"] / base_t, 3),
+                              None if base_m is None else round(r["peak_mem_gib"] - base_m, 2)])
+    print_table(["switch", "step time vs fast", "peak GiB vs fast"], srows)
+
+    print("\ntargets:")
+    today, fast = get("0.5b/today", "tokens_per_s"), get("0.5b/fast", "tokens_per_s")
+    if today and fast:
+        print(f"  0.5B 16x1024: fast / today = {fast / today:.2f}x (target >= 2x), "
+              f"peak {get('0.5b/fast', 'peak_mem_gib')} GiB (target <= 40)")
+    for name in ("1.5b/fast", "3b/fast mb4k", "3b/fast mb2k", "3b/fast ac", "qwen3-1.7b/fast"):
+        if get(name, "mfu") is not None:
+            print(f"  {name}: MFU {100 * get(name, 'mfu'):.1f}% (target >= 45), peak {get(name, 'peak_mem_gib')} GiB "
+                  "(target <= 60)")
+    for size in ("0.5b", "1.5b"):
+        t, f = get(f"{size}/tail today", "tokens_per_s"), get(f"{size}/tail fast", "tokens_per_s")
+        if t and f:
+            print(f"  {size} heavy-tailed: fast {f:,.0f} vs today {t:,.0f} real tokens/s ({f / t:.2f}x)")
+    if check:
+        print("\npacked vs padded, same weights and batch (relative L2 error of all gradients; loss):")
+        for k, v in check.items():
+            if isinstance(v, dict):
+                print(f"  {k}: grad {v['grad_rel_l2']:.2e} (worst param {v['grad_rel_l2_worst_param']:.2e}, "
+                      f"min cosine {v['grad_cosine_min']:.5f}), loss {v['loss_rel_diff']:.2e}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(ap)
-    ap.add_argument("--n-seqs", type=int, default=None)
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (prompt + output)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="leading tokens not trained")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up")
-    ap.add_argument("--mb-tokens", type=int, default=None, help="actor.mb_max_tokens (default: whole batch)")
-    ap.add_argument("--chunk-tokens", type=int, default=4096, help="actor.logprob_chunk_tokens")
-    ap.add_argument("--skip-hf", action="store_true", help="measure PPOActor only")
-    args = fill_defaults(ap.parse_args(),
-                         full=dict(n_seqs=16, seq_len=1024, prompt_len=128, steps=3, repeats=1),
-                         tiny=dict(n_seqs=4, seq_len=128, prompt_len=16, steps=2, repeats=1))
-    if args.repeats != 1:
-        ap.error("use --steps for the number of timed steps")
-    mb_tokens = args.mb_tokens or args.n_seqs * args.seq_len
-    autocast_dtype = "" if args.dtype == "float32" else args.dtype
-    device = args.device
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab_size = (TINY_SHAPE if args.tiny else QWEN2_05B_SHAPE)["vocab_size"]
-    ids_BT = torch.randint(0, vocab_size, (args.n_seqs, args.seq_len), generator=gen).to(device)
-    adv_B = (torch.randint(0, 2, (args.n_seqs,), generator=gen) * 2 - 1).float().to(device)
-    tokens_per_step = args.n_seqs * args.seq_len
-
-    systems = {
-        "hf_full_logits": lambda m: hf_baseline_fn(m, ids_BT, adv_B, args.prompt_len,
-                                                   autocast_dtype, device),
-        "ppo_actor": lambda m: ppo_actor_fn(m, ids_BT, adv_B, args.prompt_len, autocast_dtype,
-                                            device, mb_tokens, args.chunk_tokens),
-    }
-    if args.skip_hf:
-        systems.pop("hf_full_logits")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU self-check)")
+    ap.add_argument("--only", default="", help="comma list of groups (check, core, tail, switches, "
+                                                 "compile) or run-name globs, e.g. '1.5b/*'")
+    ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up")
+    ap.add_argument("--chunk-tokens", type=int, default=4096,
+                    help="actor.logprob_chunk_tokens where a run does not set it (today: 4096; fast: 8192)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="skip runs whose estimated end passes this many seconds from the start")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args()
+    runs = selected(args)
+    want_check = not args.only or any(k.strip() == "check" for k in args.only.split(","))
+    if args.list:
+        for r in runs:
+            print(f"{r[0]:9s} {r[1]:34s} {r[2]:13s} {r[3]:8s} ~{r[6]} s")
+        return
+    start = time.perf_counter()
+    print(f"{env_info(args.device)}; {len(runs)} runs{' + check' if want_check else ''}; budget {args.budget_s:g} s",
+          flush=True)
+    batches = make_batches(args.tiny, args.seed)
+    check = None
+    if want_check:
+        for liger in ([True, False] if args.device.startswith("cuda") else [False]):
+            try:
+                check = dict(packed_vs_padded("qwen2-0.5b", args.tiny, batches["check"], args.device, liger=liger),
+                             batch=batches["check"].name, liger=liger, error_with_liger=(check or {}).get("error"))
+                print("check", check, flush=True)
+                break
+            except Exception as e:  # noqa: BLE001 -- report and go on with the timings
+                check = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print("check failed:", check["error"], flush=True)
+                reset(args.device)
+        reset(args.device)
     results: dict[str, dict] = {}
-    counts = None
-    for name, make in systems.items():
-        reset_peak(device)
-        model = build_model(args.tiny, torch.float32, device)  # fp32 master weights
-        counts = param_counts(model)
-        if name == "hf_full_logits":
-            print(f"model: {counts['total'] / 1e6:.1f}M params (non-embedding "
-                  f"{counts['non_embedding'] / 1e6:.1f}M, matmul N {counts['matmul'] / 1e6:.1f}M), "
-                  f"fp32 weights, autocast {autocast_dtype or 'off'}, {device}; "
-                  f"{args.n_seqs} x {args.seq_len} tokens per step", flush=True)
+    for run in runs:
+        name, est = run[1], run[6]
+        elapsed = time.perf_counter() - start
+        if not args.tiny and elapsed + est > args.budget_s:
+            results[name] = {"group": run[0], "skipped": f"time budget ({elapsed:.0f} s + ~{est} s)"}
+            print(name, results[name], flush=True)
+            continue
         try:
-            r = measure(make(model), device, args.steps)
-        except torch.cuda.OutOfMemoryError as e:  # the baseline may not fit: record it
-            r = {"error": f"CUDA out of memory: {str(e).splitlines()[0]}"}
-        if "tokens_per_s" in r:
-            for key, n in (("", counts["matmul"]), ("_non_embedding", counts["non_embedding"])):
-                tflops = 6 * n * r["tokens_per_s"] / 1e12
-                r[f"tflops_6nd{key}"] = round(tflops, 2)
-                r[f"mfu{key}"] = round(tflops / H200_BF16_DENSE_TFLOPS, 4)
-        results[name] = r
-        print(name, r, flush=True)
-        del model, make
-        reset_peak(device)
-
-    names = {"hf_full_logits": "HF fwd/bwd + AdamW, full logits", "ppo_actor": "PPOActor.train_step"}
-    print()
-    print_table(["system", "step s", "tokens/s", "TFLOP/s 6ND", "MFU %", "peak GiB"],
-                [[names[k], r.get("wall_s", r.get("error")), r.get("tokens_per_s"), r.get("tflops_6nd"),
-                  round(100 * r["mfu"], 1) if "mfu" in r else None, r.get("peak_mem_gib")]
-                 for k, r in results.items()])
-    print(f"\nN = {counts['matmul']:,} matmul params (non-embedding + LM head), "
-          f"D = {tokens_per_step:,} tokens/step, peak {H200_BF16_DENSE_TFLOPS:g} TFLOP/s "
-          "(DESIGN §9 target: >= 45% MFU, <= 40 GiB)")
-    write_json(args.out, {
-        "benchmark": "trainer_step", "env": env_info(device), "param_counts": counts,
-        "config": {k: getattr(args, k) for k in ("tiny", "dtype", "n_seqs", "seq_len", "prompt_len",
-                                                 "steps", "chunk_tokens", "seed")}
-                  | {"mb_tokens": mb_tokens, "lr": LR, "tokens_per_step": tokens_per_step},
-        "results": results})
+            results[name] = run_one(run, batches, args)
+        except Exception as e:  # noqa: BLE001 -- an OOM or a kernel failure is a result too
+            results[name] = {"group": run[0], "error": f"{type(e).__name__}: {e}"[:500]}
+            opts = run[5]
+            if run[4] == "actor" and not isinstance(e, torch.cuda.OutOfMemoryError) and (
+                    opts.get("liger_kernels") or opts.get("logprob_kernel", "auto") != "torch"):
+                # A Triton kernel (liger's or ours) failed here: measure the rest anyway.
+                reset(args.device)
+                retry = run[:5] + (dict(opts, liger_kernels=False, logprob_kernel="torch"),) + run[6:]
+                try:
+                    results[name] = dict(run_one(retry, batches, args), fallback_from=results[name]["error"])
+                except Exception as e2:  # noqa: BLE001
+                    results[name]["retry_error"] = f"{type(e2).__name__}: {e2}"[:500]
+        finally:
+            if run[1].endswith("compile") or run[1].endswith("compiled"):
+                torch._dynamo.reset()
+            reset(args.device)
+        print(name, results[name], f"[{time.perf_counter() - start:.0f} s]", flush=True)
+    summary(results, check, args)
+    payload = {"benchmark": "trainer_step", "env": env_info(args.device), "elapsed_s": round(time.perf_counter() - start, 1),
+               "peak_tflops": H200_BF16_DENSE_TFLOPS, "steps": args.steps, "chunk_tokens": args.chunk_tokens,
+               "batches": {k: {"name": b.name, "real_tokens": b.real_tokens, "lengths": [len(r) for r in b.ids]}
+                           for k, b in batches.items()},
+               "check": check, "results": results}
+    write_json(args.out, payload)
+    if os.environ.get("OUT"):
+        write_json(str(Path(os.environ["OUT"]) / "trainer_step.json"), payload)
+    print(f"total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

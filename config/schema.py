@@ -247,9 +247,9 @@ class ActorConfig:
     # m2_threshold) could never fire and are refused.
     recompute_logprob: bool = True
     device: str = "cpu"
-    # Master weights and optimizer state stay in param_dtype; forward/backward run
-    # under autocast_dtype when set (e.g. bfloat16 on GPU). Published weights use
-    # model.dtype, the inference dtype.
+    # The model's weights are in param_dtype (with bfloat16, AdamW keeps fp32 masters
+    # unless fp32_master_weights is false); forward/backward run under autocast_dtype
+    # when set (e.g. bfloat16 on GPU). Published weights use model.dtype.
     param_dtype: str = "float32"
     autocast_dtype: str = ""
     torch_threads: int = 1
@@ -305,6 +305,38 @@ class ActorConfig:
     # nccl: a worker that does not finish a transfer within this is dropped by the
     # trainer (it rejoins on its next version); a worker falls back to the file.
     weight_transfer_timeout_s: float = 60.0
+    # --- training-step speed and memory (docs/trainer-performance.md) ---
+    # Micro-batches as packed sequences: concatenated without padding, position ids
+    # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
+    # counts real tokens. false: right-padded batches through the HF forward.
+    packed_sequences: bool = True
+    # Attention of packed micro-batches: auto (flash varlen on CUDA in bf16/fp16, else
+    # sdpa) | varlen | sdpa (padded inside the attention call only; any device/dtype).
+    attention_backend: str = "auto"
+    # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
+    # liger-kernel). Packed forward only.
+    liger_kernels: bool = False
+    # torch.compile each decoder layer of the packed forward (first step compiles).
+    compile_layers: bool = False
+    # Activation checkpointing (AReaL's name): recompute checkpointed layers in backward.
+    gradient_checkpointing: bool = False
+    # With gradient_checkpointing: checkpoint every n-th decoder layer (1 = all).
+    gradient_checkpointing_every_n_layers: int = 1
+    # Keep the MLP's gate and up outputs only; recompute silu(gate) * up in backward.
+    recompute_swiglu: bool = False
+    # param_dtype bfloat16: AdamW on fp32 master copies (false: AdamW on the bf16 weights).
+    fp32_master_weights: bool = True
+    # AdamW as one fused kernel (CUDA; and the CPU step of offload_optimizer).
+    fused_optimizer: bool = True
+    # Master weights and AdamW moments in pinned CPU memory, stepped on the CPU (needs
+    # param_dtype bfloat16 and fp32_master_weights).
+    offload_optimizer: bool = False
+    # Softmax work of the chunked logprobs: auto (triton on CUDA) | torch | triton.
+    logprob_kernel: str = "auto"
+    # Triton logprobs of the packed forward: keep each chunk's bf16 logits for backward
+    # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
+    # and a 152k vocabulary; saves the LM-head matmul of the recompute).
+    logprob_keep_logits: bool = False
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
@@ -330,7 +362,25 @@ class ActorConfig:
                  "actor.param_dtype must be float32 or bfloat16")
         _require(self.autocast_dtype in ("", "bfloat16", "float16"),
                  "actor.autocast_dtype must be empty (off), bfloat16 or float16")
+        self._check_speed_switches()
         self._check_policy_loss()
+
+    def _check_speed_switches(self) -> None:
+        _require(self.attention_backend in ("auto", "varlen", "sdpa"),
+                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
+        _require(self.logprob_kernel in ("auto", "torch", "triton"),
+                 f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
+        _require(self.gradient_checkpointing_every_n_layers >= 1,
+                 "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
+        _require(not (self.liger_kernels and self.compile_layers),
+                 "actor.liger_kernels and actor.compile_layers exclude each other (torch.compile "
+                 "fuses the same elementwise ops): set one")
+        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu"):
+            _require(self.packed_sequences or not getattr(self, name),
+                     f"actor.{name} applies to the packed forward: set actor.packed_sequences=true")
+        _require(not self.offload_optimizer or (self.param_dtype == "bfloat16" and self.fp32_master_weights),
+                 "actor.offload_optimizer moves the fp32 master weights to the CPU: set "
+                 "actor.param_dtype=bfloat16 (with fp32_master_weights true)")
 
     def _check_policy_loss(self) -> None:
         modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",

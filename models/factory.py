@@ -61,12 +61,14 @@ def build_tiny_model(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> torch.nn.Module:
     """A random-weight ``transformers`` causal LM (Qwen2 / Qwen3 / Llama architecture).
 
     Deterministic in ``seed`` within one library version, and leaves the caller's global
     torch RNG untouched. ``head_dim`` is ``hidden_size // num_heads`` for every arch
-    (Qwen3's config would otherwise default it to 128).
+    (Qwen3's config would otherwise default it to 128). ``device``: where the weights
+    are created and initialised (a GPU initialises billions of weights in milliseconds).
     """
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +93,9 @@ def build_tiny_model(
         eos_token_id=eos_token_id,
         use_cache=True,
     )
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model

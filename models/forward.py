@@ -7,6 +7,10 @@ per-token log-probabilities (and entropy) of the labels. Every trainer that scor
 tokens goes through here: the PPO actor, the frozen reference / teacher, the offline
 trainers (SFT, DPO, distillation); the critic shares :func:`autocast_context`.
 
+The packed (padding-free) variant, :func:`packed_token_logprobs`, takes a
+:class:`~tapioca.models.packed.PackedCausalLM` and concatenated sequences, and applies
+the LM head only to the rows that predict a scored token.
+
 Model plumbing only: the chunked log-softmax math is
 :func:`tapioca.algorithms.logprobs.gather_logprobs_entropy`.
 """
@@ -14,11 +18,15 @@ Model plumbing only: the chunked log-softmax math is
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
 
 from tapioca.algorithms.logprobs import gather_logprobs_entropy
+
+if TYPE_CHECKING:
+    from tapioca.models.attention import PackedSeqs
+    from tapioca.models.packed import PackedCausalLM
 
 
 def autocast_context(device: str | torch.device, autocast_dtype: str) -> ContextManager:
@@ -36,9 +44,11 @@ def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
 
 def last_hidden(model: torch.nn.Module, input_ids_BT: torch.Tensor,
                 attention_mask_BT: torch.Tensor) -> torch.Tensor:
-    """``hidden_BTH``: the decoder's last hidden states (the LM head is not applied)."""
-    return decoder_body(model)(input_ids=input_ids_BT,
-                               attention_mask=attention_mask_BT).last_hidden_state
+    """``hidden_BTH``: the decoder's last hidden states (the LM head is not applied).
+    No KV cache: scoring and training never decode further (a config's ``use_cache``
+    would otherwise keep every layer's keys and values for nothing)."""
+    return decoder_body(model)(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
+                               use_cache=False).last_hidden_state
 
 
 def causal_token_logprobs(
@@ -50,12 +60,51 @@ def causal_token_logprobs(
     temperature: float,
     chunk_tokens: int,
     compute_entropy: bool = False,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs_BT, entropy_BT)`` of ``labels_BT`` (``[B, T-1]``: position t predicts
     token t+1; 0 where the label is -100) at softmax ``temperature``, chunked over
     ``chunk_tokens`` tokens. ``entropy_BT`` is None unless ``compute_entropy``.
-    Differentiable; the caller picks ``no_grad`` and autocast."""
+    Differentiable; the caller picks ``no_grad`` and autocast. ``kernel``: see
+    :func:`~tapioca.algorithms.logprobs.gather_logprobs_entropy`."""
     hidden_BTH = last_hidden(model, input_ids_BT, attention_mask_BT)
+    weight_VH = model.get_output_embeddings().weight
     return gather_logprobs_entropy(
-        hidden_BTH[:, :-1], model.get_output_embeddings().weight, labels_BT,
-        temperature=temperature, chunk_tokens=chunk_tokens, compute_entropy=compute_entropy)
+        hidden_BTH[:, :-1], weight_VH, labels_BT, temperature=temperature,
+        chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, kernel=kernel,
+        matmul_dtype=head_matmul_dtype(weight_VH))
+
+
+def head_matmul_dtype(weight_VH: torch.Tensor) -> torch.dtype | None:
+    """The LM-head matmul dtype outside autocast: a bf16 / fp16 model's own (as its HF
+    forward would compute it), else None (autocast's dtype, or fp32)."""
+    if torch.is_autocast_enabled(weight_VH.device.type):
+        return None
+    return weight_VH.dtype if weight_VH.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def packed_token_logprobs(
+    packed: "PackedCausalLM",
+    input_ids_N: torch.Tensor,
+    position_ids_N: torch.Tensor,
+    seqs: "PackedSeqs",
+    rows_M: torch.Tensor,
+    labels_M: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    compute_entropy: bool = False,
+    kernel: str = "auto",
+    keep_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logprobs_M, entropy_M)`` of ``labels_M`` predicted at packed positions
+    ``rows_M`` (the hidden state of packed token ``rows_M[m]`` scores ``labels_M[m]``).
+    Only those ``M`` rows go through the LM head: prompt positions and the last token
+    of each sequence cost nothing there. Differentiable; the caller picks ``no_grad``
+    and autocast."""
+    hidden_NH = packed(input_ids_N, position_ids_N, seqs)
+    weight_VH = packed.lm_head.weight
+    return gather_logprobs_entropy(
+        hidden_NH.index_select(0, rows_M), weight_VH, labels_M, temperature=temperature,
+        chunk_tokens=chunk_tokens, compute_entropy=compute_entropy, kernel=kernel,
+        matmul_dtype=head_matmul_dtype(weight_VH), keep_logits=keep_logits)

@@ -63,16 +63,19 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
     return items
 
 
-def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def pack(lengths: Sequence[int], max_tokens: int, *, padded: bool = True) -> list[list[int]]:
     """Indices packed greedily by padded size (count x longest) <= max_tokens, longest
     first; an item longer than the budget gets a micro-batch of its own. Shared by the
-    RL trainer (:func:`micro_batches`) and the offline trainers."""
+    RL trainer (:func:`micro_batches`) and the offline trainers. ``padded=False``
+    budgets the sum of lengths instead (packed micro-batches, no padding:
+    :mod:`tapioca.trainers.packing`)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > max_tokens:
+        size = (len(current) + 1) * longest if padded else sum(lengths[j] for j in current) + lengths[i]
+        if current and size > max_tokens:
             batches.append(current)
             current = []
         current.append(i)

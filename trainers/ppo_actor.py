@@ -24,9 +24,17 @@ the config refuses the pi_prox/pi_behav filters then, since they could never fir
 ``actor/entropy`` is the entropy of the pre-update policy where known (no-grad
 forward or first minibatch), else of the training forward.
 
-Logprobs come from hidden states in chunks
-(:func:`tapioca.models.forward.causal_token_logprobs`), never from the
-full-vocabulary fp32 logits of a whole batch. The loss is
+Logprobs come from hidden states in chunks, never from the full-vocabulary fp32 logits
+of a whole batch: with ``actor.packed_sequences`` (default) from the packed forward
+(:class:`tapioca.models.packed.PackedCausalLM`: sequences concatenated without padding,
+block-diagonal attention, the LM head only on the rows that score an output token),
+else from the right-padded HF forward
+(:func:`tapioca.models.forward.causal_token_logprobs`).
+
+Structure (an FSDP2 trainer wraps the same pieces): :func:`build_train_modules` makes
+the packed forward module and the optimizer from the model and the config;
+:meth:`PPOActor.micro_batches` packs a step's items; :meth:`PPOActor.train_micro_batches`
+is the step on already-built micro-batches. The loss is
 :func:`tapioca.algorithms.policy_losses.policy_loss` (PPO, GSPO, SAPO, CISPO, M2PO,
 rejection sampling, entropy bonus, selected by :class:`ActorConfig`).
 
@@ -51,14 +59,31 @@ from tapioca.algorithms.policy_losses import policy_loss
 from tapioca.algorithms.prox_logp import loglinear_prox_logprobs
 from tapioca.algorithms.rejection_sampling import m2po_keep_flat
 from tapioca.config.schema import ActorConfig
-from tapioca.models.forward import autocast_context, causal_token_logprobs
+from tapioca.models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from tapioca.trainers.batching import SeqItem, TensorBatch, micro_batches, to_tensors
+from tapioca.trainers.optim import build_optimizer, clip_grad_norm_
+from tapioca.trainers.packing import PackedBatch, packed_micro_batches, to_packed
 
 
 @dataclass
 class StepResult:
     metrics: dict[str, float]
     n_tokens: int
+
+
+def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device):
+    """``(packed, optimizer)`` for training ``model`` (already on ``device``):
+    the packed forward module (None with ``packed_sequences: false``) and the optimizer."""
+    packed = None
+    if cfg.packed_sequences:
+        from tapioca.models.packed import PackedCausalLM
+
+        packed = PackedCausalLM(
+            model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
+            compile_layers=cfg.compile_layers,
+            checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
+            recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype)
+    return packed, build_optimizer(model, cfg, device)
 
 
 class PPOActor:
@@ -74,17 +99,40 @@ class PPOActor:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-            betas=tuple(cfg.adam_betas))
+        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device)
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """The module whose forward runs once per micro-batch forward pass."""
+        return self.packed if self.packed is not None else self.model.get_decoder()
+
+    def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
+        """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
+        tokens) or right-padded (count x longest), per ``packed_sequences``."""
+        if self.packed is not None:
+            return [to_packed(mb, self.device) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
+        return [to_tensors(mb, self.pad_token_id, self.device)
+                for mb in micro_batches(items, self.cfg.mb_max_tokens)]
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
-        """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights."""
-        with autocast_context(self.device, self.cfg.autocast_dtype):
+        """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights,
+        ``[B, T-1]`` for a padded or a packed batch alike."""
+        cfg = self.cfg
+        with autocast_context(self.device, cfg.autocast_dtype):
+            if isinstance(batch, PackedBatch):
+                if self.packed is None:
+                    raise AlgorithmInputError("PPOActor.logprobs: a PackedBatch needs "
+                                              "actor.packed_sequences=true")
+                lp_M, ent_M = packed_token_logprobs(
+                    self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
+                    batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+                    compute_entropy=entropy, kernel=cfg.logprob_kernel,
+                    keep_logits=cfg.logprob_keep_logits)
+                return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
-                temperature=self.temperature, chunk_tokens=self.cfg.logprob_chunk_tokens,
-                compute_entropy=entropy)
+                temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+                compute_entropy=entropy, kernel=cfg.logprob_kernel)
 
     def _loss_kwargs(self) -> dict:
         cfg = self.cfg
@@ -111,6 +159,16 @@ class PPOActor:
         version of the weights before this update), needed by ``prox_logp_method``
         ``loglinear`` and ``metrics``."""
         t0 = time.perf_counter()
+        result = self.train_micro_batches(self.micro_batches(items), policy_version=policy_version)
+        elapsed = time.perf_counter() - t0
+        result.metrics["actor/step_time_s"] = elapsed
+        n_all = sum(it.length for it in items)
+        result.metrics["actor/tokens_per_s"] = n_all / elapsed if elapsed > 0 else 0.0
+        return result
+
+    def train_micro_batches(self, mbs: list[TensorBatch], *,
+                            policy_version: int | None = None) -> StepResult:
+        """One ``train_step`` on already-built micro-batches (:meth:`micro_batches`)."""
         cfg = self.cfg
         method = cfg.prox_logp_method if cfg.recompute_logprob else "recompute"
         if method != "recompute" and policy_version is None:
@@ -118,8 +176,6 @@ class PPOActor:
                 f"PPOActor.train_step: actor.prox_logp_method={method} needs "
                 "policy_version= (the version of the weights before this update).")
         self.model.train()
-        mbs = [to_tensors(mb, self.pad_token_id, self.device)
-               for mb in micro_batches(items, cfg.mb_max_tokens)]
         total_tokens = sum(mb.n_tokens for mb in mbs)
         units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)
@@ -177,7 +233,8 @@ class PPOActor:
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.max_grad_norm)
+            # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * mb_tokens
             self.optimizer.step()
         self.model.eval()
@@ -189,10 +246,6 @@ class PPOActor:
         metrics["actor/entropy"] = entropy_sum / denom
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
-        elapsed = time.perf_counter() - t0
-        metrics["actor/step_time_s"] = elapsed
-        n_all = sum(it.length for it in items)
-        metrics["actor/tokens_per_s"] = n_all / elapsed if elapsed > 0 else 0.0
         return StepResult(metrics, total_tokens)
 
     def _m2po_keeps(self, mbs: list[TensorBatch], prox: list[torch.Tensor | None]):

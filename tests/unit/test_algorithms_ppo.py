@@ -343,7 +343,7 @@ def test_first_minibatch_prox_from_training_forward_equals_recompute(extra, n_mi
 
 def _count_forwards(actor: PPOActor) -> list[int]:
     calls = [0]
-    actor.model.get_decoder().register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    actor.forward_module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
