@@ -40,8 +40,9 @@ exactly the gradient of the minibatch's aggregated loss.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +60,11 @@ from tapioca.trainers.batching import SeqItem, TensorBatch, micro_batches, to_te
 class StepResult:
     metrics: dict[str, float]
     n_tokens: int
+    # Minibatches whose loss or gradient norm was not finite: their optimizer step was
+    # skipped (nothing applied), and the groups they held.
+    skipped_minibatches: int = 0
+    applied_minibatches: int = 0
+    skipped_group_ids: set[str] = field(default_factory=set)
 
 
 class PPOActor:
@@ -118,8 +124,8 @@ class PPOActor:
                 f"PPOActor.train_step: actor.prox_logp_method={method} needs "
                 "policy_version= (the version of the weights before this update).")
         self.model.train()
-        mbs = [to_tensors(mb, self.pad_token_id, self.device)
-               for mb in micro_batches(items, cfg.mb_max_tokens)]
+        packed = micro_batches(items, cfg.mb_max_tokens)
+        mbs = [to_tensors(mb, self.pad_token_id, self.device) for mb in packed]
         total_tokens = sum(mb.n_tokens for mb in mbs)
         units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)
@@ -140,7 +146,9 @@ class PPOActor:
         keeps = self._m2po_keeps(mbs, prox)
         kwargs = self._loss_kwargs()
         sums: dict[str, float] = {}
+        skipped: list[int] = []
         for mb_index, mb_ids in enumerate(minibatches):
+            mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
             mb_tokens = sum(mbs[i].n_tokens for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             # No optimizer step yet in this train_step: the training forward is pi_prox.
@@ -160,7 +168,7 @@ class PPOActor:
                     approx = loglinear_prox_logprobs(mb.behav_logprobs_BT, logp.detach(),
                                                      mb.versions_BT, policy_version)
                     err = float(torch.where(mb.mask_BT, (approx - prox_i).abs(), 0.0).sum())
-                    sums["prox_loglinear_abs_err"] = sums.get("prox_loglinear_abs_err", 0.0) + err
+                    mb_sums["prox_loglinear_abs_err"] = mb_sums.get("prox_loglinear_abs_err", 0.0) + err
                 if not entropy_known[i]:
                     entropy_sum += float((ent.detach() * mb.mask_BT).sum())
                 loss, stats = policy_loss(
@@ -171,14 +179,24 @@ class PPOActor:
                     entropy_BT=ent if cfg.entropy_coeff > 0 else None, **kwargs)
                 (loss * (units[i] / mb_units)).backward()
                 for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v * mb.n_tokens
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v * mb.n_tokens
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * mb_tokens
+                mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             cfg.max_grad_norm))
+            mb_sums["grad_norm"] = grad_norm * mb_tokens
+            if not all(math.isfinite(v) for v in mb_sums.values()):
+                # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
+                # applying it would ruin the weights for good. Skip this optimizer step;
+                # the caller dead-letters the minibatch's groups.
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped.append(mb_index)
+                continue
+            for k, v in mb_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
             self.optimizer.step()
         self.model.eval()
         denom = max(total_tokens, 1)
@@ -193,7 +211,11 @@ class PPOActor:
         metrics["actor/step_time_s"] = elapsed
         n_all = sum(it.length for it in items)
         metrics["actor/tokens_per_s"] = n_all / elapsed if elapsed > 0 else 0.0
-        return StepResult(metrics, total_tokens)
+        metrics["actor/skipped_minibatches"] = float(len(skipped))
+        bad = {it.group_id for m in skipped for i in minibatches[m] for it in packed[i]}
+        return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
+                          applied_minibatches=len(minibatches) - len(skipped),
+                          skipped_group_ids=bad)
 
     def _m2po_keeps(self, mbs: list[TensorBatch], prox: list[torch.Tensor | None]):
         """M2PO keep masks over all trained tokens of the step (None: M2PO off, or

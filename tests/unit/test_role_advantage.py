@@ -793,7 +793,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     from tapioca.bus.role import Source
     from tapioca.config.schema import AdvantageConfig, RewardNormConfig
     from tapioca.schemas.envelope import decode_event, encode_event
-    from tapioca.schemas.errors import FatalRoleError
+    from tapioca.schemas.errors import BadEventError
 
     on = Feed(AdvantageProcessor(reward_norm=GROUP_GROUP))
     off = Feed(AdvantageProcessor())
@@ -807,7 +807,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     t_off = _tiny_trainer(tmp_path / "off", AdvantageConfig())
     try:
         state = t_off.init_state()
-        with pytest.raises(FatalRoleError, match="rewards normalised as 'mean=group std=group "
+        with pytest.raises(BadEventError, match="rewards normalised as 'mean=group std=group "
                            "leave1out=0 unbiased=0 eps=0'.*gives 'none'.*same "
                            "advantage.reward_norm and restart"):
             t_off.handle(normed, state, src[0])
@@ -817,7 +817,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     t_on = _tiny_trainer(tmp_path / "on", AdvantageConfig(reward_norm=RewardNormConfig(eps=0.0)))
     try:
         state = t_on.init_state()
-        with pytest.raises(FatalRoleError, match="normalised as 'none'.*gives 'mean=group"):
+        with pytest.raises(BadEventError, match="normalised as 'none'.*gives 'mean=group"):
             t_on.handle(plain, state, src[0])
         # Matching spec trains; an event from before the field ("") is not compared.
         older = decode_event(encode_event(normed2))
