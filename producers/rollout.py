@@ -8,7 +8,13 @@ same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is checksum-verified and loaded between decode steps:
-in-flight sequences continue and their later tokens carry the new version. A prompt is
+in-flight sequences continue and their later tokens carry the new version. Versions only
+go forward (algorithms/versions.py): an older weights event is dead-lettered, never
+loaded. A version that cannot be loaded (file missing, checksum wrong) is retried with
+backoff by the bus, then dead-lettered; the worker keeps the version it has and goes on
+(prompts admitted under the lost version start with the next one). A prompt that can
+never be generated (token ids outside the vocabulary, too long, no samples) is
+dead-lettered at once. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
 that overtakes its weights event is generated one version too old and later rejected as
@@ -28,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tapioca.bus.dedup import SeenSet
+from tapioca.algorithms.versions import is_newer
 from tapioca.bus.role import Role, Source
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from tapioca.schemas.envelope import Event
+from tapioca.schemas.errors import BadEventError, TapiocaError
 from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 
 LoadWeights = Callable[[WeightsEvent], Any]
@@ -50,7 +58,9 @@ class RolloutState:
     inflight: dict[str, _Group] = field(default_factory=dict)
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
     pending_weights: WeightsEvent | None = None
+    pending_source: Source | None = None  # where pending_weights was read (None: recovered)
     loaded_version: int = 0
+    weights_dead_lettered: int = 0
     trajectories: int = 0
     tokens: int = 0
     window_start: float = field(default_factory=time.time)
@@ -93,8 +103,10 @@ class RolloutWorker(Role[RolloutState]):
     def recover(self, state: RolloutState, latest: list[Event]) -> None:
         weights = [e for e in latest if isinstance(e, WeightsEvent)]
         if weights:
-            newest = weights[-1]
-            if newest.version != state.loaded_version or newest.rollback_of is not None:
+            # The highest version (the latest of equals), not merely the latest event: a
+            # re-published old event must not set the version a restarted worker runs.
+            newest = max(weights, key=lambda e: e.version)
+            if newest.version > state.loaded_version:
                 state.pending_weights = newest
             state.skip_weights_until = newest.event_id
 
@@ -106,24 +118,30 @@ class RolloutWorker(Role[RolloutState]):
                 if event.event_id == state.skip_weights_until:
                     state.skip_weights_until = ""
                 return ()
-            # Only the newest matters: a version superseded before the next tick is skipped.
-            if event.version != state.loaded_version or event.rollback_of is not None:
-                state.pending_weights = event
+            followed = state.pending_weights
+            if is_newer(event, followed.version if followed else state.loaded_version,
+                        "this rollout worker"):
+                # Only the newest matters: a version superseded before the next tick is
+                # skipped.
+                state.pending_weights, state.pending_source = event, source
             return ()
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
-        # Reject an impossible prompt now (retried, then dead-lettered by the bus), not
-        # after it has waited for its weights.
-        self.engine.validate(self._requests(event)[0])
+        # Reject an impossible prompt now (dead-lettered at once by the bus: no retry
+        # makes it possible), not after it has waited for its weights.
+        try:
+            if event.n_samples < 1:
+                raise ValueError(f"n_samples is {event.n_samples}; a group needs >= 1")
+            self.engine.validate(self._requests(event)[0])
+        except (TapiocaError, TypeError, ValueError) as exc:
+            raise BadEventError(f"prompt {event.group_id} cannot be generated: {exc}") from exc
         if event.admitted_at_version > state.loaded_version:
-            pending = state.pending_weights
-            if pending is not None and pending.version >= event.admitted_at_version:
-                self._apply_weights(state)
-            else:
-                state.seen_groups.first(event.group_id)
-                state.inflight[event.group_id] = _Group(event, source)
-                return ()
+            # Waits for its weights: the next tick loads them (its faults are the weights
+            # event's, retried and dead-lettered by the bus, not this prompt's).
+            state.seen_groups.first(event.group_id)
+            state.inflight[event.group_id] = _Group(event, source)
+            return ()
         futures = self._submit(event)
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
@@ -140,10 +158,25 @@ class RolloutWorker(Role[RolloutState]):
         return [self.engine.submit(r) for r in self._requests(prompt)]
 
     def _apply_weights(self, state: RolloutState) -> None:
-        event, state.pending_weights = state.pending_weights, None
-        self.load_weights(event)
+        event = state.pending_weights
+        try:
+            self.load_weights(event)
+        except Exception as exc:
+            # Kept pending: the bus retries the tick with backoff, then dead-letters the
+            # event (on_dead_letter) and this worker keeps the version it has.
+            raise BadEventError(
+                f"weights version {event.version} ({event.path}) cannot be loaded: "
+                f"{type(exc).__name__}: {exc}; this worker stays on version "
+                f"{state.loaded_version}", event=event, source=state.pending_source,
+                retryable=True) from exc
+        state.pending_weights = state.pending_source = None
         state.loaded_version = event.version
         state.weight_loads += 1
+
+    def on_dead_letter(self, state: RolloutState, event: Event, error: BaseException) -> None:
+        if state.pending_weights is not None and state.pending_weights.event_id == event.event_id:
+            state.pending_weights = state.pending_source = None
+            state.weights_dead_lettered += 1
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -228,4 +261,5 @@ class RolloutWorker(Role[RolloutState]):
     def describe(self, state: RolloutState) -> dict[str, Any]:
         return {"version": state.loaded_version, "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
-                "groups_done": state.groups_done, "trajectories": state.trajectories}
+                "groups_done": state.groups_done, "trajectories": state.trajectories,
+                "weights_dead_lettered": state.weights_dead_lettered}
