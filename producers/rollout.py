@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 from tapioca.bus.dedup import SeenSet
 from tapioca.algorithms.versions import is_newer
-from tapioca.bus.role import Role, Source
+from tapioca.bus.role import DeadLetter, Role, Source
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import BadEventError, TapiocaError
@@ -59,7 +59,12 @@ class RolloutState:
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
     pending_weights: WeightsEvent | None = None
     pending_source: Source | None = None  # where pending_weights was read (None: recovered)
+    pending_failed: bool = False  # a load of pending_weights raised at least once
+    # Other events claiming the pending version (one is genuine, the others forged or
+    # stale): tried in turn if the pending one is dead-lettered.
+    alternates: list[tuple[WeightsEvent, Source | None]] = field(default_factory=list)
     loaded_version: int = 0
+    loaded_sha256: str | None = None  # of the loaded version's event (None: not known)
     weights_dead_lettered: int = 0
     trajectories: int = 0
     tokens: int = 0
@@ -108,6 +113,8 @@ class RolloutWorker(Role[RolloutState]):
             newest = max(weights, key=lambda e: e.version)
             if newest.version > state.loaded_version:
                 state.pending_weights = newest
+            elif newest.version == state.loaded_version:
+                state.loaded_sha256 = newest.sha256
             state.skip_weights_until = newest.event_id
 
     # ------------------------------------------------------------------ events
@@ -118,13 +125,7 @@ class RolloutWorker(Role[RolloutState]):
                 if event.event_id == state.skip_weights_until:
                     state.skip_weights_until = ""
                 return ()
-            followed = state.pending_weights
-            if is_newer(event, followed.version if followed else state.loaded_version,
-                        "this rollout worker"):
-                # Only the newest matters: a version superseded before the next tick is
-                # skipped.
-                state.pending_weights, state.pending_source = event, source
-            return ()
+            return self._follow(event, source, state)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
@@ -157,26 +158,67 @@ class RolloutWorker(Role[RolloutState]):
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
         return [self.engine.submit(r) for r in self._requests(prompt)]
 
-    def _apply_weights(self, state: RolloutState) -> None:
+    def _follow(self, event: WeightsEvent, source: Source,
+                state: RolloutState) -> list[DeadLetter]:
+        """A weights event: newer than what this worker follows becomes the one to load
+        (only the newest matters: a version superseded before the next tick is skipped;
+        one that already failed to load is dead-lettered). The same version with the same
+        checksum is a re-announcement; with another checksum a conflict: refused if that
+        version is loaded, else kept as an alternate in case the pending one fails."""
+        pending = state.pending_weights
+        followed = pending.version if pending is not None else state.loaded_version
+        if is_newer(event, followed, "this rollout worker"):
+            out = []
+            if pending is not None and state.pending_failed:
+                out.append(DeadLetter(pending, BadEventError(
+                    f"weights version {pending.version} ({pending.path}) could not be loaded "
+                    f"and was superseded by version {event.version}"), state.pending_source))
+            state.pending_weights, state.pending_source = event, source
+            state.pending_failed, state.alternates = False, []
+            return out
+        if pending is None:
+            if state.loaded_sha256 is None or state.loaded_sha256 == event.sha256:
+                state.loaded_sha256 = event.sha256
+                return []
+            raise BadEventError(self._conflict(event, state.loaded_sha256))
+        if event.sha256 != pending.sha256:
+            state.alternates.append((event, source))
+        return []
+
+    @staticmethod
+    def _conflict(event: WeightsEvent, sha256: str) -> str:
+        return (f"weights version {event.version} ({event.path}, sha256 {event.sha256[:12]}) "
+                f"conflicts with the loaded weights of that version (sha256 {sha256[:12]}); "
+                "a version names one set of weights")
+
+    def _apply_weights(self, state: RolloutState) -> list[DeadLetter]:
         event = state.pending_weights
         try:
             self.load_weights(event)
         except Exception as exc:
             # Kept pending: the bus retries the tick with backoff, then dead-letters the
             # event (on_dead_letter) and this worker keeps the version it has.
+            state.pending_failed = True
             raise BadEventError(
                 f"weights version {event.version} ({event.path}) cannot be loaded: "
                 f"{type(exc).__name__}: {exc}; this worker stays on version "
                 f"{state.loaded_version}", event=event, source=state.pending_source,
                 retryable=True) from exc
         state.pending_weights = state.pending_source = None
-        state.loaded_version = event.version
+        state.loaded_version, state.loaded_sha256 = event.version, event.sha256
         state.weight_loads += 1
+        conflicts = [DeadLetter(e, BadEventError(self._conflict(e, event.sha256)), src)
+                     for e, src in state.alternates if e.sha256 != event.sha256]
+        state.pending_failed, state.alternates = False, []
+        return conflicts
 
     def on_dead_letter(self, state: RolloutState, event: Event, error: BaseException) -> None:
         if state.pending_weights is not None and state.pending_weights.event_id == event.event_id:
-            state.pending_weights = state.pending_source = None
             state.weights_dead_lettered += 1
+            # The next claimant of that version, if any, is tried instead.
+            state.pending_weights, state.pending_source = (
+                state.alternates.pop(0) if state.alternates else (None, None))
+            state.pending_failed = False
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -186,10 +228,10 @@ class RolloutWorker(Role[RolloutState]):
         base.update({k: v for k, v in prompt.sampling.items() if k in base})
         return SamplingParams(**base)
 
-    def on_tick(self, state: RolloutState, now: float) -> Iterable[Event]:
+    def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
+        out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
-            self._apply_weights(state)
-        out: list[Event] = []
+            out += self._apply_weights(state)
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:

@@ -328,3 +328,63 @@ def test_restart_follows_the_highest_version_not_a_replayed_old_one(h):
     h.role.recover(h.state, history + [replay])
     h.role.on_tick(h.state, time.time())
     assert [e.version for e in h.loads] == [3]
+
+
+def _failing_on_missing(h):
+    real = h.role.load_weights
+
+    def load(event):
+        if "missing" in event.path:
+            raise FileNotFoundError(event.path)
+        real(event)
+
+    h.role.load_weights = load
+
+
+def _claim(version: int, sha: str, path: str = "") -> WeightsEvent:
+    return WeightsEvent(version=version, path=path or f"/w/v{version}-{sha}", sha256=sha * 64)
+
+
+def test_a_forged_claim_of_the_pending_version_does_not_hide_the_genuine_one(h):
+    """Two events claim version 1: a forged one (missing file) first, then the genuine
+    one. The forged one fails, is dead-lettered, and the genuine one is loaded instead
+    of being ignored as a re-announcement (with eta 0 that lost version deadlocks)."""
+    from tapioca.bus.role import DeadLetter
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    forged, genuine = _claim(1, "a", "/missing/v1"), _claim(1, "b")
+    h.role.handle(forged, h.state, wsrc(0))
+    with pytest.raises(BadEventError) as info:
+        h.role.on_tick(h.state, time.time())
+    assert list(h.role.handle(genuine, h.state, wsrc(1))) == []
+    h.role.on_dead_letter(h.state, forged, info.value)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 1 and [e.path for e in h.loads] == [genuine.path]
+    # A claim that arrives after the genuine one is loaded conflicts: refused.
+    with pytest.raises(BadEventError, match="conflicts with the loaded weights"):
+        h.role.handle(_claim(1, "c"), h.state, wsrc(2))
+    # The genuine one again (a re-announcement): nothing.
+    assert list(h.role.handle(genuine, h.state, wsrc(3))) == []
+    # Genuine first and still pending, then a forged claim: the genuine one loads and the
+    # forged one is dead-lettered as a conflict.
+    h.role.handle(_claim(2, "d"), h.state, wsrc(4))
+    h.role.handle(_claim(2, "e", "/missing/v2"), h.state, wsrc(5))
+    (dead,) = [e for e in h.role.on_tick(h.state, time.time()) if isinstance(e, DeadLetter)]
+    assert dead.event.path == "/missing/v2" and dead.source == wsrc(5)
+    assert h.state.loaded_version == 2
+
+
+def test_a_version_that_failed_to_load_and_is_superseded_is_dead_lettered(h):
+    from tapioca.bus.role import DeadLetter
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    bad = _claim(1, "a", "/missing/v1")
+    h.role.handle(bad, h.state, wsrc(0))
+    with pytest.raises(BadEventError):
+        h.role.on_tick(h.state, time.time())
+    (dead,) = h.role.handle(_claim(2, "b"), h.state, wsrc(1))
+    assert isinstance(dead, DeadLetter) and dead.event is bad and "superseded" in str(dead.error)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 2
