@@ -17,7 +17,7 @@ Everything comes from the log, nothing from in-process counters or broker waterm
 k (with the epoch and dataset position, so a restart neither repeats nor skips prompts)
 and ``freed`` (with the weights offset it was counted through) are recovered from the
 feeder's own latest prompt event at start; v from the weights topic, whose versions
-only go forward (an older weights event is dead-lettered, algorithms/versions.py). The
+only go forward (an older weights event moves nothing but its rejection names). The
 recovered k is bounded by what the feeder itself published: a prompt event counts only
 if it carries the feeder's own group id for its index and its predecessor is there too,
 so one forged prompt with group_index 10^9 cannot shut the gate.
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tapioca.algorithms.head_gate import head_gate_capacity
-from tapioca.algorithms.versions import is_newer
 from tapioca.bus.role import Role, Source
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import PromptEvent, WeightsEvent
@@ -144,8 +143,10 @@ class PromptFeeder(Role[FeederState]):
         # Judged before a restart (its rejections are in the recovered count): read again
         # only to remember which ids were counted.
         replayed = source.offset <= state.counted_through
-        if not replayed:
-            is_newer(event, state.latest_version, "the prompt feeder")  # older: refused
+        # The version never goes back (an older event, re-published or not, moves
+        # nothing); its rejection names still count: a rejection of one of this feeder's
+        # groups is a fact whatever the version (after a forged newer version, the
+        # trainer's re-announcements of its real one carry them).
         if event.version >= state.latest_version:
             state.latest_version = event.version
             state.rollbacks = event.rollbacks

@@ -9,11 +9,12 @@ same identities and downstream de-duplication absorbs it.
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is checksum-verified and loaded between decode steps:
 in-flight sequences continue and their later tokens carry the new version. Versions only
-go forward (algorithms/versions.py): an older weights event is dead-lettered, never
-loaded. A version that cannot be loaded (file missing, checksum wrong) is retried with
-backoff by the bus, then dead-lettered; the worker keeps the version it has and goes on
-(prompts admitted under the lost version start with the next one). A prompt that can
-never be generated (token ids outside the vocabulary, too long, no samples) is
+go forward (algorithms/versions.py): a weights event older than the loaded version is
+dead-lettered, never loaded, and so is another claim of the loaded version. Newer events
+are candidates, the highest loaded first: one that cannot be loaded (file missing,
+checksum wrong) is retried with backoff by the bus, then dead-lettered, and the next
+candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
+that can never be generated (token ids outside the vocabulary, too long, no samples) is
 dead-lettered at once. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
@@ -42,6 +43,8 @@ from tapioca.schemas.errors import BadEventError, TapiocaError
 from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 
 LoadWeights = Callable[[WeightsEvent], Any]
+# Weights events kept as candidates at most (the lowest versions are dropped first).
+MAX_WEIGHTS_CANDIDATES = 16
 
 
 @dataclass
@@ -57,12 +60,12 @@ class _Group:
 class RolloutState:
     inflight: dict[str, _Group] = field(default_factory=dict)
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
-    pending_weights: WeightsEvent | None = None
-    pending_source: Source | None = None  # where pending_weights was read (None: recovered)
-    pending_failed: bool = False  # a load of pending_weights raised at least once
-    # Other events claiming the pending version (one is genuine, the others forged or
-    # stale): tried in turn if the pending one is dead-lettered.
-    alternates: list[tuple[WeightsEvent, Source | None]] = field(default_factory=list)
+    # Weights events newer than the loaded version, with where they were read (None:
+    # recovered), highest version first (first arrived among equals): the first is loaded
+    # on the next tick, the others are fallbacks should it be dead-lettered (one of
+    # several events claiming a version may be forged).
+    candidates: list[tuple[WeightsEvent, Source | None]] = field(default_factory=list)
+    head_failed: bool = False  # a load of the first candidate raised at least once
     loaded_version: int = 0
     loaded_sha256: str | None = None  # of the loaded version's event (None: not known)
     weights_dead_lettered: int = 0
@@ -75,6 +78,11 @@ class RolloutState:
     # Older weights events on the replayed broadcast topic are skipped up to this one.
     skip_weights_until: str = ""
     draining: bool = False
+
+    @property
+    def pending_weights(self) -> WeightsEvent | None:
+        """The weights event the next tick loads (None: none newer than the loaded one)."""
+        return self.candidates[0][0] if self.candidates else None
 
 
 class RolloutWorker(Role[RolloutState]):
@@ -112,7 +120,7 @@ class RolloutWorker(Role[RolloutState]):
             # re-published old event must not set the version a restarted worker runs.
             newest = max(weights, key=lambda e: e.version)
             if newest.version > state.loaded_version:
-                state.pending_weights = newest
+                state.candidates = [(newest, None)]
             elif newest.version == state.loaded_version:
                 state.loaded_sha256 = newest.sha256
             state.skip_weights_until = newest.event_id
@@ -160,30 +168,30 @@ class RolloutWorker(Role[RolloutState]):
 
     def _follow(self, event: WeightsEvent, source: Source,
                 state: RolloutState) -> list[DeadLetter]:
-        """A weights event: newer than what this worker follows becomes the one to load
-        (only the newest matters: a version superseded before the next tick is skipped;
-        one that already failed to load is dead-lettered). The same version with the same
-        checksum is a re-announcement; with another checksum a conflict: refused if that
-        version is loaded, else kept as an alternate in case the pending one fails."""
-        pending = state.pending_weights
-        followed = pending.version if pending is not None else state.loaded_version
-        if is_newer(event, followed, "this rollout worker"):
-            out = []
-            if pending is not None and state.pending_failed:
-                out.append(DeadLetter(pending, BadEventError(
-                    f"weights version {pending.version} ({pending.path}) could not be loaded "
-                    f"and was superseded by version {event.version}"), state.pending_source))
-            state.pending_weights, state.pending_source = event, source
-            state.pending_failed, state.alternates = False, []
-            return out
-        if pending is None:
+        """A weights event: older than the loaded version is refused; the same version
+        is a re-announcement (same checksum) or a conflict (refused); a newer one becomes
+        a candidate. The highest candidate is loaded on the next tick; lower ones stay as
+        fallbacks, and one that already failed to load is dead-lettered once superseded."""
+        if not is_newer(event, state.loaded_version, "this rollout worker"):
             if state.loaded_sha256 is None or state.loaded_sha256 == event.sha256:
                 state.loaded_sha256 = event.sha256
                 return []
             raise BadEventError(self._conflict(event, state.loaded_sha256))
-        if event.sha256 != pending.sha256:
-            state.alternates.append((event, source))
-        return []
+        if any(c.event_id == event.event_id for c, _ in state.candidates):
+            return []  # read again
+        out = []
+        head = state.pending_weights
+        if head is not None and event.version > head.version and state.head_failed:
+            out.append(DeadLetter(head, BadEventError(
+                f"weights version {head.version} ({head.path}) could not be loaded and was "
+                f"superseded by version {event.version}"), state.candidates.pop(0)[1]))
+            state.weights_dead_lettered += 1
+        state.candidates.append((event, source))
+        state.candidates.sort(key=lambda c: -c[0].version)  # stable: arrival among equals
+        del state.candidates[MAX_WEIGHTS_CANDIDATES:]
+        if state.pending_weights is not head:
+            state.head_failed = False
+        return out
 
     @staticmethod
     def _conflict(event: WeightsEvent, sha256: str) -> str:
@@ -192,33 +200,33 @@ class RolloutWorker(Role[RolloutState]):
                 "a version names one set of weights")
 
     def _apply_weights(self, state: RolloutState) -> list[DeadLetter]:
-        event = state.pending_weights
+        event, source = state.candidates[0]
         try:
             self.load_weights(event)
         except Exception as exc:
-            # Kept pending: the bus retries the tick with backoff, then dead-letters the
-            # event (on_dead_letter) and this worker keeps the version it has.
-            state.pending_failed = True
+            # Kept: the bus retries the tick with backoff, then dead-letters the event
+            # (on_dead_letter) and this worker keeps the version it has.
+            state.head_failed = True
             raise BadEventError(
                 f"weights version {event.version} ({event.path}) cannot be loaded: "
                 f"{type(exc).__name__}: {exc}; this worker stays on version "
-                f"{state.loaded_version}", event=event, source=state.pending_source,
-                retryable=True) from exc
-        state.pending_weights = state.pending_source = None
+                f"{state.loaded_version}", event=event, source=source, retryable=True) from exc
         state.loaded_version, state.loaded_sha256 = event.version, event.sha256
         state.weight_loads += 1
+        # Lower candidates are superseded; others claiming this version conflict with it.
         conflicts = [DeadLetter(e, BadEventError(self._conflict(e, event.sha256)), src)
-                     for e, src in state.alternates if e.sha256 != event.sha256]
-        state.pending_failed, state.alternates = False, []
+                     for e, src in state.candidates[1:]
+                     if e.version == event.version and e.sha256 != event.sha256]
+        state.candidates = [c for c in state.candidates if c[0].version > event.version]
+        state.head_failed = False
         return conflicts
 
     def on_dead_letter(self, state: RolloutState, event: Event, error: BaseException) -> None:
-        if state.pending_weights is not None and state.pending_weights.event_id == event.event_id:
+        before = len(state.candidates)
+        state.candidates = [c for c in state.candidates if c[0].event_id != event.event_id]
+        if len(state.candidates) < before:
             state.weights_dead_lettered += 1
-            # The next claimant of that version, if any, is tried instead.
-            state.pending_weights, state.pending_source = (
-                state.alternates.pop(0) if state.alternates else (None, None))
-            state.pending_failed = False
+            state.head_failed = False  # the next candidate, if any, is tried afresh
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:

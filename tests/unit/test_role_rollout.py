@@ -311,14 +311,16 @@ def test_versions_only_go_forward(h):
         h.role.handle(weights(2), h.state, wsrc(1))
     assert list(h.role.handle(weights(3), h.state, wsrc(2))) == []  # a re-announcement
     assert h.state.pending_weights is None
-    # Older than a pending (not yet loaded) version: refused too.
+    # Between the loaded and a pending version: a fallback, superseded once 5 loads.
     h.role.handle(weights(5), h.state, wsrc(3))
-    with pytest.raises(BadEventError, match="older than version 5"):
-        h.role.handle(weights(4), h.state, wsrc(4))
+    assert list(h.role.handle(weights(4), h.state, wsrc(4))) == []
+    assert h.state.pending_weights.version == 5
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3, 5] and h.state.candidates == []
     rollback = WeightsEvent(version=6, path="/w/v6", sha256="00" * 32, rollback_of=1)
     h.role.handle(rollback, h.state, wsrc(5))
     h.role.on_tick(h.state, time.time())
-    assert [e.version for e in h.loads] == [3, 6] and h.state.loaded_version == 6
+    assert [e.version for e in h.loads] == [3, 5, 6] and h.state.loaded_version == 6
 
 
 def test_restart_follows_the_highest_version_not_a_replayed_old_one(h):
@@ -388,3 +390,22 @@ def test_a_version_that_failed_to_load_and_is_superseded_is_dead_lettered(h):
     assert isinstance(dead, DeadLetter) and dead.event is bad and "superseded" in str(dead.error)
     h.role.on_tick(h.state, time.time())
     assert h.state.loaded_version == 2
+
+
+def test_a_forged_newer_version_neither_hides_a_lower_genuine_one_nor_its_reannouncements(h):
+    """A forged version v+1 that cannot load must not make the genuine re-announcements
+    of v "older" (they were dead-lettered), nor make the worker skip the genuine v+1."""
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    h.role.handle(_claim(1, "a"), h.state, wsrc(0))
+    h.role.on_tick(h.state, time.time())
+    forged = _claim(3, "f", "/missing/v3")
+    h.role.handle(forged, h.state, wsrc(1))
+    with pytest.raises(BadEventError) as info:
+        h.role.on_tick(h.state, time.time())
+    assert list(h.role.handle(_claim(1, "a"), h.state, wsrc(2))) == []  # re-announcement
+    assert list(h.role.handle(_claim(2, "b"), h.state, wsrc(3))) == []  # genuine, lower
+    h.role.on_dead_letter(h.state, forged, info.value)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 2 and h.state.candidates == []
