@@ -26,7 +26,7 @@ Kinds, and where each is caught (its "edge"):
 
 Run it alone (prints a table; JSON to ``$OUT/fuzz_loop.json`` when ``$OUT`` is set)::
 
-    .venv/bin/python benchmarks/fuzz_loop.py [--steps 100] [--rounds 8]
+    .venv/bin/python benchmarks/fuzz_loop.py [--steps 60] [--rounds 8]
 
 tests/e2e/test_fuzz_loop.py runs the same function and asserts on its figures.
 """
@@ -106,6 +106,7 @@ class FuzzResult:
     feeder_ignored_rejections: float = 0.0
     trainer_dead_lettered: float = 0.0
     trainer_skipped_steps: float = 0.0
+    read_s: float = 0.0  # reading the figures back from the log
 
     def table(self) -> str:
         rows = [f"{'kind':<28}{'expected':>10}{'sent':>6}{'on dlq':>8}"]
@@ -116,7 +117,8 @@ class FuzzResult:
             f"dead letters on dlq.v1: {self.dlq_records} (genuine events among them: "
             f"{len(self.genuine_dead_lettered)})",
             f"reward: first {self.window} steps {self.reward_first:.3f} -> last {self.window} "
-            f"steps {self.reward_last:.3f} ({self.steps} steps, {self.wall_s:.0f} s)",
+            f"steps {self.reward_last:.3f} ({self.steps} steps, {self.wall_s:.0f} s; figures "
+            f"read back in {self.read_s:.0f} s)",
             f"trained {self.trained_groups} groups ({self.trained_twice} twice, "
             f"{len(self.fuzz_groups_trained)} fuzz), rejected {self.rejected_groups}, lost "
             f"{self.lost_groups}; staleness {self.staleness_min}..{self.staleness_max}",
@@ -289,7 +291,7 @@ def build_config(run_dir: str, steps: int, *, bootstrap: str = "", prefix: str =
     return load_config(TrainConfig, None, args + list(overrides or []))
 
 
-def run_fuzz_loop(run_dir: str, *, steps: int = 100, rounds: int = 8, interval_s: float = 3.0,
+def run_fuzz_loop(run_dir: str, *, steps: int = 60, rounds: int = 8, interval_s: float = 2.5,
                   bootstrap: str = "", prefix: str = "", timeout_s: float = 420.0,
                   overrides: list[str] | None = None) -> FuzzResult:
     """Run the loop under the fuzzer and read the figures back from the log. Without
@@ -343,6 +345,7 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     from tapioca.schemas import topic as topic_spec
     from tapioca.trainers.trainer import read_metrics
 
+    t0 = time.monotonic()
     res = FuzzResult(steps=summary.steps, wall_s=summary.wall_s)
     by_step = {r["step"]: r for r in read_metrics(cfg.run_path)}
     res.steps = max(by_step, default=0)
@@ -430,18 +433,21 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     B = cfg.train_dataset.prompts_per_step
     res.gate_bound = ((cfg.rollout.max_head_offpolicyness + final_w.version - final_w.rollbacks + 1)
                       * B + len(rejected & admitted))
-    for ev in read_events(cfg.bus, "metrics"):
-        if ev.source.startswith("feeder"):
-            res.feeder_ignored_rejections = max(res.feeder_ignored_rejections,
-                                                ev.metrics.get("feeder/ignored_rejections", 0.0))
+    with TopicReader(cfg.bus, "metrics", tail=2000) as reader:  # the feeder's last status
+        for rec in reader.records(idle_s=0.5, timeout_s=60):
+            ev = rec.event
+            if ev is not None and ev.source.startswith("feeder"):
+                res.feeder_ignored_rejections = max(
+                    res.feeder_ignored_rejections, ev.metrics.get("feeder/ignored_rejections", 0.0))
+    res.read_s = time.monotonic() - t0
     return res
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--interval-s", type=float, default=3.0)
+    parser.add_argument("--interval-s", type=float, default=2.5)
     parser.add_argument("--run-dir", default="")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = parser.parse_args()
