@@ -265,6 +265,11 @@ class Trainer(Role[TrainerState]):
             state.staleness_hist[v_before - s.min_version] += 1
         p = state.progress
         p.version += 1
+        if not samples:
+            # Some minibatch applied, but every group sat in a skipped one: a version that
+            # trained no group, which the head gate must not count as a step (a rollback's
+            # accounting; only with actor.ppo_n_minibatches > 1).
+            p.rollbacks += 1
         group_ids = [s.group_id for s in samples]
         state.trained.update(group_ids)
         p.last_group_ids = group_ids
@@ -275,11 +280,12 @@ class Trainer(Role[TrainerState]):
             self._checkpoint(state)
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
+        lags = [v_before - s.min_version for s in samples]
         metrics.update({
             "reward/mean": state.last_reward,
             "reward/max": max(rewards, default=0.0),
-            "trainer/staleness_mean": sum(v_before - s.min_version for s in samples) / len(samples),
-            "trainer/staleness_max": float(max(v_before - s.min_version for s in samples)),
+            "trainer/staleness_mean": sum(lags) / max(len(lags), 1),
+            "trainer/staleness_max": float(max(lags, default=0)),
             "trainer/rejected_stale": float(state.rejected_stale),
             "trainer/rejected_dropped": float(state.rejected_dropped),
             "trainer/duplicates": float(state.duplicates),

@@ -678,3 +678,37 @@ def test_group_without_a_shared_prompt_trains(trainer):
     assert w.version == 1 and w.group_ids == ["g0", "g1"]
     (m,) = [e for e in out if isinstance(e, MetricsEvent)]
     assert m.metrics["actor/trained_tokens"] == 6 + 4  # g1: first output token became prompt
+
+
+def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
+    """With actor.ppo_n_minibatches=2, a bad group's minibatch is skipped and its group
+    dead-lettered; the other minibatch is applied and its group makes the version. (In a
+    later minibatch the policy has moved, so the bad tokens' ratios are clipped and an
+    advantage of 1e20 would pass with a zero gradient; 3.3e38 overflows the loss.)"""
+    from tapioca.bus.role import DeadLetter
+    from tapioca.trainers import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "check_trainable", lambda event, **kw: 0)
+    model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, max_position_embeddings=64, seed=0)
+    # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.
+    actor_cfg = ActorConfig(lr=1e-2, ppo_n_minibatches=2, mb_max_tokens=16)
+    actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
+    t = Trainer(actor, TrainerSection(actor=actor_cfg, model=ModelConfig(),
+                                      max_head_offpolicyness=ETA, prompts_per_step=B,
+                                      total_train_steps=100, temperature=1.0,
+                                      run_dir=str(tmp_path), seed=0))
+    try:
+        state = start(t)
+        t.handle(sample("good"), state, src(0))
+        out = list(t.handle(_bad("bad", seq_advantage=3.3e38), state, src(1)))
+        (dead,) = [e for e in out if isinstance(e, DeadLetter)]
+        (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+        assert dead.event.group_id == "bad" and w.version == 1 and w.group_ids == ["good"]
+        assert "bad" in w.rejected_group_ids and state.rejected == {"bad"}
+        (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+        assert m.metrics["actor/skipped_minibatches"] == 1.0
+        assert all(math.isfinite(v) for v in m.metrics.values())
+        assert all(torch.isfinite(v).all() for v in params(t).values())
+    finally:
+        t.sink.close()
