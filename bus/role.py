@@ -30,6 +30,18 @@ class Source:
     broadcast: bool = False
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """An output of a role that is not an event: "this event, read earlier, turned out
+    bad" (a fault found late, e.g. a training step whose loss is not finite). The runner
+    puts ``event`` on ``dlq.v1`` with ``error`` and its ``source`` (where it was read, if
+    known; else the topic it belongs on, partition and offset -1)."""
+
+    event: Event
+    error: BaseException
+    source: Source | None = None
+
+
 class Role(Generic[S]):
     """Base of every role. Override ``init_state`` and ``handle``; the rest are hooks.
 
@@ -54,16 +66,25 @@ class Role(Generic[S]):
     def init_state(self) -> S:
         raise NotImplementedError
 
-    def handle(self, event: Event, state: S, source: Source) -> Iterable[Event]:
+    def handle(self, event: Event, state: S, source: Source) -> Iterable[Event | DeadLetter]:
+        """Outputs to publish. Raise ``BadEventError`` for an event that can never be
+        used (dead-lettered at once); anything else is retried, then dead-lettered."""
         raise NotImplementedError
 
     def recover(self, state: S, latest: list[Event]) -> None:
         """Called once after ``init_state`` with the latest events of ``recover_from``
         topics belonging to this run (oldest first)."""
 
-    def on_tick(self, state: S, now: float) -> Iterable[Event]:
-        """Called every loop turn; returns events to publish (timers, async results)."""
+    def on_tick(self, state: S, now: float) -> Iterable[Event | DeadLetter]:
+        """Called every loop turn; returns events to publish (timers, async results).
+        A fault of one earlier event found here: raise ``BadEventError(event=...)``
+        (retried with backoff when ``retryable``, then dead-lettered and passed to
+        ``on_dead_letter``); ticks pause during the backoff, events keep flowing."""
         return ()
+
+    def on_dead_letter(self, state: S, event: Event, error: BaseException) -> None:
+        """The runner gave up on ``event`` (named by a ``BadEventError`` from ``on_tick``)
+        and dead-lettered it: forget it and go on (e.g. keep the current weights)."""
 
     def committable(self, state: S, topic: str, partition: int, next_offset: int) -> int:
         """The offset safe to commit for a partition whose events up to ``next_offset``

@@ -11,9 +11,16 @@ role lists in ``attributed_inputs`` is dead-lettered instead, when the run has a
 
 A record that cannot be decoded or validated, or a record of a signed topic (control,
 weights) whose signature does not verify under the run's key (bus/signing.py), goes to
-``dlq.v1`` at once; a handler
-that raises is retried ``bus.handler_max_attempts`` times with backoff, then its event
-is dead-lettered. Either way the loop goes on and nothing else is lost.
+``dlq.v1`` at once, and so does
+one whose handler raises ``BadEventError`` (a fault in the event no retry fixes). A
+handler that raises anything else is retried ``bus.handler_max_attempts`` times with
+backoff, then its event is dead-lettered. Backoff never blocks the loop: the failed
+record's partition is parked (bus/retry.py) while other partitions, ticks, heartbeats
+and control go on; commits never pass the parked record, and a partition's records are
+handled in order. Faults found late are dead-lettered too: a role's outputs may include
+``DeadLetter`` items, and an ``on_tick`` that raises ``BadEventError(event=...)`` is
+retried with backoff (ticks wait, events flow), then that event is dead-lettered and
+handed to ``role.on_dead_letter``. Either way the loop goes on and nothing else is lost.
 
 SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after the
 current batch: outputs are flushed, offsets committed, the group left cleanly.
@@ -31,6 +38,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -39,17 +47,19 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Top
 from tapioca.bus.dlq import dead_letter
 from tapioca.bus.fleet import MemberFleet, pause_partitions
 from tapioca.bus.producer import EventProducer
-from tapioca.bus.role import Role, Source
+from tapioca.bus.retry import ParkedPartitions, backoff_s
+from tapioca.bus.role import DeadLetter, Role, Source
 from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event, decode_event
+from tapioca.schemas.envelope import Event, decode_event, encode_event
 from tapioca.schemas.events import MetricsEvent
 from tapioca.schemas.errors import (
+    BadEventError,
     FatalRoleError,
     SchemaError,
     TapiocaError,
     UnattributedEventError,
 )
-from tapioca.schemas.registry import TopicSpec, topic
+from tapioca.schemas.registry import TopicSpec, topic, topic_for
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +73,10 @@ class RunnerStats:
     retries: int = 0
     commits: int = 0
     foreign: int = 0
+    tick_failures: int = 0
     started_at: float = field(default_factory=time.time)
+    # Dead letters by error type (e.g. BadEventError, SchemaError): shown in status.
+    dead_lettered_by_type: Counter = field(default_factory=Counter)
 
 
 class RoleRunner:
@@ -104,6 +117,13 @@ class RoleRunner:
         self.control = self.fleet.control
         self._held: list[tuple[Message, bool]] = []  # fetched while paused / draining
         self._repause = False
+        # Failed records waiting for their retry, with their partitions' later records.
+        self._parked: ParkedPartitions[tuple[Message, bool]] = ParkedPartitions(
+            cfg.handler_backoff_s)
+        # Tick faults: failures so far per event at fault (None: no event named), and
+        # when ticks may run again after one.
+        self._tick_failures: dict[str | None, int] = {}
+        self._ticks_resume_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,10 +164,12 @@ class RoleRunner:
                     break
                 self.fleet.serve()
                 handled_any = self._poll_once()
+                handled_any |= self._retry_parked()
                 now = time.monotonic()
                 # Paused: no ticks either, so no timer or async result is published.
-                if not self.control.paused and (handled_any or now >= next_tick):
-                    self._publish(self.role.on_tick(self.state, time.time()))
+                if (not self.control.paused and (handled_any or now >= next_tick)
+                        and now >= self._ticks_resume_at):
+                    self._tick(now)
                     next_tick = now + self.role.tick_interval_s
                 if now >= self._next_status:
                     self._publish_own(self._status())
@@ -246,6 +268,7 @@ class RoleRunner:
         tps = [(p.topic, p.partition) for p in partitions]
         self._assigned.difference_update(tps)
         self._held = [(m, b) for m, b in self._held if b or (m.topic(), m.partition()) not in tps]
+        self._parked.drop(tps)  # uncommitted: the new owner reads them again
         self.role.on_revoke(self.state, tps)
         for tp in tps:
             self._next.pop(tp, None)
@@ -308,24 +331,68 @@ class RoleRunner:
                     raise FatalRoleError(f"consumer failed: {err.str()}")
                 log.warning("consumer error (will retry): %s", err.str())
                 continue
-            if not broadcast and (msg.topic(), msg.partition()) not in self._assigned:
+            tp = (msg.topic(), msg.partition())
+            if not broadcast and tp not in self._assigned:
                 # Fetched before a rebalance took the partition away: its new owner
                 # reads it from the committed offset; handling it here would race.
                 continue
-            if not self._handle_message(msg, broadcast):
-                break  # stopping mid-failure: leave the rest for redelivery
-            handled = True
+            if tp in self._parked:  # waits behind a failed record of its partition
+                self._parked.hold(tp, (msg, broadcast))
+                continue
+            handled |= self._attempt(msg, broadcast, failures=0)
         return handled
 
-    def _handle_message(self, msg: Message, broadcast: bool) -> bool:
-        """Handle or dead-letter one record; False when it was left for redelivery."""
+    def _attempt(self, msg: Message, broadcast: bool, failures: int,
+                 behind: list[tuple[Message, bool]] | None = None) -> bool:
+        """Handle (or dead-letter) one record; if it fails and may be retried, park its
+        partition, with ``behind`` (records already waiting) after it. True if done."""
+        if self._handle_message(msg, broadcast, attempt=failures + 1):
+            return True
+        tp = (msg.topic(), msg.partition())
+        self._parked.park(tp, (msg, broadcast), failures + 1, time.monotonic(), behind or ())
+        self._pause_partition(tp, broadcast, True)
+        return False
+
+    def _retry_parked(self) -> bool:
+        """Try again every parked record whose backoff has passed, then the records of
+        its partition that waited behind it (in order). Paused: nothing; draining: only
+        broadcast records (no new group input is started)."""
+        if not len(self._parked) or self.control.paused:
+            return False
+        handled = False
+        for tp in self._parked.due(time.monotonic()):
+            (msg, broadcast), failures, behind = self._parked.take(tp)
+            if self.control.draining and not broadcast:
+                self._parked.park(tp, (msg, broadcast), failures, time.monotonic(), behind)
+                continue
+            self._pause_partition(tp, broadcast, False)
+            if self._attempt(msg, broadcast, failures, behind):
+                handled = True
+                handled |= self._handle_messages(behind)
+        return handled
+
+    def _pause_partition(self, tp: tuple[str, int], broadcast: bool, pause: bool) -> None:
+        """Stop fetching a parked partition (its later records would only pile up in
+        memory), or fetch again. Best effort: records fetched anyway wait in order."""
+        consumer = self._bcast if broadcast else self._group
+        if consumer is None:
+            return
+        try:
+            (consumer.pause if pause else consumer.resume)([TopicPartition(*tp)])
+        except Exception as exc:  # e.g. mid-rebalance
+            log.debug("could not %s %s: %s", "pause" if pause else "resume", tp, exc)
+
+    def _handle_message(self, msg: Message, broadcast: bool, attempt: int = 1) -> bool:
+        """Handle or dead-letter one record; False when it failed and waits for a retry
+        (or, while stopping, for redelivery)."""
         key = msg.key()
         source = Source(
             topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
             key=key.decode(errors="replace") if key is not None else None,
             timestamp_ms=msg.timestamp()[1], broadcast=broadcast,
         )
-        self.stats.consumed += 1
+        if attempt == 1:
+            self.stats.consumed += 1
         raw = msg.value()
         spec = self._types[source.topic]
         try:
@@ -345,40 +412,87 @@ class RoleRunner:
                         "answers (a reward: its trajectory's)"), attempts=1)
                 else:
                     self.stats.foreign += 1
-            elif not self._handle_with_retries(event, raw, source):
+            elif not self._try_handle(event, raw, source, attempt):
                 return False
         if not broadcast:
             self._next[(source.topic, source.partition)] = source.offset + 1
         return True
 
-    def _handle_with_retries(self, event: Event, raw: bytes, source: Source) -> bool:
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                # Publishing is inside: an output that cannot be encoded (too large,
-                # invalid) dead-letters its input instead of stopping the role.
-                self._publish(list(self.role.handle(event, self.state, source) or ()))
-            except FatalRoleError:
-                raise
-            except SchemaError as exc:  # invalid in a way no retry can fix
-                self._dead_letter(raw, source, exc, attempts=attempts)
+    def _try_handle(self, event: Event, raw: bytes, source: Source, attempt: int) -> bool:
+        """One attempt at ``role.handle``; True when done (handled or dead-lettered),
+        False when it should be tried again later."""
+        try:
+            # Publishing is inside: an output that cannot be encoded (too large,
+            # invalid) dead-letters its input instead of stopping the role.
+            self._publish(list(self.role.handle(event, self.state, source) or ()))
+        except FatalRoleError:
+            raise
+        except (SchemaError, BadEventError) as exc:
+            if isinstance(exc, SchemaError) or not exc.retryable:  # no retry can fix it
+                self._dead_letter(raw, source, exc, attempts=attempt)
                 return True
-            except Exception as exc:
-                if self._stop.is_set():
-                    log.warning("stopping during a failing %s; left for redelivery: %s",
-                                self.role.name, exc)
-                    return False
-                if attempts >= self.cfg.handler_max_attempts:
-                    log.error("handler of %s failed %d times, dead-lettering: %s",
-                              self.role.name, attempts, exc)
-                    self._dead_letter(raw, source, exc, attempts=attempts)
-                    return True
-                self.stats.retries += 1
-                time.sleep(self.cfg.handler_backoff_s * (2 ** (attempts - 1)))
-                continue
-            self.stats.handled += 1
+            return self._failed(exc, raw, source, attempt)
+        except Exception as exc:
+            return self._failed(exc, raw, source, attempt)
+        self.stats.handled += 1
+        return True
+
+    def _failed(self, exc: BaseException, raw: bytes, source: Source, attempt: int) -> bool:
+        if self._stop.is_set():
+            log.warning("stopping during a failing %s; left for redelivery: %s",
+                        self.role.name, exc)
+            return False
+        if attempt >= self.cfg.handler_max_attempts:
+            log.error("handler of %s failed %d times, dead-lettering: %s",
+                      self.role.name, attempt, exc)
+            self._dead_letter(raw, source, exc, attempts=attempt)
             return True
+        self.stats.retries += 1
+        log.warning("handler of %s failed on %s[%d]@%d (attempt %d of %d), retried in %.2f s; "
+                    "the partition waits, the rest goes on: %s", self.role.name, source.topic,
+                    source.partition, source.offset, attempt, self.cfg.handler_max_attempts,
+                    backoff_s(self.cfg.handler_backoff_s, attempt), exc)
+        return False
+
+    def _tick(self, now: float) -> None:
+        """``role.on_tick``; a fault is retried with backoff (ticks wait, events and
+        control go on), then the event it names is dead-lettered and handed to
+        ``role.on_dead_letter``. A fault that names no event is raised after its
+        retries: the role cannot go on, its supervisor restarts it."""
+        try:
+            out = list(self.role.on_tick(self.state, time.time()) or ())
+        except FatalRoleError:
+            raise
+        except Exception as exc:
+            self._tick_failed(exc, now)
+            return
+        self._tick_failures.clear()
+        self._publish(out)
+
+    def _tick_failed(self, exc: Exception, now: float) -> None:
+        event = exc.event if isinstance(exc, BadEventError) else None
+        key = event.event_id if isinstance(event, Event) else None
+        failures = self._tick_failures[key] = self._tick_failures.get(key, 0) + 1
+        self.stats.tick_failures += 1
+        if self._stop.is_set():
+            log.warning("stopping during a failing tick of %s: %s", self.role.name, exc)
+            return
+        retryable = event is None or exc.retryable
+        if retryable and failures < self.cfg.handler_max_attempts:
+            self.stats.retries += 1
+            delay = backoff_s(self.cfg.handler_backoff_s, failures)
+            self._ticks_resume_at = now + delay
+            log.warning("tick of %s failed (attempt %d of %d), ticks resume in %.2f s, events "
+                        "keep flowing: %s", self.role.name, failures,
+                        self.cfg.handler_max_attempts, delay, exc)
+            return
+        del self._tick_failures[key]
+        if event is None:
+            raise exc
+        log.error("tick of %s failed %d times on a %s event, dead-lettering it and going on: %s",
+                  self.role.name, failures, getattr(event, "type", "?"), exc)
+        self._dead_letter_event(event, exc.source, exc, attempts=failures)
+        self.role.on_dead_letter(self.state, event, exc)
 
     def _status(self) -> MetricsEvent:
         """The member's counters and the role's own numbers (``describe``), so tools can
@@ -388,7 +502,10 @@ class RoleRunner:
                    "bus/dead_lettered": s.dead_lettered, "bus/retries": s.retries,
                    "bus/foreign": s.foreign,
                    # A paused member is idle on purpose (the launcher's stall alarm).
-                   "bus/paused": self.control.paused}
+                   "bus/paused": self.control.paused,
+                   "bus/tick_failures": s.tick_failures, "bus/parked": self._parked.waiting()}
+        for error_type, n in s.dead_lettered_by_type.items():
+            metrics[f"bus/dead_lettered/{error_type}"] = n
         for key, value in self.role.describe(self.state).items():
             if isinstance(value, (int, float)):  # bools too
                 metrics[f"{self.role.name}/{key}"] = value
@@ -404,9 +521,27 @@ class RoleRunner:
         self.producer.publish(record, headers=headers)
         self._unconfirmed = True
         self.stats.dead_lettered += 1
+        self.stats.dead_lettered_by_type[type(exc).__name__] += 1
 
-    def _publish(self, events: Iterable[Event] | None) -> None:
+    def _dead_letter_event(self, event: Event, source: Source | None, exc: BaseException,
+                           *, attempts: int) -> None:
+        """Dead-letter an event read earlier (its bytes re-encoded: same fields, same
+        event_id, so `tapioca dlq retry` republishes it as it was)."""
+        try:
+            raw = encode_event(event, max_bytes=self.cfg.max_message_bytes)
+        except SchemaError:
+            raw = b""
+        if not isinstance(source, Source):
+            spec = topic_for(event)
+            source = Source(topic=self.cfg.topic(spec), partition=-1, offset=-1,
+                            key=spec.key_of(event))
+        self._dead_letter(raw, source, exc, attempts=attempts)
+
+    def _publish(self, events: Iterable[Event | DeadLetter] | None) -> None:
         for event in events or ():
+            if isinstance(event, DeadLetter):
+                self._dead_letter_event(event.event, event.source, event.error, attempts=1)
+                continue
             self.producer.publish(event)
             self._unconfirmed = True
             self.stats.produced += 1

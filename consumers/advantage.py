@@ -53,8 +53,12 @@ This is the contract an external reward service can rely on (``RewardEvent`` on
 * **Pauses.** Time while the member is paused (``tapioca pause advantage``) does not
   count towards either timeout: on resume every pending group's timers move forward
   by the paused time, since its remaining events are still waiting in Kafka.
-* **Bad values.** A NaN or infinite reward fails event validation and goes to the
-  dead-letter topic (with the reason); the group then waits for the reward timeout.
+* **Bad values.** A NaN or infinite reward fails event validation, and a reward beyond
+  +-1e9 (``algorithms/limits.py``: its square would overflow float32 downstream; a
+  reward of 1.5e308 overflowed the group statistics) is refused here; either way it goes
+  to the dead-letter topic with the reason, and the group then waits for the reward
+  timeout. A group whose shaped rewards still overflow cannot be built: the event that
+  completed it is dead-lettered and the reward timeout drops the group with the reason.
 
 ## Keys, commits and restarts
 
@@ -67,6 +71,7 @@ reading the log again; a group that completes twice is emitted twice with the sa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -80,13 +85,14 @@ from tapioca.algorithms.advantages import (
     shape_reward,
 )
 from tapioca.algorithms.errors import AlgorithmInputError
+from tapioca.algorithms.limits import MAX_ABS_REWARD
 from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
 from tapioca.bus.dedup import SeenSet
 from tapioca.bus.role import Role, Source
 from tapioca.config.algorithms import RewardNormConfig, reward_norm_spec
 from tapioca.config.schema import NormConfig
 from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import ConfigError
+from tapioca.schemas.errors import BadEventError, ConfigError
 from tapioca.schemas.events import RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent
 
 if TYPE_CHECKING:
@@ -237,6 +243,11 @@ class AdvantageProcessor(Role[AdvantageState]):
             if is_reward:
                 state.late_rewards += 1
             return ()
+        if is_reward and abs(event.reward) > MAX_ABS_REWARD:
+            raise BadEventError(
+                f"reward {event.reward:g} for trajectory {event.traj_id} (scorer "
+                f"{event.scorer!r}) is beyond +-{MAX_ABS_REWARD:g}, which overflows the training "
+                "math; scale rewards in the reward function")
         if is_reward and self.reward_weights and event.scorer not in self.reward_weights:
             state.ignored_rewards += 1
             return ()
@@ -260,9 +271,13 @@ class AdvantageProcessor(Role[AdvantageState]):
         group.first_offsets.setdefault((source.topic, source.partition), source.offset)
         if not group.trajectories_complete() or group.missing(self.sources):
             return ()
-        # Built before the group leaves state: if shaping raises, the bus's retry (then
-        # dead letter) sees the same complete group instead of an already-emitted one.
-        sample = self._sample(group)
+        # Built before the group leaves state: if shaping raises, the event is dead-
+        # lettered and the group stays pending; the reward timeout then drops it with
+        # the reason (_on_reward_timeout).
+        try:
+            sample = self._sample(group)
+        except AlgorithmInputError as exc:
+            raise BadEventError(f"group {group_id} cannot be built: {exc}") from exc
         self._finish(state, group_id, sample)
         return (sample,)
 
@@ -297,6 +312,14 @@ class AdvantageProcessor(Role[AdvantageState]):
         return weighted_reward(scores, self.reward_weights)
 
     def _sample(self, group: _PendingGroup, fill_missing: bool = False) -> SampleEvent:
+        try:
+            return self._build(group, fill_missing)
+        except AlgorithmInputError:
+            raise
+        except ArithmeticError as exc:  # e.g. an overflow in the group statistics
+            raise AlgorithmInputError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _build(self, group: _PendingGroup, fill_missing: bool) -> SampleEvent:
         trajs = sorted(group.trajectories.values(), key=lambda t: t.sample_index)
         raw = [self._raw_reward(group, t.traj_id, fill_missing) for t in trajs]
         if self.overlong is not None:
@@ -317,6 +340,9 @@ class AdvantageProcessor(Role[AdvantageState]):
         else:
             advantages = normalize_group(normed, **self.norm)
         norm_rewards = normed if self.reward_norm else [None] * len(shaped)
+        if not all(math.isfinite(x) for x in (*shaped, *normed, *advantages)):
+            raise AlgorithmInputError(
+                f"shaped rewards {shaped} give non-finite normalised rewards or advantages")
         versions = [v for t in trajs for v in t.output_versions] or [0]
         first = trajs[0]
         return SampleEvent(

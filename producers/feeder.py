@@ -4,14 +4,23 @@ Consumes ``weights.v1`` (broadcast: the latest policy version and its counts).
 Emits ``PromptEvent`` on ``prompts.v1``, keyed by ``group_id``.
 
 Head gate (DESIGN.md §3, algorithms/head_gate.py): group k is published only while
-``k < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
-``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``),
-where groups the trainer rejected (``groups_rejected`` on the weights event) free
-their slots — as rejected rollouts do in AReaL — so over-stale groups cannot stall it.
-Both k and v come from the log: k is recovered from the feeder's own latest prompt
-event at start (with the epoch and dataset position, so a restart neither repeats nor
-skips prompts), v from the weights topic. Nothing depends on in-process counters or
-broker watermarks.
+``k - freed < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
+``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``).
+``freed`` counts the groups *this feeder admitted* that the trainer named as rejected
+(``rejected_group_ids`` on weights events): they free their slots — as rejected rollouts
+do in AReaL — so over-stale groups cannot stall it. Rejections of groups it never
+admitted (fake "dropped" samples, a reward service keyed wrongly) free nothing and are
+counted (``ignored_rejections``); the trainer's own total (``groups_rejected``) is shown,
+not trusted.
+
+Everything comes from the log, nothing from in-process counters or broker watermarks:
+k (with the epoch and dataset position, so a restart neither repeats nor skips prompts)
+and ``freed`` (with the weights offset it was counted through) are recovered from the
+feeder's own latest prompt event at start; v from the weights topic, whose versions
+only go forward (an older weights event moves nothing but its rejection names). The
+recovered k is bounded by what the feeder itself published: a prompt event counts only
+if it carries the feeder's own group id for its index and its predecessor is there too,
+so one forged prompt with group_index 10^9 cannot shut the gate.
 """
 
 from __future__ import annotations
@@ -52,8 +61,16 @@ class FeederState:
     epoch: int = 0
     position: int = 0  # next index into this epoch's order
     latest_version: int = 0
-    rejected: int = 0
     rollbacks: int = 0  # versions that were rollbacks, not trained steps
+    # Groups this feeder admitted that the trainer named as rejected: they free slots.
+    freed: int = 0
+    freed_ids: set[str] = field(default_factory=set)
+    # weights.v1 offset whose rejections ``freed`` includes: recovered from the last
+    # prompt event, so the weights history read again after a restart is not recounted.
+    counted_through: int = -1
+    weights_offset: int = -1  # the last weights.v1 offset handled
+    ignored_rejections: int = 0  # named rejections of groups it never admitted
+    trainer_rejected: int = 0  # the trainer's own total, shown only
     exhausted: bool = False
     order: list[int] = field(default_factory=list)
     order_epoch: int = -1
@@ -94,21 +111,58 @@ class PromptFeeder(Role[FeederState]):
     def init_state(self) -> FeederState:
         return FeederState()
 
+    def group_id(self, k: int) -> str:
+        return f"{self.run_tag}-g{k:08d}"
+
+    def _admitted(self, gid: str, state: FeederState) -> bool:
+        """Whether this feeder published ``gid`` (its ids name its own sequence numbers)."""
+        prefix = f"{self.run_tag}-g"
+        digits = gid[len(prefix):]
+        return (gid.startswith(prefix) and digits.isdigit()
+                and int(digits) < state.next_group_index and gid == self.group_id(int(digits)))
+
     def recover(self, state: FeederState, latest: list[Event]) -> None:
-        prompts = [e for e in latest if isinstance(e, PromptEvent)]
-        if not prompts:
+        # Only events this feeder could have published: its own id for the index, within
+        # what its dataset allows, and (but for the first) with their predecessor there
+        # too. A lone prompt with a far index (forged, or another feeder's) is ignored.
+        limit = self.max_epochs * len(self.records)
+        own = {e.group_index: e for e in latest if isinstance(e, PromptEvent)
+               and 0 <= e.group_index < limit and e.group_id == self.group_id(e.group_index)}
+        last = next((own[k] for k in sorted(own, reverse=True) if k == 0 or k - 1 in own), None)
+        if last is None:
             return
-        last = max(prompts, key=lambda e: e.group_index)
         state.next_group_index = last.group_index + 1
         state.epoch = last.epoch
         state.position = last.dataset_position + 1
+        state.freed = last.freed_groups
+        state.counted_through = last.weights_offset
 
     def handle(self, event: Event, state: FeederState, source: Source) -> Iterable[Event]:
-        if isinstance(event, WeightsEvent):
+        if not isinstance(event, WeightsEvent):
+            return ()
+        # Judged before a restart (its rejections are in the recovered count): read again
+        # only to remember which ids were counted.
+        replayed = source.offset <= state.counted_through
+        # The version never goes back (an older event, re-published or not, moves
+        # nothing); its rejection names still count: a rejection of one of this feeder's
+        # groups is a fact whatever the version (after a forged newer version, the
+        # trainer's re-announcements of its real one carry them).
+        if event.version >= state.latest_version:
             state.latest_version = event.version
-            # Only what happened on this run id's log counts (a resumed run's new log).
-            state.rollbacks, state.rejected = log_counts(
-                event.rollbacks, event.groups_rejected, event.base_steps, event.base_rejected)
+            # Only trained steps of this run id's log count (a run resumed on a new log:
+            # base_steps); rejections are counted by name below, from this log only.
+            state.rollbacks, _ = log_counts(event.rollbacks, event.groups_rejected,
+                                            event.base_steps, event.base_rejected)
+            state.trainer_rejected = event.groups_rejected
+        for gid in event.rejected_group_ids:
+            if gid in state.freed_ids:
+                continue  # re-announced (a trainer restart names its last ones again)
+            if not self._admitted(gid, state):
+                state.ignored_rejections += not replayed
+                continue
+            state.freed_ids.add(gid)
+            state.freed += not replayed
+        state.weights_offset = max(state.weights_offset, source.offset)
         return ()
 
     def _order(self, state: FeederState) -> list[int]:
@@ -123,7 +177,7 @@ class PromptFeeder(Role[FeederState]):
         out: list[Event] = []
         while (len(out) < self.max_groups_per_tick and not state.exhausted
                and head_gate_open(state.next_group_index, state.latest_version, self.eta, self.B,
-                                  state.rejected, state.rollbacks)):
+                                  state.freed, state.rollbacks)):
             if state.position >= len(self.records):
                 state.epoch += 1
                 state.position = 0
@@ -133,7 +187,7 @@ class PromptFeeder(Role[FeederState]):
             record = self.records[self._order(state)[state.position]]
             k = state.next_group_index
             out.append(PromptEvent(
-                group_id=f"{self.run_tag}-g{k:08d}",
+                group_id=self.group_id(k),
                 prompt_id=record.prompt_id,
                 group_index=k,
                 n_samples=self.n_samples,
@@ -145,6 +199,8 @@ class PromptFeeder(Role[FeederState]):
                 task_data=record.task_data,
                 sampling=self.sampling,
                 admitted_at_version=state.latest_version,
+                freed_groups=state.freed,
+                weights_offset=state.weights_offset,
             ))
             state.next_group_index += 1
             state.position += 1
@@ -152,7 +208,9 @@ class PromptFeeder(Role[FeederState]):
 
     def describe(self, state: FeederState) -> dict[str, Any]:
         return {"groups": state.next_group_index, "epoch": state.epoch,
-                "version": state.latest_version, "exhausted": state.exhausted}
+                "version": state.latest_version, "exhausted": state.exhausted,
+                "freed": state.freed, "ignored_rejections": state.ignored_rejections,
+                "trainer_rejected": state.trainer_rejected}
 
 
 def tokenize_records(

@@ -8,9 +8,15 @@ same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
-(models/weight_sync/) and loaded between decode steps: in-flight sequences continue
-and their later tokens carry the new version. A version that fails its checksum is
-dead-lettered and the worker stays on its version. A prompt is
+(models/weight_sync/) and loaded between decode steps:
+in-flight sequences continue and their later tokens carry the new version. Versions only
+go forward (algorithms/versions.py): a weights event older than the loaded version is
+dead-lettered, never loaded, and so is another claim of the loaded version. Newer events
+are candidates, the highest loaded first: one that cannot be loaded (file missing,
+checksum wrong) is retried with backoff by the bus, then dead-lettered, and the next
+candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
+that can never be generated (token ids outside the vocabulary, too long, no samples) is
+dead-lettered at once. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
 that overtakes its weights event is generated one version too old and later rejected as
@@ -31,18 +37,34 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from tapioca.bus.dedup import SeenSet
-from tapioca.bus.dlq import dead_letter
-from tapioca.bus.role import Role, Source
+from tapioca.algorithms.versions import is_newer
+from tapioca.bus.role import DeadLetter, Role, Source
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.models.weight_files import WeightsChecksumError, WeightsUnavailableError
-from tapioca.schemas.envelope import Event, encode_event
+from tapioca.models.weight_files import WeightsUnavailableError
+from tapioca.schemas.envelope import Event
+from tapioca.schemas.errors import BadEventError, TapiocaError
 from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 
 LoadWeights = Callable[[WeightsEvent], Any]
+# Weights events kept as candidates at most (the lowest versions are dropped first).
+MAX_WEIGHTS_CANDIDATES = 16
 log = logging.getLogger(__name__)
-# Where a weights event handed to ``recover`` is said to come from: no read position is
-# known (an empty topic, so `tapioca dlq retry` refuses it rather than guessing).
-_RECOVERED = Source(topic="", partition=0, offset=-1, broadcast=True)
+
+
+def _weights_id(event: WeightsEvent) -> tuple[str, tuple[str, ...]]:
+    """What names a version's bytes: its file's sha256 and the fast transports' bucket
+    checksums. An event of a fast transport may carry only the checksums (its durable
+    file, with the sha256, is written and re-announced later), so two events of one
+    version conflict only where both name the same kind of checksum and differ."""
+    return event.sha256, tuple(event.bucket_checksums)
+
+
+def _differ(a: tuple[str, tuple[str, ...]], b: tuple[str, tuple[str, ...]]) -> bool:
+    return any(x and y and x != y for x, y in zip(a, b))
+
+
+def _merge_ids(a, b):
+    return b if a is None else tuple(x or y for x, y in zip(a, b))
 
 
 @dataclass
@@ -58,10 +80,17 @@ class _Group:
 class RolloutState:
     inflight: dict[str, _Group] = field(default_factory=dict)
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
-    pending_weights: WeightsEvent | None = None
-    pending_source: Source | None = None
-    weight_load_failures: int = 0
+    # Weights events newer than the loaded version, with where they were read (None:
+    # recovered), highest version first (first arrived among equals): the first is loaded
+    # on the next tick, the others are fallbacks should it be dead-lettered (one of
+    # several events claiming a version may be forged).
+    candidates: list[tuple[WeightsEvent, Source | None]] = field(default_factory=list)
+    head_failed: bool = False  # a load of the first candidate raised at least once
+    weight_load_failures: int = 0  # loads that failed (any cause)
     loaded_version: int = 0
+    # What names the loaded version's bytes (_weights_id; None: not known).
+    loaded_id: tuple[str, tuple[str, ...]] | None = None
+    weights_dead_lettered: int = 0
     trajectories: int = 0
     tokens: int = 0
     window_start: float = field(default_factory=time.time)
@@ -71,6 +100,11 @@ class RolloutState:
     # Older weights events on the replayed broadcast topic are skipped up to this one.
     skip_weights_until: str = ""
     draining: bool = False
+
+    @property
+    def pending_weights(self) -> WeightsEvent | None:
+        """The weights event the next tick loads (None: none newer than the loaded one)."""
+        return self.candidates[0][0] if self.candidates else None
 
 
 class RolloutWorker(Role[RolloutState]):
@@ -104,9 +138,13 @@ class RolloutWorker(Role[RolloutState]):
     def recover(self, state: RolloutState, latest: list[Event]) -> None:
         weights = [e for e in latest if isinstance(e, WeightsEvent)]
         if weights:
-            newest = weights[-1]
-            if newest.version != state.loaded_version or newest.rollback_of is not None:
-                state.pending_weights = newest
+            # The highest version (the latest of equals), not merely the latest event: a
+            # re-published old event must not set the version a restarted worker runs.
+            newest = max(weights, key=lambda e: e.version)
+            if newest.version > state.loaded_version:
+                state.candidates = [(newest, None)]
+            elif newest.version == state.loaded_version:
+                state.loaded_id = _weights_id(newest)
             state.skip_weights_until = newest.event_id
 
     # ------------------------------------------------------------------ events
@@ -117,31 +155,30 @@ class RolloutWorker(Role[RolloutState]):
                 if event.event_id == state.skip_weights_until:
                     state.skip_weights_until = ""
                 return ()
-            # Only the newest matters: a version superseded before the next tick is skipped.
-            if event.version != state.loaded_version or event.rollback_of is not None:
-                state.pending_weights, state.pending_source = event, source
-            return ()
+            return self._follow(event, source, state)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
-        # Reject an impossible prompt now (retried, then dead-lettered by the bus), not
-        # after it has waited for its weights.
-        self.engine.validate(self._requests(event)[0])
-        out: list[Event] = []
+        # Reject an impossible prompt now (dead-lettered at once by the bus: no retry
+        # makes it possible), not after it has waited for its weights.
+        try:
+            if event.n_samples < 1:
+                raise ValueError(f"n_samples is {event.n_samples}; a group needs >= 1")
+            self.engine.validate(self._requests(event)[0])
+        except (TapiocaError, TypeError, ValueError) as exc:
+            raise BadEventError(f"prompt {event.group_id} cannot be generated: {exc}") from exc
         if event.admitted_at_version > state.loaded_version:
-            pending = state.pending_weights
-            if pending is not None and pending.version >= event.admitted_at_version:
-                out = self._apply_weights(state)
-            if event.admitted_at_version > state.loaded_version:  # still: wait for them
-                state.seen_groups.first(event.group_id)
-                state.inflight[event.group_id] = _Group(event, source)
-                return out
+            # Waits for its weights: the next tick loads them (its faults are the weights
+            # event's, retried and dead-lettered by the bus, not this prompt's).
+            state.seen_groups.first(event.group_id)
+            state.inflight[event.group_id] = _Group(event, source)
+            return ()
         futures = self._submit(event)
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
         state.inflight[event.group_id] = _Group(event, source, futures)
-        return out
+        return ()
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
@@ -151,29 +188,81 @@ class RolloutWorker(Role[RolloutState]):
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
         return [self.engine.submit(r) for r in self._requests(prompt)]
 
-    def _apply_weights(self, state: RolloutState) -> list[Event]:
-        """Load the pending version. If it cannot be loaded the engine keeps its version:
-        a transport that cannot deliver it now is logged (the next event, or the file
-        announced later, brings it); bytes that fail their checksum are dead-lettered."""
-        event, state.pending_weights = state.pending_weights, None
-        source, state.pending_source = state.pending_source or _RECOVERED, None
+    def _follow(self, event: WeightsEvent, source: Source,
+                state: RolloutState) -> list[DeadLetter]:
+        """A weights event: older than the loaded version is refused; the same version
+        is a re-announcement (same checksum) or a conflict (refused); a newer one becomes
+        a candidate. The highest candidate is loaded on the next tick; lower ones stay as
+        fallbacks, and one that already failed to load is dead-lettered once superseded."""
+        if not is_newer(event, state.loaded_version, "this rollout worker"):
+            if state.loaded_id is None or not _differ(state.loaded_id, _weights_id(event)):
+                state.loaded_id = _merge_ids(state.loaded_id, _weights_id(event))
+                return []
+            raise BadEventError(self._conflict(event, state.loaded_id))
+        if any(c.event_id == event.event_id for c, _ in state.candidates):
+            return []  # read again
+        out = []
+        head = state.pending_weights
+        if head is not None and event.version > head.version and state.head_failed:
+            out.append(DeadLetter(head, BadEventError(
+                f"weights version {head.version} ({head.path}) could not be loaded and was "
+                f"superseded by version {event.version}"), state.candidates.pop(0)[1]))
+            state.weights_dead_lettered += 1
+        state.candidates.append((event, source))
+        state.candidates.sort(key=lambda c: -c[0].version)  # stable: arrival among equals
+        del state.candidates[MAX_WEIGHTS_CANDIDATES:]
+        if state.pending_weights is not head:
+            state.head_failed = False
+        return out
+
+    @staticmethod
+    def _conflict(event: WeightsEvent, loaded: tuple[str, tuple[str, ...]]) -> str:
+        sha, buckets = _weights_id(event)
+        return (f"weights version {event.version} ({event.path or event.transport}, sha256 "
+                f"{sha[:12] or '-'}, bucket checksums {','.join(b[:8] for b in buckets) or '-'}) "
+                f"conflicts with the loaded weights of that version (sha256 {loaded[0][:12] or '-'}, "
+                f"bucket checksums {','.join(b[:8] for b in loaded[1]) or '-'}); "
+                "a version names one set of weights")
+
+    def _apply_weights(self, state: RolloutState) -> list[DeadLetter]:
+        event, source = state.candidates[0]
         try:
             self.load_weights(event)
         except WeightsUnavailableError as exc:
+            # A fast transport no longer holds this version (superseded in the trainer's
+            # buffers, or a restarted trainer): nothing is wrong with the event, so it is
+            # dropped, not dead-lettered; the next event (or its durable file) brings it.
             state.weight_load_failures += 1
-            log.warning("version %d not loaded (staying on %d): %s", event.version,
-                        state.loaded_version, exc)
+            state.candidates.pop(0)
+            state.head_failed = False
+            log.warning("weights version %d not available over %s (staying on %d): %s",
+                        event.version, event.transport, state.loaded_version, exc)
             return []
-        except WeightsChecksumError as exc:
+        except Exception as exc:
             state.weight_load_failures += 1
-            log.error("version %d rejected (staying on %d): %s", event.version,
-                      state.loaded_version, exc)
-            record, _headers = dead_letter(encode_event(event), source, exc,
-                                           consumer_group=self.member_id)
-            return [record]
-        state.loaded_version = event.version
+            # Kept: the bus retries the tick with backoff, then dead-letters the event
+            # (on_dead_letter) and this worker keeps the version it has.
+            state.head_failed = True
+            raise BadEventError(
+                f"weights version {event.version} ({event.path}) cannot be loaded: "
+                f"{type(exc).__name__}: {exc}; this worker stays on version "
+                f"{state.loaded_version}", event=event, source=source, retryable=True) from exc
+        state.loaded_version, state.loaded_id = event.version, _weights_id(event)
         state.weight_loads += 1
-        return []
+        # Lower candidates are superseded; others claiming this version conflict with it.
+        conflicts = [DeadLetter(e, BadEventError(self._conflict(e, state.loaded_id)), src)
+                     for e, src in state.candidates[1:]
+                     if e.version == event.version and _differ(_weights_id(e), state.loaded_id)]
+        state.candidates = [c for c in state.candidates if c[0].version > event.version]
+        state.head_failed = False
+        return conflicts
+
+    def on_dead_letter(self, state: RolloutState, event: Event, error: BaseException) -> None:
+        before = len(state.candidates)
+        state.candidates = [c for c in state.candidates if c[0].event_id != event.event_id]
+        if len(state.candidates) < before:
+            state.weights_dead_lettered += 1
+            state.head_failed = False  # the next candidate, if any, is tried afresh
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -183,8 +272,8 @@ class RolloutWorker(Role[RolloutState]):
         base.update({k: v for k, v in prompt.sampling.items() if k in base})
         return SamplingParams(**base)
 
-    def on_tick(self, state: RolloutState, now: float) -> Iterable[Event]:
-        out: list[Event] = []
+    def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
+        out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
             out += self._apply_weights(state)
         for group_id in list(state.inflight):
@@ -259,4 +348,5 @@ class RolloutWorker(Role[RolloutState]):
         return {"version": state.loaded_version, "weight_load_failures": state.weight_load_failures,
                 "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
-                "groups_done": state.groups_done, "trajectories": state.trajectories}
+                "groups_done": state.groups_done, "trajectories": state.trajectories,
+                "weights_dead_lettered": state.weights_dead_lettered}

@@ -14,6 +14,7 @@ from tapioca.schemas.envelope import (
     event_types,
 )
 from tapioca.schemas.errors import (
+    BadEventError,
     BrokerUnavailableError,
     BusError,
     ConfigError,

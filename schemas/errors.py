@@ -37,6 +37,26 @@ class RewardError(TapiocaError):
     """A reward function or service failed."""
 
 
+class BadEventError(TapiocaError):
+    """One event this role cannot use, for a reason in the event itself: a token id
+    outside the model's vocabulary, a sample made for another estimator, a weights file
+    that is missing or fails its checksum, a version older than the one followed. The
+    bus dead-letters the event with this message and the role goes on.
+
+    Raised by ``Role.handle`` it is about the event being handled. Raised by
+    ``Role.on_tick`` (a fault found late) it must name the event at fault: ``event``,
+    with ``source`` (a :class:`~tapioca.bus.role.Source`) where known. ``retryable``:
+    something outside the event may still change (a file not there yet), so the bus
+    retries with backoff before dead-lettering it; otherwise it dead-letters at once."""
+
+    def __init__(self, message: str, *, event: object = None, source: object = None,
+                 retryable: bool = False) -> None:
+        super().__init__(message)
+        self.event = event
+        self.source = source
+        self.retryable = retryable
+
+
 class FatalRoleError(TapiocaError):
     """Raised by a role when retrying or dead-lettering cannot help (a bad config, a
     failed training step, lost model files): the role stops and reports it."""

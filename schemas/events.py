@@ -39,6 +39,11 @@ class PromptEvent(Event):
     sampling: dict[str, Any] = field(default_factory=dict)
     # Latest policy version the feeder had seen when it admitted this group.
     admitted_at_version: int = 0
+    # The feeder's own bookkeeping, recovered from its last prompt event at a restart:
+    # how many of its groups the trainer had rejected (freeing head-gate slots), counted
+    # from weights.v1 up to offset ``weights_offset`` (-1: none).
+    freed_groups: int = 0
+    weights_offset: int = -1
 
 
 @dataclass(kw_only=True)

@@ -45,20 +45,29 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
     items = []
     for s in samples:
         for seq in s.sequences:
-            n = len(seq.output_ids)
-            if n == 0:
+            prompt = list(s.prompt_ids)
+            out, lps, vers = list(seq.output_ids), list(seq.behav_logprobs), list(seq.output_versions)
+            mask = list(seq.loss_mask) if seq.loss_mask else [1] * len(out)
+            bounds = list(seq.turn_boundaries)
+            if not prompt:
+                # No shared prompt (an agent group whose sessions share no first token):
+                # nothing predicts a sequence's first token, so it becomes its prompt and
+                # position 0 predicts token 1 as usual.
+                prompt, out, lps, vers, mask = out[:1], out[1:], lps[1:], vers[1:], mask[1:]
+                bounds = sorted({max(b - 1, 0) for b in bounds})
+            if not out:
                 continue
             items.append(SeqItem(
                 group_id=s.group_id,
-                input_ids=list(s.prompt_ids) + list(seq.output_ids),
-                prompt_len=len(s.prompt_ids),
-                behav_logprobs=list(seq.behav_logprobs),
-                versions=list(seq.output_versions),
-                loss_mask=list(seq.loss_mask) if seq.loss_mask else [1] * n,
+                input_ids=prompt + out,
+                prompt_len=len(prompt),
+                behav_logprobs=lps,
+                versions=vers,
+                loss_mask=mask,
                 advantage=seq.advantage,
                 # The reward the estimator works on: after advantage.reward_norm if set.
                 reward=seq.reward if seq.norm_reward is None else seq.norm_reward,
-                turn_boundaries=list(seq.turn_boundaries),
+                turn_boundaries=bounds,
             ))
     return items
 
@@ -101,6 +110,8 @@ class TensorBatch:
     # Only when every item carries them (a critic step): value before the update, return.
     old_values_BT: torch.Tensor | None = None  # [B, T-1]
     returns_BT: torch.Tensor | None = None  # [B, T-1]
+    # The group of each row (a step whose loss is not finite names the groups it skips).
+    group_ids: tuple[str, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -132,7 +143,8 @@ def to_tensors(items: list[SeqItem], pad_token_id: int, device: torch.device | s
         else:
             adv[b, sl] = it.advantage
         versions[b, sl] = torch.tensor(it.versions)
-    batch = TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)))
+    batch = TensorBatch(*(t.to(device) for t in (input_ids, attn, labels, mask, behav, adv, versions)),
+                        group_ids=tuple(it.group_id for it in items))
     if all(it.token_values is not None and it.token_returns is not None for it in items):
         old_values = torch.zeros((B, T - 1), dtype=torch.float32)
         returns = torch.zeros((B, T - 1), dtype=torch.float32)

@@ -115,6 +115,7 @@ def to_packed(items: list[SeqItem], device: torch.device | str) -> PackedBatch:
         rows_M=rows_M.to(device),
         labels_M=labels_M.to(device),
         padded_index_M=padded_index_M.to(device),
+        group_ids=tuple(it.group_id for it in items),
     )
 
 

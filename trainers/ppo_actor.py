@@ -48,8 +48,9 @@ exactly the gradient of the minibatch's aggregated loss.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +70,11 @@ from tapioca.trainers.packing import PackedBatch, packed_micro_batches, to_packe
 class StepResult:
     metrics: dict[str, float]
     n_tokens: int
+    # Minibatches whose loss or gradient norm was not finite: their optimizer step was
+    # skipped (nothing applied), and the groups they held.
+    skipped_minibatches: int = 0
+    applied_minibatches: int = 0
+    skipped_group_ids: set[str] = field(default_factory=set)
 
 
 def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device):
@@ -196,7 +202,9 @@ class PPOActor:
         keeps = self._m2po_keeps(mbs, prox)
         kwargs = self._loss_kwargs()
         sums: dict[str, float] = {}
+        skipped: list[int] = []
         for mb_index, mb_ids in enumerate(minibatches):
+            mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
             mb_tokens = sum(mbs[i].n_tokens for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             # No optimizer step yet in this train_step: the training forward is pi_prox.
@@ -216,7 +224,7 @@ class PPOActor:
                     approx = loglinear_prox_logprobs(mb.behav_logprobs_BT, logp.detach(),
                                                      mb.versions_BT, policy_version)
                     err = float(torch.where(mb.mask_BT, (approx - prox_i).abs(), 0.0).sum())
-                    sums["prox_loglinear_abs_err"] = sums.get("prox_loglinear_abs_err", 0.0) + err
+                    mb_sums["prox_loglinear_abs_err"] = mb_sums.get("prox_loglinear_abs_err", 0.0) + err
                 if not entropy_known[i]:
                     entropy_sum += float((ent.detach() * mb.mask_BT).sum())
                 loss, stats = policy_loss(
@@ -227,15 +235,24 @@ class PPOActor:
                     entropy_BT=ent if cfg.entropy_coeff > 0 else None, **kwargs)
                 (loss * (units[i] / mb_units)).backward()
                 for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v * mb.n_tokens
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v * mb.n_tokens
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * weight
+                mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.max_grad_norm)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * mb_tokens
+            mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
+            if not all(math.isfinite(v) for v in mb_sums.values()):
+                # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
+                # applying it would ruin the weights for good. Skip this optimizer step;
+                # the caller dead-letters the minibatch's groups.
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped.append(mb_index)
+                continue
+            for k, v in mb_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
             self.optimizer.step()
         self.model.eval()
         denom = max(total_tokens, 1)
@@ -246,7 +263,11 @@ class PPOActor:
         metrics["actor/entropy"] = entropy_sum / denom
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
-        return StepResult(metrics, total_tokens)
+        metrics["actor/skipped_minibatches"] = float(len(skipped))
+        bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
+        return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
+                          applied_minibatches=len(minibatches) - len(skipped),
+                          skipped_group_ids=bad)
 
     def _m2po_keeps(self, mbs: list[TensorBatch], prox: list[torch.Tensor | None]):
         """M2PO keep masks over all trained tokens of the step (None: M2PO off, or

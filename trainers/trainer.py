@@ -12,9 +12,19 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - De-duplication by ``group_id`` against the groups trained or rejected so far, which
   the checkpoint records; offsets are committed only up to what the last checkpoint
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
-- A sample made for another advantage config (``SampleEvent.estimator``, ``adv_norm``
-  or ``reward_norm`` differing from this trainer's ``advantage`` section) stops the trainer
-  with a FatalRoleError, uncommitted: it would train silently wrong advantages.
+- Tail gate at training time too: the buffer is gated again before every step (a
+  rollback bumps the version while groups wait), so no group trains beyond eta.
+- A sample no step could use safely is dead-lettered (``BadEventError``), counted
+  (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
+  the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
+  vocabulary, numbers beyond float32-safe bounds, versions newer than the trainer's
+  (negative staleness), a sample made for another advantage config
+  (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
+  ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
+  advantages).
+- A step whose loss or gradient norm is not finite is not applied: the optimizer step is
+  skipped (``trainer/skipped_steps``), the batch's groups are dead-lettered and rejected,
+  and the version does not move.
 - Token-level parts (:mod:`tapioca.trainers.token_advantages`): GAE with a critic,
   KL to a reference in the reward, batch-level normalisation, on-policy distillation.
   The critic trains after the policy on the same batch and is checkpointed with it
@@ -37,12 +47,12 @@ from typing import Any, Iterable
 
 import torch
 
-from tapioca.bus.role import Role, Source
+from tapioca.bus.role import DeadLetter, Role, Source
 from tapioca.config.algorithms import reward_norm_spec
 from tapioca.config.sections import TrainerSection
 from tapioca.models.weight_sync import WeightPublisher
 from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import FatalRoleError
+from tapioca.schemas.errors import BadEventError, FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import (
@@ -58,6 +68,7 @@ from tapioca.trainers.critic import Critic
 from tapioca.trainers.metrics_sink import MetricsSink
 from tapioca.trainers.ppo_actor import PPOActor
 from tapioca.trainers.reference import FrozenLogprobModel
+from tapioca.trainers.sample_checks import check_made_for, check_trainable
 from tapioca.trainers.token_advantages import TokenAdvantages
 
 log = logging.getLogger(__name__)
@@ -75,6 +86,11 @@ class TrainerState:
     rejected_stale: int = 0
     rejected_dropped: int = 0
     duplicates: int = 0
+    # Samples dead-lettered at arrival (all reasons / another advantage config), and
+    # steps not applied because their loss or gradient norm was not finite.
+    dead_lettered: int = 0
+    dead_lettered_config: int = 0
+    skipped_steps: int = 0
     announce_rejections: bool = False
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
@@ -109,6 +125,13 @@ class Trainer(Role[TrainerState]):
             section.actor, self.run_dir / "weights", publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
+        # The facts a sample is checked against (sample_checks.py).
+        model = actor.model
+        sizes = [m.num_embeddings if hasattr(m, "num_embeddings") else m.out_features
+                 for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                 if m is not None]
+        self._vocab_size = min(sizes)
+        self._max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
     # ------------------------------------------------------------------ start
 
@@ -200,56 +223,72 @@ class Trainer(Role[TrainerState]):
 
     def handle(self, event: Event, state: TrainerState, source: Source) -> Iterable[Event]:
         assert isinstance(event, SampleEvent)
-        self._check_made_for_me(event)
         state.handled_to[(source.topic, source.partition)] = source.offset + 1
         gid = event.group_id
-        if gid in state.trained or gid in state.rejected or any(
-                s.group_id == gid for s, _ in state.buffer):
+        new = not (gid in state.trained or gid in state.rejected
+                   or any(s.group_id == gid for s, _ in state.buffer))
+        try:
+            self._admit(event, state)
+        except BadEventError:
+            # Dead-lettered by the bus; a new group is also rejected, which frees its
+            # head-gate slot (if the feeder admitted it) and names it on the log.
+            state.dead_lettered += 1
+            if new:
+                self._reject(state, gid)
+            raise
+        if not new:
             state.duplicates += 1
             return ()
         if event.dropped_reason:  # given up upstream; nothing to train
-            state.rejected.add(gid)
-            state.unannounced.append(gid)
+            self._reject(state, gid)
             state.rejected_dropped += 1
-            state.announce_rejections = True
             return ()
-        staleness = state.progress.version - event.min_version
-        if staleness > self.cfg.max_head_offpolicyness:
-            state.rejected.add(gid)
-            state.unannounced.append(gid)
+        if state.progress.version - event.min_version > self.cfg.max_head_offpolicyness:
+            self._reject(state, gid)
             state.rejected_stale += 1
-            state.announce_rejections = True
             return ()
         state.buffer.append((event, source))
         if len(state.buffer) < self.cfg.prompts_per_step or state.done:
             return ()
         return self._step(state)
 
-    def _check_made_for_me(self, event: SampleEvent) -> None:
-        """Samples normalised for another advantage config would train silently wrong
-        (e.g. gae samples carry advantage 0, left to the trainer's GAE; a group-level
-        processor with a batch-level trainer normalises twice): stop, uncommitted."""
-        own = self.cfg.advantage.estimator
-        if event.estimator != own:
-            raise FatalRoleError(
-                f"group {event.group_id} was made by an advantage processor with "
-                f"advantage.estimator {event.estimator}, but this trainer's estimator is "
-                f"{own}: the advantages mean something else here. Give the advantage "
-                "processor and the trainer the same advantage section and restart them")
-        if event.adv_norm and event.adv_norm != self._norm_spec:
-            raise FatalRoleError(
-                f"group {event.group_id} was normalised as '{event.adv_norm}' by the advantage "
-                f"processor, but this trainer's advantage config gives '{self._norm_spec}' "
-                "(advantage.adv_norm, or the estimator preset with advantage.eps / "
-                "std_unbiased). Give both roles the same advantage section and restart them")
-        if event.reward_norm and event.reward_norm != self._reward_norm_spec:
-            raise FatalRoleError(
-                f"group {event.group_id} had its rewards normalised as '{event.reward_norm}' "
-                "by the advantage processor, but this trainer's advantage.reward_norm gives "
-                f"'{self._reward_norm_spec}': its advantages (and GAE rewards) are on another "
-                "scale. Give both roles the same advantage.reward_norm and restart them")
+    def _admit(self, event: SampleEvent, state: TrainerState) -> None:
+        """Raise BadEventError for a sample this trainer must not train (sample_checks)."""
+        try:
+            check_made_for(event, estimator=self.cfg.advantage.estimator,
+                           norm_spec=self._norm_spec, reward_norm_spec=self._reward_norm_spec)
+        except BadEventError as exc:
+            state.dead_lettered_config += 1
+            log.error("dead-lettered (%d so far): %s", state.dead_lettered_config, exc)
+            raise
+        if not event.dropped_reason:
+            check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
+                            version=state.progress.version)
 
-    def _step(self, state: TrainerState) -> list[Event]:
+    @staticmethod
+    def _reject(state: TrainerState, gid: str) -> None:
+        state.rejected.add(gid)
+        state.unannounced.append(gid)
+        state.announce_rejections = True
+
+    def _gate_buffer(self, state: TrainerState) -> None:
+        """The tail gate over the groups waiting in the buffer, at the current version:
+        a rollback (or any version change) while a group waits can push it over eta, and
+        DESIGN §3's guarantee is about the step that trains it, not its arrival."""
+        eta = self.cfg.max_head_offpolicyness
+        keep = []
+        for sample, src in state.buffer:
+            if state.progress.version - sample.min_version > eta:
+                self._reject(state, sample.group_id)
+                state.rejected_stale += 1
+            else:
+                keep.append((sample, src))
+        state.buffer = keep
+
+    def _step(self, state: TrainerState) -> list[Event | DeadLetter]:
+        self._gate_buffer(state)
+        if len(state.buffer) < self.cfg.prompts_per_step:
+            return []  # the gate took some: wait for more (their rejection is announced)
         batch = state.buffer[: self.cfg.prompts_per_step]
         samples = [s for s, _ in batch]
         v_before = state.progress.version
@@ -258,19 +297,31 @@ class Trainer(Role[TrainerState]):
             items = flatten_groups(samples)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
             result = self.actor.train_step(items, policy_version=state.progress.version)
-            if self.critic is not None:
+            if self.critic is not None and result.applied_minibatches:
                 token_metrics.update(self.critic.train_step(items))
         except Exception as exc:
             # Retrying the triggering event would lose the rest of the batch; a failed
             # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
             raise FatalRoleError(f"training step {v_before + 1} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
-        # Only a successful step consumes the batch.
+        # Only a finished step consumes the batch (applied, or skipped as not finite).
         state.buffer = state.buffer[self.cfg.prompts_per_step:]
+        dead = self._dead_letter_skipped(state, batch, result, v_before)
+        if not result.applied_minibatches:
+            return dead + [MetricsEvent(source=self.member_id, step=v_before,
+                                        policy_version=v_before, metrics={
+                                            "trainer/skipped_steps": float(state.skipped_steps),
+                                            "trainer/dead_lettered": float(state.dead_lettered)})]
+        samples = [s for s in samples if s.group_id not in result.skipped_group_ids]
         for s in samples:
             state.staleness_hist[v_before - s.min_version] += 1
         p = state.progress
         p.version += 1
+        if not samples:
+            # Some minibatch applied, but every group sat in a skipped one: a version that
+            # trained no group, which the head gate must not count as a step (a rollback's
+            # accounting; only with actor.ppo_n_minibatches > 1).
+            p.rollbacks += 1
         group_ids = [s.group_id for s in samples]
         state.trained.update(group_ids)
         p.last_group_ids = group_ids
@@ -281,14 +332,18 @@ class Trainer(Role[TrainerState]):
             self._checkpoint(state)
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
+        lags = [v_before - s.min_version for s in samples]
         metrics.update({
             "reward/mean": state.last_reward,
             "reward/max": max(rewards, default=0.0),
-            "trainer/staleness_mean": sum(v_before - s.min_version for s in samples) / len(samples),
-            "trainer/staleness_max": float(max(v_before - s.min_version for s in samples)),
+            "trainer/staleness_mean": sum(lags) / max(len(lags), 1),
+            "trainer/staleness_max": float(max(lags, default=0)),
             "trainer/rejected_stale": float(state.rejected_stale),
             "trainer/rejected_dropped": float(state.rejected_dropped),
             "trainer/duplicates": float(state.duplicates),
+            "trainer/dead_lettered": float(state.dead_lettered),
+            "trainer/dead_lettered_config": float(state.dead_lettered_config),
+            "trainer/skipped_steps": float(state.skipped_steps),
             "trainer/step_wall_s": time.perf_counter() - t0,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
@@ -299,9 +354,31 @@ class Trainer(Role[TrainerState]):
         if p.version >= self.cfg.total_train_steps or (
                 self.cfg.stop_at_reward is not None and state.last_reward >= self.cfg.stop_at_reward):
             state.done = True
-        state.announce_rejections = False
-        return [weights, MetricsEvent(source=self.member_id, step=p.version,
-                                      policy_version=p.version, metrics=metrics)]
+        # The step's weights event names the rejections so far; more came only if some
+        # of this batch was dead-lettered (announced on the next tick).
+        state.announce_rejections = bool(state.unannounced)
+        return dead + [weights, MetricsEvent(source=self.member_id, step=p.version,
+                                             policy_version=p.version, metrics=metrics)]
+
+    def _dead_letter_skipped(self, state: TrainerState, batch: list[tuple[SampleEvent, Source]],
+                             result: Any, v_before: int) -> list[DeadLetter]:
+        """Groups of minibatches whose optimizer step was skipped (loss or gradient norm
+        not finite): dead-lettered, with where they were read, and rejected."""
+        if not result.skipped_minibatches:
+            return []
+        if not result.applied_minibatches:
+            state.skipped_steps += 1
+        bad = [(s, src) for s, src in batch if s.group_id in result.skipped_group_ids]
+        error = BadEventError(
+            f"training step at version {v_before}: the loss or gradient norm was not finite, so "
+            f"the optimizer step of {result.skipped_minibatches} minibatch(es) was skipped; its "
+            f"{len(bad)} group(s) are dead-lettered (one or more carry values that overflow "
+            "the loss: check behaviour logprobs and advantages)")
+        log.error("%s", error)
+        for s, _ in bad:
+            state.dead_lettered += 1
+            self._reject(state, s.group_id)
+        return [DeadLetter(s, error, src) for s, src in bad]
 
     def _checkpoint(self, state: TrainerState) -> None:
         p = state.progress
@@ -406,6 +483,8 @@ class Trainer(Role[TrainerState]):
         p.last_group_ids = []
         weights = self._publish_weights(state, [])
         weights.rollback_of = target
+        # The version moved with no step: waiting groups may be over eta now.
+        self._gate_buffer(state)
         self._checkpoint(state)
         # The rollback's version counts like a step, so it can reach the step budget.
         if p.version >= self.cfg.total_train_steps:
@@ -432,7 +511,8 @@ class Trainer(Role[TrainerState]):
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),
                 "groups_consumed": len(state.trained) + len(state.rejected) + len(state.buffer),
-                "rejected_stale": state.rejected_stale, "reward": state.last_reward}
+                "rejected_stale": state.rejected_stale, "reward": state.last_reward,
+                "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,9 +1,11 @@
 """The proxy's head gate and its follower of ``weights.v1``.
 
 Consumes ``weights.v1`` (broadcast, through a :class:`~tapioca.bus.runner.RoleRunner`
-in a background thread): each version is loaded into the proxy's engine and its
-``version`` / ``groups_rejected`` move the gate. Emits nothing but the runner's status
-metrics.
+in a background thread): each new version is loaded into the proxy's engine and its
+``version`` / ``groups_rejected`` move the gate. Versions only go forward
+(algorithms/versions.py): an older weights event is dead-lettered, never loaded; one
+that fails to load is retried, then dead-lettered, and the proxy keeps its version.
+Emits nothing but the runner's status metrics.
 
 Gate (DESIGN.md §3, the feeder's rule, algorithms/head_gate.py): a session that starts
 a new group waits until ``k - rejected - abandoned < (eta + v + 1) * B`` with k the
@@ -20,10 +22,12 @@ counted (the gate is then looser by at most those).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Iterable
 
 from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
+from tapioca.algorithms.versions import is_newer
 from tapioca.bus.reader import TopicReader
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
@@ -31,6 +35,8 @@ from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import TrajectoryEvent, WeightsEvent
 
 PROXY_PRODUCER_PREFIX = "proxy"
+
+log = logging.getLogger(__name__)
 
 
 class HeadGate:
@@ -109,8 +115,14 @@ class WeightsFollower(Role[dict]):
     def recover(self, state: dict, latest: list[Event]) -> None:
         weights = [e for e in latest if isinstance(e, WeightsEvent)]
         if weights:
-            newest = weights[-1]
-            self._apply(newest, state)
+            # The highest version, not merely the latest event (a re-published old one).
+            newest = max(weights, key=lambda e: e.version)
+            try:
+                self._apply(newest, state)
+            except Exception as exc:  # serve what the engine has; the next version loads
+                log.error("the newest weights (version %d, %s) cannot be loaded: %s; serving "
+                          "version %d until the next weights event", newest.version,
+                          newest.path, exc, self.current_version())
             # The replayed broadcast topic repeats older versions: skip up to this one.
             state["skip_until"] = newest.event_id
         self.gate.ready.set()
@@ -126,7 +138,10 @@ class WeightsFollower(Role[dict]):
         return ()
 
     def _apply(self, event: WeightsEvent, state: dict) -> None:
-        if event.version != self.current_version() or event.rollback_of is not None:
+        # Older than the gate's version: BadEventError, dead-lettered by the bus. A load
+        # that raises is retried, then dead-lettered; the gate moves only once loaded.
+        if is_newer(event, self.gate.version, "the agent proxy") and (
+                event.version != self.current_version()):
             # Loading waits for a decode-step boundary; requests queue meanwhile and
             # continue on the new weights (interruptible generation), none fails.
             self.load(event)

@@ -13,7 +13,11 @@ group (``SampleEvent.prompt_ids``) and the advantage processor completes a group
 shared prompt is the longest common prefix of the sessions' first prompts (normally
 the whole first prompt; any remainder moves into the output with loss mask 0), and
 ``group_size`` is the number of trajectories actually produced (sessions that expired
-or never started are left out, so the group still completes).
+or never started are left out, so the group still completes). Sessions whose prompts
+share no first token are not one GRPO group (their advantages would compare different
+prompts, and a sample needs a shared prompt: one was published with ``prompt_ids=[]``
+and crashed the trainer): such a group is not published, its slot is given back like an
+empty group's, and a warning says why (``unshared_groups``).
 
 Trajectory shapes (``mode`` of ``end``):
     concat: one trajectory per session. The chain is built backwards from the leaf
@@ -36,6 +40,7 @@ AReaL's multi-turn ``turn_discount``).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -48,6 +53,8 @@ from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
 
 Mode = Literal["concat", "per_completion"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -240,6 +247,7 @@ class SessionStore:
         # key -> why it no longer works (bounded: oldest forgotten first)
         self.dead_keys: dict[str, str] = {}
         self.published_groups = 0
+        self.unshared_groups = 0  # finished groups whose sessions shared no prompt token
 
     # ------------------------------------------------------------------ sessions
 
@@ -438,6 +446,13 @@ class SessionStore:
         if not pieces:
             return []
         keep = common_prefix_len([p.prompt_ids for p in pieces])
+        if keep == 0:
+            self.unshared_groups += 1
+            log.warning("group %s is not published: its %d sessions share no prompt token, so "
+                        "they are not one GRPO group; every session of a group must start from "
+                        "the same prompt (start unrelated conversations as groups of their own)",
+                        group.group_id, len(pieces))
+            return []
         events: list[Event] = []
         for i, p in enumerate(pieces):
             _move_prompt_tail(p, keep)

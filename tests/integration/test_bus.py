@@ -23,7 +23,9 @@ from tapioca.bus import (
     read_events,
 )
 from tapioca.bus.dlq import original_payload
+from tapioca.bus.role import DeadLetter
 from tapioca.schemas import (
+    BadEventError,
     BusError,
     DlqRecord,
     PromptEvent,
@@ -191,6 +193,145 @@ def test_failing_handler_is_retried_then_dead_lettered(make_cfg, start_runner, w
     assert record.error_type == "RuntimeError"
     assert f"cannot handle {poison.group_id}" in record.error
     assert original_payload(record) == encode_event(poison)
+
+
+class Flaky(Role):
+    """Fails on one group every time; notes, for every other event, where it was read and
+    how often the poison had failed by then, and counts ticks."""
+
+    name = "flaky"
+    group_inputs = ("prompts",)
+    tick_interval_s = 0.02
+
+    def __init__(self, poison_group: str) -> None:
+        self.poison_group = poison_group
+
+    def init_state(self):
+        return {"handled": [], "attempts": [], "ticks": 0}
+
+    def handle(self, event, state, source):
+        if event.group_id == self.poison_group:
+            state["attempts"].append((source.partition, source.offset, state["ticks"]))
+            raise RuntimeError(f"cannot handle {event.group_id}")
+        state["handled"].append((event.group_id, source.partition, source.offset,
+                                 len(state["attempts"])))
+        return ()
+
+    def on_tick(self, state, now):
+        state["ticks"] += 1
+        return ()
+
+
+def test_retry_backoff_never_blocks_the_loop(make_cfg, start_runner, wait_until):
+    """A failing record waits for its retry without stopping the loop: records of other
+    partitions, published while it waits, are handled at once, ticks go on, its own
+    partition's later records wait behind it (in order), and the commit of its partition
+    never passes it."""
+    backoff_s = 8.0  # generous: everything below must happen well inside it
+    cfg = make_cfg(handler_max_attempts=2, handler_backoff_s=backoff_s)
+    poison = prompt(0, "poison")
+    with EventProducer(cfg) as producer:
+        producer.publish(poison)
+    rt = start_runner(Flaky(poison.group_id), cfg)
+    wait_until(lambda: rt.state is not None and len(rt.state["attempts"]) >= 1,
+               timeout_s=30, what="the first failure")
+    later = [prompt(i, "later") for i in range(16)]
+    with EventProducer(cfg) as producer:
+        for e in later:
+            producer.publish(e)
+    where = {r.event.group_id: r.source.partition
+             for r in read_all(cfg, "prompts", count=len(later) + 1)}
+    poison_partition, poison_offset, _ = rt.state["attempts"][0]
+    assert where[poison.group_id] == poison_partition
+    others = {e.group_id for e in later if where[e.group_id] != poison_partition}
+    behind = [e.group_id for e in later if where[e.group_id] == poison_partition]
+    assert others and behind, "16 keys over 4 partitions: both kinds expected"
+    wait_until(lambda: others <= {g for g, *_ in rt.state["handled"]}, timeout_s=30,
+               what="the other partitions' records")
+    group = f"{cfg.topic_prefix}.flaky"
+    prompts_topic = cfg.topic(topic("prompts"))
+    from tapioca.bus import consumer_lag
+
+    committed = {row.partition: row.committed for row in consumer_lag(cfg, [group])
+                 if row.topic == prompts_topic}
+    assert (committed.get(poison_partition) or 0) <= poison_offset, "a commit passed the failed record"
+
+    wait_until(lambda: rt.runner.stats.dead_lettered >= 1
+               and set(behind) <= {g for g, *_ in rt.state["handled"]},
+               timeout_s=backoff_s + 30, what="the dead letter and the records behind it")
+    rt.finish()
+    handled_rows = rt.state["handled"]
+    # Handled while the poison waited: every record of another partition.
+    assert all(n == 1 for g, _, _, n in handled_rows if g in others)
+    # Behind it: only after its last attempt, in offset order.
+    behind_rows = [(off, n) for g, p, off, n in handled_rows if p == poison_partition]
+    assert [n for _, n in behind_rows] == [2] * len(behind)
+    assert [off for off, _ in behind_rows] == sorted(off for off, _ in behind_rows)
+    # Ticks ran during the backoff (the old loop slept through it).
+    (_, _, ticks_first), (_, _, ticks_second) = rt.state["attempts"]
+    assert ticks_second - ticks_first >= 10
+    assert rt.runner.stats.retries == 1
+    (dlq,) = read_all(cfg, "dlq")
+    assert dlq.event.attempts == 2 and dlq.event.source_offset == poison_offset
+
+
+class TickFault(Role):
+    """Mimics a weights follower: a "load-*" event is applied on the next tick, where it
+    always fails; a "late-*" event is found bad after being handled (a DeadLetter output)."""
+
+    name = "tickfault"
+    group_inputs = ("prompts",)
+    tick_interval_s = 0.02
+
+    def init_state(self):
+        return {"pending": None, "handled": [], "dead": [], "ticks": 0}
+
+    def handle(self, event, state, source):
+        state["handled"].append(event.group_id)
+        if event.group_id.startswith("load"):
+            state["pending"] = (event, source)
+        if event.group_id.startswith("late"):
+            return [DeadLetter(event, BadEventError(f"{event.group_id} found bad late"), source)]
+        return ()
+
+    def on_tick(self, state, now):
+        if state["pending"] is not None:
+            event, source = state["pending"]
+            raise BadEventError(f"cannot load {event.group_id}: file missing", event=event,
+                                source=source, retryable=True)
+        state["ticks"] += 1
+        return ()
+
+    def on_dead_letter(self, state, event, error):
+        state["dead"].append(event.group_id)
+        state["pending"] = None
+
+
+def test_tick_fault_is_retried_then_its_event_dead_lettered_and_the_role_goes_on(
+        make_cfg, start_runner, wait_until):
+    cfg = make_cfg(handler_max_attempts=3, handler_backoff_s=0.05)
+    load, late = prompt(0, "load"), prompt(1, "late")
+    with EventProducer(cfg) as producer:
+        producer.publish(load)
+    coords = read_all(cfg, "prompts", count=1)[0].source
+    rt = start_runner(TickFault(), cfg)
+    wait_until(lambda: rt.state is not None and rt.state["dead"] == ["load-g0"], timeout_s=30,
+               what="the tick fault's event dead-lettered")
+    ticks = rt.state["ticks"]
+    with EventProducer(cfg) as producer:
+        producer.publish(late)
+        producer.publish(prompt(2, "fine"))
+    wait_until(lambda: "fine-g2" in rt.state["handled"] and rt.state["ticks"] > ticks + 5
+               and rt.runner.stats.dead_lettered >= 2, timeout_s=30, what="the role going on")
+    rt.finish()
+    assert rt.runner.stats.retries == 2 and rt.runner.stats.tick_failures == 3
+    records = {r.event.source_key: r.event for r in read_all(cfg, "dlq", count=2)}
+    tick = records[load.group_id]
+    assert tick.attempts == 3 and tick.error_type == "BadEventError"
+    assert "cannot load load-g0: file missing" in tick.error
+    assert (tick.source_partition, tick.source_offset) == (coords.partition, coords.offset)
+    assert original_payload(tick) == encode_event(load)
+    assert "found bad late" in records[late.group_id].error
 
 
 def test_restart_resumes_from_committed_offsets(bus_cfg, start_runner, wait_until):

@@ -202,3 +202,61 @@ def test_an_empty_group_is_abandoned_exactly_once():
     clock.t = 20.0
     events, empty = st.reap()
     assert b.state == "expired" and events == [] and empty == 1
+
+
+def test_a_group_whose_sessions_share_no_prompt_token_is_not_published():
+    """Such a group was published with prompt_ids=[] and crashed the trainer: any agent
+    client could end the run. It is not one GRPO group: nothing is published and its
+    gate slot is given back (abandoned)."""
+    gate = HeadGate(eta=0, prompts_per_step=4)
+    gate.ready.set()
+    st = store()
+    a = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
+                 policy_version=0, admit=gate.try_admit)
+    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="t",
+                 task_data={}, policy_version=0, admit=gate.try_admit)
+    st.record(a, [comp("x", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
+    st.record(b, [comp("y", [7, 2, 3], [11, 2])], ["y"], ["y"], [[]])
+    assert not st.end(a, None, None).abandoned
+    ended = st.end(b, None, None)
+    assert ended.events == [] and ended.abandoned
+    assert st.unshared_groups == 1 and st.published_groups == 0
+    # A group that shares one token is still published, with that token as its prompt.
+    c = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
+                 policy_version=0, admit=gate.try_admit)
+    d = st.start(group_id=c.group.group_id, group_size=2, sample_index=None, task="t",
+                 task_data={}, policy_version=0, admit=gate.try_admit)
+    st.record(c, [comp("z", [1, 2], [10])], ["z"], ["z"], [[]])
+    st.record(d, [comp("w", [1, 5], [11])], ["w"], ["w"], [[]])
+    st.end(c, None, None)
+    events = st.end(d, None, None).events
+    assert [t.prompt_ids for t in events if isinstance(t, TrajectoryEvent)] == [[1], [1]]
+
+
+def test_proxy_weights_follower_versions_only_go_forward():
+    from tapioca.bus.role import Source
+    from tapioca.producers.proxy.gate import WeightsFollower
+    from tapioca.schemas.errors import BadEventError
+    from tapioca.schemas.events import WeightsEvent
+
+    gate = HeadGate(eta=0, prompts_per_step=4)
+    loaded: list[int] = []
+    follower = WeightsFollower(gate, lambda e: loaded.append(e.version),
+                               lambda: loaded[-1] if loaded else 0)
+    state = follower.init_state()
+    replay = WeightsEvent(version=1, path="/w1", sha256="00" * 32)
+    history = [WeightsEvent(version=v, path=f"/w{v}", sha256="00" * 32) for v in (1, 2, 3)]
+    replay.produced_at = history[-1].produced_at + 1  # re-published after version 3
+    follower.recover(state, history + [replay])
+    assert loaded == [3] and gate.version == 3 and gate.ready.is_set()
+    src = Source(topic="t.weights.v1", partition=0, offset=9, broadcast=True)
+    state["skip_until"] = ""
+    with pytest.raises(BadEventError, match="weights version 2 is older than version 3"):
+        follower.handle(WeightsEvent(version=2, path="/w2", sha256="00" * 32), state, src)
+    assert loaded == [3] and gate.version == 3
+    follower.handle(WeightsEvent(version=3, path="/w3", sha256="00" * 32, groups_rejected=1),
+                    state, src)  # a re-announcement: no load, the gate's counts move
+    assert loaded == [3] and gate.rejected == 1
+    follower.handle(WeightsEvent(version=4, path="/w1", sha256="00" * 32, rollback_of=1,
+                                 rollbacks=1), state, src)
+    assert loaded == [3, 4] and (gate.version, gate.rollbacks) == (4, 1)

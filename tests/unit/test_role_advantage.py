@@ -212,10 +212,11 @@ def test_permutations_of_two_groups_interleaved():
 
 
 def test_group_whose_shaping_fails_is_raised_again_on_retry():
-    # A bad shaping config (clip < 0) raises when the group completes. The bus retries
-    # the event, then dead-letters it: the retry must raise again (not find the group
-    # "already emitted" and drop it silently) and the group keeps holding the commit.
-    from tapioca.algorithms.errors import AlgorithmInputError
+    # A bad shaping config (clip < 0) raises when the group completes. The bus dead-
+    # letters the event (BadEventError: no retry fixes it); a redelivery must raise again
+    # (not find the group "already emitted" and drop it silently) and the group keeps
+    # holding the commit until the reward timeout drops it.
+    from tapioca.schemas.errors import BadEventError
 
     role = AdvantageProcessor(reward_clip=-1.0)
     feed = Feed(role)
@@ -224,7 +225,7 @@ def test_group_whose_shaping_fails_is_raised_again_on_retry():
     feed(reward("g", 0, 1.0), offset=8)
     last = reward("g", 1, 0.0)
     for _ in range(2):
-        with pytest.raises(AlgorithmInputError, match="clip"):
+        with pytest.raises(BadEventError, match="group g cannot be built: .*clip"):
             feed(last, offset=9)
     assert "g" in feed.state.pending and "g" not in feed.state.emitted
     assert feed.state.groups_emitted == 0
@@ -546,15 +547,15 @@ def test_non_finite_reward_from_an_external_service_fails_validation(literal):
 
 
 def test_reward_timeout_drops_a_complete_group_that_cannot_be_built():
-    # clip < 0 makes shaping raise in handle() (retried, then dead-lettered by the bus);
-    # the reward timeout then drops the group with the reason instead of holding it.
-    from tapioca.algorithms.errors import AlgorithmInputError
+    # clip < 0 makes shaping raise in handle() (dead-lettered by the bus); the reward
+    # timeout then drops the group with the reason instead of holding it.
+    from tapioca.schemas.errors import BadEventError
 
     clock = Clock()
     role = AdvantageProcessor(reward_clip=-1.0, reward_timeout_s=5.0, clock=clock)
     feed = Feed(role)
     feed(traj("g", 0, 1))
-    with pytest.raises(AlgorithmInputError):
+    with pytest.raises(BadEventError):
         feed(reward("g", 0, 1.0))
     clock.t += 5.0
     (dropped,) = role.on_tick(feed.state, 0.0)
@@ -793,7 +794,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     from tapioca.bus.role import Source
     from tapioca.config.schema import AdvantageConfig, RewardNormConfig
     from tapioca.schemas.envelope import decode_event, encode_event
-    from tapioca.schemas.errors import FatalRoleError
+    from tapioca.schemas.errors import BadEventError
 
     on = Feed(AdvantageProcessor(reward_norm=GROUP_GROUP))
     off = Feed(AdvantageProcessor())
@@ -807,7 +808,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     t_off = _tiny_trainer(tmp_path / "off", AdvantageConfig())
     try:
         state = t_off.init_state()
-        with pytest.raises(FatalRoleError, match="rewards normalised as 'mean=group std=group "
+        with pytest.raises(BadEventError, match="rewards normalised as 'mean=group std=group "
                            "leave1out=0 unbiased=0 eps=0'.*gives 'none'.*same "
                            "advantage.reward_norm and restart"):
             t_off.handle(normed, state, src[0])
@@ -817,7 +818,7 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     t_on = _tiny_trainer(tmp_path / "on", AdvantageConfig(reward_norm=RewardNormConfig(eps=0.0)))
     try:
         state = t_on.init_state()
-        with pytest.raises(FatalRoleError, match="normalised as 'none'.*gives 'mean=group"):
+        with pytest.raises(BadEventError, match="normalised as 'none'.*gives 'mean=group"):
             t_on.handle(plain, state, src[0])
         # Matching spec trains; an event from before the field ("") is not compared.
         older = decode_event(encode_event(normed2))
@@ -829,3 +830,40 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
         assert state.last_reward == pytest.approx(0.625)
     finally:
         t_on.sink.close()
+
+
+def test_overflowing_reward_is_dead_lettered_and_its_group_dropped_at_the_timeout():
+    """A reward of 1.5e308 overflowed the group statistics (OverflowError in handle and
+    again in every tick). Now it is refused with the reason (dead-lettered by the bus),
+    the rest of the group is kept, and the reward timeout drops the group."""
+    from tapioca.schemas.errors import BadEventError
+
+    clock = Clock()
+    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    feed = Feed(role)
+    feed(traj("g", 0, 2))
+    feed(traj("g", 1, 2))
+    feed(reward("g", 0, 1.0))
+    with pytest.raises(BadEventError, match=r"reward 1.5e\+308 for trajectory g:1 .*beyond"):
+        feed(reward("g", 1, 1.5e308))
+    assert list(role.on_tick(feed.state, 0.0)) == []
+    clock.t += 5.0
+    (dropped,) = role.on_tick(feed.state, 0.0)
+    assert dropped.group_id == "g" and "missing rewards for 1 of 2" in dropped.dropped_reason
+    # Large but safe rewards still make a group.
+    (ok,) = feed_group(feed, "big", [1e9, -1e9])
+    assert ok.dropped_reason == "" and [s.advantage for s in ok.sequences] == pytest.approx([1, -1], abs=1e-6)
+
+
+def test_shaped_rewards_that_overflow_cannot_be_built():
+    """Within the per-reward bound, a shaping config can still overflow (here a scale of
+    1e300): the completing event is dead-lettered instead of an OverflowError escaping."""
+    from tapioca.schemas.errors import BadEventError
+
+    feed = Feed(AdvantageProcessor(reward_scaling=1e300))
+    feed(traj("g", 0, 2))
+    feed(traj("g", 1, 2))
+    feed(reward("g", 0, 1e9))
+    with pytest.raises(BadEventError, match="group g cannot be built"):
+        feed(reward("g", 1, -1e9))
+    assert "g" in feed.state.pending

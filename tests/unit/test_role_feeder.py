@@ -24,9 +24,15 @@ def feeder(n_records: int = 100, *, eta: int = 0, B: int = 4, max_epochs: int = 
                         seed=seed, run_tag="r")
 
 
-def weights(version: int, rejected: int = 0, rollbacks: int = 0) -> WeightsEvent:
+def weights(version: int, rejected: int = 0, rollbacks: int = 0,
+            names: list[str] | None = None) -> WeightsEvent:
     return WeightsEvent(version=version, path=f"/w/v{version}", sha256="00" * 32,
-                        groups_rejected=rejected, rollbacks=rollbacks)
+                        groups_rejected=rejected, rollbacks=rollbacks,
+                        rejected_group_ids=list(names or []))
+
+
+def wsrc(offset: int) -> Source:
+    return Source(topic="t.weights.v1", partition=0, offset=offset, broadcast=True)
 
 
 def drain(f: PromptFeeder, state, ticks: int = 5) -> list[PromptEvent]:
@@ -95,16 +101,17 @@ def test_eta2_publishes_three_steps_up_front():
     assert drain(f, state) == []
 
 
-def test_groups_rejected_free_that_many_slots():
+def test_groups_rejected_free_their_slots():
     f = feeder(eta=0, B=4)
     state = f.init_state()
-    assert len(drain(f, state)) == 4
-    f.handle(weights(0, rejected=3), state, W_SRC)
+    out = drain(f, state)
+    assert len(out) == 4
+    f.handle(weights(0, rejected=3, names=[e.group_id for e in out[:3]]), state, W_SRC)
     freed = drain(f, state)
     assert len(freed) == 3
     assert drain(f, state) == []
-    # The count is cumulative (the trainer's total): re-announcing 3 frees nothing more.
-    f.handle(weights(0, rejected=3), state, W_SRC)
+    # Named again (a trainer restart re-announces its last rejections): nothing more.
+    f.handle(weights(0, rejected=3, names=[e.group_id for e in out[:3]]), state, W_SRC)
     assert drain(f, state) == []
 
 
@@ -191,3 +198,82 @@ def test_max_groups_per_tick_bounds_one_tick():
     state = f.init_state()
     assert len(list(f.on_tick(state, 0.0))) == 3
     assert len(drain(f, state, ticks=10)) == 7
+
+
+# ---------------------------------------------------------------------------
+# Bookkeeping only from facts the feeder can trust (issue 10).
+
+
+def test_rejections_of_groups_never_admitted_free_nothing():
+    """300 fake "dropped" samples (or a reward service keyed wrongly) made the trainer
+    count rejections that freed head-gate slots: 58% of generation was wasted. Only
+    groups this feeder admitted free a slot now."""
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    out = drain(f, state)
+    fake = [f"fake-{i}" for i in range(300)] + ["r-g00000099", "r-g1", "other-g00000001"]
+    f.handle(weights(0, rejected=303, names=fake), state, W_SRC)
+    assert drain(f, state) == []
+    assert state.freed == 0 and state.ignored_rejections == 303
+    assert f.describe(state)["trainer_rejected"] == 303
+    # A real one still frees its slot.
+    f.handle(weights(0, rejected=304, names=[out[0].group_id]), state, W_SRC)
+    assert len(drain(f, state)) == 1
+
+
+def test_recovered_count_ignores_a_forged_far_group_index():
+    """A forged prompt with group_index 10^9 plus a feeder restart shut the gate for
+    good. The restarted feeder recovers k only from its own, contiguous prompt events."""
+    f = feeder(n_records=10, eta=0, B=4)
+    state = f.init_state()
+    published = drain(f, state)
+    forged = [PromptEvent(group_id="x", prompt_id="p", group_index=10**9, n_samples=3,
+                          prompt_ids=[1, 2]),
+              PromptEvent(group_id=f.group_id(10**9), prompt_id="p", group_index=10**9,
+                          n_samples=3, prompt_ids=[1, 2]),  # its id, but nothing before it
+              PromptEvent(group_id=f.group_id(9), prompt_id="p", group_index=9,
+                          n_samples=3, prompt_ids=[1, 2])]  # within the dataset, still alone
+    g = feeder(n_records=10, eta=0, B=4)
+    s2 = g.init_state()
+    g.recover(s2, published + forged)
+    assert s2.next_group_index == 4
+    g.handle(weights(1), s2, W_SRC)
+    assert [e.group_index for e in drain(g, s2)] == [4, 5, 6, 7]
+
+
+def test_freed_count_survives_a_restart_without_recounting():
+    """The feeder's freed count is in its own prompt events; after a restart it reads
+    the weights history again (a compacted topic may have lost part of it) and counts
+    only what came after the offset its count covers."""
+    f = feeder(n_records=50, eta=0, B=4)
+    state = f.init_state()
+    out = drain(f, state)  # 0..3
+    f.handle(weights(0, names=[out[0].group_id, out[1].group_id]), state, wsrc(0))
+    out += drain(f, state)  # 4, 5: stamped with freed 2, through offset 0
+    assert out[-1].freed_groups == 2 and out[-1].weights_offset == 0
+    f.handle(weights(1, names=[out[4].group_id]), state, wsrc(1))  # after the last prompt
+    assert state.freed == 3
+
+    g = feeder(n_records=50, eta=0, B=4)
+    s2 = g.init_state()
+    g.recover(s2, out)
+    assert (s2.next_group_index, s2.freed, s2.counted_through) == (6, 2, 0)
+    # The broadcast topic from the start: offset 0 is in the recovered count, 1 is not.
+    g.handle(weights(0, names=[out[0].group_id, out[1].group_id]), s2, wsrc(0))
+    g.handle(weights(1, names=[out[4].group_id]), s2, wsrc(1))
+    assert s2.freed == 3 and s2.latest_version == 1
+    assert g.describe(s2)["freed"] == f.describe(state)["freed"]
+
+
+def test_versions_only_go_forward_for_the_feeder():
+    """An older weights event (re-published, or the trainer's re-announcement after a
+    forged newer version) does not move the version back; its rejection names count."""
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    out = drain(f, state)
+    f.handle(weights(5, rollbacks=1), state, wsrc(0))
+    f.handle(weights(3, names=[out[0].group_id]), state, wsrc(1))
+    assert (state.latest_version, state.rollbacks) == (5, 1) and state.freed == 1
+    f.handle(weights(5), state, wsrc(2))  # a re-announcement
+    f.handle(weights(6, rollbacks=2), state, wsrc(3))  # a rollback: a new, higher version
+    assert (state.latest_version, state.rollbacks) == (6, 2)

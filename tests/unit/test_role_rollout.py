@@ -177,19 +177,40 @@ def test_only_newest_of_several_versions_is_loaded(h):
     assert h.engine.version == 3
 
 
-def test_failed_submit_is_raised_again_on_retry(h):
+def test_impossible_prompt_is_refused_again_on_redelivery(h):
     # prompt (61) + max_new_tokens (4) > max_position_embeddings (64): the engine refuses.
-    # The bus retries a raising handler, then dead-letters the event; the retry must
-    # raise again, not be taken for a redelivery of a group already in flight.
-    from tapioca.schemas.errors import EngineError
+    # No retry can fix it: BadEventError, dead-lettered at once by the bus (it used to be
+    # retried with 0.6 s of sleep per bad prompt). A redelivery must be refused again, not
+    # be taken for a group already in flight.
+    from tapioca.schemas.errors import BadEventError
 
     too_long = PromptEvent(group_id="big", prompt_id="p", group_index=0, n_samples=2,
                            prompt_ids=[1] * 61)
     for _ in range(2):
-        with pytest.raises(EngineError, match="max_position_embeddings"):
+        with pytest.raises(BadEventError, match="prompt big cannot be generated: .*"
+                           "max_position_embeddings"):
             h.role.handle(too_long, h.state, psrc(0))
     assert h.state.inflight == {}
     assert h.role.committable(h.state, PROMPTS, 0, 1) == 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"prompt_ids": [1, VOCAB + 3]}, "outside"),
+    ({"prompt_ids": []}, "empty prompt"),
+    ({"n_samples": 0}, "n_samples is 0"),
+])
+def test_bad_prompt_is_refused_at_once(h, changes, message):
+    from tapioca.schemas.errors import BadEventError
+
+    bad = prompt("bad")
+    for key, value in changes.items():
+        setattr(bad, key, value)
+    with pytest.raises(BadEventError, match=message):
+        h.role.handle(bad, h.state, psrc(0))
+    assert h.state.inflight == {} and h.submitted == []
+    # The worker goes on.
+    h.role.handle(prompt("g1", n=1), h.state, psrc(1))
+    assert len(h.collect(1)) == 1
 
 
 def test_prompt_waits_for_the_version_it_was_admitted_under(h):
@@ -216,6 +237,10 @@ def test_pending_weights_are_loaded_before_a_prompt_that_needs_them(h):
     p = prompt("g-now", n=2)
     p.admitted_at_version = 1
     h.role.handle(p, h.state, psrc(0))
+    # Loaded on the tick (the runner ticks right after handling), never inside handle:
+    # a load that fails is the weights event's fault, not this prompt's.
+    assert h.loads == [] and h.submitted == []
+    h.role.on_tick(h.state, time.time())
     assert [e.version for e in h.loads] == [1] and len(h.submitted) == 2
     trajs = h.collect(2)
     assert all(v == 1 for t in trajs for v in t.output_versions)
@@ -234,3 +259,153 @@ def test_restart_loads_only_the_newest_weights_and_skips_the_replayed_history(h)
     h.role.handle(newer, h.state, Source(WEIGHTS, 0, 3, broadcast=True))
     h.role.on_tick(h.state, time.time())
     assert [e.version for e in h.loads] == [3, 4]
+
+
+# ---------------------------------------------------------------------------
+# Weights faults and versions (issue 10).
+
+
+def test_weights_that_cannot_load_are_named_for_the_bus_and_the_worker_goes_on(h):
+    """A weights event whose file is missing (or fails its checksum) killed the worker
+    from on_tick. Now the tick raises BadEventError naming that event (the bus retries,
+    then dead-letters it and calls on_dead_letter); the worker keeps its version."""
+    from tapioca.schemas.errors import BadEventError
+
+    real = h.role.load_weights
+
+    def missing(event):
+        raise FileNotFoundError(f"no such file: {event.path}")
+
+    h.role.load_weights = missing
+    bad = weights(1)
+    src = wsrc(7)
+    h.role.handle(bad, h.state, src)
+    for _ in range(2):  # every retry names the same event, with where it was read
+        with pytest.raises(BadEventError, match="weights version 1 .* cannot be loaded: "
+                           "FileNotFoundError.*stays on version 0") as info:
+            h.role.on_tick(h.state, time.time())
+        assert info.value.event is bad and info.value.source == src and info.value.retryable
+    h.role.on_dead_letter(h.state, bad, info.value)
+    assert h.state.pending_weights is None and h.state.loaded_version == 0
+    assert h.role.describe(h.state)["weights_dead_lettered"] == 1
+    # It goes on: generates on version 0, and loads the next good version.
+    h.role.handle(prompt("g0", n=1), h.state, psrc(0))
+    (t,) = h.collect(1)
+    assert set(t.output_versions) == {0}
+    h.role.load_weights = real
+    h.role.handle(weights(2), h.state, wsrc(8))
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 2 and [e.version for e in h.loads] == [2]
+
+
+def test_versions_only_go_forward(h):
+    """A re-published old weights event rolled the fleet back (26 -> 23). Now an older
+    version is refused (dead-lettered), the same one is a no-op, and a rollback, which
+    is a new higher version with rollback_of set, loads."""
+    from tapioca.schemas.errors import BadEventError
+
+    h.role.handle(weights(3), h.state, wsrc(0))
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 3
+    with pytest.raises(BadEventError, match="weights version 2 is older than version 3"):
+        h.role.handle(weights(2), h.state, wsrc(1))
+    assert list(h.role.handle(weights(3), h.state, wsrc(2))) == []  # a re-announcement
+    assert h.state.pending_weights is None
+    # Between the loaded and a pending version: a fallback, superseded once 5 loads.
+    h.role.handle(weights(5), h.state, wsrc(3))
+    assert list(h.role.handle(weights(4), h.state, wsrc(4))) == []
+    assert h.state.pending_weights.version == 5
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3, 5] and h.state.candidates == []
+    rollback = WeightsEvent(version=6, path="/w/v6", sha256="00" * 32, rollback_of=1)
+    h.role.handle(rollback, h.state, wsrc(5))
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3, 5, 6] and h.state.loaded_version == 6
+
+
+def test_restart_follows_the_highest_version_not_a_replayed_old_one(h):
+    history = [weights(v) for v in (1, 2, 3)]
+    replay = weights(1)
+    replay.produced_at = history[-1].produced_at + 10  # re-published later
+    h.role.recover(h.state, history + [replay])
+    h.role.on_tick(h.state, time.time())
+    assert [e.version for e in h.loads] == [3]
+
+
+def _failing_on_missing(h):
+    real = h.role.load_weights
+
+    def load(event):
+        if "missing" in event.path:
+            raise FileNotFoundError(event.path)
+        real(event)
+
+    h.role.load_weights = load
+
+
+def _claim(version: int, sha: str, path: str = "") -> WeightsEvent:
+    return WeightsEvent(version=version, path=path or f"/w/v{version}-{sha}", sha256=sha * 64)
+
+
+def test_a_forged_claim_of_the_pending_version_does_not_hide_the_genuine_one(h):
+    """Two events claim version 1: a forged one (missing file) first, then the genuine
+    one. The forged one fails, is dead-lettered, and the genuine one is loaded instead
+    of being ignored as a re-announcement (with eta 0 that lost version deadlocks)."""
+    from tapioca.bus.role import DeadLetter
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    forged, genuine = _claim(1, "a", "/missing/v1"), _claim(1, "b")
+    h.role.handle(forged, h.state, wsrc(0))
+    with pytest.raises(BadEventError) as info:
+        h.role.on_tick(h.state, time.time())
+    assert list(h.role.handle(genuine, h.state, wsrc(1))) == []
+    h.role.on_dead_letter(h.state, forged, info.value)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 1 and [e.path for e in h.loads] == [genuine.path]
+    # A claim that arrives after the genuine one is loaded conflicts: refused.
+    with pytest.raises(BadEventError, match="conflicts with the loaded weights"):
+        h.role.handle(_claim(1, "c"), h.state, wsrc(2))
+    # The genuine one again (a re-announcement): nothing.
+    assert list(h.role.handle(genuine, h.state, wsrc(3))) == []
+    # Genuine first and still pending, then a forged claim: the genuine one loads and the
+    # forged one is dead-lettered as a conflict.
+    h.role.handle(_claim(2, "d"), h.state, wsrc(4))
+    h.role.handle(_claim(2, "e", "/missing/v2"), h.state, wsrc(5))
+    (dead,) = [e for e in h.role.on_tick(h.state, time.time()) if isinstance(e, DeadLetter)]
+    assert dead.event.path == "/missing/v2" and dead.source == wsrc(5)
+    assert h.state.loaded_version == 2
+
+
+def test_a_version_that_failed_to_load_and_is_superseded_is_dead_lettered(h):
+    from tapioca.bus.role import DeadLetter
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    bad = _claim(1, "a", "/missing/v1")
+    h.role.handle(bad, h.state, wsrc(0))
+    with pytest.raises(BadEventError):
+        h.role.on_tick(h.state, time.time())
+    (dead,) = h.role.handle(_claim(2, "b"), h.state, wsrc(1))
+    assert isinstance(dead, DeadLetter) and dead.event is bad and "superseded" in str(dead.error)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 2
+
+
+def test_a_forged_newer_version_neither_hides_a_lower_genuine_one_nor_its_reannouncements(h):
+    """A forged version v+1 that cannot load must not make the genuine re-announcements
+    of v "older" (they were dead-lettered), nor make the worker skip the genuine v+1."""
+    from tapioca.schemas.errors import BadEventError
+
+    _failing_on_missing(h)
+    h.role.handle(_claim(1, "a"), h.state, wsrc(0))
+    h.role.on_tick(h.state, time.time())
+    forged = _claim(3, "f", "/missing/v3")
+    h.role.handle(forged, h.state, wsrc(1))
+    with pytest.raises(BadEventError) as info:
+        h.role.on_tick(h.state, time.time())
+    assert list(h.role.handle(_claim(1, "a"), h.state, wsrc(2))) == []  # re-announcement
+    assert list(h.role.handle(_claim(2, "b"), h.state, wsrc(3))) == []  # genuine, lower
+    h.role.on_dead_letter(h.state, forged, info.value)
+    h.role.on_tick(h.state, time.time())
+    assert h.state.loaded_version == 2 and h.state.candidates == []

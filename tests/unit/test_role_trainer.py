@@ -22,7 +22,7 @@ from tapioca.config.schema import (
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import build_tiny_model
 from tapioca.models.weight_files import sha256_file
-from tapioca.schemas.errors import ConfigError, FatalRoleError
+from tapioca.schemas.errors import BadEventError, ConfigError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, SampleSequence, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.ppo_actor import PPOActor
@@ -454,20 +454,29 @@ def test_critic_checkpoint_restore_is_exact(tmp_path):
     t2.sink.close()
 
 
-def test_gae_samples_on_a_non_gae_trainer_stop_it(trainer):
+def test_gae_samples_on_a_non_gae_trainer_are_dead_lettered_and_it_goes_on(trainer):
     state = start(trainer)
     s0, s1 = sample("g0"), sample("g1")
     s1.estimator = "gae"  # advantages 0: only a gae trainer can train these
     trainer.handle(s0, state, src(0))
-    with pytest.raises(FatalRoleError, match="estimator gae, but this trainer's estimator is grpo"):
+    with pytest.raises(BadEventError, match="estimator gae, but this trainer's estimator is grpo"):
         trainer.handle(s1, state, src(1))
     assert state.progress.version == 0
+    # Counted, its group rejected (its slot freed, named on the next announcement).
+    assert state.dead_lettered == state.dead_lettered_config == 1
+    assert "g1" in state.rejected
+    (announce,) = trainer.on_tick(state, 0.0)
+    assert announce.rejected_group_ids == ["g1"] and announce.groups_rejected == 1
+    # The trainer goes on: the next good group makes the step.
+    out = list(trainer.handle(sample("g2"), state, src(2)))
+    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    assert w.version == 1 and w.group_ids == ["g0", "g2"]
 
 
-def test_samples_of_another_estimator_or_normalisation_stop_the_trainer(tmp_path):
+def test_samples_of_another_estimator_or_normalisation_are_dead_lettered(tmp_path):
     t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="lite_ppo"))
     state = start(t)
-    with pytest.raises(FatalRoleError, match="estimator grpo, but this trainer's estimator is "
+    with pytest.raises(BadEventError, match="estimator grpo, but this trainer's estimator is "
                        "lite_ppo.*same advantage section"):
         t.handle(sample("g0"), state, src(0))  # a grpo processor's group
     # Same estimator, but the processor normalised differently (its adv_norm or eps).
@@ -475,9 +484,10 @@ def test_samples_of_another_estimator_or_normalisation_stop_the_trainer(tmp_path
     assert own == "mean=group std=batch leave1out=0 unbiased=0 eps=1e-06"
     other = sample("g1", estimator="lite_ppo")
     other.adv_norm = own.replace("eps=1e-06", "eps=0.001")
-    with pytest.raises(FatalRoleError, match="normalised as 'mean=group std=batch leave1out=0 "
+    with pytest.raises(BadEventError, match="normalised as 'mean=group std=batch leave1out=0 "
                        "unbiased=0 eps=0.001'.*gives 'mean=group std=batch"):
         t.handle(other, state, src(1))
+    assert state.dead_lettered_config == 2 and state.rejected == {"g0", "g1"}
     # Matching spec, or none (events from before the field existed): accepted.
     for k, spec in enumerate((own, "")):
         ok = sample(f"ok{k}", estimator="lite_ppo")
@@ -597,3 +607,165 @@ def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
     (again,) = t2.on_tick(s2, 0.0)
     assert again.version == 3 and again.transport == "ipc" and again.rollbacks == 1
     t2.on_stop(s2)
+
+
+# ---------------------------------------------------------------------------
+# Poison pills (issue 10): a bad sample is dead-lettered, its group rejected (slot freed),
+# and the trainer goes on; a non-finite step is not applied.
+
+
+def _bad(gid: str, made_at: int = 0, **changes) -> SampleEvent:
+    s = sample(gid, min_version=made_at)
+    for key, value in changes.items():
+        if key.startswith("seq_"):
+            setattr(s.sequences[0], key[4:], value)
+        else:
+            setattr(s, key, value)
+    return s
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"seq_output_ids": [3, VOCAB + 5, 4]}, r"output_ids has token ids in \[3, 21\], outside"),
+    ({"prompt_ids": [1, -1, 4]}, r"prompt_ids has token ids in \[-1, 4\]"),
+    ({"seq_behav_logprobs": [-1e30, -1.0, -1.0]}, "behaviour logprobs in"),
+    ({"seq_behav_logprobs": [0.5, -1.0, -1.0]}, "behaviour logprobs in"),
+    ({"seq_reward": 1.5e308}, "reward 1.5e\\+308, beyond"),
+    ({"seq_advantage": -1e12}, "advantage -1e\\+12, beyond"),
+    ({"made_at": 3}, "made by policy versions 3..4, but the trainer is at version 0: its "
+                     "staleness would be -3"),
+    ({"min_version": 1}, "declares min_version 1 but its tokens' oldest version is 0"),
+    ({"sequences": []}, "no output tokens"),
+    ({"seq_turn_boundaries": [0, 7]}, "turn_boundaries outside"),
+])
+def test_bad_sample_is_dead_lettered_and_the_trainer_goes_on(trainer, changes, message):
+    state = start(trainer)
+    trainer.handle(sample("g0"), state, src(0))
+    before = params(trainer)
+    with pytest.raises(BadEventError, match=message):
+        trainer.handle(_bad("bad", **changes), state, src(1))
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+    assert state.progress.version == 0 and state.dead_lettered == 1
+    assert "bad" in state.rejected and [s.group_id for s, _ in state.buffer] == ["g0"]
+    (announce,) = trainer.on_tick(state, 0.0)
+    assert announce.rejected_group_ids == ["bad"]
+    # A redelivery of the same bad sample is dead-lettered again, not counted again.
+    with pytest.raises(BadEventError):
+        trainer.handle(_bad("bad", **changes), state, src(1))
+    assert state.rejected == {"bad"} and list(trainer.on_tick(state, 0.0)) == []
+    out = list(trainer.handle(sample("g1"), state, src(2)))
+    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    assert w.version == 1 and w.group_ids == ["g0", "g1"]
+    assert all(torch.isfinite(v).all() for v in params(trainer).values())
+
+
+def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkeypatch):
+    """An advantage of 1e20 (past the arrival checks, switched off here to reach the step)
+    gives an infinite gradient norm (its square overflows float32): the optimizer step is
+    skipped, the batch's groups are dead-lettered and rejected, the version does not
+    move, and the next batch trains."""
+    from tapioca.bus.role import DeadLetter
+    from tapioca.trainers import trainer as trainer_module
+
+    real_check = trainer_module.check_trainable
+    monkeypatch.setattr(trainer_module, "check_trainable", lambda event, **kw: 0)
+    state = start(trainer)
+    before = params(trainer)
+    trainer.handle(sample("g0"), state, src(0))
+    out = list(trainer.handle(_bad("g1", seq_advantage=1e20), state, src(1)))
+    dead = [e for e in out if isinstance(e, DeadLetter)]
+    assert sorted(d.event.group_id for d in dead) == ["g0", "g1"]
+    assert [d.source.offset for d in sorted(dead, key=lambda d: d.event.group_id)] == [0, 1]
+    assert all("not finite" in str(d.error) for d in dead)
+    assert not [e for e in out if isinstance(e, WeightsEvent)]
+    (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+    assert m.metrics["trainer/skipped_steps"] == 1.0
+    assert all(math.isfinite(v) for v in m.metrics.values())
+    assert state.progress.version == 0 and state.skipped_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
+    assert state.rejected == {"g0", "g1"} and state.buffer == []
+    (announce,) = trainer.on_tick(state, 0.0)
+    assert sorted(announce.rejected_group_ids) == ["g0", "g1"] and announce.version == 0
+    monkeypatch.setattr(trainer_module, "check_trainable", real_check)
+    trainer.handle(sample("g2"), state, src(2))
+    out = list(trainer.handle(sample("g3"), state, src(3)))
+    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    assert w.version == 1 and w.group_ids == ["g2", "g3"]
+    assert all(torch.isfinite(v).all() for v in params(trainer).values())
+
+
+def test_rollback_reapplies_the_tail_gate_to_buffered_groups(trainer):
+    """DESIGN §3's hard guarantee: a group that waited in the buffer while a rollback
+    bumped the version is gated again; it would otherwise train at staleness eta+1."""
+    state = start(trainer)
+    trainer.handle(sample("g0"), state, src(0))
+    trainer.handle(sample("g1"), state, src(1))
+    assert state.progress.version == 1
+    trainer.handle(sample("waits", min_version=0), state, src(2))  # staleness 1 = eta: ok
+    ok, _, _ = _rollback(trainer, state, 0)
+    assert ok and state.progress.version == 2
+    assert "waits" in state.rejected and state.buffer == []
+    (announce,) = trainer.on_tick(state, 0.0)
+    assert "waits" in announce.rejected_group_ids
+    trainer.handle(sample("g2", min_version=1), state, src(3))
+    out = list(trainer.handle(sample("g3", min_version=2), state, src(4)))
+    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    assert w.group_ids == ["g2", "g3"]
+    (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+    assert m.metrics["trainer/staleness_max"] <= ETA
+
+
+def test_step_gates_the_buffer_at_training_time(trainer):
+    """The gate is re-applied when the step runs, whatever moved the version."""
+    state = start(trainer)
+    trainer.handle(sample("old", min_version=0), state, src(0))
+    state.progress.version = 2  # e.g. a rollback's version bump, seen by the next step
+    assert list(trainer.handle(sample("new", min_version=2), state, src(1))) == []
+    assert "old" in state.rejected and [s.group_id for s, _ in state.buffer] == ["new"]
+
+
+def test_group_without_a_shared_prompt_trains(trainer):
+    """An agent group whose sessions share no first token arrives with prompt_ids=[]:
+    each sequence's first token serves as its prompt instead of crashing the step."""
+    state = start(trainer)
+    trainer.handle(sample("g0"), state, src(0))
+    empty = sample("g1")
+    empty.prompt_ids = []
+    out = list(trainer.handle(empty, state, src(1)))
+    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    assert w.version == 1 and w.group_ids == ["g0", "g1"]
+    (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+    assert m.metrics["actor/trained_tokens"] == 6 + 4  # g1: first output token became prompt
+
+
+def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
+    """With actor.ppo_n_minibatches=2, a bad group's minibatch is skipped and its group
+    dead-lettered; the other minibatch is applied and its group makes the version. (In a
+    later minibatch the policy has moved, so the bad tokens' ratios are clipped and an
+    advantage of 1e20 would pass with a zero gradient; 3.3e38 overflows the loss.)"""
+    from tapioca.bus.role import DeadLetter
+    from tapioca.trainers import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "check_trainable", lambda event, **kw: 0)
+    model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, max_position_embeddings=64, seed=0)
+    # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.
+    actor_cfg = ActorConfig(lr=1e-2, ppo_n_minibatches=2, mb_max_tokens=16)
+    actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
+    t = Trainer(actor, TrainerSection(actor=actor_cfg, model=ModelConfig(),
+                                      max_head_offpolicyness=ETA, prompts_per_step=B,
+                                      total_train_steps=100, temperature=1.0,
+                                      run_dir=str(tmp_path), seed=0))
+    try:
+        state = start(t)
+        t.handle(sample("good"), state, src(0))
+        out = list(t.handle(_bad("bad", seq_advantage=3.3e38), state, src(1)))
+        (dead,) = [e for e in out if isinstance(e, DeadLetter)]
+        (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+        assert dead.event.group_id == "bad" and w.version == 1 and w.group_ids == ["good"]
+        assert "bad" in w.rejected_group_ids and state.rejected == {"bad"}
+        (m,) = [e for e in out if isinstance(e, MetricsEvent)]
+        assert m.metrics["actor/skipped_minibatches"] == 1.0
+        assert all(math.isfinite(v) for v in m.metrics.values())
+        assert all(torch.isfinite(v).all() for v in params(t).values())
+    finally:
+        t.sink.close()

