@@ -33,6 +33,7 @@ from tapioca.models.weight_sync.slots import SlotBuffer
 from tapioca.producers.rollout import RolloutWorker
 from tapioca.schemas.envelope import decode_event, encode_event
 from tapioca.schemas.events import DlqRecord, WeightsEvent
+from tapioca.schemas.errors import BadEventError
 
 VOCAB = 16
 BUCKET = 8192  # several buckets even for the tiny model
@@ -381,10 +382,17 @@ def test_rollout_worker_dead_letters_a_corrupt_transfer_and_keeps_its_version(tm
         bad = event(fields, 1)
         src = Source(topic="t.weights.v1", partition=0, offset=11, broadcast=True)
         assert list(role.handle(bad, state, src)) == []
-        (record,) = [e for e in role.on_tick(state, time.time()) if isinstance(e, DlqRecord)]
-        assert record.error_type == "WeightsTransferError" and record.source_offset == 11
-        assert "corrupt" in record.error and state.loaded_version == 0 == engine.version
+        # The tick's load fails: a BadEventError naming the weights event, which the bus
+        # retries with backoff, then dead-letters (tests/integration/test_bus.py), and
+        # tells the role (on_dead_letter). The engine keeps its weights meanwhile.
+        with pytest.raises(BadEventError, match="arrived corrupt over ipc") as failed:
+            role.on_tick(state, time.time())
+        assert failed.value.event is bad and failed.value.source == src
+        assert isinstance(failed.value.__cause__, WeightsTransferError)
+        assert state.loaded_version == 0 == engine.version
         assert role.describe(state)["weight_load_failures"] == 1
+        role.on_dead_letter(state, bad, failed.value)
+        assert role.describe(state)["weights_dead_lettered"] == 1
         # The next version arrives intact and is loaded.
         bump(trainer_model)
         good = event(pub.publish(trainer_model.state_dict(), 2), 2)
