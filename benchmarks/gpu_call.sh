@@ -28,14 +28,16 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 }
 for s in "$@"; do
   case $s in
-    kernels_tests) stage $s 150 $PYTEST tests/unit/test_kernels_gpu.py tests/unit/test_kernels_triton.py ;;
-    kernels) stage $s 150 python3 benchmarks/kernels.py ;;
+    kernels_tests) stage $s 90 $PYTEST tests/unit/test_kernels_gpu.py ;;
+    kernels_triton_tests) stage $s 150 $PYTEST tests/unit/test_kernels_triton.py ;;
+    kernels) stage $s 130 python3 benchmarks/kernels.py ;;
     kernels_configs) stage $s 280 python3 benchmarks/kernels.py --configs ;;
     engine_tests) stage $s 200 $PYTEST tests/unit/test_engine_paged.py tests/unit/test_engine_torch.py -x ;;
     engine) stage $s 330 python3 benchmarks/engine_generate.py --device cuda ;;
-    weights_tests) stage $s 90 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
+    weights_tests) stage $s 60 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
+    weight_switch_quick) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 4 --file-repeats 1 ;;
     weight_switch) stage $s 300 python3 benchmarks/weight_switch.py --device cuda ;;
-    trainer_core) stage $s 240 python3 benchmarks/trainer_step.py --device cuda --only check,core,tail ;;
+    trainer_core) stage $s 230 python3 benchmarks/trainer_step.py --device cuda --only check,core,tail --budget-s 200 ;;
     trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
     rl_eta0) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
     rl_eta4) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
