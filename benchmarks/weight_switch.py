@@ -182,8 +182,8 @@ def trainer_proc(conn, cfg: dict) -> None:
 
         torch.set_num_threads(cfg.get("threads", 4))
         device = cfg["device"]
-        if device.startswith("cuda"):
-            torch.cuda.set_device(device)
+        if device.startswith("cuda"):  # "cuda" names no index: set_device needs one
+            torch.cuda.set_device(torch.device(device).index or 0)
         model = build(cfg["shape"], getattr(torch, cfg["master_dtype"]), device)
         pub = WeightPublisher(cfg["transport"], cfg["dir"], device=device,
                               publish_dtype=getattr(torch, cfg["publish_dtype"]),

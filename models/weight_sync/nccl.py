@@ -84,7 +84,8 @@ def make_group(store, rank: int, backend: str, timeout_s: float, hostname: str,
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     opts = ProcessGroupNCCL.Options()
     opts._timeout = _td(timeout_s)
-    torch.cuda.set_device(device)
+    index = torch.device(device).index  # "cuda" names no index: the current device
+    torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
     return ProcessGroupNCCL(store, rank, 2, opts)
 
 
