@@ -129,13 +129,16 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def counter_uniform(seed_1: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
-    """``[rows, cols]`` fp32 uniforms in (0, 1) from splitmix64 of (seed + offset, row, col).
+    """``[rows, cols]`` fp32 uniforms in (0, 1) from splitmix64 of (seed, offset, row, col).
 
     40 random bits per draw, so the smallest draw is 2^-41 (fp32 keeps full relative
     precision near 0, where the Gumbel tail is decided).
     """
     dev = seed_1.device
-    base_R1 = (seed_1.to(torch.int64) + offset) * _MIX2 + torch.arange(rows, device=dev)[:, None] * _ROW_STRIDE
+    # Linear in (seed, offset, row, col) with large odd multipliers, then mixed: (seed + 1,
+    # offset 0) and (seed, offset 1) are different draws.
+    base = seed_1.to(torch.int64) * _MIX2 + (offset * _GOLDEN) % (1 << 63)
+    base_R1 = base + torch.arange(rows, device=dev)[:, None] * _ROW_STRIDE
     z = base_R1 + torch.arange(cols, device=dev)[None, :]
     z += _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
@@ -149,7 +152,7 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: 
                   offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens_B int64, logprobs_B fp32)``: Gumbel-max over the full vocabulary at
     temperature T; T == 0 rows take the argmax (logprob at T = 1). Noise is keyed by
-    (``seed_1`` + ``offset``, row, vocab index): graph-safe and reproducible."""
+    (``seed_1``, ``offset``, row, vocab index): graph-safe and reproducible."""
     b, v = logits_BV.shape
     logits_BV = logits_BV.float()
     greedy_B = temperature_B <= 0

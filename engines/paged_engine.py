@@ -1,0 +1,351 @@
+"""The paged engine: continuous batching over a paged KV cache, decode in CUDA graphs.
+
+Consumes :class:`~tapioca.engines.base.GenRequest` (``submit`` / ``generate``) and weight
+updates (HF state dicts or safetensors files, each with a policy version); emits one
+:class:`~tapioca.engines.base.GenResult` per request, keyed by ``request_id``. The same
+semantics as :class:`~tapioca.engines.torch_engine.TorchEngine` (the control protocol
+is :mod:`tapioca.engines.engine_loop`), for Qwen2 / Qwen3 / Llama models
+(:func:`~tapioca.engines.model_runner.unsupported_reason` says why another model is not;
+use TorchEngine for it).
+
+A step (engine thread):
+    1. decode: one token for every running row -- host arrays from
+       :class:`~tapioca.engines.scheduler.DecodeRows`, one CUDA-graph replay (forward +
+       sampling + the RNG advance; :mod:`tapioca.engines.cuda_graphs`), or the eager
+       forward on CPU;
+    2. prefill: the units admitted before the step (:mod:`tapioca.engines.scheduler`),
+       packed with no padding into one forward; the samples of a group copy its partial
+       last block and sample from its logits;
+    3. ONE host sync for both (the sampled tokens and logprobs), then the host appends
+       tokens, checks stop tokens / strings / lengths, enters newly full blocks in the
+       prefix cache, and retires finished rows (their blocks go back to the free list).
+
+Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
+seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
+the whole batch takes :func:`~tapioca.engines.sampling.sample_next` (torch, seeded
+generator) on the logits. Either way the logprob follows the convention of
+:mod:`tapioca.engines.base`. Reproducibility: with ``seed`` set, the same requests
+submitted the same way give the same outputs on the same device (sampled values differ
+from TorchEngine's: another noise source).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from tapioca.engines import kernels
+from tapioca.engines.base import Decode, GenRequest
+from tapioca.engines.block_manager import (
+    BlockManager,
+    allocate_kv_cache,
+    bytes_per_block,
+    plan_num_blocks,
+)
+from tapioca.engines.cuda_graphs import DecodeGraphs, width_bucket
+from tapioca.engines.engine_loop import Delivered, EngineLoop
+from tapioca.engines.model_runner import PagedDecoder, PrefillInputs
+from tapioca.engines.sampling import RowParams, sample_next
+from tapioca.engines.scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
+from tapioca.schemas.errors import EngineError
+
+# Stop strings are matched in the decoded text of the last few tokens only (as TorchEngine).
+_STOP_STRING_MARGIN_TOKENS = 8
+# CPU cache when no size is given: this many tokens, at most this many bytes.
+_CPU_CACHE_TOKENS = 65536
+_CPU_CACHE_BYTES = 1 << 30
+
+
+class PagedEngine(EngineLoop):
+    """Batched, interruptible generation for Qwen2 / Qwen3 / Llama over a paged KV cache.
+
+    ``model``: a transformers causal LM; its tensors are taken (moved to ``device``; not
+    copied when already there), q/k/v and gate/up are fused into new tensors, and the
+    model object itself is not kept. ``max_batch_size``: running rows.
+    ``max_prefill_tokens``: prompt tokens computed by one prefill forward (one prompt
+    always goes). KV cache: ``kv_block_size_tokens`` tokens per block; ``kv_cache_tokens``
+    fixes its size, else ``kv_cache_memory_fraction`` of the GPU's memory (CUDA) or 64k
+    tokens (CPU). ``cuda_graphs``: replay decode steps as CUDA graphs (CUDA only).
+    ``prefix_caching``: reuse cached full blocks across requests. ``eos_token_id``,
+    ``decode``, ``seed``, ``version``, ``interruptible``: as :class:`TorchEngine`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        interruptible: bool = True,
+        seed: int | None = None,
+        decode: Decode | None = None,
+        eos_token_id: int | Seq[int] | None = None,
+        pad_token_id: int = 0,
+        version: int = 0,
+        max_prefill_tokens: int = 16384,
+        kv_block_size_tokens: int = 16,
+        kv_cache_tokens: int = 0,
+        kv_cache_memory_fraction: float = 0.25,
+        cuda_graphs: bool = True,
+        prefix_caching: bool = True,
+    ) -> None:
+        del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if kv_block_size_tokens < 1 or max_prefill_tokens < 1:
+            raise EngineError("kv_block_size_tokens and max_prefill_tokens must be >= 1")
+        self.decoder = PagedDecoder(model, device)
+        dec = self.decoder
+        super().__init__(device=device, max_batch_size=max_batch_size, interruptible=interruptible,
+                         decode=decode, eos_token_id=eos_token_id, version=version,
+                         vocab_size=dec.vocab_size, max_positions=dec.max_positions, name="paged-engine")
+        block_bytes = bytes_per_block(dec.num_layers, kv_block_size_tokens, dec.num_kv_heads,
+                                      dec.head_dim, dec.dtype)
+        num_blocks = plan_num_blocks(
+            device, block_bytes=block_bytes, block_size=kv_block_size_tokens,
+            cache_tokens=kv_cache_tokens, memory_fraction=kv_cache_memory_fraction,
+            cpu_default_tokens=min(_CPU_CACHE_TOKENS, _CPU_CACHE_BYTES * kv_block_size_tokens // block_bytes))
+        self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
+                                          dec.num_kv_heads, dec.head_dim, dec.dtype, device)
+        dec.attach_kv_cache(self.kv_cache)
+        self.block_size = int(kv_block_size_tokens)
+        self.bm = BlockManager(num_blocks, self.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.bm, max_rows=self.max_batch_size,
+                                   max_prefill_tokens=int(max_prefill_tokens), eos=self._eos)
+        self.rows = DecodeRows(self.max_batch_size, self.block_size)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        self._seed_1 = torch.tensor([int(seed)], dtype=torch.int64, device=device)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(int(seed))
+        self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
+                                   seed_1=self._seed_1, use_graphs=cuda_graphs)
+        self._start()
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and benchmarks (engine thread's view; read when idle)."""
+        s = self.scheduler
+        return {"prefill_tokens_computed": s.prefill_tokens_computed,
+                "prefill_tokens_requested": s.prefill_tokens_requested,
+                "prefix_cache_hit_blocks": self.bm.hit_blocks, "cached_blocks": self.bm.cached_blocks(),
+                "free_blocks": len(self.bm.free), "reserved_blocks": self.bm.reserved,
+                "num_blocks": self.bm.num_blocks, "cuda_graphs": self.graphs.num_graphs}
+
+    # ------------------------------------------------------------------ EngineLoop hooks
+
+    def _validate_more(self, request: GenRequest) -> None:
+        need = self.scheduler.total_blocks(len(request.prompt_ids), request.sampling.max_new_tokens)
+        if need > self.bm.usable:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                f"({request.sampling.max_new_tokens}) needs {need} KV-cache blocks of {self.block_size} "
+                f"tokens, the cache has {self.bm.usable}; raise rollout.kv_cache_tokens (or "
+                "kv_cache_memory_fraction on a GPU), or lower max_new_tokens")
+
+    def _admit_locked(self, now: float) -> list[PrefillUnit]:
+        # Admit in groups of >= 1/8 of the batch (or the whole queue): each admission costs
+        # an eager prefill forward, so one row per finished row would double the step cost.
+        free = self.max_batch_size - self._live
+        group = min(len(self._queue), max(1, self.max_batch_size // 8))
+        if free < group:
+            return []
+        return self.scheduler.admit(self._queue, now)
+
+    def _running_rows(self) -> int:
+        return self.rows.n
+
+    def _load_state_dict(self, state_dict) -> None:
+        self.decoder.load_hf_state_dict(state_dict)
+
+    def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:
+        seqs = list(self.scheduler.running) + [s for unit in admitted for s in unit.rows]
+        seqs = list({id(s): s for s in seqs}.values())
+        self.scheduler.running = []
+        self.rows.n = 0
+        self.bm.reset()
+        err = EngineError(f"generation step failed: {exc!r}")
+        err.__cause__ = exc
+        return [(s.pending.future, err) for s in seqs]
+
+    def _abort_running(self, now: float) -> Delivered:
+        delivered = [(s.pending.future, s.result("abort", now)) for s in self.scheduler.running]
+        for s in self.scheduler.running:
+            self.scheduler.finish(s)
+        self.scheduler.running = []
+        self.rows.n = 0
+        return delivered
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def _step(self, units: list[PrefillUnit], version: int) -> Delivered:
+        n_dec = self.rows.n
+        parts: list[torch.Tensor] = []
+        if n_dec:
+            tok_B, logp_B = self._decode()
+            parts += [tok_B[:n_dec].double(), logp_B[:n_dec].double()]
+        new_rows: list[Sequence] = []
+        if units:
+            tok_R, logp_R, new_rows = self._prefill(units)
+            parts += [tok_R.double(), logp_R.double()]
+        # THE host sync of the step: every sampled token and logprob of the step in one copy.
+        host = torch.cat(parts).cpu().numpy()
+        now = time.monotonic()
+        delivered: Delivered = []
+        if n_dec:
+            delivered += self._after_decode(host[:n_dec].astype(np.int64), host[n_dec : 2 * n_dec],
+                                            version, now)
+        if new_rows:
+            off = 2 * n_dec
+            n_new = len(new_rows)
+            toks = host[off : off + n_new].astype(np.int64).tolist()
+            lps = host[off + n_new : off + 2 * n_new].tolist()
+            for seq, tok, lp in zip(new_rows, toks, lps):
+                seq.add(tok, lp, version)
+                reason = self._finished(seq)
+                if reason is None:
+                    self.scheduler.running.append(seq)
+                    self.rows.append(seq)
+                else:
+                    self.scheduler.finish(seq)
+                    delivered.append((seq.pending.future, seq.result(reason, now)))
+        return delivered
+
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch one decode step for every running row; device ``(tokens, logprobs)``."""
+        r, bs, n = self.rows, self.block_size, self.rows.n
+        pos = r.pos[:n]
+        # A row whose next token opens a block takes one of its reserved blocks.
+        for i in np.flatnonzero(pos // bs >= r.nblk[:n]).tolist():
+            seq = self.scheduler.running[i]
+            block = self.bm.take_reserved()
+            seq.reserve_left -= 1
+            seq.blocks.append(block)
+            r._fit("bt", len(seq.blocks), 0)
+            r.bt[i, len(seq.blocks) - 1] = block
+            r.nblk[i] += 1
+        width = width_bucket(r.width())
+        r._fit("bt", width, 0)
+        slots = r.bt[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        buf = self.graphs.buffers(width)
+        rows = self.graphs.rows_for(n)
+        buf.load(n, rows, r.last[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        if not r.filtered[:n].any():
+            return self.graphs.run(buf, rows, sample=True)
+        (logits_BV,) = self.graphs.run(buf, rows, sample=False)
+        params = RowParams.build(r.temp[:n].tolist(), r.top_p[:n].tolist(), r.top_k[:n].tolist(), self.device)
+        return sample_next(logits_BV[:n], params, self._generator)
+
+    def _after_decode(self, toks: np.ndarray, lps: np.ndarray, version: int, now: float) -> Delivered:
+        r, sched, n = self.rows, self.scheduler, self.rows.n
+        running = sched.running
+        for seq, tok, lp in zip(running, toks.tolist(), lps.tolist()):
+            seq.add(tok, lp, version)
+        r.last[:n] = toks
+        r.pos[:n] += 1
+        r.n_out[:n] += 1
+        # Blocks that just filled up (their last token's KV was written this step).
+        for i in np.flatnonzero(r.pos[:n] % self.block_size == 0).tolist():
+            sched.register_full(running[i], int(r.pos[i]))
+        hit_stop = (toks[:, None] == r.stops[:n]).any(1)
+        done = hit_stop | (r.n_out[:n] >= r.max_new[:n])
+        for i in np.flatnonzero(r.strings[:n] & ~done).tolist():
+            if self._hit_stop_string(running[i]):
+                done[i] = hit_stop[i] = True
+        if not done.any():
+            return []
+        delivered: Delivered = []
+        for i in np.flatnonzero(done).tolist():
+            seq = running[i]
+            sched.finish(seq)
+            delivered.append((seq.pending.future, seq.result("stop" if hit_stop[i] else "length", now)))
+        keep = np.flatnonzero(~done)
+        sched.running = [running[i] for i in keep.tolist()]
+        r.keep(keep)
+        return delivered
+
+    def _finished(self, seq: Sequence) -> str | None:
+        """Why ``seq`` stops after its newest token (None: it goes on)."""
+        if seq.tokens[-1] in seq.stops or (seq.stop_strings and self._hit_stop_string(seq)):
+            return "stop"
+        return "length" if seq.num_out >= seq.max_new else None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        window = max(len(s) for s in seq.stop_strings) + _STOP_STRING_MARGIN_TOKENS
+        start = max(seq.prompt_len, len(seq.tokens) - window)
+        text = self.decode(seq.tokens[start:])
+        return any(s in text for s in seq.stop_strings)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, units: list[PrefillUnit]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
+        """One packed forward over every unit's uncached prompt tokens; samples every row's
+        first token (a group's samples from their shared logits)."""
+        bs, dev = self.block_size, self.device
+        ids, positions, slots = [], [], []
+        cu = [0]
+        for unit in units:
+            seq = unit.leader
+            pos = np.arange(unit.start, seq.prompt_len)
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            ids.append(np.asarray(seq.tokens[unit.start : seq.prompt_len], dtype=np.int64))
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + len(pos))
+        width = max(len(u.leader.blocks) for u in units)
+        bt = np.zeros((len(units), width), np.int32)
+        for i, unit in enumerate(units):
+            bt[i, : len(unit.leader.blocks)] = unit.leader.blocks
+
+        def t(x, dtype):
+            return torch.from_numpy(np.ascontiguousarray(x)).to(dev, dtype, non_blocking=True)
+
+        cu_np = np.asarray(cu, dtype=np.int64)
+        inputs = PrefillInputs(
+            input_ids_T=t(np.concatenate(ids), torch.int64),
+            positions_T=t(np.concatenate(positions), torch.int64),
+            slot_mapping_T=t(np.concatenate(slots), torch.int64),
+            block_tables_SM=t(bt, torch.int32),
+            cu_seqlens_q_S1=t(cu_np, torch.int32),
+            context_lens_S=t([u.leader.prompt_len for u in units], torch.int32),
+            last_index_S=t(cu_np[1:] - 1, torch.int64),
+            max_q_len=int(np.diff(cu_np).max()),
+        )
+        logits_UV = self.decoder(inputs)  # a module call: forward hooks fire
+        self._copy_partial_blocks(units)
+        for unit in units:
+            self.scheduler.register_prompt(unit)
+        rows = [seq for unit in units for seq in unit.rows]
+        if len(rows) > len(units):
+            unit_of_row = [u for u, unit in enumerate(units) for _ in unit.rows]
+            logits_RV = logits_UV[torch.tensor(unit_of_row, device=dev)]
+        else:
+            logits_RV = logits_UV
+        sps = [seq.pending.request.sampling for seq in rows]
+        params = RowParams.from_sampling(sps, dev)
+        if params.any_filter:
+            tok_R, logp_R = sample_next(logits_RV, params, self._generator)
+        else:
+            tok_R, logp_R = kernels.sample_tokens(logits_RV, params.temperature_B, self._seed_1, 1)
+            self._seed_1.add_(1)
+        return tok_R, logp_R, rows
+
+    def _copy_partial_blocks(self, units: list[PrefillUnit]) -> None:
+        """Each sample of a group gets its own copy of the prompt's partial last block
+        (every layer, k and v, in one indexed copy)."""
+        src, dst = [], []
+        for unit in units:
+            if unit.leader.prompt_len % self.block_size:
+                for seq in unit.followers:
+                    src.append(unit.leader.blocks[-1])
+                    dst.append(seq.blocks[-1])
+        if src:
+            src_t = torch.tensor(src, device=self.device)
+            dst_t = torch.tensor(dst, device=self.device)
+            self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
