@@ -224,8 +224,9 @@ class PagedDecoder(torch.nn.Module):
         self.k_caches = [kv_L2NBKD[i, 0] for i in range(self.num_layers)]
         self.v_caches = [kv_L2NBKD[i, 1] for i in range(self.num_layers)]
 
-    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(ts[0].shape) for name, ts in self._targets.items()}
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The decoder's weights under HF names (views into the fused tensors)."""
+        return {name: ts[0] for name, ts in self._targets.items()}
 
     def load_hf_state_dict(self, state_dict) -> None:
         """Copy HF-named tensors into the decoder in place (checked before any copy)."""
