@@ -147,7 +147,9 @@ class EngineLoop(InferenceEngine):
         if isinstance(weights, (str, os.PathLike)):
             from safetensors.torch import load_file
 
-            weights = load_file(os.fspath(weights), device=str(self.device))
+            # To host memory: this thread must not touch the GPU while the engine thread may be
+            # capturing a CUDA graph; the copy into the weights happens at the step boundary.
+            weights = load_file(os.fspath(weights))
         if threading.current_thread() is self._thread:
             raise EngineError(
                 "update_weights was called from the engine thread (a future callback); "

@@ -206,15 +206,17 @@ class PagedEngine(EngineLoop):
             n_new = len(new_rows)
             toks = host[off : off + n_new].astype(np.int64).tolist()
             lps = host[off + n_new : off + 2 * n_new].tolist()
+            joining = []
             for seq, tok, lp in zip(new_rows, toks, lps):
                 seq.add(tok, lp, version)
                 reason = self._finished(seq)
                 if reason is None:
-                    self.scheduler.running.append(seq)
-                    self.rows.append(seq)
+                    joining.append(seq)
                 else:
                     self.scheduler.finish(seq)
                     delivered.append((seq.pending.future, seq.result(reason, now)))
+            self.scheduler.running += joining
+            self.rows.append(joining)
         return delivered
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +232,8 @@ class PagedEngine(EngineLoop):
             r._fit("bt", len(seq.blocks), 0)
             r.bt[i, len(seq.blocks) - 1] = block
             r.nblk[i] += 1
-        width = width_bucket(r.width())
+        # Graphs: a few widths (one capture each). Eager: the exact width (less attention work).
+        width = width_bucket(r.width()) if self.graphs.use_graphs else max(1, r.width())
         r._fit("bt", width, 0)
         slots = r.bt[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         buf = self.graphs.buffers(width)
@@ -346,6 +349,6 @@ class PagedEngine(EngineLoop):
                     src.append(unit.leader.blocks[-1])
                     dst.append(seq.blocks[-1])
         if src:
+            kv = self.kv_cache.view(-1, self.bm.num_blocks, self.kv_cache[0, 0, 0].numel())
             src_t = torch.tensor(src, device=self.device)
-            dst_t = torch.tensor(dst, device=self.device)
-            self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
+            kv.index_copy_(1, torch.tensor(dst, device=self.device), kv.index_select(1, src_t))

@@ -62,8 +62,9 @@ class Sequence:
         return len(self.tokens) - self.prompt_len
 
     def add(self, token: int, logprob: float, version: int) -> None:
-        if not self.version_runs or self.version_runs[-1][1] != version:
-            self.version_runs.append((self.num_out, version))
+        runs = self.version_runs
+        if not runs or runs[-1][1] != version:
+            runs.append((len(self.tokens) - self.prompt_len, version))
         self.tokens.append(token)
         self.logprobs.append(logprob)
 
@@ -214,29 +215,30 @@ class DecodeRows:
             new[:, : arr.shape[1]] = arr
             setattr(self, name, new)
 
-    def append(self, seq: Sequence) -> None:
-        i = self.n
-        sp = seq.pending.request.sampling
-        self.pos[i] = len(seq.tokens) - 1
-        self.last[i] = seq.tokens[-1]
-        self.nblk[i] = len(seq.blocks)
-        self.n_out[i] = seq.num_out
-        self.max_new[i] = seq.max_new
-        self.temp[i] = sp.temperature
-        self.top_p[i] = sp.top_p
-        self.top_k[i] = sp.top_k
-        self.filtered[i] = sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0)
-        self.strings[i] = bool(seq.stop_strings)
-        self._fit("stops", len(seq.stops), -1)
-        self.stops[i] = -1
-        self.stops[i, : len(seq.stops)] = seq.stops
-        self._fit("bt", self.total_blocks_hint(seq), 0)
-        self.bt[i] = 0
-        self.bt[i, : len(seq.blocks)] = seq.blocks
-        self.n += 1
-
-    def total_blocks_hint(self, seq: Sequence) -> int:
-        return blocks_for(seq.prompt_len + seq.max_new, self.block_size)
+    def append(self, seqs: list[Sequence]) -> None:
+        """Add ``seqs`` as the next rows (one vectorised write per array)."""
+        if not seqs:
+            return
+        rows = slice(self.n, self.n + len(seqs))
+        sps = [s.pending.request.sampling for s in seqs]
+        self.pos[rows] = [len(s.tokens) - 1 for s in seqs]
+        self.last[rows] = [s.tokens[-1] for s in seqs]
+        self.nblk[rows] = [len(s.blocks) for s in seqs]
+        self.n_out[rows] = [s.num_out for s in seqs]
+        self.max_new[rows] = [s.max_new for s in seqs]
+        self.temp[rows] = [sp.temperature for sp in sps]
+        self.top_p[rows] = [sp.top_p for sp in sps]
+        self.top_k[rows] = [sp.top_k for sp in sps]
+        self.filtered[rows] = [sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps]
+        self.strings[rows] = [bool(s.stop_strings) for s in seqs]
+        width = max(1, max(len(s.stops) for s in seqs))
+        self._fit("stops", width, -1)
+        self.stops[rows] = -1
+        self.stops[rows, :width] = [list(s.stops) + [-1] * (width - len(s.stops)) for s in seqs]
+        width = max(len(s.blocks) for s in seqs)
+        self._fit("bt", max(blocks_for(s.prompt_len + s.max_new, self.block_size) for s in seqs), 0)
+        self.bt[rows, :width] = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+        self.n += len(seqs)
 
     def keep(self, idx: np.ndarray) -> None:
         """Keep rows ``idx`` (in that order) as rows ``0..len(idx)-1``."""

@@ -70,12 +70,12 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     v_BKLD = _gather_kv(v_cache, block_tables_BM).float()
     kv = k_BKLD.shape[1]
     q_BKGD = q_BHD.float().reshape(b, kv, h // kv, d)
-    scores_BKGL = torch.einsum("bkgd,bkld->bkgl", q_BKGD, k_BKLD) * scale
+    scores_BKGL = (q_BKGD @ k_BKLD.transpose(-1, -2)) * scale
     valid_BL = torch.arange(k_BKLD.shape[2], device=q_BHD.device)[None, :] < context_lens_B[:, None]
     scores_BKGL = scores_BKGL.masked_fill(~valid_BL[:, None, None, :], float("-inf"))
     # A padding row has no valid key: give it one (its output is zeroed below) so no NaN.
     scores_BKGL[..., 0] = torch.where(context_lens_B[:, None, None] > 0, scores_BKGL[..., 0], 0.0)
-    out_BKGD = torch.einsum("bkgl,bkld->bkgd", scores_BKGL.softmax(-1), v_BKLD)
+    out_BKGD = scores_BKGL.softmax(-1) @ v_BKLD
     out_BKGD = out_BKGD * (context_lens_B > 0)[:, None, None, None]
     return out_BKGD.reshape(b, h, d).to(q_BHD.dtype)
 
