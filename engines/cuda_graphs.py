@@ -129,6 +129,20 @@ class DecodeGraphs:
             return n
         return next(b for b in self.buckets if b >= n)
 
+    def keys(self) -> list[tuple[int, int, bool]]:
+        """``(rows, width, sample)`` of every captured graph."""
+        return list(self._graphs)
+
+    def replay(self, key: tuple[int, int, bool]) -> tuple:
+        """Replay a captured graph on whatever its buffers hold (benchmarks, profiling)."""
+        graph, outputs = self._graphs[key]
+        graph.replay()
+        return outputs
+
+    def eager_step(self, rows: int, width: int, sample: bool = True) -> tuple:
+        """The same step without the graph, on the same buffers (benchmarks)."""
+        return self._body(self.buffers(width), rows, sample, eager=True)
+
     def _body(self, buf: DecodeBuffers, rows: int, sample: bool, eager: bool = False):
         # Eagerly, a module call (forward hooks fire); in a capture, the forward itself.
         forward = self.decoder if eager else self.decoder.forward_decode

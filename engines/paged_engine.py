@@ -124,6 +124,8 @@ class PagedEngine(EngineLoop):
         self._generator.manual_seed(int(seed))
         self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
                                    seed_1=self._seed_1, use_graphs=cuda_graphs)
+        self._decode_only_steps = 0
+        self._decode_only_s = 0.0
         self._start()
 
     # ------------------------------------------------------------------ introspection
@@ -135,7 +137,9 @@ class PagedEngine(EngineLoop):
                 "prefill_tokens_requested": s.prefill_tokens_requested,
                 "prefix_cache_hit_blocks": self.bm.hit_blocks, "cached_blocks": self.bm.cached_blocks(),
                 "free_blocks": len(self.bm.free), "reserved_blocks": self.bm.reserved,
-                "num_blocks": self.bm.num_blocks, "cuda_graphs": self.graphs.num_graphs}
+                "num_blocks": self.bm.num_blocks, "cuda_graphs": self.graphs.num_graphs,
+                "decode_only_steps": self._decode_only_steps,
+                "decode_only_step_ms": round(1000 * self._decode_only_s / max(1, self._decode_only_steps), 3)}
 
     # ------------------------------------------------------------------ EngineLoop hooks
 
@@ -185,6 +189,7 @@ class PagedEngine(EngineLoop):
 
     @torch.inference_mode()
     def _step(self, units: list[PrefillUnit], version: int) -> Delivered:
+        t0 = time.perf_counter()
         n_dec = self.rows.n
         parts: list[torch.Tensor] = []
         if n_dec:
@@ -217,6 +222,9 @@ class PagedEngine(EngineLoop):
                     delivered.append((seq.pending.future, seq.result(reason, now)))
             self.scheduler.running += joining
             self.rows.append(joining)
+        if not units:  # the wall time of a whole decode step, host work included
+            self._decode_only_steps += 1
+            self._decode_only_s += time.perf_counter() - t0
         return delivered
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
