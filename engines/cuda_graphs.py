@@ -109,6 +109,9 @@ class DecodeGraphs:
         self.device = device
         self.seed_1 = seed_1
         self.use_graphs = use_graphs and device.type == "cuda"
+        # Pad steps to rows / width buckets: always with graphs; a CPU test turns it on to
+        # run the graphs' padding eagerly.
+        self.bucketed = self.use_graphs
         self.buckets = row_buckets(max_rows)
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
@@ -125,9 +128,13 @@ class DecodeGraphs:
 
     def rows_for(self, n: int) -> int:
         """The rows a step of ``n`` runs with: its graph bucket, or exactly n eagerly."""
-        if not self.use_graphs:
+        if not self.bucketed:
             return n
         return next(b for b in self.buckets if b >= n)
+
+    def width_for(self, blocks: int) -> int:
+        """The block-table width of a step whose longest row holds ``blocks`` blocks."""
+        return width_bucket(blocks) if self.bucketed else max(1, blocks)
 
     def keys(self) -> list[tuple[int, int, bool]]:
         """``(rows, width, sample)`` of every captured graph."""

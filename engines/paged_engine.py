@@ -45,7 +45,7 @@ from tapioca.engines.block_manager import (
     bytes_per_block,
     plan_num_blocks,
 )
-from tapioca.engines.cuda_graphs import DecodeGraphs, width_bucket
+from tapioca.engines.cuda_graphs import DecodeGraphs
 from tapioca.engines.engine_loop import Delivered, EngineLoop
 from tapioca.engines.model_runner import PagedDecoder, PrefillInputs
 from tapioca.engines.sampling import RowParams, sample_next
@@ -241,7 +241,7 @@ class PagedEngine(EngineLoop):
             r.bt[i, len(seq.blocks) - 1] = block
             r.nblk[i] += 1
         # Graphs: a few widths (one capture each). Eager: the exact width (less attention work).
-        width = width_bucket(r.width()) if self.graphs.use_graphs else max(1, r.width())
+        width = self.graphs.width_for(r.width())
         r._fit("bt", width, 0)
         slots = r.bt[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         buf = self.graphs.buffers(width)
