@@ -91,7 +91,15 @@ class EngineLoop(InferenceEngine):
 
     @abc.abstractmethod
     def _running_rows(self) -> int:
-        """Rows still generating after the last step."""
+        """Admitted requests whose results are not delivered yet."""
+
+    def _has_inflight(self) -> bool:
+        """Whether a launched step's results are still to be processed (overlap)."""
+        return False
+
+    def _flush(self) -> Delivered:
+        """Wait for the launched step and process its results (before the thread parks)."""
+        return []
 
     @abc.abstractmethod
     def _load_state_dict(self, state_dict) -> None:
@@ -215,6 +223,7 @@ class EngineLoop(InferenceEngine):
         while True:
             with self._cv:
                 admitted: list = []
+                flush = False
                 while True:
                     if self._closing:
                         break
@@ -227,23 +236,29 @@ class EngineLoop(InferenceEngine):
                             admitted = self._admit_locked(time.monotonic())
                         if self._live > 0 or admitted:
                             break
+                    if self._has_inflight():  # finish the launched step before parking
+                        flush = True
+                        break
                     self._cv.wait()
-                if self._closing:
-                    delivered = self._abort_all_locked()
-                    self._cv.notify_all()
-                    break
+                closing = self._closing
                 version = self._version
                 self._in_step = True
             try:
-                delivered = self._step(admitted, version)
+                if closing or flush:
+                    delivered = self._flush()
+                else:
+                    delivered = self._step(admitted, version)
             except BaseException as exc:  # a failed step fails its requests, not the engine
                 delivered = self._fail_step(admitted, exc)
             with self._cv:
+                if closing:
+                    delivered += self._abort_all_locked()
                 self._in_step = False
                 self._live = self._running_rows()
                 self._cv.notify_all()
             self._deliver(delivered)
-        self._deliver(delivered)
+            if closing:
+                break
 
     @staticmethod
     def _deliver(delivered: Delivered) -> None:

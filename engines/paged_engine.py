@@ -32,6 +32,7 @@ from TorchEngine's: another noise source).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import numpy as np
@@ -57,6 +58,16 @@ _STOP_STRING_MARGIN_TOKENS = 8
 # CPU cache when no size is given: this many tokens, at most this many bytes.
 _CPU_CACHE_TOKENS = 65536
 _CPU_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose results the host has not processed yet."""
+
+    rows: list[Sequence]  # decode rows, then prefilled rows: the order of the outputs
+    version: int
+    host: torch.Tensor  # [2, rows] float64: tokens, logprobs (filled asynchronously on CUDA)
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
 
 
 class PagedEngine(EngineLoop):
@@ -91,6 +102,7 @@ class PagedEngine(EngineLoop):
         kv_cache_memory_fraction: float = 0.25,
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
+        overlap: bool = True,
     ) -> None:
         del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
         device = torch.device(device)
@@ -124,6 +136,11 @@ class PagedEngine(EngineLoop):
         self._generator.manual_seed(int(seed))
         self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
                                    seed_1=self._seed_1, use_graphs=cuda_graphs)
+        self.overlap = bool(overlap)
+        self._inflight: _Launched | None = None
+        self._last_tokens = torch.zeros(1, dtype=torch.int64, device=device)
+        self._undelivered = 0
+        self._stopped_since_compact = False
         self._decode_only_steps = 0
         self._decode_only_s = 0.0
         self._start()
@@ -159,73 +176,126 @@ class PagedEngine(EngineLoop):
         group = min(len(self._queue), max(1, self.max_batch_size // 8))
         if free < group:
             return []
-        return self.scheduler.admit(self._queue, now)
+        units = self.scheduler.admit(self._queue, now)
+        self._undelivered += sum(len(u.rows) for u in units)
+        return units
 
     def _running_rows(self) -> int:
-        return self.rows.n
+        return self._undelivered
 
     def _load_state_dict(self, state_dict) -> None:
         self.decoder.load_hf_state_dict(state_dict)
 
     def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:
         seqs = list(self.scheduler.running) + [s for unit in admitted for s in unit.rows]
-        seqs = list({id(s): s for s in seqs}.values())
+        if self._inflight is not None:
+            seqs += self._inflight.rows
+        seqs = [s for s in {id(s): s for s in seqs}.values() if not s.done]
         self.scheduler.running = []
         self.rows.n = 0
+        self._inflight = None
+        self._undelivered = 0
         self.bm.reset()
         err = EngineError(f"generation step failed: {exc!r}")
         err.__cause__ = exc
         return [(s.pending.future, err) for s in seqs]
 
     def _abort_running(self, now: float) -> Delivered:
-        delivered = [(s.pending.future, s.result("abort", now)) for s in self.scheduler.running]
+        # After _flush: every undelivered sequence is a running row.
+        delivered = []
         for s in self.scheduler.running:
-            self.scheduler.finish(s)
+            if not s.done:
+                s.done = True
+                self.scheduler.finish(s)
+                delivered.append((s.pending.future, s.result("abort", now)))
         self.scheduler.running = []
         self.rows.n = 0
+        self._undelivered = 0
         return delivered
+
+    def _has_inflight(self) -> bool:
+        return self._inflight is not None
+
+    def _flush(self) -> Delivered:
+        launched, self._inflight = self._inflight, None
+        return self._process(launched) if launched is not None else []
 
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def _step(self, units: list[PrefillUnit], version: int) -> Delivered:
+        """Launch step t, then process step t-1's results while the GPU runs step t
+        (SGLang's overlap: the host work hides behind the GPU's). Without overlap, step
+        t's own results are processed before returning."""
         t0 = time.perf_counter()
-        n_dec = self.rows.n
-        parts: list[torch.Tensor] = []
-        if n_dec:
-            tok_B, logp_B = self._decode()
-            parts += [tok_B[:n_dec].double(), logp_B[:n_dec].double()]
-        new_rows: list[Sequence] = []
-        if units:
-            tok_R, logp_R, new_rows = self._prefill(units)
-            parts += [tok_R.double(), logp_R.double()]
-        # THE host sync of the step: every sampled token and logprob of the step in one copy.
-        host = torch.cat(parts).cpu().numpy()
-        now = time.monotonic()
-        delivered: Delivered = []
-        if n_dec:
-            delivered += self._after_decode(host[:n_dec].astype(np.int64), host[n_dec : 2 * n_dec],
-                                            version, now)
-        if new_rows:
-            off = 2 * n_dec
-            n_new = len(new_rows)
-            toks = host[off : off + n_new].astype(np.int64).tolist()
-            lps = host[off + n_new : off + 2 * n_new].tolist()
-            joining = []
-            for seq, tok, lp in zip(new_rows, toks, lps):
-                seq.add(tok, lp, version)
-                reason = self._finished(seq)
-                if reason is None:
-                    joining.append(seq)
-                else:
-                    self.scheduler.finish(seq)
-                    delivered.append((seq.pending.future, seq.result(reason, now)))
-            self.scheduler.running += joining
-            self.rows.append(joining)
-        if not units:  # the wall time of a whole decode step, host work included
+        launched = self._launch(units, version)
+        delivered = self._flush()
+        self._inflight = launched
+        if not self.overlap:
+            delivered += self._flush()
+        if not units:  # the period of a decode step, host work included
             self._decode_only_steps += 1
             self._decode_only_s += time.perf_counter() - t0
         return delivered
+
+    def _launch(self, units: list[PrefillUnit], version: int) -> _Launched | None:
+        """Queue one decode step of the running rows and the prefill of ``units`` on the
+        device, and an asynchronous copy of their sampled tokens / logprobs to the host."""
+        self._compact()
+        rows: list[Sequence] = []
+        toks: list[torch.Tensor] = []
+        lps: list[torch.Tensor] = []
+        n_dec = self.rows.n
+        if n_dec:
+            tok_B, logp_B = self._decode()
+            toks.append(tok_B[:n_dec])
+            lps.append(logp_B[:n_dec])
+            rows += self.scheduler.running
+            r = self.rows
+            r.pos[:n_dec] += 1
+            r.n_out[:n_dec] += 1
+            r.src[:n_dec] = np.arange(n_dec)
+            for seq in self.scheduler.running:
+                seq.launched += 1
+        if units:
+            tok_R, logp_R, new_rows = self._prefill(units)
+            toks.append(tok_R)
+            lps.append(logp_R)
+            rows += new_rows
+            for seq in new_rows:
+                seq.launched = 1
+            # They decode from the next step on (max_new_tokens 1: done once sampled).
+            joining = [(n_dec + i, seq) for i, seq in enumerate(new_rows) if seq.max_new > 1]
+            self.scheduler.running += [seq for _, seq in joining]
+            self.rows.append([seq for _, seq in joining], [i for i, _ in joining])
+        if not rows:
+            return None
+        tok_R = torch.cat(toks) if len(toks) > 1 else toks[0]
+        self._last_tokens = tok_R  # the next decode step's inputs are gathered from here
+        out = torch.stack([tok_R.double(), torch.cat(lps).double() if len(lps) > 1 else lps[0].double()])
+        event = None
+        if self.device.type == "cuda":
+            out = out.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return _Launched(rows, version, out, event)
+
+    def _compact(self) -> None:
+        """Drop rows that finished: by a stop (seen in results) or by length (all their
+        tokens launched), before the next step is planned."""
+        r, n = self.rows, self.rows.n
+        if not n:
+            return
+        running = self.scheduler.running
+        keep_mask = r.n_out[:n] < r.max_new[:n]
+        if self._stopped_since_compact:
+            keep_mask &= np.fromiter((not s.done for s in running), bool, n)
+            self._stopped_since_compact = False
+        if keep_mask.all():
+            return
+        keep = np.flatnonzero(keep_mask)
+        self.scheduler.running = [running[i] for i in keep.tolist()]
+        r.keep(keep)
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch one decode step for every running row; device ``(tokens, logprobs)``."""
@@ -237,55 +307,62 @@ class PagedEngine(EngineLoop):
             block = self.bm.take_reserved()
             seq.reserve_left -= 1
             seq.blocks.append(block)
-            r._fit("bt", len(seq.blocks), 0)
+            r.fit_width(len(seq.blocks))
             r.bt[i, len(seq.blocks) - 1] = block
             r.nblk[i] += 1
         # Graphs: a few widths (one capture each). Eager: the exact width (less attention work).
         width = self.graphs.width_for(r.width())
-        r._fit("bt", width, 0)
+        r.fit_width(width)
         slots = r.bt[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         buf = self.graphs.buffers(width)
         rows = self.graphs.rows_for(n)
-        buf.load(n, rows, r.last[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        # The tokens fed are the last step's samples, still on the device: the ids buffer is
+        # staged with their indices in the last step's outputs and gathered in place.
+        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        ids_B = buf.i64[0, :n]
+        ids_B.copy_(self._last_tokens.index_select(0, ids_B))
         if not r.filtered[:n].any():
             return self.graphs.run(buf, rows, sample=True)
         (logits_BV,) = self.graphs.run(buf, rows, sample=False)
         params = RowParams.build(r.temp[:n].tolist(), r.top_p[:n].tolist(), r.top_k[:n].tolist(), self.device)
         return sample_next(logits_BV[:n], params, self._generator)
 
-    def _after_decode(self, toks: np.ndarray, lps: np.ndarray, version: int, now: float) -> Delivered:
-        r, sched, n = self.rows, self.scheduler, self.rows.n
-        running = sched.running
-        for seq, tok, lp in zip(running, toks.tolist(), lps.tolist()):
-            seq.add(tok, lp, version)
-        r.last[:n] = toks
-        r.pos[:n] += 1
-        r.n_out[:n] += 1
-        # Blocks that just filled up (their last token's KV was written this step).
-        for i in np.flatnonzero(r.pos[:n] % self.block_size == 0).tolist():
-            sched.register_full(running[i], int(r.pos[i]))
-        hit_stop = (toks[:, None] == r.stops[:n]).any(1)
-        done = hit_stop | (r.n_out[:n] >= r.max_new[:n])
-        for i in np.flatnonzero(r.strings[:n] & ~done).tolist():
-            if self._hit_stop_string(running[i]):
-                done[i] = hit_stop[i] = True
-        if not done.any():
-            return []
+    def _process(self, launched: _Launched) -> Delivered:
+        """Append a launched step's tokens to their sequences; deliver the finished ones."""
+        if launched.event is not None:
+            # THE host sync of a step: step t-1's results, while the GPU runs step t.
+            launched.event.synchronize()
+        host = launched.host.numpy()
+        toks = host[0].astype(np.int64).tolist()
+        lps = host[1].tolist()
+        version, bs = launched.version, self.block_size
+        now = time.monotonic()
         delivered: Delivered = []
-        for i in np.flatnonzero(done).tolist():
-            seq = running[i]
-            sched.finish(seq)
-            delivered.append((seq.pending.future, seq.result("stop" if hit_stop[i] else "length", now)))
-        keep = np.flatnonzero(~done)
-        sched.running = [running[i] for i in keep.tolist()]
-        r.keep(keep)
+        for seq, tok, lp in zip(launched.rows, toks, lps):
+            if seq.done:  # stopped at an earlier step; this token was sampled past its end
+                continue
+            runs = seq.version_runs
+            n_out = len(seq.tokens) - seq.prompt_len
+            if not runs or runs[-1][1] != version:
+                runs.append((n_out, version))
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            # Every token but this one has its KV written: a block that just filled is cached.
+            if (len(seq.tokens) - 1) % bs == 0:
+                self.scheduler.register_full(seq, len(seq.tokens) - 1)
+            if tok in seq.stops or (seq.stop_strings and self._hit_stop_string(seq)):
+                reason = "stop"
+            elif n_out + 1 >= seq.max_new:
+                reason = "length"
+            else:
+                continue
+            if reason == "stop" and n_out + 1 < seq.max_new:
+                self._stopped_since_compact = True  # still a running row: _compact drops it
+            seq.done = True
+            self.scheduler.finish(seq)
+            self._undelivered -= 1
+            delivered.append((seq.pending.future, seq.result(reason, now)))
         return delivered
-
-    def _finished(self, seq: Sequence) -> str | None:
-        """Why ``seq`` stops after its newest token (None: it goes on)."""
-        if seq.tokens[-1] in seq.stops or (seq.stop_strings and self._hit_stop_string(seq)):
-            return "stop"
-        return "length" if seq.num_out >= seq.max_new else None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         window = max(len(s) for s in seq.stop_strings) + _STOP_STRING_MARGIN_TOKENS

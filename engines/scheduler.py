@@ -40,7 +40,7 @@ class Sequence:
     """One request being generated: its tokens, blocks and outputs (host side)."""
 
     __slots__ = ("pending", "tokens", "prompt_len", "max_new", "logprobs", "version_runs", "blocks",
-                 "reserve_left", "hashed", "last_key", "stops", "stop_strings")
+                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "launched", "done")
 
     def __init__(self, pending: Pending, eos: tuple[int, ...]) -> None:
         sp = pending.request.sampling
@@ -56,6 +56,8 @@ class Sequence:
         self.last_key = ROOT_KEY  # chain key of block ``hashed - 1``
         self.stops = tuple(sp.stop_token_ids) + eos
         self.stop_strings = sp.stop_strings
+        self.launched = 0  # tokens sampled or being sampled (launched steps, results or not)
+        self.done = False  # its result is delivered (a later in-flight token is dropped)
 
     @property
     def num_out(self) -> int:
@@ -190,64 +192,59 @@ class Scheduler:
 
 class DecodeRows:
     """Numpy mirrors of the running rows (aligned with ``Scheduler.running``), so a decode
-    step's inputs are a few vectorised operations rather than a Python loop per row."""
+    step's inputs are a few vectorised operations rather than a Python loop per row.
+    Advanced when a step is launched: the host knows every row's position before it knows
+    the sampled tokens."""
 
     def __init__(self, max_rows: int, block_size: int) -> None:
         self.block_size = block_size
         self.n = 0
         self.pos = np.zeros(max_rows, np.int64)  # position of the token fed next
-        self.last = np.zeros(max_rows, np.int64)  # the token fed next
+        self.src = np.zeros(max_rows, np.int64)  # where that token is in the last step's outputs
         self.nblk = np.zeros(max_rows, np.int64)
-        self.n_out = np.zeros(max_rows, np.int64)
+        self.n_out = np.zeros(max_rows, np.int64)  # tokens launched
         self.max_new = np.zeros(max_rows, np.int64)
         self.temp = np.zeros(max_rows, np.float32)
         self.top_p = np.ones(max_rows, np.float32)
         self.top_k = np.zeros(max_rows, np.int64)
         self.filtered = np.zeros(max_rows, bool)
-        self.strings = np.zeros(max_rows, bool)  # has stop strings
-        self.stops = np.full((max_rows, 1), -1, np.int64)
         self.bt = np.zeros((max_rows, 8), np.int32)
 
-    def _fit(self, name: str, width: int, fill: int) -> None:
-        arr = getattr(self, name)
-        if width > arr.shape[1]:
-            new = np.full((arr.shape[0], max(width, 2 * arr.shape[1])), fill, arr.dtype)
-            new[:, : arr.shape[1]] = arr
-            setattr(self, name, new)
+    def fit_width(self, width: int) -> None:
+        if width > self.bt.shape[1]:
+            new = np.zeros((self.bt.shape[0], max(width, 2 * self.bt.shape[1])), np.int32)
+            new[:, : self.bt.shape[1]] = self.bt
+            self.bt = new
 
-    def append(self, seqs: list[Sequence]) -> None:
-        """Add ``seqs`` as the next rows (one vectorised write per array)."""
+    def append(self, seqs: list[Sequence], src: list[int]) -> None:
+        """Add ``seqs`` (just prefilled; ``src[i]``: where seq i's first token is in the
+        step's outputs) as the next rows, one vectorised write per array."""
         if not seqs:
             return
-        rows = slice(self.n, self.n + len(seqs))
+        k = len(seqs)
+        rows = slice(self.n, self.n + k)
         sps = [s.pending.request.sampling for s in seqs]
-        self.pos[rows] = [len(s.tokens) - 1 for s in seqs]
-        self.last[rows] = [s.tokens[-1] for s in seqs]
+        self.pos[rows] = [s.prompt_len + s.launched - 1 for s in seqs]
+        self.src[rows] = src
         self.nblk[rows] = [len(s.blocks) for s in seqs]
-        self.n_out[rows] = [s.num_out for s in seqs]
+        self.n_out[rows] = [s.launched for s in seqs]
         self.max_new[rows] = [s.max_new for s in seqs]
         self.temp[rows] = [sp.temperature for sp in sps]
         self.top_p[rows] = [sp.top_p for sp in sps]
         self.top_k[rows] = [sp.top_k for sp in sps]
         self.filtered[rows] = [sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps]
-        self.strings[rows] = [bool(s.stop_strings) for s in seqs]
-        width = max(1, max(len(s.stops) for s in seqs))
-        self._fit("stops", width, -1)
-        self.stops[rows] = -1
-        self.stops[rows, :width] = [list(s.stops) + [-1] * (width - len(s.stops)) for s in seqs]
         width = max(len(s.blocks) for s in seqs)
-        self._fit("bt", max(blocks_for(s.prompt_len + s.max_new, self.block_size) for s in seqs), 0)
+        self.fit_width(max(blocks_for(s.prompt_len + s.max_new, self.block_size) for s in seqs))
         self.bt[rows, :width] = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-        self.n += len(seqs)
+        self.n += k
 
     def keep(self, idx: np.ndarray) -> None:
         """Keep rows ``idx`` (in that order) as rows ``0..len(idx)-1``."""
         k = len(idx)
         width = int(self.nblk[idx].max()) if k else 0
-        for name in ("pos", "last", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered", "strings"):
+        for name in ("pos", "src", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered"):
             arr = getattr(self, name)
             arr[:k] = arr[idx]
-        self.stops[:k] = self.stops[idx]
         self.bt[:k, :width] = self.bt[idx, :width]  # columns past a row's blocks are never read
         self.n = k
 

@@ -195,6 +195,27 @@ def test_continuous_batching_rows_join_and_leave():
     assert any(b > a for a, b in zip(seen.rows, seen.rows[1:]))
 
 
+def test_overlapped_steps_give_the_same_results_as_synchronous_ones():
+    """With overlap the host learns of a stop one step late (the row's extra token is
+    dropped); greedy results and freed blocks are the same as without. (Sampled ones
+    differ: rows sit at other batch positions, which key the noise.)"""
+    model = tiny_model()
+    reqs = [GenRequest(f"r{i}", prompt_ids(2 + i % 7, seed=90 + i % 4),
+                       SamplingParams(temperature=0, max_new_tokens=3 + 4 * (i % 5),
+                                      stop_token_ids=(4, 21, 30) if i % 2 else ()))
+            for i in range(24)]
+    outs = []
+    for overlap in (False, True):
+        with engine(model, seed=8, max_batch_size=6, overlap=overlap) as eng:
+            results = eng.generate(reqs)
+            assert eng.bm.reserved == 0 and len(eng.bm.free) == eng.bm.num_blocks - 1
+        outs.append(results)
+    for sync, over in zip(*outs):
+        assert (sync.output_ids, sync.finish_reason) == (over.output_ids, over.finish_reason)
+        torch.testing.assert_close(over.output_logprobs, sync.output_logprobs, atol=1e-5, rtol=0)
+    assert {r.finish_reason for r in outs[1]} == {"stop", "length"}
+
+
 def test_prefill_token_budget_splits_admissions():
     model = tiny_model()
     seen: list[int] = []
