@@ -46,53 +46,65 @@ def width_bucket(blocks: int) -> int:
     return w
 
 
+class _Staging:
+    """Host arrays of one step's inputs (pinned on CUDA, so the copies are asynchronous)."""
+
+    def __init__(self, max_rows: int, width: int, pin: bool) -> None:
+        self.i64 = torch.zeros((3, max_rows), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.ctx = torch.zeros((max_rows,), dtype=torch.int32, pin_memory=pin)
+        self.bt = torch.zeros((max_rows, width), dtype=torch.int32, pin_memory=pin)
+        self.temp = torch.ones((max_rows,), dtype=torch.float32, pin_memory=pin)
+        self.np = [t.numpy() for t in (self.i64, self.ctx, self.bt, self.temp)]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.i64, self.ctx, self.bt, self.temp
+
+
 class DecodeBuffers:
-    """Static decode inputs for one block-table ``width``, with (pinned) host staging."""
+    """Static decode inputs for one block-table ``width``, with host staging.
+
+    On CUDA the staging is double-buffered: with overlapped steps the host stages step
+    t+1 while step t's copies may still be queued, so consecutive steps never write the
+    same pinned memory (a set is reused two steps later, after the host has waited for
+    the step that read it). On CPU the staging arrays are the inputs themselves.
+    """
 
     def __init__(self, max_rows: int, width: int, device: torch.device) -> None:
-        on_cuda = device.type == "cuda"
-
-        def pair(shape, dtype, fill):
-            host = torch.full(shape, fill, dtype=dtype, pin_memory=on_cuda)
-            dev = torch.full(shape, fill, dtype=dtype, device=device) if on_cuda else host
-            return host, dev
-
         self.width = width
-        self.on_cuda = on_cuda
-        self.h_i64, self.i64 = pair((3, max_rows), torch.int64, 0)  # ids, positions, slots
-        self.h_ctx, self.ctx = pair((max_rows,), torch.int32, 0)
-        self.h_bt, self.bt = pair((max_rows, width), torch.int32, 0)
-        self.h_temp, self.temp = pair((max_rows,), torch.float32, 1.0)
-        self.n_i64, self.n_ctx = self.h_i64.numpy(), self.h_ctx.numpy()
-        self.n_bt, self.n_temp = self.h_bt.numpy(), self.h_temp.numpy()
+        self.on_cuda = device.type == "cuda"
+        self._staging = [_Staging(max_rows, width, self.on_cuda) for _ in range(2 if self.on_cuda else 1)]
+        self._turn = 0
+        if self.on_cuda:
+            self.i64, self.ctx, self.bt, self.temp = (t.to(device) for t in self._staging[0].tensors())
+        else:
+            self.i64, self.ctx, self.bt, self.temp = self._staging[0].tensors()
 
     def load(self, n: int, rows: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
              bt: np.ndarray, temp: np.ndarray) -> None:
         """Stage ``n`` real rows, pad to ``rows``, and copy the first ``rows`` rows in."""
-        self.n_i64[0, :n], self.n_i64[1, :n], self.n_i64[2, :n] = ids, pos, slots
-        self.n_ctx[:n] = pos + 1
-        self.n_bt[:n] = bt
-        self.n_temp[:n] = temp
+        stage = self._staging[self._turn]
+        self._turn = (self._turn + 1) % len(self._staging)
+        i64, ctx, bt_h, temp_h = stage.np
+        i64[0, :n], i64[1, :n], i64[2, :n] = ids, pos, slots
+        ctx[:n] = pos + 1
+        bt_h[:n] = bt
+        temp_h[:n] = temp
         if rows > n:  # padding rows: no write (slot -1), no read (context 0)
-            self.n_i64[:2, n:rows] = 0
-            self.n_i64[2, n:rows] = -1
-            self.n_ctx[n:rows] = 0
-            self.n_bt[n:rows] = 0
-            self.n_temp[n:rows] = 1.0
+            i64[:2, n:rows] = 0
+            i64[2, n:rows] = -1
+            ctx[n:rows] = 0
+            bt_h[n:rows] = 0
+            temp_h[n:rows] = 1.0
         if self.on_cuda:
-            self.i64[:, :rows].copy_(self.h_i64[:, :rows], non_blocking=True)
-            self.ctx[:rows].copy_(self.h_ctx[:rows], non_blocking=True)
-            self.bt[:rows].copy_(self.h_bt[:rows], non_blocking=True)
-            self.temp[:rows].copy_(self.h_temp[:rows], non_blocking=True)
+            self.i64[:, :rows].copy_(stage.i64[:, :rows], non_blocking=True)
+            self.ctx[:rows].copy_(stage.ctx[:rows], non_blocking=True)
+            self.bt[:rows].copy_(stage.bt[:rows], non_blocking=True)
+            self.temp[:rows].copy_(stage.temp[:rows], non_blocking=True)
 
     def pad_all(self) -> None:
-        """Every row padding (the content a capture's warm-up runs on)."""
-        self.n_i64[:2], self.n_i64[2] = 0, -1
-        self.n_ctx[:], self.n_bt[:], self.n_temp[:] = 0, 0, 1.0
-        if self.on_cuda:
-            for dev, host in ((self.i64, self.h_i64), (self.ctx, self.h_ctx), (self.bt, self.h_bt),
-                              (self.temp, self.h_temp)):
-                dev.copy_(host)
+        """Every row padding (the content a capture's warm-up runs on); synchronous."""
+        for dev, fill in ((self.i64[:2], 0), (self.i64[2], -1), (self.ctx, 0), (self.bt, 0), (self.temp, 1.0)):
+            dev.fill_(fill)
 
     def inputs(self, rows: int) -> DecodeInputs:
         return DecodeInputs(self.i64[0, :rows], self.i64[1, :rows], self.i64[2, :rows],
@@ -176,8 +188,7 @@ class DecodeGraphs:
     def _capture(self, buf: DecodeBuffers, rows: int, sample: bool):
         # The inputs of the step being run are staged already; the warm-up runs on all-padding
         # rows instead (no cache writes, no reads), then the real rows are staged back.
-        torch.cuda.synchronize(self.device)  # the staged copies have landed before pad_all rewrites the host side
-        saved = [t.clone() for t in (buf.i64, buf.ctx, buf.bt, buf.temp)]
+        saved = [t.clone() for t in (buf.i64, buf.ctx, buf.bt, buf.temp)]  # after the staged copies
         seed = self.seed_1.clone()
         buf.pad_all()
         stream = torch.cuda.Stream(self.device)
