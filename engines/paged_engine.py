@@ -324,8 +324,17 @@ class PagedEngine(EngineLoop):
         if not r.filtered[:n].any():
             return self.graphs.run(buf, rows, sample=True)
         (logits_BV,) = self.graphs.run(buf, rows, sample=False)
-        params = RowParams.build(r.temp[:n].tolist(), r.top_p[:n].tolist(), r.top_k[:n].tolist(), self.device)
+        t, p, k = r.temp[:n], r.top_p[:n], r.top_k[:n]
+        params = RowParams(self._to_device(t), self._to_device(p), self._to_device(k), all_greedy=False,
+                           any_filter=True)
         return sample_next(logits_BV[:n], params, self._generator)
+
+    def _to_device(self, x) -> torch.Tensor:
+        """A host array on the device without waiting for the device (pinned, asynchronous)."""
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _process(self, launched: _Launched) -> Delivered:
         """Append a launched step's tokens to their sequences; deliver the finished ones."""
@@ -375,7 +384,7 @@ class PagedEngine(EngineLoop):
     def _prefill(self, units: list[PrefillUnit]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
         """One packed forward over every unit's uncached prompt tokens; samples every row's
         first token (a group's samples from their shared logits)."""
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
         ids, positions, slots = [], [], []
         cu = [0]
         for unit in units:
@@ -391,18 +400,16 @@ class PagedEngine(EngineLoop):
         for i, unit in enumerate(units):
             bt[i, : len(unit.leader.blocks)] = unit.leader.blocks
 
-        def t(x, dtype):
-            return torch.from_numpy(np.ascontiguousarray(x)).to(dev, dtype, non_blocking=True)
-
+        t = self._to_device
         cu_np = np.asarray(cu, dtype=np.int64)
         inputs = PrefillInputs(
-            input_ids_T=t(np.concatenate(ids), torch.int64),
-            positions_T=t(np.concatenate(positions), torch.int64),
-            slot_mapping_T=t(np.concatenate(slots), torch.int64),
-            block_tables_SM=t(bt, torch.int32),
-            cu_seqlens_q_S1=t(cu_np, torch.int32),
-            context_lens_S=t([u.leader.prompt_len for u in units], torch.int32),
-            last_index_S=t(cu_np[1:] - 1, torch.int64),
+            input_ids_T=t(np.concatenate(ids)),
+            positions_T=t(np.concatenate(positions)),
+            slot_mapping_T=t(np.concatenate(slots)),
+            block_tables_SM=t(bt),
+            cu_seqlens_q_S1=t(cu_np.astype(np.int32)),
+            context_lens_S=t(np.asarray([u.leader.prompt_len for u in units], dtype=np.int32)),
+            last_index_S=t(cu_np[1:] - 1),
             max_q_len=int(np.diff(cu_np).max()),
         )
         logits_UV = self.decoder(inputs)  # a module call: forward hooks fire
@@ -412,11 +419,15 @@ class PagedEngine(EngineLoop):
         rows = [seq for unit in units for seq in unit.rows]
         if len(rows) > len(units):
             unit_of_row = [u for u, unit in enumerate(units) for _ in unit.rows]
-            logits_RV = logits_UV[torch.tensor(unit_of_row, device=dev)]
+            logits_RV = logits_UV[self._to_device(np.asarray(unit_of_row, dtype=np.int64))]
         else:
             logits_RV = logits_UV
         sps = [seq.pending.request.sampling for seq in rows]
-        params = RowParams.from_sampling(sps, dev)
+        temps = [sp.temperature for sp in sps]
+        params = RowParams(
+            t(np.asarray(temps, dtype=np.float32)), t(np.asarray([sp.top_p for sp in sps], dtype=np.float32)),
+            t(np.asarray([sp.top_k for sp in sps], dtype=np.int64)), all_greedy=all(x == 0 for x in temps),
+            any_filter=any(sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps))
         if params.any_filter:
             tok_R, logp_R = sample_next(logits_RV, params, self._generator)
         else:
@@ -435,5 +446,6 @@ class PagedEngine(EngineLoop):
                     dst.append(seq.blocks[-1])
         if src:
             kv = self.kv_cache.view(-1, self.bm.num_blocks, self.kv_cache[0, 0, 0].numel())
-            src_t = torch.tensor(src, device=self.device)
-            kv.index_copy_(1, torch.tensor(dst, device=self.device), kv.index_select(1, src_t))
+            src_t = self._to_device(np.asarray(src, dtype=np.int64))
+            dst_t = self._to_device(np.asarray(dst, dtype=np.int64))
+            kv.index_copy_(1, dst_t, kv.index_select(1, src_t))
