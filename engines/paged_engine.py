@@ -9,16 +9,21 @@ is :mod:`tapioca.engines.engine_loop`), for Qwen2 / Qwen3 / Llama models
 use TorchEngine for it).
 
 A step (engine thread):
-    1. decode: one token for every running row -- host arrays from
-       :class:`~tapioca.engines.scheduler.DecodeRows`, one CUDA-graph replay (forward +
-       sampling + the RNG advance; :mod:`tapioca.engines.cuda_graphs`), or the eager
-       forward on CPU;
-    2. prefill: the units admitted before the step (:mod:`tapioca.engines.scheduler`),
-       packed with no padding into one forward; the samples of a group copy its partial
-       last block and sample from its logits;
-    3. ONE host sync for both (the sampled tokens and logprobs), then the host appends
-       tokens, checks stop tokens / strings / lengths, enters newly full blocks in the
-       prefix cache, and retires finished rows (their blocks go back to the free list).
+    1. launch the decode of every running row -- host arrays from
+       :class:`~tapioca.engines.scheduler.DecodeRows`, the fed tokens gathered on the
+       device from the last step's samples, one CUDA-graph replay (forward + sampling +
+       the RNG advance; :mod:`tapioca.engines.cuda_graphs`), or the eager forward on CPU;
+    2. launch the prefill of the units admitted before the step
+       (:mod:`tapioca.engines.scheduler`), packed with no padding into one forward; the
+       samples of a group copy its partial last block and sample from its logits; then
+       an asynchronous copy of the step's tokens and logprobs to the host;
+    3. process the PREVIOUS step's results while the GPU runs this one (SGLang's
+       overlap; ``overlap=False`` processes this step's instead): ONE host sync (its
+       event), then the host appends tokens, checks stop tokens / strings / lengths,
+       enters newly full blocks in the prefix cache, and retires finished rows (their
+       blocks go back to the free list). A stop seen one step late drops the row's extra
+       token; before the thread parks (pause, update, shutdown) the launched step is
+       finished, so versions and step boundaries are those of the synchronous order.
 
 Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
 seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
