@@ -152,7 +152,7 @@ class PagedEngine(EngineLoop):
 
     # ------------------------------------------------------------------ introspection
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters for tests and benchmarks (engine thread's view; read when idle)."""
         s = self.scheduler
         return {"prefill_tokens_computed": s.prefill_tokens_computed,
@@ -260,15 +260,11 @@ class PagedEngine(EngineLoop):
             r.pos[:n_dec] += 1
             r.n_out[:n_dec] += 1
             r.src[:n_dec] = np.arange(n_dec)
-            for seq in self.scheduler.running:
-                seq.launched += 1
         if units:
             tok_R, logp_R, new_rows = self._prefill(units)
             toks.append(tok_R)
             lps.append(logp_R)
             rows += new_rows
-            for seq in new_rows:
-                seq.launched = 1
             # They decode from the next step on (max_new_tokens 1: done once sampled).
             joining = [(n_dec + i, seq) for i, seq in enumerate(new_rows) if seq.max_new > 1]
             self.scheduler.running += [seq for _, seq in joining]

@@ -40,7 +40,7 @@ class Sequence:
     """One request being generated: its tokens, blocks and outputs (host side)."""
 
     __slots__ = ("pending", "tokens", "prompt_len", "max_new", "logprobs", "version_runs", "blocks",
-                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "launched", "done")
+                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done")
 
     def __init__(self, pending: Pending, eos: tuple[int, ...]) -> None:
         sp = pending.request.sampling
@@ -56,7 +56,6 @@ class Sequence:
         self.last_key = ROOT_KEY  # chain key of block ``hashed - 1``
         self.stops = tuple(sp.stop_token_ids) + eos
         self.stop_strings = sp.stop_strings
-        self.launched = 0  # tokens sampled or being sampled (launched steps, results or not)
         self.done = False  # its result is delivered (a later in-flight token is dropped)
 
     @property
@@ -217,17 +216,17 @@ class DecodeRows:
             self.bt = new
 
     def append(self, seqs: list[Sequence], src: list[int]) -> None:
-        """Add ``seqs`` (just prefilled; ``src[i]``: where seq i's first token is in the
-        step's outputs) as the next rows, one vectorised write per array."""
+        """Add ``seqs``, just prefilled (their first token launched; ``src[i]``: where seq
+        i's is in the step's outputs), as the next rows, one vectorised write per array."""
         if not seqs:
             return
         k = len(seqs)
         rows = slice(self.n, self.n + k)
         sps = [s.pending.request.sampling for s in seqs]
-        self.pos[rows] = [s.prompt_len + s.launched - 1 for s in seqs]
+        self.pos[rows] = [s.prompt_len for s in seqs]  # their first sampled token is fed next
         self.src[rows] = src
         self.nblk[rows] = [len(s.blocks) for s in seqs]
-        self.n_out[rows] = [s.launched for s in seqs]
+        self.n_out[rows] = 1
         self.max_new[rows] = [s.max_new for s in seqs]
         self.temp[rows] = [sp.temperature for sp in sps]
         self.top_p[rows] = [sp.top_p for sp in sps]
