@@ -219,6 +219,8 @@ class EngineLoop(InferenceEngine):
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # graphs and streams of this thread on the engine's GPU
+            torch.cuda.set_device(self.device)
         delivered: Delivered = []
         while True:
             with self._cv:
