@@ -9,6 +9,8 @@ tokens) and HF's fp32 forward of ``prompt + output`` in one pass (logprobs, 1e-4
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -304,6 +306,36 @@ def test_graph_bucket_padding_rows_write_nowhere_and_read_nothing():
     assert any(real < rows for rows, real, _ in steps)  # some steps ran padding rows
     for r, req in zip(results, reqs):
         assert len(r.output_ids) == req.sampling.max_new_tokens
+        assert_matches_reference(model, r)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_on_the_triton_kernels_matches_hf(arch, monkeypatch):
+    """The Triton kernels (under Triton's interpreter on CPU, TAPIOCA_KERNELS=triton) behind
+    the whole engine -- strided q views, groups, graph-bucket padding rows -- give HF's
+    fp32 logprobs. Runs where tests/conftest.py set TRITON_INTERPRET (no GPU)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set without a GPU)")
+    pytest.importorskip("tapioca.engines.kernels.triton_attention")
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # numpy 2.4 vs Triton 3.6's int() of 1-element arrays (triton#9171)
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    monkeypatch.setenv("TAPIOCA_KERNELS", "triton")
+    model = tiny_model(arch)
+    reqs = [GenRequest(f"r{i}", prompt_ids(3 + 2 * i, seed=i), SamplingParams(temperature=i % 2, max_new_tokens=6))
+            for i in range(3)]
+    reqs += [GenRequest(f"g{i}", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=1.0, max_new_tokens=5))
+             for i in range(3)]
+    with engine(model, seed=0) as eng:
+        eng.graphs.bucketed = True
+        results = eng.generate(reqs)
+    for r in results:
         assert_matches_reference(model, r)
 
 
