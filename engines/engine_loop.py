@@ -143,7 +143,8 @@ class EngineLoop(InferenceEngine):
         with self._cv:
             self._paused = True
             if threading.current_thread() is not self._thread:
-                while self._in_step:
+                # ... and until a launched step's results are in (the thread flushes it now).
+                while self._in_step or self._has_inflight():
                     self._cv.wait()
 
     def resume(self) -> None:
@@ -169,7 +170,8 @@ class EngineLoop(InferenceEngine):
                 self._update_waiters += 1
                 self._cv.notify_all()
                 try:
-                    while self._in_step or (not self.interruptible and self._live > 0):
+                    while (self._in_step or self._has_inflight()
+                           or (not self.interruptible and self._live > 0)):
                         if not self.interruptible and self._paused and self._live > 0 and not self._in_step:
                             raise EngineError(
                                 "interruptible=False waits for the running batch to finish, but the "
