@@ -2,8 +2,9 @@
 
 Consumes the engine's queue of pending requests and the block manager; emits prefill
 units (a prompt to prefill once plus the samples sharing it) and, every decode step,
-the host arrays of the running rows (token fed, position, slot, context length, block
-table). Keyed by row: ``running[i]`` is row i of the next decode step.
+the host arrays of the running rows (position, block table, where the fed token is in
+the last step's outputs, sampling parameters). Keyed by row: ``running[i]`` is row i of
+the next decode step.
 
 Admission (FIFO, never skipping the head): a request joins when a row is free
 (``max_batch_size``), its worst case fits in the unreserved free blocks (see
@@ -61,13 +62,6 @@ class Sequence:
     @property
     def num_out(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-    def add(self, token: int, logprob: float, version: int) -> None:
-        runs = self.version_runs
-        if not runs or runs[-1][1] != version:
-            runs.append((len(self.tokens) - self.prompt_len, version))
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
 
     def result(self, reason: str, now: float) -> GenResult:
         p = self.pending
