@@ -65,6 +65,20 @@ def assert_matches_reference(model, r, temperature: float = 1.0) -> None:
     torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
+def certain_token_weights(model, token: int) -> dict[str, torch.Tensor]:
+    """Weights under which ``token`` is certain whatever the context (as in
+    test_engine_torch.py): attention and MLP outputs zeroed, one LM-head row."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in sd:
+        if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+            sd[k].zero_()
+    sd["model.embed_tokens.weight"].fill_(1.0)
+    sd["model.norm.weight"].fill_(1.0)
+    sd["lm_head.weight"].zero_()
+    sd["lm_head.weight"][token] = 1.0
+    return sd
+
+
 class DecodeRowsSeen:
     """Forward hook recording the rows of every decode forward."""
 
@@ -216,6 +230,21 @@ def test_overlapped_steps_give_the_same_results_as_synchronous_ones():
         assert (sync.output_ids, sync.finish_reason) == (over.output_ids, over.finish_reason)
         torch.testing.assert_close(over.output_logprobs, sync.output_logprobs, atol=1e-5, rtol=0)
     assert {r.finish_reason for r in outs[1]} == {"stop", "length"}
+
+
+def test_a_full_batch_stopping_at_once_frees_its_rows_for_the_next_requests():
+    """Every row of a full batch stops on the same token (a trained policy answering
+    alike): the rows are free before the next requests are admitted (regression: they
+    waited for a next step that never came -- the demo stalled at step 335)."""
+    model = tiny_model()
+    eos = 7
+    with engine(model, seed=0, max_batch_size=4, eos_token_id=eos) as eng:
+        eng.update_weights(certain_token_weights(tiny_model(seed=1), eos), version=1)
+        for round_ in range(3):
+            futures = eng.submit_all([GenRequest(f"{round_}:{i}", [1, 2, 3], SamplingParams(max_new_tokens=4))
+                                      for i in range(4)])
+            results = [f.result(timeout=30) for f in futures]
+            assert all(r.output_ids == [eos] and r.finish_reason == "stop" for r in results)
 
 
 def test_prefill_token_budget_splits_admissions():
