@@ -247,6 +247,31 @@ def test_a_full_batch_stopping_at_once_frees_its_rows_for_the_next_requests():
             assert all(r.output_ids == [eos] and r.finish_reason == "stop" for r in results)
 
 
+def test_rounds_of_groups_with_updates_stops_and_cache_hits_keep_the_books_balanced():
+    """The rollout worker's pattern for a while: rounds of groups (repeated prompts: prefix
+    hits), weight updates between submissions, some rounds where every row stops on its
+    first token. Every request finishes and every block and reservation comes back."""
+    model = tiny_model()
+    eos = 7
+    normal = {k: v.clone() for k, v in model.state_dict().items()}
+    certain = certain_token_weights(tiny_model(seed=1), eos)
+    prompts = [prompt_ids(n, seed=100 + n) for n in (5, 9, 13, 17)]
+    with engine(model, seed=0, max_batch_size=16, eos_token_id=eos) as eng:
+        for round_ in range(6):
+            futures = []
+            for g in range(6):
+                sp = SamplingParams(temperature=1.0, max_new_tokens=2 + g % 3)
+                futures += eng.submit_all([GenRequest(f"{round_}:{g}:{i}", prompts[(round_ + g) % 4], sp)
+                                           for i in range(4)])
+                if g % 2:
+                    eng.update_weights(certain if round_ % 3 == 2 else normal, version=10 * round_ + g)
+            for f in futures:
+                assert f.result(timeout=60).output_ids
+        bm = eng.bm
+        assert eng.stats()["prefix_cache_hit_blocks"] > 0
+        assert bm.reserved == 0 and len(bm.free) == bm.num_blocks - 1 and eng._undelivered == 0
+
+
 def test_prefill_token_budget_splits_admissions():
     model = tiny_model()
     seen: list[int] = []
