@@ -1,5 +1,6 @@
-"""Where a TorchEngine decode step spends its time: ``torch.profiler`` over one
-``engine.generate`` of the engine_generate.py workload (smaller by default).
+"""Where an engine's decode step spends its time: ``torch.profiler`` over one
+``engine.generate`` of the engine_generate.py workload (a), smaller by default;
+``--engine torch`` (TorchEngine, the default) or ``paged`` (PagedEngine).
 
 Consumes nothing (random weights); prints the wall time per decode step, the GPU's
 busy time over the profiled run (kernel time / wall: far below 1 means the step is
@@ -21,8 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_generate import build_model, engine_fn, sync  # noqa: E402
+from engine_generate import Workload, build_model, engine_fn, sync  # noqa: E402
 
+from tapioca.engines.paged_engine import PagedEngine  # noqa: E402
 from tapioca.engines.torch_engine import TorchEngine  # noqa: E402
 
 
@@ -34,14 +36,20 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rows", type=int, default=25, help="operators to list")
+    ap.add_argument("--engine", default="torch", choices=["torch", "paged"])
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = build_model(args.tiny, dtype, args.device)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.n_seqs, args.prompt_len),
                             generator=gen).tolist()
-    engine = TorchEngine(model, device=args.device, max_batch_size=args.n_seqs)
-    run = engine_fn(engine, prompts, args.new_tokens)
+    if args.engine == "paged":
+        engine = PagedEngine(model, device=args.device, max_batch_size=args.n_seqs,
+                             kv_cache_tokens=2 * args.n_seqs * (args.prompt_len + args.new_tokens))
+    else:
+        engine = TorchEngine(model, device=args.device, max_batch_size=args.n_seqs)
+    workload = Workload("a", prompts, [args.new_tokens] * args.n_seqs, 1.0, model.config.vocab_size)
+    run = engine_fn(engine, workload, model if args.engine == "torch" else None)
     try:
         run()  # warm-up
         sync(args.device)

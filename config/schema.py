@@ -103,11 +103,34 @@ class RolloutConfig:
     interruptible: bool = True
     device: str = "cpu"
     torch_threads: int = 1
+    # The in-process engine (docs/engine.md): the paged engine for Qwen2 / Qwen3 / Llama
+    # (paged KV cache, shared prompts, CUDA-graph decode); False, or another architecture,
+    # runs TorchEngine (transformers' own forward).
+    paged: bool = True
+    # Tokens per KV-cache block (the unit of allocation and of prefix sharing).
+    kv_block_size_tokens: int = 16
+    # KV-cache size: > 0 fixes it in tokens; 0 sizes it from kv_cache_memory_fraction of
+    # the GPU's total memory (capped by what is free at start-up), or 64k tokens on CPU.
+    kv_cache_tokens: int = 0
+    kv_cache_memory_fraction: float = 0.25
+    # Prompt tokens one prefill forward computes (one prompt always goes, however long).
+    max_prefill_tokens: int = 16384
+    # Decode steps replayed as CUDA graphs (CUDA only; off = eager, for debugging).
+    cuda_graphs: bool = True
+    # Reuse cached full KV blocks across requests (multi-turn sessions, repeated prompts).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
                  "rollout.max_head_offpolicyness must be >= 0 (0 = synchronous)")
         _require(self.workers >= 1, "rollout.workers must be >= 1")
+        _require(self.max_batch_size >= 1, "rollout.max_batch_size must be >= 1")
+        _require(self.kv_block_size_tokens >= 1, "rollout.kv_block_size_tokens must be >= 1 (16 is usual)")
+        _require(self.kv_cache_tokens >= 0,
+                 "rollout.kv_cache_tokens must be >= 0 (0 = sized from kv_cache_memory_fraction)")
+        _require(0 < self.kv_cache_memory_fraction < 1,
+                 "rollout.kv_cache_memory_fraction must be in (0, 1), e.g. 0.25 of the GPU's memory")
+        _require(self.max_prefill_tokens >= 1, "rollout.max_prefill_tokens must be >= 1")
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Inference engines: token ids in; token ids, behaviour logprobs and versions out.
 
-:mod:`tapioca.engines.base` is the one interface; :class:`TorchEngine` the in-process
-PyTorch backend (the embedded default, CPU and GPU).
+:mod:`tapioca.engines.base` is the one interface. In-process backends:
+:class:`PagedEngine` (paged KV cache, shared prompts, CUDA-graph decode; Qwen2 / Qwen3 /
+Llama; docs/engine.md) and :class:`TorchEngine` (any transformers causal LM, through
+its own forward; the fallback).
 """
 
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from tapioca.engines.paged_engine import PagedEngine
 from tapioca.engines.torch_engine import TorchEngine
 
-__all__ = ["GenRequest", "GenResult", "InferenceEngine", "SamplingParams", "TorchEngine"]
+__all__ = ["GenRequest", "GenResult", "InferenceEngine", "PagedEngine", "SamplingParams", "TorchEngine"]

@@ -117,6 +117,11 @@ class InferenceEngine(abc.ABC):
     def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
         """Queue ``request``; the future resolves when it finishes (or is aborted)."""
 
+    def submit_all(self, requests: Sequence[GenRequest]) -> list[concurrent.futures.Future[GenResult]]:
+        """Queue ``requests`` together; futures in order. An engine may treat them as one
+        unit (the paged engine prefills the shared prompt of a group's samples once)."""
+        return [self.submit(r) for r in requests]
+
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Generate all ``requests`` (batched by the engine); blocks; results in order.
 

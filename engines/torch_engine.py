@@ -210,6 +210,9 @@ class TorchEngine(InferenceEngine):
     def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
         return self._enqueue([request])[0]
 
+    def submit_all(self, requests: Sequence[GenRequest]) -> list[concurrent.futures.Future[GenResult]]:
+        return self._enqueue(list(requests))
+
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         # Enqueued in one go, so an idle engine batches them identically every time
         # (what makes ``seed`` reproducible).

@@ -18,11 +18,10 @@ def build_proxy_service(cfg, *, member: int = 0):
     """A :class:`~tapioca.producers.proxy.ProxyService` for ``cfg`` (a TrainConfig)."""
     from tapioca.config.sections import proxy_section
     from tapioca.engines.base import SamplingParams
-    from tapioca.engines.torch_engine import TorchEngine
     from tapioca.models.factory import load_model_and_tokenizer
     from tapioca.models.tokenizer import load_tokenizer
     from tapioca.models.weight_sync import make_weight_loader
-    from tapioca.ops.role_builders import set_torch_threads
+    from tapioca.ops.role_builders import build_engine, set_torch_threads
     from tapioca.producers.proxy import ProxyService
     from tapioca.schemas.errors import ConfigError
 
@@ -35,10 +34,8 @@ def build_proxy_service(cfg, *, member: int = 0):
                                         device=sec.rollout.device)
     # The char tokenizer must not be reloaded as Qwen's byte-level one (see load_tokenizer).
     tokenizer = load_tokenizer(sec.model.path)
-    engine = TorchEngine(model, device=sec.rollout.device, max_batch_size=sec.rollout.max_batch_size,
-                         interruptible=sec.rollout.interruptible, seed=sec.seed * 1000 + 500 + member,
-                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
+    engine = build_engine(model, tokenizer, sec.rollout, seed=sec.seed * 1000 + 500 + member,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     g = sec.gconfig
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))

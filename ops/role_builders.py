@@ -84,9 +84,32 @@ def build_feeder(cfg: TrainConfig) -> Role:
                         seed=sec.seed, run_tag=cfg.bus_run_id)
 
 
+def build_engine(model, tokenizer, rollout, *, seed: int, decode: Callable[[list[int]], str]):
+    """The in-process engine of a rollout worker or proxy: :class:`PagedEngine` for the
+    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
+    import logging
+
+    from tapioca.engines.model_runner import unsupported_reason
+    from tapioca.engines.paged_engine import PagedEngine
+    from tapioca.engines.torch_engine import TorchEngine
+
+    common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
+                  interruptible=rollout.interruptible, seed=seed, decode=decode,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
+                  max_prefill_tokens=rollout.max_prefill_tokens)
+    reason = unsupported_reason(model) if rollout.paged else "rollout.paged is off"
+    if reason is None:
+        return PagedEngine(model, kv_block_size_tokens=rollout.kv_block_size_tokens,
+                           kv_cache_tokens=rollout.kv_cache_tokens,
+                           kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
+                           cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
+                           **common)
+    logging.getLogger(__name__).info("TorchEngine instead of the paged engine: %s", reason)
+    return TorchEngine(model, **common)
+
+
 def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     from tapioca.engines.base import SamplingParams
-    from tapioca.engines.torch_engine import TorchEngine
     from tapioca.models.factory import load_model_and_tokenizer
     from tapioca.models.weight_sync import make_weight_loader
     from tapioca.producers.rollout import RolloutWorker
@@ -99,10 +122,8 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = TorchEngine(model, device=sec.rollout.device, max_batch_size=sec.rollout.max_batch_size,
-                         interruptible=sec.rollout.interruptible, seed=sec.seed * 1000 + member,
-                         decode=decode, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id or 0)
+    engine = build_engine(model, tokenizer, sec.rollout, seed=sec.seed * 1000 + member, decode=decode)
+    del model  # the engine holds what it needs (the paged engine keeps no model object)
     g = sec.gconfig
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))

@@ -186,7 +186,8 @@ class RolloutWorker(Role[RolloutState]):
                 for i in range(prompt.n_samples)]
 
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
-        return [self.engine.submit(r) for r in self._requests(prompt)]
+        # Together: the engine prefills the group's shared prompt once.
+        return self.engine.submit_all(self._requests(prompt))
 
     def _follow(self, event: WeightsEvent, source: Source,
                 state: RolloutState) -> list[DeadLetter]:

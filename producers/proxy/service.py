@@ -219,7 +219,7 @@ class ProxyService:
         self.store.begin_call(session, reserved)
         results: list[GenResult] | None = None
         try:
-            futures = [self.engine.submit(r) for r in requests]
+            futures = self.engine.submit_all(requests)  # n choices: one prompt prefill
             results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except EngineError as exc:
             if self._stop.is_set():  # the engine is being shut down with the proxy

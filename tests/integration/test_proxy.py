@@ -289,7 +289,9 @@ def test_head_gate_holds_a_session_until_weights_free_a_slot(start_proxy, model_
         time.sleep(1.0)
         assert waiter.is_alive(), "the second group was admitted past the head gate"
         # Requests keep being served while a new version is loaded; the gate opens.
-        model_weights = server.svc.engine.model.state_dict()
+        engine = server.svc.engine
+        model_weights = (engine.decoder.hf_state_dict() if hasattr(engine, "decoder")
+                         else engine.model.state_dict())
         sha, size = save_weights({k: v.clone() for k, v in model_weights.items()}, tmp_path / "v1.safetensors")
         with EventProducer(bus) as producer:
             producer.publish(WeightsEvent(version=1, path=str(tmp_path / "v1.safetensors"), sha256=sha,

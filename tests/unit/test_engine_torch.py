@@ -1,8 +1,10 @@
-"""TorchEngine: correctness against a no-cache full forward, stopping, versions, threads.
+"""The in-process engines (TorchEngine and PagedEngine, every test run on both where it
+applies): correctness against a no-cache full forward, stopping, versions, threads.
 
 Reference for every numeric check: the same model run on ``prompt + output`` in one
 forward pass without a KV cache, padding or batching. Tiny random models (2 layers,
-width 64, vocab 32) keep the whole file at a few seconds on CPU.
+width 64, vocab 32) keep the whole file at a few seconds on CPU. The paged engine's own
+mechanisms (prefix sharing, blocks, CUDA graphs) are tested in test_engine_paged.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import transformers
 
 from tapioca.engines import GenRequest, GenResult, SamplingParams, TorchEngine
+from tapioca.engines.paged_engine import PagedEngine
 from tapioca.schemas.errors import ConfigError, EngineError
 
 VOCAB = 32
@@ -66,9 +69,24 @@ def model():
     return tiny_model()
 
 
+# Block size 4 on the tiny prompts: prompts span several blocks and partial last blocks.
+ENGINES = {"torch": TorchEngine,
+           "paged": lambda model, **kw: PagedEngine(model, kv_block_size_tokens=4, **kw)}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+def Engine(request):
+    return ENGINES[request.param]
+
+
+def hook_target(eng, model) -> torch.nn.Module:
+    """The module whose forward hook fires once per engine forward (prefill or decode)."""
+    return getattr(eng, "decoder", model)
+
+
 @pytest.fixture
-def engine(model):
-    eng = TorchEngine(model, seed=0)
+def engine(model, Engine):
+    eng = Engine(model, seed=0)
     yield eng
     eng.shutdown()
 
@@ -87,9 +105,9 @@ def assert_lengths(r: GenResult) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_greedy_is_stepwise_argmax_of_full_forward(arch):
+def test_greedy_is_stepwise_argmax_of_full_forward(arch, Engine):
     model = tiny_model(arch)
-    with TorchEngine(model) as eng:
+    with Engine(model) as eng:
         reqs = make_reqs("r", prompts(6), temperature=0, max_new_tokens=10)
         results = eng.generate(reqs)
     for r in results:
@@ -102,7 +120,7 @@ def test_greedy_is_stepwise_argmax_of_full_forward(arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_behaviour_logprobs_match_full_forward_mixed_batch(arch):
+def test_behaviour_logprobs_match_full_forward_mixed_batch(arch, Engine):
     """KV cache + left padding + mixed per-row sampling: logprob = log_softmax(logits / T)[tok]."""
     model = tiny_model(arch)
     samplings = [
@@ -112,7 +130,7 @@ def test_behaviour_logprobs_match_full_forward_mixed_batch(arch):
         SamplingParams(temperature=0, max_new_tokens=7),
         SamplingParams(temperature=0.9, top_k=8, top_p=0.9, max_new_tokens=12),
     ]
-    with TorchEngine(model, seed=3) as eng:
+    with Engine(model, seed=3) as eng:
         reqs = [GenRequest(f"r{i}", p, samplings[i % 5]) for i, p in enumerate(prompts(10))]
         results = eng.generate(reqs)
     for req, r in zip(reqs, results):
@@ -123,8 +141,8 @@ def test_behaviour_logprobs_match_full_forward_mixed_batch(arch):
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
-def test_top_k_filter_is_respected_but_not_renormalised(model):
-    with TorchEngine(model, seed=5) as eng:
+def test_top_k_filter_is_respected_but_not_renormalised(model, Engine):
+    with Engine(model, seed=5) as eng:
         results = eng.generate(make_reqs("r", prompts(8), top_k=2, max_new_tokens=16))
     for r in results:
         top2 = full_forward_logits(model, r).topk(2, -1).indices
@@ -163,11 +181,11 @@ def test_stop_token_included_and_finish_reason_stop(engine):
     assert_lengths(r)
 
 
-def test_engine_eos_stops_every_request(model):
-    with TorchEngine(model) as eng:
+def test_engine_eos_stops_every_request(model, Engine):
+    with Engine(model) as eng:
         (free,) = eng.generate([GenRequest("free", [7, 8], SamplingParams(temperature=0, max_new_tokens=10))])
     eos = free.output_ids[2]
-    with TorchEngine(model, eos_token_id=eos) as eng:
+    with Engine(model, eos_token_id=eos) as eng:
         (r,) = eng.generate([GenRequest("e", [7, 8], SamplingParams(temperature=0, max_new_tokens=10))])
     assert r.finish_reason == "stop" and r.output_ids[-1] == eos and len(r.output_ids) <= 3
 
@@ -176,9 +194,9 @@ def letters(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) + ("" if i < 26 else "!") for i in ids)
 
 
-def test_stop_string_spanning_tokens(model):
+def test_stop_string_spanning_tokens(model, Engine):
     prompt = [2, 7, 1, 8]
-    with TorchEngine(model, decode=letters) as eng:
+    with Engine(model, decode=letters) as eng:
         (free,) = eng.generate([GenRequest("free", prompt, SamplingParams(temperature=0, max_new_tokens=12))])
         text = letters(free.output_ids)
         stop = letters(free.output_ids[3:5])  # spans two tokens
@@ -203,11 +221,11 @@ def test_stop_strings_need_decode(engine):
         SamplingParams(max_new_tokens=0)
 
 
-def test_seed_reproducible(model):
+def test_seed_reproducible(model, Engine):
     reqs = make_reqs("r", prompts(6), temperature=1.0, top_p=0.9, max_new_tokens=10)
     outs = []
     for _ in range(2):
-        with TorchEngine(model, seed=11) as eng:
+        with Engine(model, seed=11) as eng:
             outs.append([(r.output_ids, r.output_logprobs) for r in eng.generate(reqs)])
     assert outs[0] == outs[1]
 
@@ -234,7 +252,7 @@ def certain_token_weights(model, token: int) -> dict[str, torch.Tensor]:
 class StepHook:
     """Forward hook that, at forward call ``at``, runs ``action`` in the test and waits for it to register."""
 
-    def __init__(self, engine: TorchEngine, at: int, action):
+    def __init__(self, engine, at: int, action):
         self.engine, self.at, self.action, self.calls = engine, at, action, 0
         self.thread: threading.Thread | None = None
 
@@ -249,11 +267,11 @@ class StepHook:
                 time.sleep(0.001)
 
 
-def test_interruptible_update_mid_generation_switches_versions(model):
+def test_interruptible_update_mid_generation_switches_versions(model, Engine):
     new_sd = certain_token_weights(tiny_model(seed=1), token=7)
-    eng = TorchEngine(model, seed=0, interruptible=True)
+    eng = Engine(model, seed=0, interruptible=True)
     hook = StepHook(eng, at=4, action=lambda: eng.update_weights(new_sd, version=1))
-    handle = model.register_forward_hook(hook)
+    handle = hook_target(eng, model).register_forward_hook(hook)
     try:
         results = eng.generate(make_reqs("r", prompts(3), temperature=1.0, max_new_tokens=12))
         hook.thread.join()
@@ -273,11 +291,11 @@ def test_interruptible_update_mid_generation_switches_versions(model):
         assert_logprobs_match(tiny_model(), head, 1.0)
 
 
-def test_non_interruptible_update_waits_for_batch(model):
+def test_non_interruptible_update_waits_for_batch(model, Engine):
     new_sd = certain_token_weights(tiny_model(seed=1), token=7)
-    eng = TorchEngine(model, interruptible=False)
+    eng = Engine(model, interruptible=False)
     hook = StepHook(eng, at=3, action=lambda: eng.update_weights(new_sd, version=1))
-    handle = model.register_forward_hook(hook)
+    handle = hook_target(eng, model).register_forward_hook(hook)
     try:
         results = eng.generate(make_reqs("r", prompts(3), max_new_tokens=10))
         hook.thread.join()
@@ -291,12 +309,12 @@ def test_non_interruptible_update_waits_for_batch(model):
     assert after.output_versions == [1] * 4 and after.output_ids == [7] * 4
 
 
-def test_update_from_safetensors_path(model, tmp_path):
+def test_update_from_safetensors_path(model, tmp_path, Engine):
     from safetensors.torch import save_file
 
     path = tmp_path / "w.safetensors"
     save_file(certain_token_weights(tiny_model(seed=2), token=3), str(path))
-    with TorchEngine(model) as eng:
+    with Engine(model) as eng:
         eng.update_weights(str(path), version=5)
         (r,) = eng.generate([GenRequest("a", [1], SamplingParams(max_new_tokens=3))])
     assert eng.version == 5 and r.output_ids == [3, 3, 3] and r.output_versions == [5, 5, 5]
@@ -308,9 +326,9 @@ def test_update_rejects_unknown_names(engine):
     assert engine.version == 0
 
 
-def test_continuous_batching_joins_and_compacts_exactly(model):
+def test_continuous_batching_joins_and_compacts_exactly(model, Engine):
     """Rows join a running batch (left-padded merge) and leave it (compaction) mid-flight."""
-    eng = TorchEngine(model, seed=4, max_batch_size=3)
+    eng = Engine(model, seed=4, max_batch_size=3)
     late: list[concurrent.futures.Future] = []
     queued = threading.Event()
     ps = prompts(9, seed=7)
@@ -322,7 +340,7 @@ def test_continuous_batching_joins_and_compacts_exactly(model):
                 late.append(eng.submit(GenRequest(f"late{i}", p, sampling)))
             queued.set()
 
-    handle = model.register_forward_hook(hook)
+    handle = hook_target(eng, model).register_forward_hook(hook)
     try:
         first = [
             eng.submit(GenRequest(f"first{i}", p, SamplingParams(temperature=1.0, max_new_tokens=4 + 5 * i)))
@@ -342,8 +360,8 @@ def test_continuous_batching_joins_and_compacts_exactly(model):
     assert max(r.timings["queued_s"] for r in results[3:]) > 0
 
 
-def test_submit_from_many_threads(model):
-    with TorchEngine(model, seed=0, max_batch_size=8) as eng:
+def test_submit_from_many_threads(model, Engine):
+    with Engine(model, seed=0, max_batch_size=8) as eng:
         def worker(tid: int) -> list[GenResult]:
             futs = [
                 eng.submit(GenRequest(f"t{tid}-{i}", p, SamplingParams(temperature=0, max_new_tokens=3 + i)))
@@ -359,9 +377,9 @@ def test_submit_from_many_threads(model):
             assert r.output_ids == full_forward_logits(model, r).argmax(-1).tolist()
 
 
-def test_pause_resume_and_update_while_paused(model):
+def test_pause_resume_and_update_while_paused(model, Engine):
     new_sd = certain_token_weights(tiny_model(seed=1), token=9)
-    with TorchEngine(model) as eng:
+    with Engine(model) as eng:
         eng.pause()
         fut = eng.submit(GenRequest("p", [1, 2, 3], SamplingParams(max_new_tokens=4)))
         time.sleep(0.2)
@@ -372,8 +390,8 @@ def test_pause_resume_and_update_while_paused(model):
     assert r.output_versions == [2] * 4 and r.output_ids == [9] * 4
 
 
-def test_shutdown_aborts_queued_requests(model):
-    eng = TorchEngine(model)
+def test_shutdown_aborts_queued_requests(model, Engine):
+    eng = Engine(model)
     eng.pause()
     fut = eng.submit(GenRequest("q", [1, 2], SamplingParams(max_new_tokens=4)))
     eng.shutdown()

@@ -1,6 +1,6 @@
-"""RolloutWorker as a plain function of events, on a real TorchEngine with a tiny random
-model: trajectories per prompt, the commit floor, redelivery, and weight updates.
-No broker."""
+"""RolloutWorker as a plain function of events, on a real engine (TorchEngine and the
+PagedEngine the role builder picks) with a tiny random model: trajectories per prompt,
+the commit floor, redelivery, and weight updates. No broker."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from tapioca.bus.role import Source
 from tapioca.engines.base import SamplingParams
+from tapioca.engines.paged_engine import PagedEngine
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.models.factory import build_tiny_model
 from tapioca.producers.rollout import RolloutWorker
@@ -31,18 +32,18 @@ def decode(ids: list[int]) -> str:
 
 
 class Harness:
-    def __init__(self) -> None:
-        self.engine = TorchEngine(tiny(0), seed=0, max_batch_size=8)
+    def __init__(self, engine_cls=TorchEngine) -> None:
+        self.engine = engine_cls(tiny(0), seed=0, max_batch_size=8)
         self.new_model = tiny(1)
         self.loads: list[WeightsEvent] = []
         self.submitted: list[str] = []
-        real_submit = self.engine.submit
+        real_submit_all = self.engine.submit_all
 
-        def counting_submit(request):
-            self.submitted.append(request.request_id)
-            return real_submit(request)
+        def counting_submit_all(requests):
+            self.submitted.extend(r.request_id for r in requests)
+            return real_submit_all(requests)
 
-        self.engine.submit = counting_submit  # type: ignore[method-assign]
+        self.engine.submit_all = counting_submit_all  # type: ignore[method-assign]
 
         def load_weights(event: WeightsEvent) -> None:
             self.loads.append(event)
@@ -64,9 +65,9 @@ class Harness:
         return out
 
 
-@pytest.fixture
-def h():
-    harness = Harness()
+@pytest.fixture(params=["torch", "paged"])
+def h(request):
+    harness = Harness({"torch": TorchEngine, "paged": PagedEngine}[request.param])
     yield harness
     harness.role.on_stop(harness.state)
 
@@ -158,7 +159,8 @@ def test_new_weights_load_on_next_tick_and_later_tokens_carry_version(h):
     assert h.engine.version == 1 and h.state.loaded_version == 1
     # The weights really are the new model's.
     new = h.new_model.state_dict()
-    eng = h.engine.model.state_dict()
+    paged = getattr(h.engine, "decoder", None)
+    eng = paged.hf_state_dict() if paged is not None else h.engine.model.state_dict()
     assert all(torch.equal(eng[k], new[k]) for k in new)
     # A re-announce of the loaded version loads nothing.
     h.role.handle(weights(1), h.state, wsrc(2))

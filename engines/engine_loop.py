@@ -1,0 +1,284 @@
+"""The engine thread and its control protocol: queue, steps, pause, weight updates, shutdown.
+
+Consumes calls from any thread (``submit``, ``pause``, ``update_weights``, ...) and
+drives a subclass's steps on one background thread; emits each request's
+:class:`~tapioca.engines.base.GenResult` through its future, keyed by ``request_id``.
+The subclass supplies admission (``_admit_locked``), one step (``_step``), failure and
+abort handling, and the weight copy; this class owns the semantics every caller relies
+on (the same as :class:`~tapioca.engines.torch_engine.TorchEngine`'s):
+
+- a step is the unit of work; ``pause``, ``update_weights`` and admission happen only
+  between steps, and tokens of a step carry the version its step started with;
+- ``update_weights`` (interruptible) parks the thread at the next step boundary, copies
+  the weights, and the in-flight rows continue with the new version (their KV cache is
+  kept); with ``interruptible=False`` it stops admitting, lets the running rows finish,
+  then loads, so every sequence has a single version;
+- ``shutdown`` aborts queued and in-flight requests (finish_reason "abort").
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
+from tapioca.engines.scheduler import Pending
+from tapioca.schemas.errors import EngineError
+
+Delivered = list[tuple[concurrent.futures.Future, Any]]
+
+
+class EngineLoop(InferenceEngine):
+    """Threaded engine skeleton; see the module docstring."""
+
+    def __init__(self, *, device: torch.device, max_batch_size: int, interruptible: bool,
+                 decode: Decode | None, eos_token_id: int | Sequence[int] | None, version: int,
+                 vocab_size: int | None, max_positions: int | None, name: str) -> None:
+        if max_batch_size < 1:
+            raise EngineError(f"max_batch_size={max_batch_size}: use an integer >= 1")
+        self.device = device
+        self.max_batch_size = int(max_batch_size)
+        self.interruptible = bool(interruptible)
+        self.decode = decode
+        if eos_token_id is None:
+            self._eos: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            self._eos = (eos_token_id,)
+        else:
+            self._eos = tuple(int(t) for t in eos_token_id)
+        self._vocab_size = vocab_size
+        self._max_positions = max_positions
+        self._name = name
+        self._version = int(version)
+        self._cv = threading.Condition()
+        self._queue: deque[Pending] = deque()
+        self._live = 0  # running rows (mirror for other threads)
+        self._paused = False
+        self._in_step = False
+        self._updating = False
+        self._update_waiters = 0
+        self._update_lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"tapioca-{name}", daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------ subclass hooks
+
+    @abc.abstractmethod
+    def _admit_locked(self, now: float) -> list:
+        """Pop what joins this step from ``self._queue`` (the lock is held)."""
+
+    @abc.abstractmethod
+    def _step(self, admitted: list, version: int) -> Delivered:
+        """One decode step of the running rows plus the prefill of ``admitted``."""
+
+    @abc.abstractmethod
+    def _fail_step(self, admitted: list, exc: BaseException) -> Delivered:
+        """Fail every running and admitted request after ``_step`` raised."""
+
+    @abc.abstractmethod
+    def _abort_running(self, now: float) -> Delivered:
+        """"abort" results for every running request (at shutdown)."""
+
+    @abc.abstractmethod
+    def _running_rows(self) -> int:
+        """Admitted requests whose results are not delivered yet."""
+
+    def _has_inflight(self) -> bool:
+        """Whether a launched step's results are still to be processed (overlap)."""
+        return False
+
+    def _flush(self) -> Delivered:
+        """Wait for the launched step and process its results (before the thread parks)."""
+        return []
+
+    @abc.abstractmethod
+    def _load_state_dict(self, state_dict) -> None:
+        """Copy the weights in (the engine thread is parked at a step boundary)."""
+
+    def _validate_more(self, request: GenRequest) -> None:
+        """Engine-specific checks (e.g. the KV cache's capacity)."""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
+        return self._enqueue([request])[0]
+
+    def submit_all(self, requests: Sequence[GenRequest]) -> list[concurrent.futures.Future[GenResult]]:
+        return self._enqueue(list(requests))
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        # Enqueued in one go, so an idle engine batches them identically every time
+        # (what makes ``seed`` reproducible).
+        return [f.result() for f in self._enqueue(list(requests))]
+
+    def _enqueue(self, requests: list[GenRequest]) -> list[concurrent.futures.Future]:
+        for request in requests:
+            self.validate(request)
+        now = time.monotonic()
+        pendings = [Pending(r, concurrent.futures.Future(), now) for r in requests]
+        for p in pendings:
+            p.future.set_running_or_notify_cancel()
+        with self._cv:
+            if self._closing:
+                raise EngineError(f"the engine is shut down; create a new {type(self).__name__}")
+            self._queue.extend(pendings)
+            self._cv.notify_all()
+        return [p.future for p in pendings]
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+            if threading.current_thread() is not self._thread:
+                # ... and until a launched step's results are in (the thread flushes it now).
+                while self._in_step or self._has_inflight():
+                    self._cv.wait()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, weights: WeightsSource, version: int) -> None:
+        if isinstance(weights, (str, os.PathLike)):
+            from safetensors.torch import load_file
+
+            # To host memory: this thread must not touch the GPU while the engine thread may be
+            # capturing a CUDA graph; the copy into the weights happens at the step boundary.
+            weights = load_file(os.fspath(weights))
+        if threading.current_thread() is self._thread:
+            raise EngineError(
+                "update_weights was called from the engine thread (a future callback); "
+                "call it from another thread")
+        with self._update_lock:
+            with self._cv:
+                if self._closing:
+                    raise EngineError(f"the engine is shut down; create a new {type(self).__name__}")
+                self._update_waiters += 1
+                self._cv.notify_all()
+                try:
+                    while (self._in_step or self._has_inflight()
+                           or (not self.interruptible and self._live > 0)):
+                        if not self.interruptible and self._paused and self._live > 0 and not self._in_step:
+                            raise EngineError(
+                                "interruptible=False waits for the running batch to finish, but the "
+                                "engine is paused; call resume() first (or build the engine with "
+                                "interruptible=True)")
+                        if self._closing:
+                            raise EngineError("the engine shut down while a weight update was waiting")
+                        self._cv.wait()
+                    self._updating = True
+                finally:
+                    self._update_waiters -= 1
+            try:
+                self._load_state_dict(weights)
+                self._version = int(version)
+            finally:
+                with self._cv:
+                    self._updating = False
+                    self._cv.notify_all()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join()
+
+    def validate(self, request: GenRequest) -> None:
+        if not request.prompt_ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt; give at least one token")
+        if request.sampling.stop_strings and self.decode is None:
+            raise EngineError(
+                f"request {request.request_id!r} uses stop_strings but the engine has no decode function; "
+                f"pass {type(self).__name__}(..., decode=tokenizer.decode)")
+        # One bad id would fail the whole batch's forward, so reject it here.
+        if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in request.prompt_ids):
+            raise EngineError(
+                f"request {request.request_id!r} has token ids outside [0, {self._vocab_size}); "
+                "check the tokenizer matches the model")
+        total = len(request.prompt_ids) + request.sampling.max_new_tokens
+        if self._max_positions is not None and total > self._max_positions:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                f"({request.sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
+                f"({self._max_positions}); shorten the prompt or lower max_new_tokens")
+        self._validate_more(request)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":  # graphs and streams of this thread on the engine's GPU
+            torch.cuda.set_device(self.device)
+        delivered: Delivered = []
+        while True:
+            with self._cv:
+                admitted: list = []
+                flush = False
+                while True:
+                    if self._closing:
+                        break
+                    waiting_update = self.interruptible and self._update_waiters > 0
+                    blocked = self._paused or self._updating or waiting_update
+                    # interruptible=False: a waiting update lets the running rows finish first.
+                    draining = not self.interruptible and self._update_waiters > 0
+                    if not blocked:
+                        if self._queue and not draining:
+                            admitted = self._admit_locked(time.monotonic())
+                        if self._live > 0 or admitted:
+                            break
+                    if self._has_inflight():  # finish the launched step before parking
+                        flush = True
+                        break
+                    self._cv.wait()
+                closing = self._closing
+                version = self._version
+                self._in_step = True
+            try:
+                if closing or flush:
+                    delivered = self._flush()
+                else:
+                    delivered = self._step(admitted, version)
+            except BaseException as exc:  # a failed step fails its requests, not the engine
+                delivered = self._fail_step(admitted, exc)
+            with self._cv:
+                if closing:
+                    delivered += self._abort_all_locked()
+                self._in_step = False
+                self._live = self._running_rows()
+                self._cv.notify_all()
+            self._deliver(delivered)
+            if closing:
+                break
+
+    @staticmethod
+    def _deliver(delivered: Delivered) -> None:
+        for future, outcome in delivered:
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _abort_all_locked(self) -> Delivered:
+        now = time.monotonic()
+        delivered = self._abort_running(now)
+        for p in self._queue:
+            result = GenResult(p.request.request_id, list(p.request.prompt_ids), [], [], [], "abort",
+                               {"queued_s": now - p.t_submit, "generate_s": 0.0})
+            delivered.append((p.future, result))
+        self._queue.clear()
+        self._live = 0
+        return delivered

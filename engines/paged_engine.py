@@ -1,0 +1,466 @@
+"""The paged engine: continuous batching over a paged KV cache, decode in CUDA graphs.
+
+Consumes :class:`~tapioca.engines.base.GenRequest` (``submit`` / ``generate``) and weight
+updates (HF state dicts or safetensors files, each with a policy version); emits one
+:class:`~tapioca.engines.base.GenResult` per request, keyed by ``request_id``. The same
+semantics as :class:`~tapioca.engines.torch_engine.TorchEngine` (the control protocol
+is :mod:`tapioca.engines.engine_loop`), for Qwen2 / Qwen3 / Llama models
+(:func:`~tapioca.engines.model_runner.unsupported_reason` says why another model is not;
+use TorchEngine for it).
+
+A step (engine thread):
+    1. launch the decode of every running row -- host arrays from
+       :class:`~tapioca.engines.scheduler.DecodeRows`, the fed tokens gathered on the
+       device from the last step's samples, one CUDA-graph replay (forward + sampling +
+       the RNG advance; :mod:`tapioca.engines.cuda_graphs`), or the eager forward on CPU;
+    2. launch the prefill of the units admitted before the step
+       (:mod:`tapioca.engines.scheduler`), packed with no padding into one forward; the
+       samples of a group copy its partial last block and sample from its logits; then
+       an asynchronous copy of the step's tokens and logprobs to the host;
+    3. process the PREVIOUS step's results while the GPU runs this one (SGLang's
+       overlap; ``overlap=False`` processes this step's instead): ONE host sync (its
+       event), then the host appends tokens, checks stop tokens / strings / lengths,
+       enters newly full blocks in the prefix cache, and retires finished rows (their
+       blocks go back to the free list). A stop seen one step late drops the row's extra
+       token; before the thread parks (pause, update, shutdown) the launched step is
+       finished, so versions and step boundaries are those of the synchronous order.
+
+Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
+seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
+the whole batch takes :func:`~tapioca.engines.sampling.sample_next` (torch, seeded
+generator) on the logits. Either way the logprob follows the convention of
+:mod:`tapioca.engines.base`. Reproducibility: with ``seed`` set, the same requests
+submitted the same way give the same outputs on the same device (sampled values differ
+from TorchEngine's: another noise source).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from tapioca.engines import kernels
+from tapioca.engines.base import Decode, GenRequest
+from tapioca.engines.block_manager import (
+    BlockManager,
+    allocate_kv_cache,
+    bytes_per_block,
+    plan_num_blocks,
+)
+from tapioca.engines.cuda_graphs import DecodeGraphs
+from tapioca.engines.engine_loop import Delivered, EngineLoop
+from tapioca.engines.model_runner import PagedDecoder, PrefillInputs
+from tapioca.engines.sampling import RowParams, sample_next
+from tapioca.engines.scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
+from tapioca.schemas.errors import EngineError
+
+# Stop strings are matched in the decoded text of the last few tokens only (as TorchEngine).
+_STOP_STRING_MARGIN_TOKENS = 8
+# CPU cache when no size is given: this many tokens, at most this many bytes.
+_CPU_CACHE_TOKENS = 65536
+_CPU_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose results the host has not processed yet."""
+
+    rows: list[Sequence]  # decode rows, then prefilled rows: the order of the outputs
+    version: int
+    host: torch.Tensor  # [2, rows] float64: tokens, logprobs (filled asynchronously on CUDA)
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+
+
+class PagedEngine(EngineLoop):
+    """Batched, interruptible generation for Qwen2 / Qwen3 / Llama over a paged KV cache.
+
+    ``model``: a transformers causal LM; its tensors are taken (moved to ``device``; not
+    copied when already there), q/k/v and gate/up are fused into new tensors, and the
+    model object itself is not kept. ``max_batch_size``: running rows.
+    ``max_prefill_tokens``: prompt tokens computed by one prefill forward (one prompt
+    always goes). KV cache: ``kv_block_size_tokens`` tokens per block; ``kv_cache_tokens``
+    fixes its size, else ``kv_cache_memory_fraction`` of the GPU's memory (CUDA) or 64k
+    tokens (CPU). ``cuda_graphs``: replay decode steps as CUDA graphs (CUDA only).
+    ``prefix_caching``: reuse cached full blocks across requests. ``eos_token_id``,
+    ``decode``, ``seed``, ``version``, ``interruptible``: as :class:`TorchEngine`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        interruptible: bool = True,
+        seed: int | None = None,
+        decode: Decode | None = None,
+        eos_token_id: int | Seq[int] | None = None,
+        pad_token_id: int = 0,
+        version: int = 0,
+        max_prefill_tokens: int = 16384,
+        kv_block_size_tokens: int = 16,
+        kv_cache_tokens: int = 0,
+        kv_cache_memory_fraction: float = 0.25,
+        cuda_graphs: bool = True,
+        prefix_caching: bool = True,
+        overlap: bool = True,
+    ) -> None:
+        del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if kv_block_size_tokens < 1 or max_prefill_tokens < 1:
+            raise EngineError("kv_block_size_tokens and max_prefill_tokens must be >= 1")
+        self.decoder = PagedDecoder(model, device)
+        dec = self.decoder
+        super().__init__(device=device, max_batch_size=max_batch_size, interruptible=interruptible,
+                         decode=decode, eos_token_id=eos_token_id, version=version,
+                         vocab_size=dec.vocab_size, max_positions=dec.max_positions, name="paged-engine")
+        block_bytes = bytes_per_block(dec.num_layers, kv_block_size_tokens, dec.num_kv_heads,
+                                      dec.head_dim, dec.dtype)
+        num_blocks = plan_num_blocks(
+            device, block_bytes=block_bytes, block_size=kv_block_size_tokens,
+            cache_tokens=kv_cache_tokens, memory_fraction=kv_cache_memory_fraction,
+            cpu_default_tokens=min(_CPU_CACHE_TOKENS, _CPU_CACHE_BYTES * kv_block_size_tokens // block_bytes))
+        self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
+                                          dec.num_kv_heads, dec.head_dim, dec.dtype, device)
+        dec.attach_kv_cache(self.kv_cache)
+        self.block_size = int(kv_block_size_tokens)
+        self.bm = BlockManager(num_blocks, self.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.bm, max_rows=self.max_batch_size,
+                                   max_prefill_tokens=int(max_prefill_tokens), eos=self._eos)
+        self.rows = DecodeRows(self.max_batch_size, self.block_size)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        self._seed_1 = torch.tensor([int(seed)], dtype=torch.int64, device=device)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(int(seed))
+        self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
+                                   seed_1=self._seed_1, use_graphs=cuda_graphs)
+        self.overlap = bool(overlap)
+        self._inflight: _Launched | None = None
+        self._last_tokens = torch.zeros(1, dtype=torch.int64, device=device)
+        self._undelivered = 0
+        self._stopped_since_compact = False
+        self._decode_only_steps = 0
+        self._decode_only_s = 0.0
+        self._start()
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, float]:
+        """Counters for tests and benchmarks (engine thread's view; read when idle)."""
+        s = self.scheduler
+        return {"prefill_tokens_computed": s.prefill_tokens_computed,
+                "prefill_tokens_requested": s.prefill_tokens_requested,
+                "prefix_cache_hit_blocks": self.bm.hit_blocks, "cached_blocks": self.bm.cached_blocks(),
+                "free_blocks": len(self.bm.free), "reserved_blocks": self.bm.reserved,
+                "num_blocks": self.bm.num_blocks, "cuda_graphs": self.graphs.num_graphs,
+                "decode_only_steps": self._decode_only_steps,
+                "decode_only_step_ms": round(1000 * self._decode_only_s / max(1, self._decode_only_steps), 3)}
+
+    # ------------------------------------------------------------------ EngineLoop hooks
+
+    def _validate_more(self, request: GenRequest) -> None:
+        need = self.scheduler.total_blocks(len(request.prompt_ids), request.sampling.max_new_tokens)
+        if need > self.bm.usable:
+            raise EngineError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                f"({request.sampling.max_new_tokens}) needs {need} KV-cache blocks of {self.block_size} "
+                f"tokens, the cache has {self.bm.usable}; raise rollout.kv_cache_tokens (or "
+                "kv_cache_memory_fraction on a GPU), or lower max_new_tokens")
+
+    def _admit_locked(self, now: float) -> list[PrefillUnit]:
+        # Admit in groups of >= 1/8 of the batch (or the whole queue): each admission costs
+        # an eager prefill forward, so one row per finished row would double the step cost.
+        free = self.max_batch_size - self._live
+        group = min(len(self._queue), max(1, self.max_batch_size // 8))
+        if free < group:
+            return []
+        units = self.scheduler.admit(self._queue, now)
+        self._undelivered += sum(len(u.rows) for u in units)
+        if not units and self._live == 0 and self._queue:
+            # Nothing runs, so nothing will free room: waiting would stall for good. validate()
+            # makes this unreachable; if it is reached, fail the request loudly instead.
+            p = self._queue.popleft()
+            p.future.set_exception(EngineError(
+                f"request {p.request.request_id!r} cannot be admitted into an idle engine "
+                f"(free blocks {len(self.bm.free)}, reserved {self.bm.reserved}, rows "
+                f"{len(self.scheduler.running)}): an engine bug, please report it"))
+        return units
+
+    def _running_rows(self) -> int:
+        return self._undelivered
+
+    def _load_state_dict(self, state_dict) -> None:
+        self.decoder.load_hf_state_dict(state_dict)
+
+    def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:
+        seqs = list(self.scheduler.running) + [s for unit in admitted for s in unit.rows]
+        if self._inflight is not None:
+            seqs += self._inflight.rows
+        seqs = [s for s in {id(s): s for s in seqs}.values() if not s.done]
+        self.scheduler.running = []
+        self.rows.n = 0
+        self._inflight = None
+        self._undelivered = 0
+        self.bm.reset()
+        err = EngineError(f"generation step failed: {exc!r}")
+        err.__cause__ = exc
+        return [(s.pending.future, err) for s in seqs]
+
+    def _abort_running(self, now: float) -> Delivered:
+        # After _flush: every undelivered sequence is a running row.
+        delivered = []
+        for s in self.scheduler.running:
+            if not s.done:
+                s.done = True
+                self.scheduler.finish(s)
+                delivered.append((s.pending.future, s.result("abort", now)))
+        self.scheduler.running = []
+        self.rows.n = 0
+        self._undelivered = 0
+        return delivered
+
+    def _has_inflight(self) -> bool:
+        return self._inflight is not None
+
+    def _flush(self) -> Delivered:
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
+        delivered = self._process(launched)
+        # Finished rows leave now, not at the next launch: admission counts rows, and when
+        # every row has finished no next launch comes (a stall the demo hit at step 335).
+        self._compact()
+        return delivered
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def _step(self, units: list[PrefillUnit], version: int) -> Delivered:
+        """Launch step t, then process step t-1's results while the GPU runs step t
+        (SGLang's overlap: the host work hides behind the GPU's). Without overlap, step
+        t's own results are processed before returning."""
+        t0 = time.perf_counter()
+        launched = self._launch(units, version)
+        delivered = self._flush()
+        self._inflight = launched
+        if not self.overlap:
+            delivered += self._flush()
+        if not units:  # the period of a decode step, host work included
+            self._decode_only_steps += 1
+            self._decode_only_s += time.perf_counter() - t0
+        return delivered
+
+    def _launch(self, units: list[PrefillUnit], version: int) -> _Launched | None:
+        """Queue one decode step of the running rows and the prefill of ``units`` on the
+        device, and an asynchronous copy of their sampled tokens / logprobs to the host."""
+        self._compact()
+        rows: list[Sequence] = []
+        toks: list[torch.Tensor] = []
+        lps: list[torch.Tensor] = []
+        n_dec = self.rows.n
+        if n_dec:
+            tok_B, logp_B = self._decode()
+            toks.append(tok_B[:n_dec])
+            lps.append(logp_B[:n_dec])
+            rows += self.scheduler.running
+            r = self.rows
+            r.pos[:n_dec] += 1
+            r.n_out[:n_dec] += 1
+            r.src[:n_dec] = np.arange(n_dec)
+        if units:
+            tok_R, logp_R, new_rows = self._prefill(units)
+            toks.append(tok_R)
+            lps.append(logp_R)
+            rows += new_rows
+            # They decode from the next step on (max_new_tokens 1: done once sampled).
+            joining = [(n_dec + i, seq) for i, seq in enumerate(new_rows) if seq.max_new > 1]
+            self.scheduler.running += [seq for _, seq in joining]
+            self.rows.append([seq for _, seq in joining], [i for i, _ in joining])
+        if not rows:
+            return None
+        tok_R = torch.cat(toks) if len(toks) > 1 else toks[0]
+        self._last_tokens = tok_R  # the next decode step's inputs are gathered from here
+        out = torch.stack([tok_R.double(), torch.cat(lps).double() if len(lps) > 1 else lps[0].double()])
+        event = None
+        if self.device.type == "cuda":
+            out = out.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return _Launched(rows, version, out, event)
+
+    def _compact(self) -> None:
+        """Drop rows that finished: by a stop (seen in results) or by length (all their
+        tokens launched), before the next step is planned."""
+        r, n = self.rows, self.rows.n
+        if not n:
+            return
+        running = self.scheduler.running
+        keep_mask = r.n_out[:n] < r.max_new[:n]
+        if self._stopped_since_compact:
+            keep_mask &= np.fromiter((not s.done for s in running), bool, n)
+            self._stopped_since_compact = False
+        if keep_mask.all():
+            return
+        keep = np.flatnonzero(keep_mask)
+        self.scheduler.running = [running[i] for i in keep.tolist()]
+        r.keep(keep)
+
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch one decode step for every running row; device ``(tokens, logprobs)``."""
+        r, bs, n = self.rows, self.block_size, self.rows.n
+        pos = r.pos[:n]
+        # A row whose next token opens a block takes one of its reserved blocks.
+        for i in np.flatnonzero(pos // bs >= r.nblk[:n]).tolist():
+            seq = self.scheduler.running[i]
+            block = self.bm.take_reserved()
+            seq.reserve_left -= 1
+            seq.blocks.append(block)
+            r.fit_width(len(seq.blocks))
+            r.bt[i, len(seq.blocks) - 1] = block
+            r.nblk[i] += 1
+        # Graphs: a few widths (one capture each). Eager: the exact width (less attention work).
+        width = self.graphs.width_for(r.width())
+        r.fit_width(width)
+        slots = r.bt[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        buf = self.graphs.buffers(width)
+        rows = self.graphs.rows_for(n)
+        # The tokens fed are the last step's samples, still on the device: the ids buffer is
+        # staged with their indices in the last step's outputs and gathered in place.
+        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        ids_B = buf.i64[0, :n]
+        ids_B.copy_(self._last_tokens.index_select(0, ids_B))
+        if not r.filtered[:n].any():
+            return self.graphs.run(buf, rows, sample=True)
+        (logits_BV,) = self.graphs.run(buf, rows, sample=False)
+        t, p, k = r.temp[:n], r.top_p[:n], r.top_k[:n]
+        params = RowParams(self._to_device(t), self._to_device(p), self._to_device(k), all_greedy=False,
+                           any_filter=True)
+        return sample_next(logits_BV[:n], params, self._generator)
+
+    def _to_device(self, x) -> torch.Tensor:
+        """A host array on the device without waiting for the device (pinned, asynchronous)."""
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _process(self, launched: _Launched) -> Delivered:
+        """Append a launched step's tokens to their sequences; deliver the finished ones."""
+        if launched.event is not None:
+            # THE host sync of a step: step t-1's results, while the GPU runs step t.
+            launched.event.synchronize()
+        host = launched.host.numpy()
+        toks = host[0].astype(np.int64).tolist()
+        lps = host[1].tolist()
+        version, bs = launched.version, self.block_size
+        now = time.monotonic()
+        delivered: Delivered = []
+        for seq, tok, lp in zip(launched.rows, toks, lps):
+            if seq.done:  # stopped at an earlier step; this token was sampled past its end
+                continue
+            runs = seq.version_runs
+            n_out = len(seq.tokens) - seq.prompt_len
+            if not runs or runs[-1][1] != version:
+                runs.append((n_out, version))
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            # Every token but this one has its KV written: a block that just filled is cached.
+            if (len(seq.tokens) - 1) % bs == 0:
+                self.scheduler.register_full(seq, len(seq.tokens) - 1)
+            if tok in seq.stops or (seq.stop_strings and self._hit_stop_string(seq)):
+                reason = "stop"
+            elif n_out + 1 >= seq.max_new:
+                reason = "length"
+            else:
+                continue
+            if reason == "stop" and n_out + 1 < seq.max_new:
+                self._stopped_since_compact = True  # still a running row: _compact drops it
+            seq.done = True
+            self.scheduler.finish(seq)
+            self._undelivered -= 1
+            delivered.append((seq.pending.future, seq.result(reason, now)))
+        return delivered
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        window = max(len(s) for s in seq.stop_strings) + _STOP_STRING_MARGIN_TOKENS
+        start = max(seq.prompt_len, len(seq.tokens) - window)
+        text = self.decode(seq.tokens[start:])
+        return any(s in text for s in seq.stop_strings)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill(self, units: list[PrefillUnit]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
+        """One packed forward over every unit's uncached prompt tokens; samples every row's
+        first token (a group's samples from their shared logits)."""
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        cu = [0]
+        for unit in units:
+            seq = unit.leader
+            pos = np.arange(unit.start, seq.prompt_len)
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            ids.append(np.asarray(seq.tokens[unit.start : seq.prompt_len], dtype=np.int64))
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + len(pos))
+        width = max(len(u.leader.blocks) for u in units)
+        bt = np.zeros((len(units), width), np.int32)
+        for i, unit in enumerate(units):
+            bt[i, : len(unit.leader.blocks)] = unit.leader.blocks
+
+        t = self._to_device
+        cu_np = np.asarray(cu, dtype=np.int64)
+        inputs = PrefillInputs(
+            input_ids_T=t(np.concatenate(ids)),
+            positions_T=t(np.concatenate(positions)),
+            slot_mapping_T=t(np.concatenate(slots)),
+            block_tables_SM=t(bt),
+            cu_seqlens_q_S1=t(cu_np.astype(np.int32)),
+            context_lens_S=t(np.asarray([u.leader.prompt_len for u in units], dtype=np.int32)),
+            last_index_S=t(cu_np[1:] - 1),
+            max_q_len=int(np.diff(cu_np).max()),
+        )
+        logits_UV = self.decoder(inputs)  # a module call: forward hooks fire
+        self._copy_partial_blocks(units)
+        for unit in units:
+            self.scheduler.register_prompt(unit)
+        rows = [seq for unit in units for seq in unit.rows]
+        if len(rows) > len(units):
+            unit_of_row = [u for u, unit in enumerate(units) for _ in unit.rows]
+            logits_RV = logits_UV[self._to_device(np.asarray(unit_of_row, dtype=np.int64))]
+        else:
+            logits_RV = logits_UV
+        sps = [seq.pending.request.sampling for seq in rows]
+        temps = [sp.temperature for sp in sps]
+        params = RowParams(
+            t(np.asarray(temps, dtype=np.float32)), t(np.asarray([sp.top_p for sp in sps], dtype=np.float32)),
+            t(np.asarray([sp.top_k for sp in sps], dtype=np.int64)), all_greedy=all(x == 0 for x in temps),
+            any_filter=any(sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps))
+        if params.any_filter:
+            tok_R, logp_R = sample_next(logits_RV, params, self._generator)
+        else:
+            tok_R, logp_R = kernels.sample_tokens(logits_RV, params.temperature_B, self._seed_1, 1)
+            self._seed_1.add_(1)
+        return tok_R, logp_R, rows
+
+    def _copy_partial_blocks(self, units: list[PrefillUnit]) -> None:
+        """Each sample of a group gets its own copy of the prompt's partial last block
+        (every layer, k and v, in one indexed copy)."""
+        src, dst = [], []
+        for unit in units:
+            if unit.leader.prompt_len % self.block_size:
+                for seq in unit.followers:
+                    src.append(unit.leader.blocks[-1])
+                    dst.append(seq.blocks[-1])
+        if src:
+            kv = self.kv_cache.view(-1, self.bm.num_blocks, self.kv_cache[0, 0, 0].numel())
+            src_t = self._to_device(np.asarray(src, dtype=np.int64))
+            dst_t = self._to_device(np.asarray(dst, dtype=np.int64))
+            kv.index_copy_(1, dst_t, kv.index_select(1, src_t))
