@@ -36,11 +36,13 @@ for s in "$@"; do
     engine) stage $s 430 python3 benchmarks/engine_generate.py --device cuda ;;
     weights_tests) stage $s 60 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
     weight_switch_quick) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 4 --file-repeats 1 ;;
+    weight_switch_7b) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 3 --file-repeats 1 ;;
+    trainer_switches) stage $s 90 python3 benchmarks/trainer_step.py --device cuda --only switches --budget-s 75 ;;
     weight_switch) stage $s 300 python3 benchmarks/weight_switch.py --device cuda ;;
     trainer_core) stage $s 230 python3 benchmarks/trainer_step.py --device cuda --only check,core,tail --budget-s 200 ;;
     trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
-    rl_eta0) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
-    rl_eta4) stage $s 420 python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps 20 --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
+    rl_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
+    rl_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
