@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tapioca.config.distributed import FSDPConfig
 from tapioca.config.schema import (
     ActorConfig,
     AdvantageConfig,
@@ -89,6 +90,8 @@ class TrainerSection:
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 def feeder_section(cfg: TrainConfig) -> FeederSection:
@@ -114,7 +117,7 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           cfg.train_dataset.prompts_per_step, cfg.total_train_steps,
                           temperature, cfg.run_path, cfg.seed, cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill)
+                          distill=cfg.distill, fsdp=cfg.fsdp)
 
 
 @dataclass

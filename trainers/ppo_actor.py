@@ -78,6 +78,37 @@ class PPOActor:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
             betas=tuple(cfg.adam_betas))
 
+    def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
+        """The step's token-balanced micro-batches of at most ``mb_max_tokens`` tokens
+        (the sharded actor, trainers/fsdp_actor.py, hands each rank its own)."""
+        return [to_tensors(mb, self.pad_token_id, self.device)
+                for mb in micro_batches(items, self.cfg.mb_max_tokens)]
+
+    # The weights as the trainer role sees them (publishing, rollback, checkpoints);
+    # the sharded actor (trainers/fsdp_actor.py) gathers and scatters them across ranks.
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight of the model, whole (what a weights file holds)."""
+        return self.model.state_dict()
+
+    def load_full_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy whole weights in (tied weights were saved once; copying one sets both)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                own[name].copy_(tensor)
+
+    def save_checkpoint(self, path, progress) -> None:
+        from tapioca.trainers.checkpoint import save_checkpoint
+
+        save_checkpoint(path, self.model, self.optimizer, progress)
+
+    def load_checkpoint(self, path):
+        """The checkpoint's TrainerProgress (weights and optimizer loaded), or None."""
+        from tapioca.trainers.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.model, self.optimizer)
+
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights."""
         with autocast_context(self.device, self.cfg.autocast_dtype):
@@ -118,8 +149,7 @@ class PPOActor:
                 f"PPOActor.train_step: actor.prox_logp_method={method} needs "
                 "policy_version= (the version of the weights before this update).")
         self.model.train()
-        mbs = [to_tensors(mb, self.pad_token_id, self.device)
-               for mb in micro_batches(items, cfg.mb_max_tokens)]
+        mbs = self.micro_batches(items)
         total_tokens = sum(mb.n_tokens for mb in mbs)
         units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)

@@ -43,7 +43,7 @@ from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
-from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
+from tapioca.trainers.checkpoint import TrainerProgress
 from tapioca.trainers.critic import Critic
 from tapioca.trainers.metrics_sink import MetricsSink
 from tapioca.trainers.ppo_actor import PPOActor
@@ -97,7 +97,7 @@ class Trainer(Role[TrainerState]):
     # ------------------------------------------------------------------ start
 
     def init_state(self) -> TrainerState:
-        progress = load_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer)
+        progress = self.actor.load_checkpoint(self.ckpt_path)
         resumed = progress is not None
         if progress is None:
             progress = TrainerProgress()
@@ -118,7 +118,7 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
         dtype = getattr(torch, self.cfg.model.dtype)
-        sha, size = save_weights(self.actor.model.state_dict(), path, dtype=dtype)
+        sha, size = save_weights(self.actor.full_state_dict(), path, dtype=dtype)
         p.weights_path, p.weights_sha256 = str(path.resolve()), sha
         old = self.run_dir / "weights" / f"v{p.version - self.keep_weight_versions:06d}.safetensors"
         if self.keep_weight_versions > 0 and p.version >= self.keep_weight_versions:
@@ -267,7 +267,7 @@ class Trainer(Role[TrainerState]):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(self.critic.state_dict(), tmp)
             os.replace(tmp, path)
-        save_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer, p)
+        self.actor.save_checkpoint(self.ckpt_path, p)
         if self.critic is not None:
             for old in path.parent.glob("critic_v*.pt"):
                 if old != path:
@@ -334,14 +334,12 @@ class Trainer(Role[TrainerState]):
                            f"keeps only the last keep_weight_versions={self.keep_weight_versions} "
                            "versions; roll back to a newer one"), []
         tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
-        own = self.actor.model.state_dict()
+        own = self.actor.full_state_dict()
         wrong = [k for k, t in tensors.items() if k not in own or own[k].shape != t.shape]
         if wrong:
             return False, (f"version {target}'s file does not fit the model ({len(wrong)} "
                            f"tensors, e.g. {wrong[0]}); was the model changed?"), []
-        with torch.no_grad():  # tied weights were saved once; copying one sets both
-            for name, tensor in tensors.items():
-                own[name].copy_(tensor)
+        self.actor.load_full_state_dict(tensors)
         # Adam's moments belong to the abandoned later versions and would push the restored
         # weights back toward them; the rolled-back policy starts them afresh.
         self.actor.optimizer.state.clear()
