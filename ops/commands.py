@@ -31,8 +31,9 @@ def _backlogs(status: dict[str, dict]) -> tuple[float, float] | None:
 
 
 def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: float,
-                    recent: list[float]) -> Table:
-    table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
+                    recent: list[float], notices: list[str] | None = None) -> Table:
+    table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False,
+                  caption="; ".join(notices[-3:]) if notices else None)
     for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
                 "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
         table.add_column(col, justify="right")
@@ -68,6 +69,8 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     status: dict[str, dict] = {}  # member -> its latest status (bus counters, describe)
     recent: list[float] = []
     started = time.monotonic()
+    if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
+        from tapioca.ops.ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)
     with Live(_progress_table(latest, status, started, recent), console=console,
               refresh_per_second=2, transient=False, auto_refresh=live) as view:
@@ -79,7 +82,8 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
                 latest[role] = row
                 if role == "trainer" and "reward/mean" in row:
                     recent.append(row["reward/mean"])
-            view.update(_progress_table(latest, status, started, recent))
+            view.update(_progress_table(latest, status, started, recent,
+                                        getattr(launcher, "notices", None)))
 
         launcher.on_metrics = on_metrics
         try:
@@ -102,16 +106,21 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
                   f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}. "
                   f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
+    for note in getattr(launcher, "notices", None) or ():
+        console.print(note)
 
 
 @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file."),
+    launcher: Optional[str] = typer.Option(
+        None, "--launcher", help="local (child processes, the default) or ray (Ray actors); "
+        "the same as scheduler.type=..."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
     arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
-    run_training(config, list(ctx.args))
+    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
 
 
 @app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
