@@ -130,7 +130,10 @@ def init_process_groups(fsdp: FSDPConfig, info: RankInfo, device: torch.device):
 
     backend = fsdp.backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=fsdp.timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+    # Under torchrun its agent already serves the store on MASTER_PORT: join it (env://).
+    init = ("env://" if "TORCHELASTIC_RUN_ID" in os.environ
+            else f"tcp://{info.master_addr}:{info.master_port}")
+    dist.init_process_group(backend, init_method=init,
                             rank=info.rank, world_size=info.world_size, timeout=timeout,
                             **({"device_id": device} if device.type == "cuda" else {}))
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
