@@ -191,7 +191,7 @@ class ShardedActor(PPOActor):
     def load_full_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Also restarts Adam's moments on every rank (its only use is a rollback, where
         the trainer restarts them)."""
-        self._full_weights = tensors
+        self._full_weights = dict(tensors)  # torch writes the distributed tensors into it
         try:
             self._command({"op": "load_full"})
         finally:

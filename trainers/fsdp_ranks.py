@@ -129,6 +129,9 @@ def init_process_groups(fsdp: FSDPConfig, info: RankInfo, device: torch.device):
     import torch.distributed as dist
 
     backend = fsdp.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if info.master_addr in ("127.0.0.1", "localhost"):
+        # One host: gloo's sockets on the loopback interface, not the host name's address.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=fsdp.timeout_s)
     # Under torchrun its agent already serves the store on MASTER_PORT: join it (env://).
     init = ("env://" if "TORCHELASTIC_RUN_ID" in os.environ

@@ -6,8 +6,10 @@ its second rank itself), real embedded broker, tiny model, CPU.
 Checked from the events on the topics: every member took a share of the prompt
 partitions and generated; the head gate held for every admitted group; every member
 followed the weights (its last trajectories carry recent versions); the tail gate
-held; every version was published once, with its own groups (none trained twice); and
-the trainer's second rank stopped cleanly with rank 0.
+held; every version was published once, with its own groups (none trained twice), across
+a kill -9 of the trainer's rank 0 mid-run (its rank 1 dies with it; both restart from
+the sharded checkpoint and its consumer offsets); and the second rank stopped cleanly
+with rank 0 at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tapioca.bus import read_events
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.ops.launcher import Launcher
+from tapioca.trainers.trainer import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +34,7 @@ ETA = 1
 B = 8
 N = 4
 STEPS = 16
+KILL_AT_STEP = 6
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,19 @@ def run(broker, tmp_path_factory):
     started = time.monotonic()
     launcher.start()
     try:
+        # kill -9 rank 0 mid-run: rank 1 dies with it (parent-death signal); the new rank 0
+        # starts a new rank 1 and both resume from the sharded checkpoint and its offsets.
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            rows = read_metrics(cfg.run_path)
+            if rows and rows[-1]["step"] >= KILL_AT_STEP:
+                break
+            dead = [c for c in launcher.children if c.proc.poll() is not None]
+            assert not dead, f"{dead[0].label} died:\n{dead[0].log_tail()}"
+            time.sleep(0.3)
+        else:
+            pytest.fail("the trainer did not reach the kill point in time")
+        launcher.restart("trainer")
         summary = launcher.wait(timeout_s=900)
     finally:
         launcher.stop()
@@ -105,5 +122,7 @@ def test_versions_published_once_and_groups_trained_once_within_eta(run):
 def test_trainer_ranks_stopped_cleanly(run):
     cfg, _ = run
     logs = Path(cfg.run_path) / "logs"
-    assert "trainer rank 1 stopped cleanly" in (logs / "trainer-rank1.log").read_text()
+    text = (logs / "trainer-rank1.log").read_text()
+    assert text.count("trainer rank 1 of 2") == 2, "rank 1 was not started again after the kill"
+    assert "trainer rank 1 stopped cleanly" in text
     assert (Path(cfg.run_path) / "checkpoints" / "trainer-sharded.json").exists()

@@ -117,7 +117,13 @@ def main(out_dir: str) -> None:
         restored = command(actor.load_checkpoint, ckpt)
         command(actor.train_step, make_items(1), policy_version=1)
         weights2_again = command(actor.full_state_dict)
+        # A rollback: whole weights in (from rank 0), Adam's moments restarted on every rank.
+        command(actor.load_full_state_dict, weights1)
+        rolled_back = command(actor.full_state_dict)
+        adam_cleared = channel.gather(len(actor.optimizer.state) == 0)
         if info.leader:
+            results["rollback_equal"] = all(torch.equal(rolled_back[k], v) for k, v in weights1.items())
+            results["adam_cleared"] = adam_cleared
             tensors.update({f"w2.{k}": v.contiguous() for k, v in weights2.items()})
             tensors.update({f"w2again.{k}": v.contiguous() for k, v in weights2_again.items()})
             results["restored"] = restored.__dict__

@@ -152,3 +152,9 @@ def test_sharded_checkpoint_restores_the_step_exactly(two_ranks):
     assert len(shards) == 2, files  # one per rank
     # Nothing pickled: no DCP .metadata (pickle) file, no torch.save file.
     assert not [f for f in files if f.endswith((".metadata", ".pt", ".distcp"))], files
+
+
+def test_rollback_loads_whole_weights_on_every_rank(two_ranks):
+    results, _ = two_ranks
+    assert results["rollback_equal"]
+    assert results["adam_cleared"] == [True, True]
