@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tapioca.bus.settings import BusConfig
+from tapioca.config.distributed import ClusterConfig, FSDPConfig, SchedulerConfig
 # The algorithm sections live in config/algorithms.py; re-exported here, where
 # every caller imports config sections from.
 from tapioca.config.algorithms import (  # noqa: F401
@@ -689,9 +690,17 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # Beyond one process (config/distributed.py, docs/distributed.md).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.fsdp.world_size > 1:
+            from tapioca.config.distributed import check_sharded_trainer
+
+            check_sharded_trainer(self)
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:

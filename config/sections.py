@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tapioca.config.distributed import FSDPConfig
 from tapioca.config.schema import (
     ActorConfig,
     AdvantageConfig,
@@ -92,6 +93,8 @@ class TrainerSection:
     # The run id on the bus (one per broker lifetime, TrainConfig.bus_run_id); "" when
     # the trainer is used without a launcher-resolved run.
     bus_run_id: str = ""
+    # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 def feeder_section(cfg: TrainConfig) -> FeederSection:
@@ -117,7 +120,7 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           cfg.train_dataset.prompts_per_step, cfg.total_train_steps,
                           temperature, cfg.run_path, cfg.seed, cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill, bus_run_id=cfg.bus_run_id)
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
 
 
 @dataclass

@@ -86,6 +86,8 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     status: dict[str, dict] = {}  # member -> its latest status (bus counters, describe)
     recent: list[float] = []
     started = time.monotonic()
+    if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
+        from tapioca.ops.ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)
     with Live(_progress_table(latest, status, started, recent), console=console,
               refresh_per_second=2, transient=False, auto_refresh=live) as view:
@@ -135,10 +137,13 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
 def train(
     ctx: typer.Context,
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file."),
+    launcher: Optional[str] = typer.Option(
+        None, "--launcher", help="local (child processes, the default) or ray (Ray actors); "
+        "the same as scheduler.type=..."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
     arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
-    run_training(config, list(ctx.args))
+    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
 
 
 @app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

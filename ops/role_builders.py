@@ -178,6 +178,10 @@ def build_trainer(cfg: TrainConfig) -> Role:
     import torch
 
     torch.manual_seed(sec.seed)
+    if sec.fsdp.world_size > 1:  # FSDP2 over N ranks; ranks > 0 serve rank 0 and exit in here
+        from tapioca.trainers.fsdp_actor import build_sharded_actor
+
+        return Trainer(build_sharded_actor(cfg, sec), sec)
     model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
                                                 device=sec.actor.device)
     actor = PPOActor(model, sec.actor, temperature=sec.temperature,

@@ -120,6 +120,31 @@ class PPOActor:
         return [to_tensors(mb, self.pad_token_id, self.device)
                 for mb in micro_batches(items, self.cfg.mb_max_tokens)]
 
+    # The weights as the trainer role sees them (publishing, rollback, checkpoints);
+    # the sharded actor (trainers/fsdp_actor.py) gathers and scatters them across ranks.
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight of the model, whole (what a weights file holds)."""
+        return self.model.state_dict()
+
+    def load_full_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy whole weights in (tied weights were saved once; copying one sets both)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                own[name].copy_(tensor)
+
+    def save_checkpoint(self, path, progress) -> None:
+        from tapioca.trainers.checkpoint import save_checkpoint
+
+        save_checkpoint(path, self.model, self.optimizer, progress)
+
+    def load_checkpoint(self, path):
+        """The checkpoint's TrainerProgress (weights and optimizer loaded), or None."""
+        from tapioca.trainers.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.model, self.optimizer)
+
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights,
         ``[B, T-1]`` for a padded or a packed batch alike."""

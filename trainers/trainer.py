@@ -58,10 +58,8 @@ from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import (
     SUFFIX,
     TrainerProgress,
-    load_checkpoint,
     load_state,
     refuse_legacy,
-    save_checkpoint,
     save_state,
 )
 from tapioca.trainers.critic import Critic
@@ -136,7 +134,7 @@ class Trainer(Role[TrainerState]):
     # ------------------------------------------------------------------ start
 
     def init_state(self) -> TrainerState:
-        progress = load_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer)
+        progress = self.actor.load_checkpoint(self.ckpt_path)
         resumed = progress is not None
         if progress is None:
             progress = TrainerProgress()
@@ -178,7 +176,7 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         # file: written (sha256) before the event; ipc / nccl: the file, if this version
         # gets one, is written in the background after the event (on_tick polls for it).
-        fields = self.weights_out.publish(self.actor.model.state_dict(), p.version)
+        fields = self.weights_out.publish(self.actor.full_state_dict(), p.version)
         path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
         return WeightsEvent(version=p.version, **fields, group_ids=group_ids,
@@ -394,7 +392,7 @@ class Trainer(Role[TrainerState]):
             # Before the trainer checkpoint: whichever version it names, its critic file exists.
             path = self._critic_path(p.version)
             save_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
-        save_checkpoint(self.ckpt_path, self.actor.model, self.actor.optimizer, p)
+        self.actor.save_checkpoint(self.ckpt_path, p)
         if self.critic is not None:
             for old in path.parent.glob(f"critic_v*{SUFFIX}"):
                 if old != path:
@@ -466,14 +464,12 @@ class Trainer(Role[TrainerState]):
                            f"keeps only the last keep_weight_versions={self.keep_weight_versions} "
                            "versions; roll back to a newer one"), []
         tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
-        own = self.actor.model.state_dict()
+        own = self.actor.full_state_dict()
         wrong = [k for k, t in tensors.items() if k not in own or own[k].shape != t.shape]
         if wrong:
             return False, (f"version {target}'s file does not fit the model ({len(wrong)} "
                            f"tensors, e.g. {wrong[0]}); was the model changed?"), []
-        with torch.no_grad():  # tied weights were saved once; copying one sets both
-            for name, tensor in tensors.items():
-                own[name].copy_(tensor)
+        self.actor.load_full_state_dict(tensors)
         # Adam's moments belong to the abandoned later versions and would push the restored
         # weights back toward them; the rolled-back policy starts them afresh.
         self.actor.optimizer.state.clear()

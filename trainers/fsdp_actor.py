@@ -1,0 +1,417 @@
+"""The data-parallel sharded actor: PPO steps over N ranks with PyTorch FSDP2.
+
+Consumes, on rank 0, what :class:`~tapioca.trainers.ppo_actor.PPOActor` consumes (a
+step's :class:`SeqItem` list and ``policy_version``, from the trainer role, the only
+Kafka client); emits the same :class:`StepResult` (metrics over all ranks) and, on
+request, the whole weights (publishing), whole-weight loads (rollback) and sharded
+checkpoints (:mod:`tapioca.trainers.sharded_checkpoint`). Ranks 1..N-1 run
+:meth:`ShardedActor.serve`: they obey rank 0's commands until ``stop``.
+
+Sharding: ``fully_shard`` on every decoder layer and on a small root module whose
+forward is the actor's logprob forward (so the embedding, the final norm and the tied
+LM head are gathered for the whole of it), with ``MixedPrecisionPolicy``: parameters
+gathered and computed in ``fsdp.param_dtype`` (bf16), the sharded parameters and
+Adam's state (the master weights) in ``actor.param_dtype`` (fp32), gradients reduced
+in ``fsdp.grad_reduce_dtype`` (fp32).
+
+How a step is split (:func:`plan_shards`, on rank 0): the step's sequences are packed
+into micro-batches of at most ``actor.mb_max_tokens`` (the actor's packer) and dealt
+into ``ppo_n_minibatches`` minibatches as one process would; within each minibatch
+the micro-batch count is raised to a multiple of N by halving the largest ones, and
+each rank gets the same number K of micro-batches, balanced by tokens (longest first
+to the least loaded rank). Equal K matters: FSDP2 gathers every layer in every forward,
+so all ranks must run the same number of forwards and backwards. A step with fewer
+sequences than needed gives a rank a one-token dummy micro-batch whose gradient is
+zeroed (``actor/fsdp_dummy_micro_batches`` counts them).
+
+Loss normalisation (why N ranks equal one process on the same batch): PPOActor scales
+micro-batch i of minibatch m by ``units_i / U_m`` with ``U_m`` the units (trained
+tokens for token-mean, sequences otherwise) of *its own* micro-batches. Each rank's
+gradient is further scaled by ``N * U_m(rank) / U_m(all ranks)`` (applied to the
+gradient of the logprobs, so loss values and metrics are untouched), and FSDP2's
+reduce-scatter averages over N ranks: the sum is the gradient of the step's loss
+normalised by the global unit count, exactly what one process computes. Gradient
+clipping sees the global norm (DTensor gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from tapioca.algorithms.aggregation import agg_units
+from tapioca.config.distributed import FSDPConfig
+from tapioca.config.schema import ActorConfig
+from tapioca.schemas.errors import FatalRoleError
+from tapioca.trainers import sharded_checkpoint
+from tapioca.trainers.batching import SeqItem, TensorBatch, pack
+from tapioca.trainers.fsdp_ranks import Channel
+from tapioca.trainers.ppo_actor import PPOActor, StepResult, _split
+
+log = logging.getLogger(__name__)
+
+DUMMY_GROUP = ""  # group_id of a dummy item (a rank with no sequence for a micro-batch)
+
+
+def plan_shards(lengths: list[int], world_size: int, max_tokens: int,
+                n_minibatches: int = 1) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as lists of item indices (``[]``: a dummy), every
+    rank the same number of them, balanced by tokens.
+
+    Minibatches are those of one process on the whole step (the packer's micro-batches
+    dealt round-robin, PPOActor's ``_split``), and a rank's micro-batch j belongs to
+    minibatch ``j % n`` as PPOActor splits it, so every optimizer step sees the same
+    sequences as in one process."""
+    groups = [list(g) for g in pack(lengths, max_tokens)] if lengths else []
+    n = max(1, min(n_minibatches, len(groups)))
+    per_mb = [_deal([i for g in groups[m::n] for i in g], lengths, world_size, max_tokens)
+              for m in range(n)]
+    k = max(len(plan[0]) for plan in per_mb)
+    return [[(per_mb[m][r][j] if j < len(per_mb[m][r]) else []) for j in range(k) for m in range(n)]
+            for r in range(world_size)]
+
+
+def _deal(ids: list[int], lengths: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """One minibatch's items into the same number of micro-batches per rank."""
+    groups = [[ids[i] for i in g] for g in pack([lengths[i] for i in ids], max_tokens)] if ids else []
+    while len(groups) % world_size or not groups:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            groups.append([])  # a dummy: fewer sequences than ranks need
+            continue
+        big = max(splittable, key=lambda g: sum(lengths[i] for i in g))
+        groups.remove(big)
+        ordered = sorted(big, key=lambda i: lengths[i], reverse=True)
+        groups += [ordered[0::2], ordered[1::2]]
+    per_rank = len(groups) // world_size
+    plan: list[list[list[int]]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    # Longest first, each to the least loaded rank that still has room.
+    for g in sorted(groups, key=lambda g: sum(lengths[i] for i in g), reverse=True):
+        r = min((r for r in range(world_size) if len(plan[r]) < per_rank), key=lambda r: load[r])
+        plan[r].append(g)
+        load[r] += sum(lengths[i] for i in g)
+    return plan
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class _LogprobRoot(torch.nn.Module):
+    """FSDP2's root unit: its forward is the actor's logprob forward, so the parameters
+    outside the decoder layers (embedding, final norm, tied LM head) are gathered for
+    all of it, including the LM head applied to hidden states in chunks."""
+
+    def __init__(self, model: torch.nn.Module, actor: "ShardedActor") -> None:
+        super().__init__()
+        self.model = model
+        self._actor = [actor]  # not a submodule
+
+    def forward(self, batch: TensorBatch, entropy: bool):
+        lp, ent = PPOActor.logprobs(self._actor[0], batch, entropy=entropy)
+        # FSDP2 hooks the outputs for the backward; a view could lose that hook to an
+        # in-place op downstream, so views are returned as copies ([B, T-1]: small).
+        return (lp.clone() if lp._is_view() else lp,
+                ent.clone() if ent is not None and ent._is_view() else ent)
+
+
+def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
+                root: torch.nn.Module) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fsdp.param_dtype),
+                              reduce_dtype=getattr(torch, fsdp.grad_reduce_dtype))
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    # The root's parameters are needed again right away by the backward: keep them.
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+class ShardedActor(PPOActor):
+    """PPOActor over N FSDP2 ranks; constructed on every rank after the process groups
+    (:func:`tapioca.trainers.fsdp_ranks.init_process_groups`)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, fsdp: FSDPConfig, *,
+                 channel: Channel, temperature: float, pad_token_id: int,
+                 device: torch.device, followers: list | None = None) -> None:
+        self.channel = channel
+        self.fsdp = fsdp
+        self.world_size = channel.info.world_size
+        self.followers = followers or []  # rank 0's child processes (ranks it started)
+        self._grad_scale: dict[int, float] = {}
+        self._planned: list[TensorBatch] | None = None
+        self._closed = False
+        self.root = _LogprobRoot(model, self)
+        shard_model(model, fsdp, device, self.root)
+        super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
+                         device=str(device))
+
+    # ------------------------------------------------------------------ rank 0's calls
+
+    def _command(self, cmd: dict[str, Any]) -> Any:
+        """Rank 0: send ``cmd`` to every rank, then run it here too."""
+        self._check_followers()
+        self.channel.broadcast(cmd)
+        return self._run(cmd)
+
+    def train_step(self, items: list[SeqItem], *, policy_version: int | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        trained = [it for it in items if any(it.loss_mask)]  # nothing to train otherwise
+        plan = plan_shards([it.length for it in trained], self.world_size, self.cfg.mb_max_tokens,
+                           self.cfg.ppo_n_minibatches)
+        shards = [[[asdict(trained[i]) for i in group] for group in groups] for groups in plan]
+        result = self._command({"op": "step", "shards": shards, "version": policy_version})
+        elapsed = time.perf_counter() - t0
+        result.metrics["actor/step_time_s"] = elapsed
+        n_all = sum(it.length for it in items)
+        result.metrics["actor/tokens_per_s"] = n_all / elapsed if elapsed > 0 else 0.0
+        return result
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._command({"op": "full_state_dict"})
+
+    def load_full_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Also restarts Adam's moments on every rank (its only use is a rollback, where
+        the trainer restarts them)."""
+        self._full_weights = dict(tensors)  # torch writes the distributed tensors into it
+        try:
+            self._command({"op": "load_full"})
+        finally:
+            self._full_weights = None
+
+    def save_checkpoint(self, path, progress) -> None:
+        self._command({"op": "save", "path": str(path), "version": progress.version,
+                       "progress": progress.__dict__})
+
+    def load_checkpoint(self, path):
+        from tapioca.trainers.checkpoint import TrainerProgress
+
+        record = sharded_checkpoint.read_record(path)
+        if record is None:
+            self._command({"op": "noop"})
+            return None
+        self._command({"op": "load", "path": str(path), "shards": record["shards"]})
+        return TrainerProgress(**record["progress"])
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop and wait for them."""
+        if self._closed or not self.channel.info.leader:
+            return
+        self._closed = True
+        try:
+            if all(p.poll() is None for p in self.followers):
+                self.channel.broadcast({"op": "stop"})
+        except Exception as exc:  # a rank already gone: nothing to stop there
+            log.warning("stopping the trainer ranks: %s", exc)
+        for p in self.followers:
+            try:
+                p.wait(30)
+            except Exception:
+                p.kill()
+        _destroy_groups()
+
+    def _check_followers(self) -> None:
+        dead = [(i + 1, p.returncode) for i, p in enumerate(self.followers) if p.poll() is not None]
+        if dead:
+            rank, code = dead[0]
+            raise FatalRoleError(f"trainer rank {rank} exited with code {code} (see its log "
+                                 f"logs/trainer-rank{rank}.log); the role restarts all ranks")
+
+    # ------------------------------------------------------------------ every rank
+
+    def serve(self) -> None:
+        """Ranks 1..N-1: run rank 0's commands until it says stop."""
+        while True:
+            cmd = self.channel.broadcast()
+            if cmd["op"] == "stop":
+                break
+            self._run(cmd)
+        _destroy_groups()
+
+    def _run(self, cmd: dict[str, Any]) -> Any:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        op = cmd["op"]
+        if op == "step":
+            groups = [[SeqItem(**d) for d in g] for g in cmd["shards"][self.channel.info.rank]]
+            return self._local_step(groups, cmd["version"])
+        if op == "full_state_dict":
+            return get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if op == "load_full":
+            tensors = self._full_weights if self.channel.info.leader else {}
+            set_model_state_dict(self.model, tensors, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=False))
+            self.optimizer.state.clear()
+            return None
+        if op == "save":
+            from tapioca.trainers.checkpoint import TrainerProgress
+
+            progress = TrainerProgress(**cmd["progress"]) if self.channel.info.leader else None
+            sharded_checkpoint.save(cmd["path"], cmd["version"], self.model, self.optimizer,
+                                    self.channel, progress)
+            return None
+        if op == "load":
+            sharded_checkpoint.load(cmd["path"], cmd["shards"], self.model, self.optimizer,
+                                    self.channel)
+            return None
+        if op == "noop":
+            return None
+        raise FatalRoleError(f"trainer rank {self.channel.info.rank}: unknown command {op!r}")
+
+    def _local_step(self, groups: list[list[SeqItem]], version: int | None) -> StepResult:
+        """This rank's part of a step: its K micro-batches, scaled to the global units."""
+        n_dummy = sum(1 for g in groups if not g)
+        mbs: list[TensorBatch] = []
+        for g in groups:
+            built = PPOActor.micro_batches(self, g or [self._dummy(version)])
+            if len(built) != 1:
+                raise FatalRoleError(f"the sharded step planned one micro-batch of {len(g)} "
+                                     f"sequences but the actor packed {len(built)}")
+            mbs += built
+        mode = self.cfg.loss_agg_mode
+        units = [agg_units(mb.mask_BT, mode) for mb in mbs]
+        minibatches = _split(list(range(len(mbs))), self.cfg.ppo_n_minibatches)
+        local = [sum(units[i] for i in ids) or 1 for ids in minibatches]
+        real = [sum(units[i] for i in ids if groups[i]) for ids in minibatches]
+        total = self.channel.sum([float(u) for u in real])
+        self._grad_scale = {}
+        for m, ids in enumerate(minibatches):
+            for i in ids:
+                scale = self.world_size * local[m] / total[m] if groups[i] and total[m] else 0.0
+                self._grad_scale[id(mbs[i])] = scale
+        self._planned = mbs
+        try:
+            flat = [it for g in groups for it in g]
+            result = super().train_step(flat, policy_version=version)
+        finally:
+            self._planned, self._grad_scale = None, {}
+        dummy_tokens = sum(mb.n_tokens for mb, g in zip(mbs, groups) if not g)
+        return self._reduce_metrics(result, dummy_tokens, n_dummy, float(sum(real)))
+
+    def _dummy(self, version: int | None) -> SeqItem:
+        pad = self.pad_token_id
+        return SeqItem(group_id=DUMMY_GROUP, input_ids=[pad, pad], prompt_len=1,
+                       behav_logprobs=[0.0], versions=[version or 0], loss_mask=[1],
+                       advantage=0.0, reward=0.0)
+
+    def _reduce_metrics(self, result: StepResult, dummy_tokens: int, n_dummy: int,
+                        units: float) -> StepResult:
+        """Token-weighted means over ranks (the loss: weighted by aggregation units, which
+        makes it the one-process value with one minibatch); counts summed."""
+        m = result.metrics
+        tokens = m.get("actor/trained_tokens", 0.0) - dummy_tokens
+        rows = self.channel.gather({"metrics": m, "tokens": tokens, "units": units,
+                                    "dummies": n_dummy})
+        total = sum(r["tokens"] for r in rows)
+        out: dict[str, float] = {}
+        for key in sorted({k for r in rows for k in r["metrics"]}):
+            weight = "units" if key == "actor/loss" else "tokens"
+            vals = [(r["metrics"][key], r[weight]) for r in rows if key in r["metrics"]]
+            if key in ("actor/trained_tokens", "actor/micro_batches"):
+                out[key] = float(sum(v for v, _ in vals))
+            elif key in ("actor/step_time_s",):
+                out[key] = float(max(v for v, _ in vals))
+            else:
+                w = sum(t for _, t in vals)
+                out[key] = float(sum(v * t for v, t in vals) / w) if w else float(vals[0][0])
+        out["actor/trained_tokens"] = float(total)
+        out["actor/fsdp_dummy_micro_batches"] = float(sum(r["dummies"] for r in rows))
+        out["actor/fsdp_world_size"] = float(self.world_size)
+        return StepResult(out, int(total))
+
+    # ------------------------------------------------------------------ PPOActor hooks
+
+    def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
+        if self._planned is not None:
+            return self._planned
+        return super().micro_batches(items)
+
+    def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
+        lp, ent = self.root(batch, entropy)
+        scale = self._grad_scale.get(id(batch))
+        if scale is not None and scale != 1.0 and torch.is_grad_enabled():
+            lp = _ScaleGrad.apply(lp, scale)
+            ent = _ScaleGrad.apply(ent, scale) if ent is not None else None
+        return lp, ent
+
+
+def _destroy_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_sharded_actor(cfg, sec) -> ShardedActor:
+    """The trainer role's actor when ``fsdp.world_size`` > 1 (ops/role_builders.py).
+
+    Rank 0 (a plain ``tapioca role trainer``) starts ranks 1..N-1 with the config it
+    runs (written to ``<run>/logs/trainer-ranks.yaml``) and returns its actor; under
+    torchrun every rank is started from outside. Ranks 1..N-1 never return: they serve
+    rank 0 until it stops them, then exit (code 0; 1 after an error, which rank 0's next
+    collective sees at once)."""
+    import atexit
+    import os
+    from pathlib import Path
+
+    from tapioca.config.loader import to_yaml
+    from tapioca.models.factory import load_model_and_tokenizer
+    from tapioca.trainers.fsdp_ranks import (
+        command_line,
+        init_process_groups,
+        rank_device,
+        rank_from_env,
+        start_ranks,
+    )
+
+    info = rank_from_env(sec.fsdp)
+    followers: list = []
+    if info is None:
+        logs = Path(sec.run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        written = logs / "trainer-ranks.yaml"
+        written.write_text(to_yaml(cfg))
+        info, followers = start_ranks(sec.fsdp, command_line(written), logs)
+    device = rank_device(sec.actor.device, info)
+    log.info("trainer rank %d of %d on %s", info.rank, info.world_size, device)
+    channel = Channel(init_process_groups(sec.fsdp, info, device), info)
+    # On CUDA the model is loaded on the host: fully_shard moves only this rank's shard.
+    model, tokenizer = load_model_and_tokenizer(
+        sec.model.path, dtype=sec.actor.param_dtype, device="cpu" if device.type == "cuda" else str(device))
+    actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
+                         pad_token_id=tokenizer.pad_token_id or 0, device=device,
+                         followers=followers)
+    if info.leader:
+        atexit.register(actor.close)
+        return actor
+    try:
+        actor.serve()
+    except BaseException:  # noqa: BLE001 - any failure: die now so rank 0's collective fails fast
+        log.exception("trainer rank %d failed", info.rank)
+        logging.shutdown()
+        os._exit(1)
+    log.info("trainer rank %d stopped cleanly", info.rank)
+    raise SystemExit(0)
