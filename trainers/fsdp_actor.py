@@ -130,7 +130,11 @@ class _LogprobRoot(torch.nn.Module):
 
 
 def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
-                root: torch.nn.Module) -> None:
+                root: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
+    """FSDP2 units: each of ``layers`` (the modules called once per decoder layer: the
+    packed forward's layers, which hold the HF layers, else the HF layers), then ``root``
+    (everything else). A unit's parameters are gathered by its forward hooks, so the
+    unit must be the module whose forward runs."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -139,10 +143,13 @@ def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fsdp.param_dtype),
                               reduce_dtype=getattr(torch, fsdp.grad_reduce_dtype))
-    for layer in model.get_decoder().layers:
+    for layer in model.get_decoder().layers if layers is None else layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    # The packed forward's layers live outside ``root``'s tree (root holds the HF model),
+    # so root must be told that their (now sharded) parameters are not its own.
+    ignored = {p for layer in layers for p in layer.parameters()} if layers is not None else None
     # The root's parameters are needed again right away by the backward: keep them.
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
 
 
 class ShardedActor(PPOActor):
@@ -160,9 +167,9 @@ class ShardedActor(PPOActor):
         self._planned: list[TensorBatch] | None = None
         self._closed = False
         self.root = _LogprobRoot(model, self)
-        shard_model(model, fsdp, device, self.root)
         super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
-                         device=str(device))
+                         device=str(device),
+                         shard=lambda layers: shard_model(model, fsdp, device, self.root, layers))
 
     # ------------------------------------------------------------------ rank 0's calls
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -77,9 +78,13 @@ class StepResult:
     skipped_group_ids: set[str] = field(default_factory=set)
 
 
-def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device):
+def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device,
+                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None):
     """``(packed, optimizer)`` for training ``model`` (already on ``device``):
-    the packed forward module (None with ``packed_sequences: false``) and the optimizer."""
+    the packed forward module (None with ``packed_sequences: false``) and the optimizer.
+    ``shard`` (the FSDP2 actor, trainers/fsdp_actor.py) wraps the modules whose forward
+    runs per layer -- the packed layers, or the HF decoder layers -- before the optimizer
+    is built over the (then sharded) parameters."""
     packed = None
     if cfg.packed_sequences:
         from tapioca.models.packed import PackedCausalLM
@@ -89,6 +94,8 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype)
+    if shard is not None:
+        shard(list(packed.layers) if packed is not None else list(model.get_decoder().layers))
     return packed, build_optimizer(model, cfg, device)
 
 
@@ -99,13 +106,14 @@ class PPOActor:
     prox_from_training_forward: bool = True
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
-                 pad_token_id: int, device: str = "cpu") -> None:
+                 pad_token_id: int, device: str = "cpu",
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
         self.model = model.to(device)
         self.cfg = cfg
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device)
+        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard)
 
     @property
     def forward_module(self) -> torch.nn.Module:
