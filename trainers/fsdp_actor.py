@@ -331,7 +331,9 @@ class ShardedActor(PPOActor):
         m = result.metrics
         tokens = m.get("actor/trained_tokens", 0.0) - dummy_tokens
         rows = self.channel.gather({"metrics": m, "tokens": tokens, "units": units,
-                                    "dummies": n_dummy})
+                                    "dummies": n_dummy, "applied": result.applied_minibatches,
+                                    "skipped": result.skipped_minibatches,
+                                    "skipped_groups": sorted(result.skipped_group_ids)})
         total = sum(r["tokens"] for r in rows)
         out: dict[str, float] = {}
         for key in sorted({k for r in rows for k in r["metrics"]}):
@@ -347,7 +349,11 @@ class ShardedActor(PPOActor):
         out["actor/trained_tokens"] = float(total)
         out["actor/fsdp_dummy_micro_batches"] = float(sum(r["dummies"] for r in rows))
         out["actor/fsdp_world_size"] = float(self.world_size)
-        return StepResult(out, int(total))
+        # Every rank took the same skip decisions (_finite is collective); the groups of
+        # the skipped minibatches are every rank's share of them.
+        skipped_groups = {g for r in rows for g in r["skipped_groups"]} - {DUMMY_GROUP}
+        return StepResult(out, int(total), skipped_minibatches=rows[0]["skipped"],
+                          applied_minibatches=rows[0]["applied"], skipped_group_ids=skipped_groups)
 
     # ------------------------------------------------------------------ PPOActor hooks
 
@@ -355,6 +361,12 @@ class ShardedActor(PPOActor):
         if self._planned is not None:
             return self._planned
         return super().micro_batches(items)
+
+    def _finite(self, values: list[float]) -> bool:
+        # One decision for all ranks: a rank that skipped a step the others applied would
+        # leave the shards' optimizer states apart for good.
+        ok = float(PPOActor._finite(self, values))
+        return self.channel.sum([ok])[0] == self.world_size
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         lp, ent = self.root(batch, entropy)

@@ -277,7 +277,7 @@ class PPOActor:
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.max_grad_norm)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
-            if not all(math.isfinite(v) for v in mb_sums.values()):
+            if not self._finite(list(mb_sums.values())):
                 # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
                 # applying it would ruin the weights for good. Skip this optimizer step;
                 # the caller dead-letters the minibatch's groups.
@@ -301,6 +301,11 @@ class PPOActor:
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
                           applied_minibatches=len(minibatches) - len(skipped),
                           skipped_group_ids=bad)
+
+    def _finite(self, values: list[float]) -> bool:
+        """Whether a minibatch's loss, stats and gradient norm are finite: its optimizer
+        step is applied only then (the sharded actor decides this for all ranks)."""
+        return all(math.isfinite(v) for v in values)
 
     def _m2po_keeps(self, mbs: list[TensorBatch], prox: list[torch.Tensor | None]):
         """M2PO keep masks over all trained tokens of the step (None: M2PO off, or

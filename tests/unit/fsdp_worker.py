@@ -103,7 +103,8 @@ def main(out_dir: str) -> None:
         grads = full_grads(actor.model)
         weights1 = command(actor.full_state_dict)
         if info.leader:
-            results[name] = {"metrics": result.metrics}
+            results[name] = {"metrics": result.metrics, "applied": result.applied_minibatches,
+                             "skipped": result.skipped_minibatches}
             tensors.update({f"{name}.grad.{k}": v for k, v in grads.items()})
             tensors.update({f"{name}.w1.{k}": v.contiguous() for k, v in weights1.items()})
         if name != "fp32_token":

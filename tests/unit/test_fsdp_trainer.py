@@ -115,6 +115,9 @@ def test_two_gloo_ranks_equal_one_process(two_ranks, scenario, agg_mode):
             continue
         assert sharded[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     assert sharded["actor/trained_tokens"] == one.metrics["actor/trained_tokens"]
+    # The trainer role applies a step (a new version) only for applied minibatches.
+    assert results[scenario]["applied"] == one.applied_minibatches >= 1
+    assert results[scenario]["skipped"] == one.skipped_minibatches == 0
     for name, p in actor.model.named_parameters():
         torch.testing.assert_close(tensors[f"{scenario}.grad.{name}"], p.grad, atol=1e-6, rtol=1e-4)
     # The published (gathered) weights after the step: every key of a plain state dict.
