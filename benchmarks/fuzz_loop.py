@@ -347,8 +347,8 @@ class Fuzzer(threading.Thread):
         # An old weights record re-published byte for byte: its signature still verifies
         # (an outsider can copy it); versions only go forward. Version r: a distinct record
         # per round, older than what every worker has loaded (plan_rounds).
-        old = min((rec for rec in genuine if rec.event.version == min(r, v)),
-                  key=lambda rec: rec.source.offset)
+        old = max((rec for rec in genuine if rec.event.version <= r),
+                  key=lambda rec: (rec.event.version, -rec.source.offset))
         out.append(Outgoing("weights_replayed_old", old.source.topic,
                             old.source.key.encode() if old.source.key is not None else None,
                             old.raw, list(old.headers), ("raw", old.raw),
