@@ -20,9 +20,18 @@ Kinds, and where each is caught (its "edge"):
 * samples (trainer): out-of-vocabulary ids, another estimator, behaviour logprobs of
   -1e30, an advantage of 1e20, versions from the future (negative staleness), and fake
   "dropped" samples (expected: rejected, ignored by the feeder);
-* weights (every follower): a re-published old event; the next version with a missing
-  file, or with a wrong sha256 (alternately);
+* weights (every follower): an old record re-published byte for byte (its signature
+  still verifies; versions only go forward); the next version unsigned, and signed with
+  another run's key (the signature check); the next version with a missing file, or
+  with a wrong sha256 (alternately), signed with the run's key as a key holder's broken
+  event would be (the rollout worker's load checks);
+* control (every role): an unsigned command pausing every role;
 * garbage bytes on prompts, trajectories, rewards, samples and weights.
+
+The fuzzer is a client of the bus without the run's key (``outsider_bus``), but for the
+two key-holder kinds. Its rounds are paced by the trainer's versions and end by half the
+run (``plan_rounds``), so every bad event is consumed before the run ends on a fast box
+as on a slow one.
 
 Run it alone (prints a table; JSON to ``$OUT/fuzz_loop.json`` when ``$OUT`` is set)::
 
@@ -65,8 +74,11 @@ KINDS: dict[str, str] = {
     "sample_future_version": "dlq",
     "sample_fake_dropped": "ignored",
     "weights_replayed_old": "dlq",
+    "weights_next_unsigned": "dlq",
+    "weights_next_other_key": "dlq",
     "weights_next_missing_file": "dlq",
     "weights_next_bad_sha256": "dlq",
+    "control_unsigned_pause": "dlq",
     "garbage": "dlq",
 }
 GARBAGE_TOPICS = ("prompts", "trajectories", "rewards", "samples", "weights")
@@ -77,14 +89,20 @@ FUZZ = "poison"  # every fuzz group id (and the fuzzer's producer id) starts wit
 class Sent:
     kind: str
     # How its dead letter is recognised: ("event_id", id), ("group_id", gid) for a bad
-    # trajectory refused downstream as its group's sample, or ("raw", bytes) for garbage.
+    # trajectory refused downstream as its group's sample, or ("raw", bytes) for garbage
+    # and a byte-for-byte replay.
     match: tuple[str, object]
+    # A replay's original record (topic, partition, offset): a dead letter of *that* one
+    # would be a genuine event's.
+    original: tuple[str, int, int] | None = None
 
 
 @dataclass
 class FuzzResult:
     steps: int = 0
     wall_s: float = 0.0
+    rounds: int = 0  # rounds planned
+    round_versions: list[int] = field(default_factory=list)  # trainer version at each sent
     reward_first: float = 0.0
     reward_last: float = 0.0
     window: int = 0
@@ -114,6 +132,8 @@ class FuzzResult:
             rows.append(f"{kind:<28}{expected:>10}{self.sent.get(kind, 0):>6}"
                         f"{self.dead_lettered.get(kind, 0):>8}")
         rows += [
+            f"fuzz rounds sent {len(self.round_versions)}/{self.rounds}, at trainer versions "
+            f"{self.round_versions}",
             f"dead letters on dlq.v1: {self.dlq_records} (genuine events among them: "
             f"{len(self.genuine_dead_lettered)})",
             f"reward: first {self.window} steps {self.reward_first:.3f} -> last {self.window} "
@@ -133,20 +153,76 @@ class FuzzResult:
 # ----------------------------------------------------------------------------- fuzzer
 
 
-class Fuzzer(threading.Thread):
-    """Publishes ``rounds`` rounds of one bad event of every kind, ``interval_s`` apart,
-    once the trainer has published version 2 (a replayable old version exists)."""
+def plan_rounds(steps: int, rounds: int, eta: int, last_round_fraction: float = 0.5) -> list[int]:
+    """The trainer version at which each round is sent, spread from ``eta + 2`` to
+    ``last_round_fraction`` of the run. Paced by versions, not seconds: the figures need
+    every round consumed before the run ends, whatever the speed of the box (a 60-step
+    run takes 25 s to 2:30 here). From ``eta + 2``: round r re-publishes version r, which
+    every rollout worker has passed by then (a trainer at version V has trained tokens of
+    version >= V - 1 - eta)."""
+    first, last = eta + 2, int(steps * last_round_fraction)
+    if rounds < 1 or last - first < rounds - 1:
+        raise ValueError(f"{rounds} fuzz rounds do not fit between versions {first} and {last} "
+                         f"({last_round_fraction:.0%} of {steps} steps): run more steps or "
+                         "fewer rounds")
+    spacing = (last - first) // max(1, rounds - 1)
+    return [first + r * spacing for r in range(rounds)]
 
-    def __init__(self, bus, *, vocab_size: int, max_positions: int, rounds: int,
-                 interval_s: float, seed: int = 0) -> None:
+
+def outsider_bus(run_bus):
+    """The run's bus settings without its key: what any other client of the bus has
+    (issue 10: "any producer on the bus"). The Launcher writes the run's key path into
+    the config it is given, which the fuzzer shares; publishing with that config signed
+    every forgery with the run's key, so a forged next version moved the feeder's head
+    gate."""
+    bus = dataclasses.replace(run_bus)
+    bus.signing_key_path = ""  # also when $TAPIOCA_SIGNING_KEY_FILE is set
+    return bus
+
+
+@dataclass
+class Outgoing:
+    """One record the fuzzer publishes, as bytes (so a test can check its signature)."""
+
+    kind: str
+    topic: str  # full topic name
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]] | None
+    match: tuple[str, object]
+    original: tuple[str, int, int] | None = None
+
+
+class Fuzzer(threading.Thread):
+    """Publishes ``len(schedule)`` rounds of bad events of every kind, round r once the
+    trainer has published version ``schedule[r]`` (:func:`plan_rounds`).
+
+    It publishes as an outsider, without the run's key (:func:`outsider_bus`): forged
+    control commands and weights events must fail the signature check. Two weights kinds
+    stand for a key holder's broken event (a trainer whose file was lost) and are signed
+    with the run's key, so that the rollout worker's own checks are what stop them: the
+    next version with a missing file or a wrong sha256. The feeder trusts a signed
+    version: it admits up to one batch early until the trainer reaches that version,
+    which the schedule leaves it ample time to do."""
+
+    def __init__(self, bus, *, vocab_size: int, max_positions: int, schedule: list[int],
+                 seed: int = 0) -> None:
+        from tapioca.bus.signing import SigningKey
+
         super().__init__(daemon=True, name="fuzzer")
-        self.bus = bus
+        self.run_bus = bus  # reads (and verifies) the trainer's genuine weights events
+        self.run_key = bus.signing_key()
+        if self.run_key is None:
+            raise ValueError("the fuzz loop needs a run with a signing key (the Launcher "
+                             "creates one): forged weights and commands are to fail it")
+        self.bus = outsider_bus(bus)
+        self.other_key = SigningKey(random.Random(seed + 1).randbytes(32), "another run")
         self.vocab = vocab_size
         self.max_positions = max_positions
-        self.rounds = rounds
-        self.interval_s = interval_s
+        self.schedule = list(schedule)
         self.rng = random.Random(seed)
         self.sent: list[Sent] = []
+        self.round_versions: list[int] = []  # the trainer's version when each round went out
         self.error: BaseException | None = None
         self.stop_event = threading.Event()
 
@@ -156,37 +232,57 @@ class Fuzzer(threading.Thread):
         except BaseException as exc:  # surfaced by the caller
             self.error = exc
 
-    def _genuine_weights(self):
-        from tapioca.bus import read_events
+    def is_genuine(self, rec) -> bool:
+        """A weights record of the trainer's that verifies under the run's key."""
+        from tapioca.schemas import WeightsEvent
 
-        return [e for e in read_events(self.bus, "weights", idle_s=0.2)
-                if e.producer_id.startswith("trainer") and not e.producer_id.startswith(FUZZ)]
+        ev = rec.event
+        return (isinstance(ev, WeightsEvent) and ev.producer_id.startswith("trainer")
+                and not ev.producer_id.startswith(FUZZ))
 
     def _run(self) -> None:
-        from tapioca.bus import EventProducer
+        from tapioca.bus import EventProducer, TopicReader
 
-        while not self.stop_event.is_set():
-            weights = self._genuine_weights()
-            if weights and max(e.version for e in weights) >= 2:
-                break
-            time.sleep(0.5)
-        with EventProducer(self.bus, producer_id=f"{FUZZ}-producer") as producer:
-            for r in range(self.rounds):
-                if self.stop_event.is_set():
-                    break
-                self._round(producer, r)
-                producer.flush()
-                self.stop_event.wait(self.interval_s)
+        genuine = []
+        with TopicReader(self.run_bus, "weights") as reader, \
+                EventProducer(self.bus, producer_id=f"{FUZZ}-producer") as producer:
+            # One reader follows the topic (re-reading it per round lagged the trainer
+            # by tens of versions); every round due at the version seen goes out at once.
+            while len(self.round_versions) < len(self.schedule) and not self.stop_event.is_set():
+                genuine += [rec for rec in reader.records(follow=True, timeout_s=0.3)
+                            if self.is_genuine(rec)]
+                v = max((rec.event.version for rec in genuine), default=-1)
+                while (len(self.round_versions) < len(self.schedule)
+                       and self.schedule[len(self.round_versions)] <= v):
+                    out = self.build_round(len(self.round_versions), genuine)
+                    for o in out:
+                        producer.publish_raw(o.topic, o.key, o.value, o.headers)
+                    producer.flush()
+                    self.sent += [Sent(o.kind, o.match, o.original) for o in out]
+                    self.round_versions.append(v)
 
     def _gid(self, kind: str) -> str:
         return f"{FUZZ}-{kind}-{uuid.uuid4().hex[:8]}"
 
-    def _publish(self, producer, kind: str, event, match: tuple[str, object] | None = None) -> None:
-        producer.publish(event)
-        self.sent.append(Sent(kind, match or ("event_id", event.event_id)))
+    def _out(self, kind: str, event, *, key=None, match=None) -> Outgoing:
+        """``event`` encoded as the fuzzer's, signed with ``key`` if given."""
+        from tapioca.bus.signing import SIGNATURE_HEADER
+        from tapioca.schemas import encode_event, topic_for
 
-    def _round(self, producer, r: int) -> None:
+        if not event.producer_id:
+            event.producer_id = f"{FUZZ}-producer"
+        if event.run_id == "default":
+            event.run_id = self.bus.run_id  # attributed: read by the run's roles
+        spec = topic_for(event)
+        value = encode_event(event, max_bytes=self.bus.max_message_bytes)
+        headers = [(SIGNATURE_HEADER, key.sign(value))] if key is not None else None
+        return Outgoing(kind, self.bus.topic(spec), spec.key_of(event).encode(), value, headers,
+                        match or ("event_id", event.event_id))
+
+    def build_round(self, r: int, genuine: list) -> list[Outgoing]:
+        """Round ``r``'s records, given the genuine weights records read so far."""
         from tapioca.schemas import (
+            ControlEvent,
             PromptEvent,
             RewardEvent,
             SampleEvent,
@@ -196,8 +292,8 @@ class Fuzzer(threading.Thread):
         )
 
         V = self.vocab
-        weights = self._genuine_weights()
-        latest = max(weights, key=lambda e: (e.version, e.produced_at))
+        out: list[Outgoing] = []
+        latest = max((rec.event for rec in genuine), key=lambda e: (e.version, e.produced_at))
         v = latest.version
 
         def prompt(kind: str, **kw) -> PromptEvent:
@@ -208,62 +304,85 @@ class Fuzzer(threading.Thread):
             args.update(kw)
             return PromptEvent(**args)
 
-        self._publish(producer, "prompt_oov", prompt("prompt_oov", prompt_ids=[1, V + 7, 2]))
-        self._publish(producer, "prompt_no_samples", prompt("prompt_no_samples", n_samples=0))
-        self._publish(producer, "prompt_too_long",
-                      prompt("prompt_too_long", prompt_ids=[1] * self.max_positions))
+        out.append(self._out("prompt_oov", prompt("prompt_oov", prompt_ids=[1, V + 7, 2])))
+        out.append(self._out("prompt_no_samples", prompt("prompt_no_samples", n_samples=0)))
+        out.append(self._out("prompt_too_long",
+                             prompt("prompt_too_long", prompt_ids=[1] * self.max_positions)))
 
         gid = self._gid("trajectory_oov")  # the run's scorer scores it; the trainer refuses it
-        self._publish(producer, "trajectory_oov", TrajectoryEvent(
+        out.append(self._out("trajectory_oov", TrajectoryEvent(
             traj_id=f"{gid}:0", group_id=gid, prompt_id=gid, sample_index=0, group_size=1,
             prompt_ids=[1, 2], output_ids=[V + 3], output_logprobs=[-1.0],
             output_versions=[v], task="synthetic", task_data={"answer": "1"}),
-            ("group_id", gid))
+            match=("group_id", gid)))
         gid = self._gid("reward_overflow")
-        self._publish(producer, "reward_overflow",
-                      RewardEvent(traj_id=f"{gid}:0", group_id=gid, reward=1.5e308))
+        out.append(self._out("reward_overflow",
+                             RewardEvent(traj_id=f"{gid}:0", group_id=gid, reward=1.5e308)))
         gid = self._gid("reward_wrong_key")
-        self._publish(producer, "reward_wrong_key",
-                      RewardEvent(traj_id=f"{gid}:0", group_id=gid, reward=1.0))
+        out.append(self._out("reward_wrong_key",
+                             RewardEvent(traj_id=f"{gid}:0", group_id=gid, reward=1.0)))
 
-        def sample(kind: str, *, out=(3, 4), lp=-1.0, adv=1.0, version=v, **kw) -> SampleEvent:
+        def sample(kind: str, *, toks=(3, 4), lp=-1.0, adv=1.0, version=v, **kw) -> SampleEvent:
             gid = self._gid(kind)
-            seq = SampleSequence(traj_id=f"{gid}:0", output_ids=list(out),
-                                 behav_logprobs=[lp] * len(out),
-                                 output_versions=[version] * len(out), reward=1.0,
+            seq = SampleSequence(traj_id=f"{gid}:0", output_ids=list(toks),
+                                 behav_logprobs=[lp] * len(toks),
+                                 output_versions=[version] * len(toks), reward=1.0,
                                  advantage=adv)
             args = dict(group_id=gid, prompt_id=gid, prompt_ids=[1, 2], sequences=[seq],
                         min_version=version, max_version=version)
             args.update(kw)
             return SampleEvent(**args)
 
-        self._publish(producer, "sample_oov", sample("sample_oov", out=(3, V + 1)))
-        self._publish(producer, "sample_other_estimator",
-                      sample("sample_other_estimator", estimator="rloo"))
-        self._publish(producer, "sample_logprob_-1e30", sample("sample_logprob_-1e30", lp=-1e30))
-        self._publish(producer, "sample_advantage_1e20", sample("sample_advantage_1e20", adv=1e20))
-        self._publish(producer, "sample_future_version",
-                      sample("sample_future_version", version=10**9))
+        out.append(self._out("sample_oov", sample("sample_oov", toks=(3, V + 1))))
+        out.append(self._out("sample_other_estimator",
+                             sample("sample_other_estimator", estimator="rloo")))
+        out.append(self._out("sample_logprob_-1e30", sample("sample_logprob_-1e30", lp=-1e30)))
+        out.append(self._out("sample_advantage_1e20", sample("sample_advantage_1e20", adv=1e20)))
+        out.append(self._out("sample_future_version",
+                             sample("sample_future_version", version=10**9)))
         gid = self._gid("sample_fake_dropped")
-        self._publish(producer, "sample_fake_dropped", SampleEvent(
-            group_id=gid, prompt_id=gid, prompt_ids=[], sequences=[], dropped_reason="fuzz"))
+        out.append(self._out("sample_fake_dropped", SampleEvent(
+            group_id=gid, prompt_id=gid, prompt_ids=[], sequences=[], dropped_reason="fuzz")))
 
-        old = min(weights, key=lambda e: e.version)
-        self._publish(producer, "weights_replayed_old", dataclasses.replace(
-            old, event_id=uuid.uuid4().hex, produced_at=time.time(), producer_id=producer.producer_id))
+        # An old weights record re-published byte for byte: its signature still verifies
+        # (an outsider can copy it); versions only go forward. Version r: a distinct record
+        # per round, older than what every worker has loaded (plan_rounds).
+        old = max((rec for rec in genuine if rec.event.version <= r),
+                  key=lambda rec: (rec.event.version, -rec.source.offset))
+        out.append(Outgoing("weights_replayed_old", old.source.topic,
+                            old.source.key.encode() if old.source.key is not None else None,
+                            old.raw, list(old.headers), ("raw", old.raw),
+                            (old.source.topic, old.source.partition, old.source.offset)))
+
+        def forged_next(**kw):
+            return dataclasses.replace(
+                latest, event_id=uuid.uuid4().hex, produced_at=time.time(), version=v + 1,
+                step=v + 1, group_ids=[], rejected_group_ids=[],
+                producer_id=f"{FUZZ}-producer", **kw)
+
+        # The next version, naming the latest genuine file (loadable: a worker that took
+        # it would label its tokens one version ahead): unsigned, and signed with another
+        # run's key. Both fail the signature check at every follower.
+        out.append(self._out("weights_next_unsigned", forged_next()))
+        out.append(self._out("weights_next_other_key", forged_next(), key=self.other_key))
+        # A key holder's broken event (signed with the run's key): the rollout worker
+        # cannot load it, retries, dead-letters it and keeps its version.
         if r % 2 == 0:
-            kind, forged = "weights_next_missing_file", dataclasses.replace(
-                latest, path=f"/nonexistent/{FUZZ}/v{v + 1:06d}.safetensors")
+            kind, broken = "weights_next_missing_file", forged_next(
+                path=f"/nonexistent/{FUZZ}/v{v + 1:06d}.safetensors")
         else:
-            kind, forged = "weights_next_bad_sha256", dataclasses.replace(latest, sha256="0" * 64)
-        self._publish(producer, kind, dataclasses.replace(
-            forged, event_id=uuid.uuid4().hex, produced_at=time.time(), version=v + 1, step=v + 1,
-            group_ids=[], rejected_group_ids=[], producer_id=producer.producer_id))
+            kind, broken = "weights_next_bad_sha256", forged_next(sha256="0" * 64)
+        out.append(self._out(kind, broken, key=self.run_key))
+
+        # An unsigned command pausing every role: dead-lettered by each, obeyed by none.
+        out.append(self._out("control_unsigned_pause", ControlEvent(
+            command_id=uuid.uuid4().hex, command="pause", target="all")))
 
         for name in GARBAGE_TOPICS:
             raw = b"\xff\x00" + self.rng.randbytes(24) + f"{FUZZ}{r}{name}".encode()
-            producer.publish_raw(self.bus.topic(topic(name)), f"{FUZZ}-garbage".encode(), raw)
-            self.sent.append(Sent("garbage", ("raw", raw)))
+            out.append(Outgoing("garbage", self.bus.topic(topic(name)),
+                                f"{FUZZ}-garbage".encode(), raw, None, ("raw", raw)))
+        return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -291,12 +410,14 @@ def build_config(run_dir: str, steps: int, *, bootstrap: str = "", prefix: str =
     return load_config(TrainConfig, None, args + list(overrides or []))
 
 
-def run_fuzz_loop(run_dir: str, *, steps: int = 60, rounds: int = 8, interval_s: float = 2.5,
-                  bootstrap: str = "", prefix: str = "", timeout_s: float = 420.0,
-                  overrides: list[str] | None = None) -> FuzzResult:
-    """Run the loop under the fuzzer and read the figures back from the log. Without
-    ``bootstrap`` an embedded broker is started for the run (and stopped after the
-    figures are read: the launcher's own broker would go down with the roles)."""
+def run_fuzz_loop(run_dir: str, *, steps: int = 60, rounds: int = 8,
+                  last_round_fraction: float = 0.5, bootstrap: str = "", prefix: str = "",
+                  timeout_s: float = 420.0, overrides: list[str] | None = None) -> FuzzResult:
+    """Run the loop under the fuzzer and read the figures back from the log. The rounds
+    go out by the trainer's versions, the last one by ``last_round_fraction`` of the
+    steps (:func:`plan_rounds`). Without ``bootstrap`` an embedded broker is started for
+    the run (and stopped after the figures are read: the launcher's own broker would go
+    down with the roles)."""
     from tapioca.bus import EmbeddedBroker
 
     broker = None
@@ -305,27 +426,30 @@ def run_fuzz_loop(run_dir: str, *, steps: int = 60, rounds: int = 8, interval_s:
         broker.start()
         bootstrap = broker.bootstrap
     try:
-        return _run(run_dir, steps, rounds, interval_s, bootstrap, prefix, timeout_s, overrides)
+        return _run(run_dir, steps, rounds, last_round_fraction, bootstrap, prefix, timeout_s,
+                    overrides)
     finally:
         if broker is not None:
             broker.stop(timeout_s=1.0)
 
 
-def _run(run_dir, steps, rounds, interval_s, bootstrap, prefix, timeout_s, overrides):
+def _run(run_dir, steps, rounds, last_round_fraction, bootstrap, prefix, timeout_s, overrides):
     from transformers import AutoConfig
 
     from tapioca.ops.launcher import Launcher
 
     prefix = prefix or f"fuzz{uuid.uuid4().hex[:8]}"
     cfg = build_config(run_dir, steps, bootstrap=bootstrap, prefix=prefix, overrides=overrides)
+    schedule = plan_rounds(steps, rounds, cfg.rollout.max_head_offpolicyness, last_round_fraction)
     launcher = Launcher(cfg)
     launcher.start()
     fuzzer = None
     try:
         model_cfg = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        # cfg.bus now holds the run's key (the Launcher wrote its path there): the
+        # fuzzer reads with it and publishes without it (outsider_bus).
         fuzzer = Fuzzer(cfg.bus, vocab_size=model_cfg.vocab_size,
-                        max_positions=model_cfg.max_position_embeddings, rounds=rounds,
-                        interval_s=interval_s)
+                        max_positions=model_cfg.max_position_embeddings, schedule=schedule)
         fuzzer.start()
         summary = launcher.wait(timeout_s=timeout_s)
     finally:
@@ -335,7 +459,9 @@ def _run(run_dir, steps, rounds, interval_s, bootstrap, prefix, timeout_s, overr
         launcher.stop()  # the roles flush their last dead letters and commits
     if fuzzer.error is not None:
         raise fuzzer.error
-    return read_figures(cfg, fuzzer.sent, summary)
+    res = read_figures(cfg, fuzzer.sent, summary)
+    res.rounds, res.round_versions = len(schedule), list(fuzzer.round_versions)
+    return res
 
 
 def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
@@ -361,6 +487,7 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     # Dead letters, matched to what the fuzzer sent.
     res.sent = dict(Counter(s.kind for s in sent))
     wanted = {s.match: s for s in sent}
+    originals = {s.original for s in sent if s.original is not None}
     found: set[tuple[str, object]] = set()
     with TopicReader(cfg.bus, "dlq") as reader:
         for rec in reader.records(idle_s=1.0, timeout_s=60):
@@ -375,7 +502,8 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
                 body = None
             if isinstance(body, dict):
                 keys += [("event_id", body.get("event_id")), ("group_id", body.get("group_id"))]
-            hit = [k for k in keys if k in wanted]
+            at = (rec.event.source_topic, rec.event.source_partition, rec.event.source_offset)
+            hit = [k for k in keys if k in wanted] if at not in originals else []
             if hit:
                 found.update(hit)
             else:
@@ -447,13 +575,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--interval-s", type=float, default=2.5)
+    parser.add_argument("--last-round-fraction", type=float, default=0.5,
+                        help="the last round goes out by this fraction of the steps")
     parser.add_argument("--run-dir", default="")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = parser.parse_args()
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="tapioca-fuzz-")
     res = run_fuzz_loop(run_dir, steps=args.steps, rounds=args.rounds,
-                        interval_s=args.interval_s, overrides=args.overrides)
+                        last_round_fraction=args.last_round_fraction, overrides=args.overrides)
     print(res.table())
     if res.missed:
         print("not dead-lettered:", json.dumps(res.missed, indent=1))

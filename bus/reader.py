@@ -92,16 +92,22 @@ class TopicReader:
     def records(self, *, idle_s: float = 0.5, follow: bool = False,
                 max_records: int | None = None, timeout_s: float | None = None,
                 decode: bool = True) -> Iterator[Record]:
-        """Yield records until none arrives for ``idle_s`` (or forever with ``follow``)."""
+        """Yield records until none arrives for ``idle_s`` (or forever with ``follow``),
+        at most ``max_records``, for at most about ``timeout_s``. Every record consumed is
+        yielded before it returns: a caller that calls again on the same reader (a
+        follower polling with a timeout) misses nothing."""
         last = time.monotonic()
         start = last
         count = 0
         while True:
+            # Never more than max_records still wants: the rest of a batch would be lost
+            # to the next call (the consumer's position has passed it).
+            room = 256 if max_records is None else max_records - count
             msgs = self.consumer.consume(1, timeout=0.05)
-            if msgs:
-                msgs += self.consumer.consume(255, timeout=0)
+            if msgs and room > 1:
+                msgs += self.consumer.consume(min(255, room - 1), timeout=0)
             now = time.monotonic()
-            if timeout_s is not None and now - start > timeout_s:
+            if timeout_s is not None and now - start > timeout_s and not msgs:
                 return
             if not msgs:
                 # Below a watermark, wait longer before calling it the end (a slow fetch);
@@ -138,6 +144,9 @@ class TopicReader:
                 count += 1
                 if max_records is not None and count >= max_records:
                     return
+            # Checked once the batch is out (it used to be dropped, consumed but unseen).
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                return
 
     def close(self) -> None:
         self.consumer.close()

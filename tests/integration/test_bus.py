@@ -112,6 +112,23 @@ def test_round_trip_of_every_event_type(bus_cfg, one_of_each_event):
     assert sorted(e.event_id for e in got) == sorted(e.event_id for e in by_topic["trajectories"])
 
 
+def test_reading_again_after_a_timeout_or_a_record_limit_misses_no_record(bus_cfg):
+    # A follower calls records() again and again on one reader (the launcher's metrics,
+    # `tapioca` waiting for acks, the fuzzer following weights.v1). A batch consumed when
+    # the timeout struck, or past max_records, used to be dropped: the next call started
+    # after it. timeout_s=0 strikes on every call.
+    with EventProducer(bus_cfg, "follow-producer") as producer:
+        for i in range(300):
+            producer.publish(prompt(i, "f"))
+    for kwargs in ({"follow": True, "timeout_s": 0}, {"max_records": 7, "timeout_s": 20}):
+        got = []
+        deadline = time.monotonic() + 20
+        with TopicReader(bus_cfg, "prompts") as reader:
+            while len(got) < 300 and time.monotonic() < deadline:
+                got += [r.event.group_index for r in reader.records(**kwargs)]
+        assert sorted(got) == list(range(300)), (kwargs, len(got))
+
+
 def test_runner_dead_letters_bad_records_and_loses_no_valid_event(bus_cfg, start_runner,
                                                                   wait_until):
     prompts_topic = bus_cfg.topic(topic("prompts"))

@@ -135,7 +135,8 @@ def test_pause_resume_drain_of_a_runner(cfg, cli, start_runner, wait_until):
     wait_until(lambda: any(e.status == "running" for e in heartbeats(cfg, member)),
                what="a running heartbeat")
     publish(cfg, prompt("g-before"))
-    wait_until(lambda: "g-before" in rt.state["done"], what="the first prompt handled")
+    wait_until(lambda: rt.state is not None and "g-before" in rt.state["done"],
+               what="the first prompt handled")
 
     # `tapioca status -o json` lists the live member with its numbers.
     rows = {r["member_id"]: r for r in ok_json(cli("status", "-o", "json"))}
@@ -185,7 +186,9 @@ def test_pause_resume_drain_of_a_runner(cfg, cli, start_runner, wait_until):
     # What it did not handle was left uncommitted: another member of the same consumer
     # group picks it up from the committed offset.
     rt2 = start_runner(Worker(), cfg, member_id="fleetworker-1", max_seconds=90)
-    wait_until(lambda: "g-after-drain" in rt2.state["done"], timeout_s=45,
+    # state is None until the runner's thread has started it.
+    wait_until(lambda: rt2.state is not None and "g-after-drain" in rt2.state["done"],
+               timeout_s=45,
                what="the input the drained member left, handled by a second member")
     assert rt2.state["done"] == ["g-after-drain"], "a committed input was handled again"
 
