@@ -55,6 +55,9 @@ from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, Weights
 from tapioca.schemas.errors import EngineError
 
 log = logging.getLogger(__name__)
+# httpx2 logs every request at INFO: with health probes every few seconds that buries a
+# role's log.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 STAGE_DIR = ".server-stage"
 

@@ -285,3 +285,98 @@ def vllm_server(tmp_path_factory):
         yield VLLMServerFixture(server.url, model_dir, weights0, server)
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------- stub HTTP servers
+
+class StubServer:
+    """A tiny HTTP server on 127.0.0.1 answering from ``routes`` (``"POST /path" ->
+    handler(body, query) -> (status, json)``), recording every call in ``calls``. Used by
+    the unit tests of the server adapters: it speaks the servers' documented shapes, it
+    is not the server. ``kill()`` stops it and makes its in-flight requests drop their
+    connection (a crash, as the client sees it); ``start()`` again brings it back on the
+    same port."""
+
+    def __init__(self, routes: dict, port: int = 0) -> None:
+        self.routes = routes
+        self.calls: list[tuple[str, Any]] = []
+        self.killed = threading.Event()
+        self.port = port
+        self._httpd = None
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "StubServer":
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+
+        stub = self
+        self.killed.clear()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self, method: str) -> None:
+                url = urlparse(self.path)
+                length = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
+                key = f"{method} {url.path}"
+                stub.calls.append((key, body))
+                handler = stub.routes.get(key)
+                status, payload = handler(body, parse_qs(url.query)) if handler else (404, {})
+                if stub.killed.is_set():  # died while handling: no answer at all
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                data = json.dumps(payload).encode() if payload is not None else b""
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def kill(self) -> None:
+        self.killed.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def paths(self) -> list[str]:
+        return [key for key, _ in self.calls]
+
+
+@pytest.fixture
+def stub_server():
+    """``stub_server(routes) -> StubServer`` (started); all are killed at teardown."""
+    started: list[StubServer] = []
+
+    def make(routes: dict, port: int = 0) -> StubServer:
+        server = StubServer(routes, port).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.kill()
