@@ -194,6 +194,10 @@ class ServerEngine(InferenceEngine):
     @abc.abstractmethod
     async def _abort_all(self, server: Server, request_ids: list[str]) -> None: ...
 
+    async def _restore_initial(self, server: Server) -> None:
+        """At first contact: make a server that already served updates (another run's
+        weights) hold the model directory's weights again; no-op by default."""
+
     async def _health(self, server: Server) -> bool:
         try:
             r = await self._client.get(f"{server.url}/health", timeout=self.cfg.admin_timeout_s)
@@ -259,6 +263,7 @@ class ServerEngine(InferenceEngine):
             log.warning("%s server %s did not answer /health", self.backend, server.url)
             return
         await self._check(server)  # a misconfigured server is an error, not a down server
+        await self._restore_initial(server)
         await self._bring_up(server)
 
     async def _bring_up(self, server: Server) -> None:

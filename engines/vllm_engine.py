@@ -90,6 +90,21 @@ class VLLMEngine(ServerEngine):
         if isinstance(max_len, int) and max_len > 0:
             self._max_len = min(self._max_len or max_len, max_len)
 
+    async def _restore_initial(self, server: Server) -> None:
+        # A fresh server labels its weights "default"; any other label means it has loaded
+        # updates since it started (a previous run), so it gets the model's own weights back.
+        info = await self._get_json(server, "/weight_info")
+        label = (info or {}).get("weight_version")
+        if label in (None, "default"):
+            return
+        log.warning("vLLM server %s holds weights labelled %r from earlier updates; reloading "
+                    "%s", server.url, label, self.model_path)
+        await self._pause(server)
+        try:
+            await self._reload(server, Path(self.model_path), self._initial_version)
+        finally:
+            await self._resume(server)
+
     async def _get_json(self, server: Server, path: str, params: dict | None = None):
         import httpx2
 

@@ -52,6 +52,7 @@ def vllm_routes(name: str, block: threading.Event | None = None) -> dict:
     return {
         "GET /health": lambda b, q: (200, None),
         "GET /server_info": lambda b, q: (200, info),
+        "GET /weight_info": lambda b, q: (200, {"weight_version": state["version"]}),
         "POST /inference/v1/generate": generate,
         "POST /update_weight_version": set_version,
         "POST /pause": lambda b, q: (200, {"status": "paused"}),
