@@ -46,7 +46,7 @@ import shutil
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -75,6 +75,9 @@ class Server:
     url: str
     up: bool = False
     inflight: int = 0
+    # This engine's requests in flight there (a server may be shared with other workers:
+    # an abort names only these).
+    requests: set[str] = field(default_factory=set)
     failures: int = 0
     # The policy version its weights hold; None = unknown (restarted, missed an update).
     version: int | None = None
@@ -192,7 +195,8 @@ class ServerEngine(InferenceEngine):
         """Label the weights the server holds (used at start and after a restart)."""
 
     @abc.abstractmethod
-    async def _abort_all(self, server: Server, request_ids: list[str]) -> None: ...
+    async def _abort(self, server: Server, request_ids: list[str]) -> None:
+        """Abort these requests (this engine's own: the server may serve other workers)."""
 
     async def _restore_initial(self, server: Server) -> None:
         """At first contact: make a server that already served updates (another run's
@@ -350,6 +354,7 @@ class ServerEngine(InferenceEngine):
                     return self._aborted(request, t_submit)
                 version = self._version
                 server.inflight += 1
+                server.requests.add(request.request_id)
                 t_admit = time.monotonic()
                 try:
                     raw = await self._generate(server, request)
@@ -366,6 +371,7 @@ class ServerEngine(InferenceEngine):
                     continue
                 finally:
                     server.inflight -= 1
+                    server.requests.discard(request.request_id)
                     async with self._capacity:
                         self._capacity.notify_all()
                 return self._result(request, raw, version, t_submit, t_admit)
@@ -479,10 +485,12 @@ class ServerEngine(InferenceEngine):
             try:
                 async def one(server: Server) -> None:
                     await self._pause(server)
-                    await self._reload(server, stage, version)
-                    server.version = version
-                    if not self._user_paused:
-                        await self._resume(server)
+                    try:
+                        await self._reload(server, stage, version)
+                        server.version = version
+                    finally:  # a failed reload must not leave the server paused
+                        if not self._user_paused:
+                            await self._resume(server)
 
                 ok = await self._each_live(one)
                 if not ok:
@@ -530,10 +538,11 @@ class ServerEngine(InferenceEngine):
             self._open.set()  # waiting requests see _closing and resolve as aborted
             async with self._capacity:
                 self._capacity.notify_all()
-            inflight = [s for s in self.servers if s.up and s.inflight]
+            inflight = [s for s in self.servers if s.up and s.requests]
             for server in inflight:
                 try:
-                    await asyncio.wait_for(self._abort_all(server, []), timeout=10)
+                    await asyncio.wait_for(self._abort(server, sorted(server.requests)),
+                                           timeout=10)
                 except Exception as exc:
                     log.warning("abort on %s failed: %s", server.url, exc)
             deadline = time.monotonic() + 15

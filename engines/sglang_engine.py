@@ -17,7 +17,8 @@ Consumes GenRequests and weights files; emits GenResults (shared machinery:
   "abort_all_requests": false, "flush_cache": true}`` -> ``{"success", "message"}``;
 - ``POST /continue_generation``;
 - ``POST /update_weight_version`` ``{"new_version", "abort_all_requests": false}``;
-- ``POST /abort_request`` ``{"rid"}`` or ``{"abort_all": true}``; ``GET /health``.
+- ``POST /abort_request`` ``{"rid"}`` (``{"abort_all": true}`` exists; not used, a
+  server may serve other workers); ``GET /health``.
 
 Behaviour logprobs: SGLang's default is ``log_softmax(logits / T)`` over the full
 vocabulary, before top-p / top-k filtering (``srt/layers/sampler.py``), and greedy
@@ -82,10 +83,8 @@ class SGLangEngine(ServerEngine):
         await self._post(server, "/update_weight_version",
                          json={"new_version": str(version), "abort_all_requests": False})
 
-    async def _abort_all(self, server: Server, request_ids: list[str]) -> None:
-        if not request_ids:
-            await self._post(server, "/abort_request", json={"abort_all": True})
-        for rid in request_ids:
+    async def _abort(self, server: Server, request_ids: list[str]) -> None:
+        for rid in request_ids:  # by id: the server may serve other workers too
             await self._post(server, "/abort_request", json={"rid": rid})
 
 

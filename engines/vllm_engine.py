@@ -16,8 +16,9 @@ checked against vLLM 0.32.0's source (``entrypoints/rl/online/api_router.py``,
   KV computed with the old weights; paused requests are preempted and recompute theirs
   with the new weights when resumed (tokens already sampled keep their old version);
 - ``POST /update_weight_version`` ``{"new_version"}`` and ``GET /weight_info``;
-- ``POST /abort_requests`` ``{"request_ids"}`` (empty = all): aborted requests return
-  the tokens they have;
+- ``POST /abort_requests`` ``{"request_ids"}`` (the ids as vLLM prefixes them,
+  ``generate-tokens-<id>``; an empty list aborts everything, so it is never sent):
+  aborted requests return the tokens they have;
 - ``GET /server_info?config_format=json``: the server's config, checked at start;
 - ``GET /health``.
 Everything but ``/health`` and generate needs ``VLLM_SERVER_DEV_MODE=1`` on the server.
@@ -186,7 +187,9 @@ class VLLMEngine(ServerEngine):
     async def _set_version(self, server: Server, version: int) -> None:
         await self._post(server, "/update_weight_version", json={"new_version": str(version)})
 
-    async def _abort_all(self, server: Server, request_ids: list[str]) -> None:
+    async def _abort(self, server: Server, request_ids: list[str]) -> None:
+        if not request_ids:  # an empty list would abort every request on the server
+            return
         ids = [x for rid in request_ids for x in (rid, _ID_PREFIX + rid)]
         await self._post(server, "/abort_requests", json={"request_ids": ids})
 

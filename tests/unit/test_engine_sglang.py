@@ -119,7 +119,7 @@ def test_failed_reload_is_an_error_with_the_server_message(stub_server, model_di
         engine.shutdown()
 
 
-def test_shutdown_aborts_everything_with_the_documented_body(stub_server, model_dir):
+def test_shutdown_aborts_its_requests_by_id_with_the_documented_body(stub_server, model_dir):
     import threading
 
     release = threading.Event()
@@ -138,7 +138,7 @@ def test_shutdown_aborts_everything_with_the_documented_body(stub_server, model_
     while engine.describe()["inflight"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     engine.shutdown()
-    assert [b for k, b in server.calls if k == "POST /abort_request"] == [SHAPES["abort_request_all"]]
+    assert [b for k, b in server.calls if k == "POST /abort_request"] == [SHAPES["abort_request_one"]]
     assert fut.result(timeout=10).finish_reason == "abort"
 
 
