@@ -276,7 +276,7 @@ def vllm_server(tmp_path_factory):
         pytest.skip(reason)
     base = tmp_path_factory.mktemp("vllm")
     model_dir, weights0 = build_vllm_test_model(base / "model", base / "tokenizer-cache")
-    # Eager mode: torch.compile's warm-up would add ~30-60 s to the start on 2 cores.
+    # Eager mode: torch.compile's warm-up took 26-70 s of the start on this 2-core box.
     cfg = InferenceServerConfig(python=python, startup_timeout_s=600.0,
                                 extra_args=["--enforce-eager", "--max-model-len", "512"])
     server = launch_server("vllm", cfg, model_path=model_dir, device="cpu", dtype="float32",
