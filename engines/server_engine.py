@@ -302,21 +302,27 @@ class ServerEngine(InferenceEngine):
     async def _monitor_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(self.cfg.health_interval_s)
-            for server in self.servers:
-                if self._closing:
-                    return
-                healthy = await self._health(server)
-                if server.up and not healthy:
-                    self._mark_down(server, "failed its health check")
-                elif not server.up and healthy:
-                    async with self._update_lock:  # not in the middle of an update
-                        try:
-                            await self._bring_up(server)
-                            self._stats.recoveries += 1
-                            log.warning("%s server %s is back (version %d)", self.backend,
-                                        server.url, self._version)
-                        except (ServerDown, EngineError) as exc:
-                            self._mark_down(server, f"bringing it back failed: {exc}")
+            try:
+                await self._probe_all()
+            except Exception:  # the monitor must outlive any one bad probe
+                log.exception("%s health monitor", self.backend)
+
+    async def _probe_all(self) -> None:
+        for server in self.servers:
+            if self._closing:
+                return
+            healthy = await self._health(server)
+            if server.up and not healthy:
+                self._mark_down(server, "failed its health check")
+            elif not server.up and healthy:
+                async with self._update_lock:  # not in the middle of an update
+                    try:
+                        await self._bring_up(server)
+                        self._stats.recoveries += 1
+                        log.warning("%s server %s is back (version %d)", self.backend,
+                                    server.url, self._version)
+                    except (ServerDown, EngineError) as exc:
+                        self._mark_down(server, f"bringing it back failed: {exc}")
 
     # ------------------------------------------------------------------ requests
 
