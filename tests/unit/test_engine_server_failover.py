@@ -165,3 +165,33 @@ def test_versions_from_spans():
     assert versions_from_spans(None, 3, 7, parse) == [7, 7, 7]
     # vLLM labels weights "default" until the first label: the fallback (send-time) version.
     assert versions_from_spans([("default", 0, 1), ("2", 1, 2)], 4, 1, parse) == [1, 2, 2, 2]
+
+
+def test_a_launched_server_whose_process_died_is_started_again(stub_server, model_dir):
+    a = stub_server(vllm_routes("a"))
+
+    class Process:
+        """Stands for the LaunchedServer of engines/server_launch.py: its process is the
+        stub, which restart() brings back on the same port."""
+
+        url, restarts = a.url, 0
+
+        def alive(self) -> bool:
+            return a._httpd is not None
+
+        def restart(self) -> None:
+            self.restarts += 1
+            a.start()
+
+        def stop(self) -> None:
+            a.kill()
+
+    proc = Process()
+    engine = VLLMEngine([a.url], config=config(), model_path=model_dir, launched=[proc])
+    try:
+        a.kill()
+        wait_for(lambda: engine.describe()["server_restarts"] == 1)
+        wait_for(lambda: engine.describe()["servers_up"] == 1)
+        assert engine.generate([req(0)])[0].output_ids == [4, 5, 6]
+    finally:
+        engine.shutdown()
