@@ -131,6 +131,7 @@ def main() -> None:
               "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     out = args.out or (os.path.join(os.environ["OUT"], "server_vs_engine.json") if os.environ.get("OUT") else "")
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
 
