@@ -153,6 +153,11 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str,
         raise
 
     def load_server_weights(event) -> None:
+        if getattr(event, "format", "safetensors") != "safetensors":
+            raise ConfigError(
+                f"weights version {event.version} comes as {event.format!r}; the "
+                f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
+                "updates to servers are not wired yet): publish files for this run")
         # The server reads the file itself; it is checked here first, as the torch path does.
         if not Path(event.path).exists():
             raise WeightsChecksumError(f"weights file {event.path} does not exist; is the run "
