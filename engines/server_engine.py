@@ -61,6 +61,8 @@ logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 STAGE_DIR = ".server-stage"
 KEEPALIVE_EXPIRY_S = 2.0
+# A probe slower than this counts as a failed one (a busy 2-core box answers in < 5 s).
+HEALTH_TIMEOUT_S = 30.0
 
 
 class ServerDown(Exception):
@@ -84,6 +86,8 @@ class Server:
     version: int | None = None
     last_error: str = ""
     down_since: float = 0.0
+    # Its settings were checked (_check) and it holds no other run's weights.
+    checked: bool = False
 
 
 @dataclass
@@ -206,7 +210,8 @@ class ServerEngine(InferenceEngine):
 
     async def _health(self, server: Server) -> bool:
         try:
-            r = await self._client.get(f"{server.url}/health", timeout=self.cfg.admin_timeout_s)
+            r = await self._client.get(f"{server.url}/health",
+                                       timeout=min(self.cfg.admin_timeout_s, HEALTH_TIMEOUT_S))
             return r.status_code == 200
         except Exception:
             return False
@@ -253,26 +258,34 @@ class ServerEngine(InferenceEngine):
         self._capacity = asyncio.Condition()
         self._update_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        # Wait for the first server; the others join when they answer (the monitor).
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        await asyncio.gather(*(self._first_contact(s, deadline) for s in self.servers))
+        while not any(s.up for s in self.servers) and time.monotonic() < deadline:
+            for server in self.servers:
+                if await self._health(server):
+                    await self._first_contact(server)
+                else:
+                    server.last_error = "no answer on /health"
+            if not any(s.up for s in self.servers):
+                await asyncio.sleep(1.0)
         if not any(s.up for s in self.servers):
             errors = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
             raise EngineError(f"no {self.backend} server answered within "
                               f"{self.cfg.startup_timeout_s:.0f} s ({errors}); start one, fix "
                               "rollout.server.urls, or raise rollout.server.startup_timeout_s")
+        for server in self.servers:
+            if not server.up:
+                log.warning("%s server %s does not answer yet; it is used once it does",
+                            self.backend, server.url)
         self._monitor = self._loop.create_task(self._monitor_loop())
 
-    async def _first_contact(self, server: Server, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if await self._health(server):
-                break
-            server.last_error = "no answer on /health"
-            await asyncio.sleep(1.0)
-        else:
-            log.warning("%s server %s did not answer /health", self.backend, server.url)
-            return
-        await self._check(server)  # a misconfigured server is an error, not a down server
+    async def _first_contact(self, server: Server) -> None:
+        """A server answering for the first time: refuse it if misconfigured (an error,
+        not a down server), give it the model's weights if it served another run, then
+        the current weights and version."""
+        await self._check(server)
         await self._restore_initial(server)
+        server.checked = True
         await self._bring_up(server)
 
     async def _bring_up(self, server: Server) -> None:
@@ -324,13 +337,20 @@ class ServerEngine(InferenceEngine):
                 await self._maybe_restart(server)
             elif not server.up and healthy:
                 async with self._update_lock:  # not in the middle of an update
+                    joining = not server.checked
                     try:
-                        await self._bring_up(server)
-                        self._stats.recoveries += 1
-                        log.warning("%s server %s is back (version %d)", self.backend,
-                                    server.url, self._version)
+                        if joining:
+                            await self._first_contact(server)
+                        else:
+                            await self._bring_up(server)
+                            self._stats.recoveries += 1
+                        log.warning("%s server %s is %s (version %d)", self.backend, server.url,
+                                    "in use" if joining else "back", self._version)
                     except (ServerDown, EngineError) as exc:
-                        self._mark_down(server, f"bringing it back failed: {exc}")
+                        if joining and server.last_error != str(exc)[:500]:
+                            log.error("%s server %s cannot be used: %s", self.backend,
+                                      server.url, exc)
+                        self._mark_down(server, f"{exc}")
 
     async def _maybe_restart(self, server: Server) -> None:
         """A server this engine launched is started again when its process exited, or

@@ -195,3 +195,21 @@ def test_a_launched_server_whose_process_died_is_started_again(stub_server, mode
         assert engine.generate([req(0)])[0].output_ids == [4, 5, 6]
     finally:
         engine.shutdown()
+
+
+def test_a_server_that_answers_later_is_checked_and_then_used(stub_server, model_dir):
+    a = stub_server(vllm_routes("a"))
+    late = stub_server(vllm_routes("late"))
+    port = late.port
+    late.kill()
+    engine = VLLMEngine([a.url, f"http://127.0.0.1:{port}"], config=config(),
+                        model_path=model_dir, max_inflight_per_server=1)
+    try:
+        assert engine.describe()["servers_up"] == 1  # started without waiting for it
+        back = stub_server(vllm_routes("late"), port=port)
+        wait_for(lambda: engine.describe()["servers_up"] == 2)
+        assert "GET /server_info" in back.paths()  # its settings were checked first
+        engine.generate([req(i) for i in range(6)])
+        assert back.paths().count("POST /inference/v1/generate") >= 1
+    finally:
+        engine.shutdown()
