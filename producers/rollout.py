@@ -346,7 +346,10 @@ class RolloutWorker(Role[RolloutState]):
         return ()
 
     def describe(self, state: RolloutState) -> dict[str, Any]:
-        return {"version": state.loaded_version, "weight_load_failures": state.weight_load_failures,
+        # The engine's own health (a server engine's servers_up / servers_down) goes to
+        # fleet.v1 with the rest.
+        return {**self.engine.describe(), "version": state.loaded_version,
+                "weight_load_failures": state.weight_load_failures,
                 "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories,

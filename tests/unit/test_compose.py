@@ -66,3 +66,22 @@ def test_compose_binds_kafka_to_localhost_and_signs_the_run():
             cfg = load_config(TrainConfig, str(ROOT / cmd[cmd.index("--config") + 1].replace("/app/", "", 1)))
             assert cfg.bus.signing_key_path == key_path, f"service {name} does not verify signatures"
             assert svc["depends_on"]["keygen"]["condition"] == "service_completed_successfully"
+
+
+def test_vllm_profile_has_a_server_with_the_adapters_flags_and_a_rollout_using_it():
+    from tapioca.engines.vllm_engine import vllm_command
+
+    services = _services()
+    server, rollout = services["vllm"], services["rollout-vllm"]
+    assert server["profiles"] == rollout["profiles"] == ["vllm"]
+    # The flags the adapter relies on are the ones `tapioca role rollout` launches with.
+    launch = vllm_command("python", "/m", port=1, dtype="float32", max_num_seqs=1, extra_args=[])
+    needed = ["--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+              "--generation-config", "vllm"]
+    assert all(flag in launch for flag in needed)
+    assert all(flag in server["command"] for flag in needed)
+    assert server["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "./runs:/app/runs" in server["volumes"]  # weights files at the roles' paths
+    assert "rollout.engine=vllm" in rollout["command"]
+    assert "rollout.server.urls=[http://vllm:8000]" in rollout["command"]
+    assert rollout["depends_on"]["vllm"]["condition"] == "service_healthy"

