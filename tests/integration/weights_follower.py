@@ -16,6 +16,13 @@ import threading
 import time
 
 
+def _engine_weights(engine) -> dict:
+    """The engine's weights by HF name: the paged engine's fused tensors split back, or
+    TorchEngine's model."""
+    decoder = getattr(engine, "decoder", None)
+    return decoder.hf_state_dict() if decoder is not None else engine.model.state_dict()
+
+
 def main() -> int:
     out, member, targets, *overrides = sys.argv[1:]
     import torch
@@ -49,7 +56,7 @@ def main() -> int:
         receiver = role.load_weights.receiver
         dump = {"version": role.engine.version, "fast_loads": receiver.fast_loads,
                 "file_loads": receiver.file_loads,
-                "weights": {k: v.detach().clone() for k, v in role.engine.model.state_dict().items()}}
+                "weights": {k: v.detach().clone() for k, v in _engine_weights(role.engine).items()}}
         tmp = f"{out}.v{target}.pt.tmp"
         torch.save(dump, tmp)
         os.replace(tmp, f"{out}.v{target}.pt")
