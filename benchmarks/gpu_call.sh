@@ -37,6 +37,8 @@ for s in "$@"; do
     weights_tests) stage $s 60 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
     weight_switch_quick) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 4 --file-repeats 1 ;;
     weight_switch_7b) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 3 --file-repeats 1 ;;
+    weight_switch_7b_only) stage $s 210 python3 benchmarks/weight_switch.py --device cuda --variants ipc-big --repeats 3 ;;
+    trainer_tuned) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "0.5b/today,0.5b/fast,1.5b/fast,3b/fast mb4k,tuned" --budget-s 135 ;;
     trainer_switches) stage $s 90 python3 benchmarks/trainer_step.py --device cuda --only switches --budget-s 75 ;;
     weight_switch) stage $s 300 python3 benchmarks/weight_switch.py --device cuda ;;
     trainer_core) stage $s 230 python3 benchmarks/trainer_step.py --device cuda --only check,core,tail --budget-s 200 ;;
