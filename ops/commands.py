@@ -11,7 +11,10 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from tapioca.ops.cli import G, app, console
+from .cli_context import G, console
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_CONFIG = "demo_cpu.yaml"

@@ -1,6 +1,5 @@
 """Fleet control from the CLI: `tapioca status`, `tapioca pause|resume|drain TARGET`,
-`tapioca weights list|rollback`, `tapioca dlq list|show|retry` (and `tapioca plot`, in
-ops/plot.py).
+`tapioca weights list|rollback`, `tapioca dlq list|show|retry`.
 
 Reads ``fleet.v1`` (heartbeats), ``weights.v1`` and ``dlq.v1``; publishes
 ``ControlEvent`` on ``control.v1`` and waits for the members' ``ControlAckEvent``; `dlq
@@ -18,14 +17,14 @@ import orjson
 import typer
 from rich.table import Table
 
-from tapioca.ops import plot  # noqa: F401  (registers `tapioca plot`)
-from tapioca.ops.cli import OUTPUT_HELP, _check_output, app, bus_config, console, emit_json
-from tapioca.schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError
+from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
 
+# This module's top-level commands and its two command groups; ops/cli.py adds them to
+# `tapioca`.
+app = typer.Typer()
 weights_app = typer.Typer(no_args_is_help=True, help="Published policy versions; rollback.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list, show, retry.")
-app.add_typer(weights_app, name="weights")
-app.add_typer(dlq_app, name="dlq")
 
 TIMEOUT_HELP = "Seconds to wait for every targeted member's acknowledgement."
 
@@ -57,7 +56,7 @@ def status(
     from tapioca.bus.admin import admin_client
     from tapioca.bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
 
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     admin_client(cfg)
     window = None if all_members else max(since_s, TARGETABLE_STALE_S)
@@ -153,7 +152,7 @@ def _control_command(command: str, doc: str):
         timeout: float = typer.Option(10.0, "--timeout", help=TIMEOUT_HELP),
         output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
     ) -> None:
-        _check_output(output)
+        check_output(output)
         _command(command, target, timeout_s=timeout, output=output)
 
     run.__doc__ = doc
@@ -209,7 +208,7 @@ def weights_list(
     """Every published policy version: path, sha256, time, rollback_of."""
     from pathlib import Path
 
-    _check_output(output)
+    check_output(output)
     run_id, versions = _weights(bus_config(), run)
     rows = [{**v, "on_disk": bool(v["path"]) and Path(v["path"]).exists()}
             for _, v in sorted(versions.items())]
@@ -240,7 +239,7 @@ def weights_rollback(
 ) -> None:
     """Republish VERSION's weights as a NEW version (current + 1, with rollback_of =
     VERSION): the trainer loads and checksums the file, publishes, and checkpoints."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     run_id, versions = _weights(cfg, run)
     if version not in versions:
@@ -301,7 +300,7 @@ def dlq_list(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Dead letters on dlq.v1: where each came from and why it failed."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     rows = [_dlq_json(r) for r in _dead_letters(cfg) if _matches_source(cfg, r, source)]
     if output == "json":
@@ -326,7 +325,7 @@ def dlq_show(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """One dead letter in full: the error and the original payload, decoded."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     found = [r for r in _dead_letters(cfg) if r.source.offset == offset]
     if not found:
@@ -387,7 +386,7 @@ def dlq_retry(
 
     from tapioca.bus.producer import EventProducer
 
-    _check_output(output)
+    check_output(output)
     if not (source or offsets or all_):
         raise typer.BadParameter("choose what to retry: --source TOPIC, --offset N, or --all")
     cfg = bus_config()

@@ -14,7 +14,10 @@ from typing import Optional
 
 import typer
 
-from tapioca.ops.cli import G, app, console, emit_json
+from .cli_context import G, console, emit_json
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 _CONFIG_HELP = "YAML config file (see examples/sft.yaml, dpo.yaml, reward_model.yaml, distill.yaml)."

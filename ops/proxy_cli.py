@@ -11,7 +11,10 @@ from typing import Optional
 
 import typer
 
-from tapioca.ops.cli import G, app, console
+from .cli_context import G, console
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 
 def build_proxy_service(cfg, *, member: int = 0):

@@ -22,10 +22,11 @@ import typer
 from tapioca.bus.replay import (
     Replayer, ReplayFilter, ReplayItem, ReplayStats, items_from_archive, items_from_topic,
 )
-from tapioca.ops.cli import G, app, bus_config, console, emit_json
 from tapioca.schemas.errors import BusError, ConfigError
+from .cli_context import OUTPUT_HELP, G, bus_config, console, emit_json
 
-OUTPUT_HELP = "table (for people) or json (for scripts)"
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 
 def parse_time(value: Optional[str], flag: str) -> Optional[int]:
