@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from tapioca.bus.role import Source
-from tapioca.bus.settings import BusConfig
-from tapioca.bus.signing import SignatureError
-from tapioca.schemas.envelope import decode_event
-from tapioca.schemas.errors import SchemaError, TapiocaError
-from tapioca.schemas.events import ControlAckEvent, ControlEvent, FleetEvent
-from tapioca.schemas.registry import topic
+from ..schemas.envelope import decode_event
+from ..schemas.errors import SchemaError, TapiocaError
+from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
+from ..schemas.registry import topic
+from .role import Source
+from .settings import BusConfig
+from .signing import SignatureError
 
 if TYPE_CHECKING:
-    from tapioca.bus.runner import RoleRunner
+    from .runner import RoleRunner
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ def _read_heartbeats(cfg: BusConfig, tail: int | None
                      ) -> tuple[dict[str, FleetEvent], dict[int, float], dict[int, int]]:
     """The latest heartbeat per member in the last ``tail`` records of each partition
     (None: all), and per partition the oldest record time and the record count."""
-    from tapioca.bus.reader import TopicReader
+    from .reader import TopicReader
 
     latest: dict[str, FleetEvent] = {}
     oldest: dict[int, float] = {}
@@ -523,8 +523,8 @@ def send_command(cfg: BusConfig, command: str, target: str, expect: Iterable[str
                  run_id: str | None = None) -> tuple[ControlEvent, dict[str, ControlAckEvent]]:
     """Publish a command and wait up to ``timeout_s`` for the acknowledgement of every
     member in ``expect``; returns the command and the acks that arrived (by member)."""
-    from tapioca.bus.producer import EventProducer
-    from tapioca.bus.reader import TopicReader
+    from .producer import EventProducer
+    from .reader import TopicReader
 
     expected = set(expect)
     event = ControlEvent(command_id=uuid.uuid4().hex, command=command, target=target,

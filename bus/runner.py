@@ -47,22 +47,22 @@ from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from tapioca.bus.dlq import dead_letter as dead_letter_record
-from tapioca.bus.fleet import MemberFleet, pause_partitions
-from tapioca.bus.producer import EventProducer
-from tapioca.bus.retry import ParkedPartitions, backoff_s
-from tapioca.bus.role import DeadLetter, Role, Source
-from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event, decode_event, encode_event
-from tapioca.schemas.events import MetricsEvent
-from tapioca.schemas.errors import (
+from ..schemas.envelope import Event, decode_event, encode_event
+from ..schemas.errors import (
     BadEventError,
     FatalRoleError,
     SchemaError,
     TapiocaError,
     UnattributedEventError,
 )
-from tapioca.schemas.registry import TopicSpec, topic, topic_for
+from ..schemas.events import MetricsEvent
+from ..schemas.registry import TopicSpec, topic, topic_for
+from .dlq import dead_letter as dead_letter_record
+from .fleet import MemberFleet, pause_partitions
+from .producer import EventProducer
+from .retry import ParkedPartitions, backoff_s
+from .role import DeadLetter, Role, Source
+from .settings import BusConfig
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class RoleRunner:
         return self.state
 
     def _latest_events(self, names: tuple[str, ...], per_partition: int = 64) -> list[Event]:
-        from tapioca.bus.reader import TopicReader
+        from .reader import TopicReader
 
         events: list[Event] = []
         for name in names:
@@ -228,7 +228,8 @@ class RoleRunner:
                 on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
             )
         if self.role.broadcast_inputs:
-            self._bcast = Consumer({**self.cfg.consumer_conf(f"{self.group_id}.{self.member_id}.bcast")})
+            self._bcast = Consumer(
+                {**self.cfg.consumer_conf(f"{self.group_id}.{self.member_id}.bcast")})
             assignment = []
             for name in self.role.broadcast_inputs:
                 full = self.cfg.topic(topic(name))

@@ -14,8 +14,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import broker_state
 from ..schemas.errors import TapiocaError
+from . import broker_state
 from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
 
 app = typer.Typer()
@@ -79,7 +79,7 @@ def keygen(path: str = typer.Argument(..., help="Where to write the key (e.g. "
                                       "runs/compose/secrets/bus.key).")) -> None:
     """Create a signing key for control commands and weights events (a 0600 file; an
     existing key is kept). Name it in the run's config as bus.signing_key_path."""
-    from tapioca.bus.signing import create_key_file
+    from ..bus.signing import create_key_file
 
     key = create_key_file(path)
     console.print(f"signing key {key.key_id} at {path} (bus.signing_key_path={path})")
@@ -96,7 +96,7 @@ def checkpoint_migrate(run_dir: str = typer.Argument(..., help="The run director
     are kept (delete them once the run resumes)."""
     from pathlib import Path
 
-    from tapioca.trainers.checkpoint import migrate_legacy
+    from ..trainers.checkpoint import migrate_legacy
 
     olds = sorted((Path(run_dir) / "checkpoints").glob("*.pt"))
     if not olds:
@@ -115,7 +115,7 @@ def topics_create(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Create every registry topic that does not exist yet (idempotent)."""
-    from tapioca.bus.admin import ensure_topics
+    from ..bus.admin import ensure_topics
 
     check_output(output)
     overrides = {}
@@ -137,7 +137,7 @@ def topics_create(
 @topics_app.command("list")
 def topics_list(output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP)) -> None:
     """List the cluster's topics."""
-    from tapioca.bus.admin import list_topics
+    from ..bus.admin import list_topics
 
     check_output(output)
     topics = list_topics(bus_config())
@@ -156,8 +156,8 @@ def topics_describe(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Partitions, offsets and config of one topic."""
-    from tapioca.bus.admin import describe_topic
-    from tapioca.bus.reader import _full_name
+    from ..bus.admin import describe_topic
+    from ..bus.reader import _full_name
 
     check_output(output)
     cfg = bus_config()
@@ -184,9 +184,9 @@ def tail(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Print a topic's latest events, decoded."""
-    from tapioca.bus.admin import admin_client
-    from tapioca.bus.reader import TopicReader
-    from tapioca.ops.render import record_json, record_row, records_table
+    from ..bus.admin import admin_client
+    from ..bus.reader import TopicReader
+    from .render import record_json, record_row, records_table
 
     check_output(output)
     if n < 0:
@@ -219,7 +219,7 @@ def lag(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Consumer lag per group and partition (committed vs end offset)."""
-    from tapioca.bus.admin import consumer_lag
+    from ..bus.admin import consumer_lag
 
     check_output(output)
     rows = consumer_lag(bus_config(), groups=group or None)
@@ -242,7 +242,7 @@ def schemas_export(directory: Optional[str] = typer.Option(None, help="Target di
     """Write one JSON Schema per event (default: the package's schemas/json/)."""
     from pathlib import Path
 
-    from tapioca.schemas.jsonschema import JSON_DIR, export
+    from ..schemas.jsonschema import JSON_DIR, export
 
     for path in export(Path(directory) if directory else JSON_DIR):
         console.print(str(path))
@@ -251,7 +251,7 @@ def schemas_export(directory: Optional[str] = typer.Option(None, help="Target di
 @schemas_app.command("check")
 def schemas_check() -> None:
     """Fail when the current event classes break the exported schemas."""
-    from tapioca.schemas.jsonschema import all_schemas, compatibility_problems, load_exported
+    from ..schemas.jsonschema import all_schemas, compatibility_problems, load_exported
 
     committed = load_exported()
     problems = []

@@ -20,8 +20,8 @@ from typing import Optional
 
 import typer
 
-from . import admin_cli, commands, fleet_cli, offline_cli, plot, proxy_cli, replay_cli
 from ..schemas.errors import TapiocaError
+from . import admin_cli, commands, fleet_cli, offline_cli, plot, proxy_cli, replay_cli
 from .cli_context import G
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

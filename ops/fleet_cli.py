@@ -53,8 +53,8 @@ def status(
     """The fleet: every member's role, status, version, throughput, lag, staleness and
     dead letters, from the heartbeats on fleet.v1; a stall alarm (on stderr, exit code
     4) when every running member has been idle for --stall-after seconds."""
-    from tapioca.bus.admin import admin_client
-    from tapioca.bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
+    from ..bus.admin import admin_client
+    from ..bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
 
     check_output(output)
     cfg = bus_config()
@@ -66,7 +66,8 @@ def status(
         emit_json([m.to_json() for m in members])
         _stall_exit(alarm)
         return
-    table = Table(title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
+    table = Table(
+        title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
     for col in ("member", "role", "status"):
         table.add_column(col, no_wrap=True)
     for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "idle", "seen"):
@@ -106,7 +107,7 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
              output: str, run_id: str | None = None, members=None) -> dict:
     """Check the target against the live fleet, send, wait for acks, report; raise when
     a member did not acknowledge or refused."""
-    from tapioca.bus.fleet import (
+    from ..bus.fleet import (
         ControlError,
         check_signing,
         read_fleet,
@@ -121,7 +122,8 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
                                run_id=run_id)
     rows = [{"member_id": mid, "acked": mid in acks, "ok": acks[mid].ok if mid in acks else None,
-             "message": acks[mid].message if mid in acks else f"no acknowledgement within {timeout_s:g} s",
+             "message": (acks[mid].message if mid in acks
+                         else f"no acknowledgement within {timeout_s:g} s"),
              "acked_at": acks[mid].produced_at if mid in acks else None}
             for mid in expect]
     report = {"command_id": event.command_id, "command": command, "target": target,
@@ -172,8 +174,8 @@ _control_command("drain", "Drain members: they take no new input, finish their i
 def _weights(cfg, run: Optional[str]) -> tuple[str, dict[int, dict]]:
     """(run id, version -> its latest weights event as a dict with rollback_of carried
     over from any announcement of that version) for one run on the weights topic."""
-    from tapioca.bus.reader import read_events
-    from tapioca.schemas.events import WeightsEvent
+    from ..bus.reader import read_events
+    from ..schemas.events import WeightsEvent
 
     events = [e for e in read_events(cfg, "weights", idle_s=0.3) if isinstance(e, WeightsEvent)]
     if not events:
@@ -217,7 +219,8 @@ def weights_list(
         return
     dirs = {str(Path(r["path"]).parent) for r in rows if r["path"]}
     table = Table("version", "time", "sha256", "rollback_of", "file", "on disk here",
-                  title=f"weights of run {run_id}" + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
+                  title=f"weights of run {run_id}"
+                  + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
                   caption="the trainer keeps only the last keep_weight_versions files "
                           "(ipc / nccl: every actor.weight_file_every_versions-th version has "
                           "one); -o json has full paths")
@@ -260,8 +263,8 @@ def weights_rollback(
 
 
 def _dead_letters(cfg) -> list:
-    from tapioca.bus.reader import TopicReader
-    from tapioca.schemas.events import DlqRecord
+    from ..bus.reader import TopicReader
+    from ..schemas.events import DlqRecord
 
     with TopicReader(cfg, "dlq") as reader:
         return [r for r in reader.records(idle_s=0.3, timeout_s=60)
@@ -288,7 +291,7 @@ def _dlq_json(record, *, full: bool = False) -> dict:
 def _matches_source(cfg, record, source: Optional[str]) -> bool:
     if not source:
         return True
-    from tapioca.bus.reader import _full_name
+    from ..bus.reader import _full_name
 
     return record.event.source_topic == _full_name(cfg, source)
 
@@ -352,7 +355,7 @@ def _retry_marker(cfg, dlq_offset: int) -> bytes:
 def _already_retried(cfg, letters: list) -> set[int]:
     """The dlq.v1 offsets among ``letters`` whose payload was republished before: the
     source topics are read for records carrying their ``tapioca.retry_of`` marker."""
-    from tapioca.bus.reader import TopicReader
+    from ..bus.reader import TopicReader
 
     wanted = {_retry_marker(cfg, r.source.offset): r.source.offset for r in letters}
     found: set[int] = set()
@@ -384,7 +387,7 @@ def dlq_retry(
     with its offset) is republished again, with a warning listing such letters."""
     import sys
 
-    from tapioca.bus.producer import EventProducer
+    from ..bus.producer import EventProducer
 
     check_output(output)
     if not (source or offsets or all_):
@@ -413,8 +416,8 @@ def dlq_retry(
                    "retried_before": r.source.offset in before}
             if e.payload_truncated:
                 row.update(retried=False, reason="payload was truncated in the dead letter; the "
-                           f"original is at {e.source_topic}[{e.source_partition}]@{e.source_offset} "
-                           "(while retention keeps it)")
+                           f"original is at {e.source_topic}[{e.source_partition}]"
+                           f"@{e.source_offset} (while retention keeps it)")
             elif not e.payload_b64:
                 row.update(retried=False, reason="the dead letter has no payload")
             else:
@@ -430,7 +433,8 @@ def dlq_retry(
     else:
         table = Table("dlq offset", "to", "retried", "note", title="dlq retry")
         for row in results:
-            table.add_row(str(row["offset"]), f"{row['source_topic']} (was @{row['source_offset']})",
+            table.add_row(str(row["offset"]),
+                          f"{row['source_topic']} (was @{row['source_offset']})",
                           "yes" if row["retried"] else "no", row["reason"])
         if not results:
             table.caption = "nothing matched"
