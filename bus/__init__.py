@@ -9,13 +9,13 @@
 - :func:`ensure_topics` — idempotent topic bootstrap.
 """
 
-from tapioca.bus.admin import consumer_lag, describe_topic, ensure_topics, list_topics, probe
-from tapioca.bus.broker import EmbeddedBroker, find_tansu, free_port
-from tapioca.bus.dedup import SeenSet
-from tapioca.bus.producer import EventProducer
-from tapioca.bus.reader import Record, TopicReader, read_events
-from tapioca.bus.role import Role, Source
-from tapioca.bus.runner import FatalRoleError, RoleRunner, RunnerStats
-from tapioca.bus.settings import BOOTSTRAP_ENV, BusConfig
+from .admin import consumer_lag, describe_topic, ensure_topics, list_topics, probe
+from .broker import EmbeddedBroker, find_tansu, free_port
+from .dedup import SeenSet
+from .producer import EventProducer
+from .reader import Record, TopicReader, read_events
+from .role import Role, Source
+from .runner import FatalRoleError, RoleRunner, RunnerStats
+from .settings import BOOTSTRAP_ENV, BusConfig
 
 __all__ = [name for name in dir() if not name.startswith("_")]

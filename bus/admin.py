@@ -15,9 +15,9 @@ from typing import Iterable
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from tapioca.bus.settings import BusConfig
-from tapioca.schemas.errors import BrokerUnavailableError, BusError
-from tapioca.schemas.registry import TOPICS, TopicSpec
+from ..schemas.errors import BrokerUnavailableError, BusError
+from ..schemas.registry import TOPICS, TopicSpec
+from .settings import BusConfig
 
 
 def probe(bootstrap: str, timeout_s: float = 2.0) -> bool:
@@ -124,7 +124,8 @@ def repair_topics(cfg: BusConfig, expected: dict[str, int], timeout_s: float = 3
                 created.append(name)
             except KafkaException as exc:
                 text = str(exc)
-                if ("TOPIC_ALREADY_EXISTS" in text or "already exists" in text) and name not in wrong:
+                exists = "TOPIC_ALREADY_EXISTS" in text or "already exists" in text
+                if exists and name not in wrong:
                     continue  # created meanwhile by someone else
                 if time.monotonic() > deadline:
                     raise BusError(f"could not re-create topic {name}: {exc}") from exc

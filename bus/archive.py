@@ -39,10 +39,9 @@ from typing import Any, Iterable, Iterator, Literal, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tapioca.bus.role import Source
-from tapioca.schemas.envelope import Event, decode_event
-from tapioca.schemas.errors import SchemaError, TapiocaError
-from tapioca.schemas.events import (
+from ..schemas.envelope import Event, decode_event
+from ..schemas.errors import SchemaError, TapiocaError
+from ..schemas.events import (
     FleetEvent,
     MetricsEvent,
     PromptEvent,
@@ -51,7 +50,8 @@ from tapioca.schemas.events import (
     TrajectoryEvent,
     WeightsEvent,
 )
-from tapioca.schemas.registry import topic as topic_spec
+from ..schemas.registry import topic as topic_spec
+from .role import Source
 
 ARCHIVE_SCHEMA = pa.schema([
     pa.field("topic", pa.string(), nullable=False),

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tapioca.schemas.errors import BusError
+from ..schemas.errors import BusError
 
 TANSU_ENV = "TAPIOCA_TANSU_BIN"
 
@@ -126,7 +126,7 @@ class EmbeddedBroker:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        from tapioca.bus.admin import probe
+        from .admin import probe
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import base64
 
-from tapioca.bus.role import Source
-from tapioca.schemas.events import DlqRecord
+from ..schemas.events import DlqRecord
+from .role import Source
 
 # Keep a dead letter well under any limit; the source coordinates locate the original.
 MAX_DLQ_PAYLOAD_BYTES = 1024 * 1024

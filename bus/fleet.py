@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from tapioca.bus.role import Source
-from tapioca.bus.settings import BusConfig
-from tapioca.bus.signing import SignatureError
-from tapioca.schemas.envelope import decode_event
-from tapioca.schemas.errors import SchemaError, TapiocaError
-from tapioca.schemas.events import ControlAckEvent, ControlEvent, FleetEvent
-from tapioca.schemas.registry import topic
+from ..schemas.envelope import decode_event
+from ..schemas.errors import SchemaError, TapiocaError
+from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
+from ..schemas.registry import topic
+from .role import Source
+from .settings import BusConfig
+from .signing import SignatureError
 
 if TYPE_CHECKING:
-    from tapioca.bus.runner import RoleRunner
+    from .runner import RoleRunner
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,9 @@ class MemberFleet:
     from ``control.v1``, carries out pause / resume / drain on the runner's consumers and
     role, hands other commands to ``Role.on_control``, acknowledges every command, and
     publishes the member's heartbeats. The runner owns the consumers, the state and the
-    producer; this class drives them through the runner it is given."""
+    producer; this class drives them through the runner's public surface only
+    (``publish_outputs``, ``publish_own``, ``dead_letter``, ``set_intake``,
+    ``input_lag``, and its ``role``, ``state``, ``cfg``, ``stats`` and ``producer``)."""
 
     def __init__(self, runner: RoleRunner) -> None:
         self.runner = runner
@@ -265,8 +267,8 @@ class MemberFleet:
                 except Exception as exc:  # a failed command must not stop the member
                     log.exception("%s: command %s failed", r.member_id, event.command)
                     ok, message = False, f"{type(exc).__name__}: {exc}"
-            r._publish(outputs)
-            r._publish_own(self.control.ack(event, ok, message))
+            r.publish_outputs(outputs)
+            r.publish_own(self.control.ack(event, ok, message))
             self.heartbeat()  # the new status (and e.g. a new version) is visible at once
 
     def authentic(self, msg: Any, event: ControlEvent) -> bool:
@@ -289,51 +291,27 @@ class MemberFleet:
                                 timestamp_ms=msg.timestamp()[1])
                 log.warning("%s: refused control command %s (%s) from %s: %s", r.member_id,
                             event.command, event.command_id, event.producer_id, exc)
-                r._dead_letter(msg.value(), source, exc, attempts=1)
+                r.dead_letter(msg.value(), source, exc, attempts=1)
             return False
 
     def transition(self, change: str) -> list:
         r = self.runner
         if change == "pause":
-            for consumer in (r._group, r._bcast):
-                pause_partitions(consumer, True)
+            r.set_intake(group=False, broadcast=False)
             r.role.on_pause(r.state, True)
             self.role_paused = True
             return []
         if change == "resume":
-            for consumer in (r._group, r._bcast):
-                pause_partitions(consumer, False)
+            r.set_intake(group=True, broadcast=True)
             r.role.on_pause(r.state, False)
             self.role_paused = False
             return []
         # drain: group input stays stopped; broadcasts and ticks go on to finish in-flight work.
-        pause_partitions(r._group, True)
-        if r._bcast is not None:
-            pause_partitions(r._bcast, False)
+        r.set_intake(group=False, broadcast=True)
         if self.role_paused:  # a paused member that is drained finishes its work first
             r.role.on_pause(r.state, False)
             self.role_paused = False
         return list(r.role.on_drain(r.state) or ())
-
-    def lag(self) -> dict[str, int]:
-        """Approximate lag per assigned group partition: the last high watermark seen in a
-        fetch (no broker round trip) minus our position. Tansu undercounts watermarks
-        (docs/kafka-clients.md), so this is a hint, never an input to logic."""
-        r = self.runner
-        if r._group is None or not r._assigned:
-            return {}
-        lag: dict[str, int] = {}
-        try:
-            tps = [TopicPartition(t, p) for t, p in sorted(r._assigned)]
-            for tp in r._group.position(tps):
-                if tp.offset < 0:
-                    continue  # nothing fetched yet
-                _low, high = r._group.get_watermark_offsets(tp, cached=True)
-                if high >= 0:
-                    lag[f"{r._types[tp.topic].name}/{tp.partition}"] = max(high - tp.offset, 0)
-        except Exception as exc:  # lag is informational
-            log.debug("lag unavailable: %s", exc)
-        return lag
 
     def heartbeat(self, status: str | None = None) -> None:
         r = self.runner
@@ -356,11 +334,11 @@ class MemberFleet:
             # the CLI can say when it lacks the run's key instead of timing out.
             "signing_key_id": key.key_id if (key := r.cfg.signing_key()) else None,
         }
-        r._publish_own(FleetEvent(
+        r.publish_own(FleetEvent(
             member_id=r.member_id, role=r.role.name,
             status=status or self.control.status, host=socket.gethostname(),
             pid=os.getpid(), policy_version=policy_version_of(described), rates=rates,
-            lag=self.lag(), detail=detail))
+            lag=r.input_lag(), detail=detail))
         self.next_heartbeat = now + r.cfg.fleet_heartbeat_interval_s
 
     def heartbeat_failed(self, exc: BaseException) -> None:
@@ -464,7 +442,7 @@ def _read_heartbeats(cfg: BusConfig, tail: int | None
                      ) -> tuple[dict[str, FleetEvent], dict[int, float], dict[int, int]]:
     """The latest heartbeat per member in the last ``tail`` records of each partition
     (None: all), and per partition the oldest record time and the record count."""
-    from tapioca.bus.reader import TopicReader
+    from .reader import TopicReader
 
     latest: dict[str, FleetEvent] = {}
     oldest: dict[int, float] = {}
@@ -545,8 +523,8 @@ def send_command(cfg: BusConfig, command: str, target: str, expect: Iterable[str
                  run_id: str | None = None) -> tuple[ControlEvent, dict[str, ControlAckEvent]]:
     """Publish a command and wait up to ``timeout_s`` for the acknowledgement of every
     member in ``expect``; returns the command and the acks that arrived (by member)."""
-    from tapioca.bus.producer import EventProducer
-    from tapioca.bus.reader import TopicReader
+    from .producer import EventProducer
+    from .reader import TopicReader
 
     expected = set(expect)
     event = ControlEvent(command_id=uuid.uuid4().hex, command=command, target=target,

@@ -14,11 +14,11 @@ from typing import Collection, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from tapioca.bus.role import Source
-from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event, decode_event
-from tapioca.schemas.errors import BusError, SchemaError
-from tapioca.schemas.registry import topic as topic_spec
+from ..schemas.envelope import Event, decode_event
+from ..schemas.errors import BusError, SchemaError
+from ..schemas.registry import topic as topic_spec
+from .role import Source
+from .settings import BusConfig
 
 
 @dataclass
@@ -79,7 +79,8 @@ class TopicReader:
         # keeps a slow first fetch from looking like an empty topic.
         self._targets: dict[int, int] = {}
         for p in wanted:
-            low, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
+            low, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p),
+                                                            timeout=10)
             start = OFFSET_BEGINNING if start_offset is None else max(start_offset, low, 0)
             if tail is not None and high >= 0:
                 # A watermark that undercounts only makes us read a little more.

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from tapioca.bus.role import Source
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import ConfigError, SchemaError
+from ..schemas.envelope import Event
+from ..schemas.errors import ConfigError, SchemaError
+from .role import Source
 
 
 @dataclass
@@ -98,7 +98,7 @@ class ReplayFilter:
     def values_pass(self, item: ReplayItem) -> bool:
         """The version and reward bounds on this one record (a sample: its overall
         min/max version and mean reward)."""
-        from tapioca.bus.archive import flat_fields
+        from .archive import flat_fields
 
         flat = flat_fields(item.event)
         return self._bounds_pass(flat["min_version"], flat["max_version"], flat["reward"])
@@ -119,7 +119,7 @@ class ReplayFilter:
     def _member_passes(self, item: ReplayItem) -> bool:
         """Group mode: every trajectory of the group must pass, so a sample is judged
         sequence by sequence (not by its mean reward)."""
-        from tapioca.schemas.events import SampleEvent
+        from ..schemas.events import SampleEvent
 
         event = item.event
         if isinstance(event, SampleEvent):
@@ -166,7 +166,7 @@ class ReplayStats:
 def items_from_archive(path: str, topics: list[str] | None) -> Iterator[ReplayItem]:
     """Archived records merged across topics by record time (close to the order the
     run's consumers saw them)."""
-    from tapioca.bus.archive import iter_records
+    from .archive import iter_records
 
     for rec in iter_records(path, topic=topics or None, order="time"):
         yield ReplayItem(rec.source, rec.payload.encode(), rec.event())
@@ -177,7 +177,7 @@ def items_from_topic(cfg, name: str, stats: ReplayStats, *, partition: int | Non
     """A live topic read without a consumer group: only ``partition`` if given, from
     ``from_offset`` (else the beginning). The upper offset and the time bounds stay
     filters: ``offsets_for_times`` is not dependable (docs/kafka-clients.md)."""
-    from tapioca.bus.reader import TopicReader
+    from .reader import TopicReader
 
     with TopicReader(cfg, name, partitions=None if partition is None else [partition],
                      start_offset=from_offset) as reader:
@@ -193,7 +193,7 @@ class Replayer:
 
     def __init__(self, producer, dest_cfg, *, to_topic: str | None = None,
                  run_id: str | None = None, rate: float = 0.0) -> None:
-        from tapioca.schemas.registry import topic as topic_spec
+        from ..schemas.registry import topic as topic_spec
 
         self.producer = producer
         self.dest_cfg = dest_cfg
@@ -205,7 +205,7 @@ class Replayer:
             self.to_name = to_topic if to_topic.count(".") >= 2 else dest_cfg.topic(self.to_spec)
 
     def destination(self, item: ReplayItem) -> tuple[str, object]:
-        from tapioca.schemas.registry import topic as topic_spec
+        from ..schemas.registry import topic as topic_spec
 
         if self.to_spec is not None:
             if type(item.event) not in self.to_spec.value_types:
@@ -224,7 +224,7 @@ class Replayer:
         fresh iterator each call: group filtering reads the source twice (a first pass
         decides each group, the second publishes); a plain iterator only filters per
         event."""
-        from tapioca.schemas.envelope import encode_event
+        from ..schemas.envelope import encode_event
 
         start = time.monotonic()
         verdicts = None

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Iterable, TypeVar
 
-from tapioca.schemas.envelope import Event
+from ..schemas.envelope import Event
 
 if TYPE_CHECKING:
-    from tapioca.schemas.events import ControlEvent
+    from ..schemas.events import ControlEvent
 
 S = TypeVar("S")
 

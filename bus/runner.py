@@ -26,10 +26,13 @@ SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after 
 current batch: outputs are flushed, offsets committed, the group left cleanly.
 
 Fleet control (``MemberFleet`` in bus/fleet.py, to which the runner delegates): the
-member heartbeats on ``fleet.v1`` and obeys commands on ``control.v1``. Paused, its input partitions are paused and the role gets neither
-events nor ticks (so it publishes nothing) until resumed; draining, group input stops,
-ticks and broadcast inputs go on, and the loop ends once ``role.drained(state)``.
-Other commands go to ``role.on_control``. Every command it takes is acknowledged.
+member heartbeats on ``fleet.v1`` and obeys commands on ``control.v1``. Paused, its
+input partitions are paused and the role gets neither events nor ticks (so it publishes
+nothing) until resumed; draining, group input stops, ticks and broadcast inputs go on,
+and the loop ends once ``role.drained(state)``. Other commands go to
+``role.on_control``. Every command it takes is acknowledged. MemberFleet uses only the
+runner's public surface: ``publish_outputs``, ``publish_own``, ``dead_letter``,
+``set_intake`` and ``input_lag``.
 """
 
 from __future__ import annotations
@@ -44,22 +47,22 @@ from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from tapioca.bus.dlq import dead_letter
-from tapioca.bus.fleet import MemberFleet, pause_partitions
-from tapioca.bus.producer import EventProducer
-from tapioca.bus.retry import ParkedPartitions, backoff_s
-from tapioca.bus.role import DeadLetter, Role, Source
-from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event, decode_event, encode_event
-from tapioca.schemas.events import MetricsEvent
-from tapioca.schemas.errors import (
+from ..schemas.envelope import Event, decode_event, encode_event
+from ..schemas.errors import (
     BadEventError,
     FatalRoleError,
     SchemaError,
     TapiocaError,
     UnattributedEventError,
 )
-from tapioca.schemas.registry import TopicSpec, topic, topic_for
+from ..schemas.events import MetricsEvent
+from ..schemas.registry import TopicSpec, topic, topic_for
+from .dlq import dead_letter as dead_letter_record
+from .fleet import MemberFleet, pause_partitions
+from .producer import EventProducer
+from .retry import ParkedPartitions, backoff_s
+from .role import DeadLetter, Role, Source
+from .settings import BusConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +175,7 @@ class RoleRunner:
                     self._tick(now)
                     next_tick = now + self.role.tick_interval_s
                 if now >= self._next_status:
-                    self._publish_own(self._status())
+                    self.publish_own(self._status())
                     self._next_status = now + self.status_interval_s
                 if now >= self.fleet.next_heartbeat:
                     self.fleet.heartbeat()
@@ -182,7 +185,7 @@ class RoleRunner:
                 if self.control.draining and self.role.drained(self.state):
                     log.info("%s drained: stopping", self.member_id)
                     break
-            self._publish(self.role.on_stop(self.state))
+            self.publish_outputs(self.role.on_stop(self.state))
             self._confirm_and_commit()
             self.fleet.heartbeat("stopped")
             self._confirm_and_commit()
@@ -194,7 +197,7 @@ class RoleRunner:
         return self.state
 
     def _latest_events(self, names: tuple[str, ...], per_partition: int = 64) -> list[Event]:
-        from tapioca.bus.reader import TopicReader
+        from .reader import TopicReader
 
         events: list[Event] = []
         for name in names:
@@ -225,7 +228,8 @@ class RoleRunner:
                 on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
             )
         if self.role.broadcast_inputs:
-            self._bcast = Consumer({**self.cfg.consumer_conf(f"{self.group_id}.{self.member_id}.bcast")})
+            self._bcast = Consumer(
+                {**self.cfg.consumer_conf(f"{self.group_id}.{self.member_id}.bcast")})
             assignment = []
             for name in self.role.broadcast_inputs:
                 full = self.cfg.topic(topic(name))
@@ -401,11 +405,11 @@ class RoleRunner:
             # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py).
             self.cfg.verify(spec, raw, msg.headers())
         except SchemaError as exc:
-            self._dead_letter(raw, source, exc, attempts=1)
+            self.dead_letter(raw, source, exc, attempts=1)
         else:
             if not self._ours(event):
                 if not broadcast and self._unattributed(event, spec):
-                    self._dead_letter(raw, source, UnattributedEventError(
+                    self.dead_letter(raw, source, UnattributedEventError(
                         f"{event.type} event on {source.topic} has run_id {event.run_id!r} "
                         f"(or none), but this {self.role.name} belongs to run "
                         f"{self.cfg.run_id!r}: stamp it with the run_id of the events it "
@@ -424,12 +428,12 @@ class RoleRunner:
         try:
             # Publishing is inside: an output that cannot be encoded (too large,
             # invalid) dead-letters its input instead of stopping the role.
-            self._publish(list(self.role.handle(event, self.state, source) or ()))
+            self.publish_outputs(list(self.role.handle(event, self.state, source) or ()))
         except FatalRoleError:
             raise
         except (SchemaError, BadEventError) as exc:
             if isinstance(exc, SchemaError) or not exc.retryable:  # no retry can fix it
-                self._dead_letter(raw, source, exc, attempts=attempt)
+                self.dead_letter(raw, source, exc, attempts=attempt)
                 return True
             return self._failed(exc, raw, source, attempt)
         except Exception as exc:
@@ -445,7 +449,7 @@ class RoleRunner:
         if attempt >= self.cfg.handler_max_attempts:
             log.error("handler of %s failed %d times, dead-lettering: %s",
                       self.role.name, attempt, exc)
-            self._dead_letter(raw, source, exc, attempts=attempt)
+            self.dead_letter(raw, source, exc, attempts=attempt)
             return True
         self.stats.retries += 1
         log.warning("handler of %s failed on %s[%d]@%d (attempt %d of %d), retried in %.2f s; "
@@ -467,7 +471,7 @@ class RoleRunner:
             self._tick_failed(exc, now)
             return
         self._tick_failures.clear()
-        self._publish(out)
+        self.publish_outputs(out)
 
     def _tick_failed(self, exc: Exception, now: float) -> None:
         event = exc.event if isinstance(exc, BadEventError) else None
@@ -512,10 +516,13 @@ class RoleRunner:
         return MetricsEvent(source=self.member_id, step=s.handled,
                             metrics={k: float(v) for k, v in metrics.items()})
 
-    def _dead_letter(self, raw: bytes | None, source: Source, exc: BaseException,
-                     *, attempts: int) -> None:
-        record, headers = dead_letter(raw, source, exc, consumer_group=self.group_id,
-                                      attempts=attempts)
+    def dead_letter(self, raw: bytes | None, source: Source, exc: BaseException,
+                    *, attempts: int) -> None:
+        """Publish ``raw`` (the record as read at ``source``) to ``dlq.v1`` with the error
+        and the number of ``attempts``, counted by error type in the member's status;
+        confirmed before the next commit. MemberFleet dead-letters forged commands here."""
+        record, headers = dead_letter_record(raw, source, exc, consumer_group=self.group_id,
+                                             attempts=attempts)
         log.warning("dead-lettered %s[%d]@%d: %s", source.topic, source.partition,
                     source.offset, exc)
         self.producer.publish(record, headers=headers)
@@ -535,9 +542,12 @@ class RoleRunner:
             spec = topic_for(event)
             source = Source(topic=self.cfg.topic(spec), partition=-1, offset=-1,
                             key=spec.key_of(event))
-        self._dead_letter(raw, source, exc, attempts=attempts)
+        self.dead_letter(raw, source, exc, attempts=attempts)
 
-    def _publish(self, events: Iterable[Event | DeadLetter] | None) -> None:
+    def publish_outputs(self, events: Iterable[Event | DeadLetter] | None) -> None:
+        """Publish a role's outputs (from ``handle``, ``on_tick``, ``on_control``, ...):
+        counted as produced, and confirmed on the log before the inputs that led to them
+        are committed; a ``DeadLetter`` item dead-letters the event it names."""
         for event in events or ():
             if isinstance(event, DeadLetter):
                 self._dead_letter_event(event.event, event.source, event.error, attempts=1)
@@ -548,10 +558,39 @@ class RoleRunner:
             if isinstance(event, MetricsEvent):  # shown in heartbeats (e.g. staleness)
                 self.fleet.last_role_metrics = dict(list(event.metrics.items())[:64])
 
-    def _publish_own(self, event: Event) -> None:
+    def publish_own(self, event: Event) -> None:
         """The runner's own events (status, heartbeats, acks): not counted as outputs."""
         self.producer.publish(event)
         self._unconfirmed = True
+
+    def set_intake(self, *, group: bool, broadcast: bool) -> None:
+        """Fetch (True) or stop fetching (False) every assigned partition of the group
+        inputs and of the broadcast inputs: pause stops both, resume starts both, drain
+        stops group input while broadcasts go on. Records fetched meanwhile are held
+        (see ``_poll_stopped_intake``), never lost."""
+        pause_partitions(self._group, not group)
+        if self._bcast is not None:
+            pause_partitions(self._bcast, not broadcast)
+
+    def input_lag(self) -> dict[str, int]:
+        """Approximate lag per assigned group partition (``"<topic name>/<partition>"``):
+        the last high watermark seen in a fetch (no broker round trip) minus our position.
+        Tansu undercounts watermarks (docs/kafka-clients.md), so this is a hint for
+        heartbeats, never an input to logic."""
+        if self._group is None or not self._assigned:
+            return {}
+        lag: dict[str, int] = {}
+        try:
+            tps = [TopicPartition(t, p) for t, p in sorted(self._assigned)]
+            for tp in self._group.position(tps):
+                if tp.offset < 0:
+                    continue  # nothing fetched yet
+                _low, high = self._group.get_watermark_offsets(tp, cached=True)
+                if high >= 0:
+                    lag[f"{self._types[tp.topic].name}/{tp.partition}"] = max(high - tp.offset, 0)
+        except Exception as exc:  # lag is informational
+            log.debug("lag unavailable: %s", exc)
+        return lag
 
     def _confirm_and_commit(self) -> None:
         """Flush outputs, then commit every partition whose safe offset advanced."""

@@ -20,10 +20,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapioca.bus.signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
-from tapioca.schemas.envelope import DEFAULT_MAX_EVENT_BYTES
-from tapioca.schemas.errors import ConfigError
-from tapioca.schemas.registry import DEFAULT_PREFIX, TopicSpec
+from ..schemas.envelope import DEFAULT_MAX_EVENT_BYTES
+from ..schemas.errors import ConfigError
+from ..schemas.registry import DEFAULT_PREFIX, TopicSpec
+from .signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
 
 BOOTSTRAP_ENV = "TAPIOCA_BOOTSTRAP"
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -173,7 +173,8 @@ class BusConfig:
                 conf["sasl.username"] = self.sasl_username
                 conf["sasl.password"] = self.sasl_password()
         if self.security_protocol in ("SSL", "SASL_SSL"):
-            conf["ssl.endpoint.identification.algorithm"] = self.ssl_endpoint_identification_algorithm
+            conf["ssl.endpoint.identification.algorithm"] = (
+                self.ssl_endpoint_identification_algorithm)
             for key, value in (("ssl.ca.location", self.ssl_ca_location),
                                ("ssl.certificate.location", self.ssl_certificate_location),
                                ("ssl.key.location", self.ssl_key_location)):
@@ -182,8 +183,8 @@ class BusConfig:
             if self.ssl_key_password_env:
                 password = os.environ.get(self.ssl_key_password_env, "")
                 if not password:
-                    raise ConfigError(f"bus.ssl_key_password_env names ${self.ssl_key_password_env}, "
-                                      "which is not set")
+                    raise ConfigError(f"bus.ssl_key_password_env names "
+                                      f"${self.ssl_key_password_env}, which is not set")
                 conf["ssl.key.password"] = password
         return conf
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from tapioca.schemas.errors import ConfigError, SchemaError
+from ..schemas.errors import ConfigError, SchemaError
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import signal
 import time
 from pathlib import Path
 
-from tapioca.bus.broker import EmbeddedBroker, port_open
-from tapioca.bus.settings import BOOTSTRAP_ENV
-from tapioca.schemas.errors import BusError, ConfigError
+from ..bus.broker import EmbeddedBroker, port_open
+from ..bus.settings import BOOTSTRAP_ENV
+from ..schemas.errors import BusError, ConfigError
 
 DEFAULT_PORT = 29092
 

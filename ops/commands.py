@@ -11,7 +11,10 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from tapioca.ops.cli import G, app, console
+from .cli_context import G, console
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_CONFIG = "demo_cpu.yaml"
@@ -26,7 +29,8 @@ def _backlogs(status: dict[str, dict]) -> tuple[float, float] | None:
     if not any("feeder/groups" in r for r in status.values()):
         return None
     prompts = total("feeder/groups") - total("rollout/groups_done")
-    samples = total("advantage/emitted") + total("advantage/dropped") - total("trainer/groups_consumed")
+    samples = (total("advantage/emitted") + total("advantage/dropped")
+               - total("trainer/groups_consumed"))
     return max(prompts, 0.0), max(samples, 0.0)
 
 
@@ -61,7 +65,8 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
         fmt(t.get("step"), "{}"), fmt(smoothed),
         fmt(t.get("actor/tokens_per_s"), "{:,.0f}"), fmt(r.get("rollout/tokens_per_s"), "{:,.0f}"),
         f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-",
-        f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
+        f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
+        f"{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
     )
     table.caption = _supervision_caption(health)
@@ -70,11 +75,11 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
 
 
 def run_training(config: Optional[str], overrides: list[str], *, live: bool = True) -> None:
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
-    from tapioca.ops.launcher import Launcher
-
     from transformers.utils import logging as hf_logging
+
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig
+    from .launcher import Launcher
 
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, overrides)
@@ -87,7 +92,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     recent: list[float] = []
     started = time.monotonic()
     if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
-        from tapioca.ops.ray_launcher import RayLauncher as Launcher  # noqa: F811
+        from .ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)
     with Live(_progress_table(latest, status, started, recent), console=console,
               refresh_per_second=2, transient=False, auto_refresh=live) as view:
@@ -155,12 +160,13 @@ def demo(ctx: typer.Context) -> None:
 @app.command("role", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def role(
     ctx: typer.Context,
-    name: str = typer.Argument(..., help="feeder | rollout | reward | advantage | trainer | archiver"),
+    name: str = typer.Argument(
+        ..., help="feeder | rollout | reward | advantage | trainer | archiver"),
     config: str = typer.Option(..., "--config", "-c", help="YAML config file of the run."),
     member: int = typer.Option(0, help="Member index (for several rollout workers)."),
 ) -> None:
     """Run one role in this process (what `train` launches; also for docker-compose)."""
-    from tapioca.ops.role_main import run_role_process
+    from .role_main import run_role_process
 
     code = run_role_process(name, config, list(ctx.args), member)
     raise typer.Exit(code)
@@ -174,10 +180,11 @@ def model_init(
                                           "CPU needs >= 32: 2)."),
     num_kv_heads: int = typer.Option(2, help="Key/value heads (divides num_heads)."),
     tie_word_embeddings: bool = typer.Option(
-        True, help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
+        True,
+        help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
-    from tapioca.models.factory import create_tiny_checkpoint
+    from ..models.factory import create_tiny_checkpoint
 
     console.print(str(create_tiny_checkpoint(
         directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),

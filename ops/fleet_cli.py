@@ -1,6 +1,5 @@
 """Fleet control from the CLI: `tapioca status`, `tapioca pause|resume|drain TARGET`,
-`tapioca weights list|rollback`, `tapioca dlq list|show|retry` (and `tapioca plot`, in
-ops/plot.py).
+`tapioca weights list|rollback`, `tapioca dlq list|show|retry`.
 
 Reads ``fleet.v1`` (heartbeats), ``weights.v1`` and ``dlq.v1``; publishes
 ``ControlEvent`` on ``control.v1`` and waits for the members' ``ControlAckEvent``; `dlq
@@ -18,14 +17,14 @@ import orjson
 import typer
 from rich.table import Table
 
-from tapioca.ops import plot  # noqa: F401  (registers `tapioca plot`)
-from tapioca.ops.cli import OUTPUT_HELP, _check_output, app, bus_config, console, emit_json
-from tapioca.schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError
+from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
 
+# This module's top-level commands and its two command groups; ops/cli.py adds them to
+# `tapioca`.
+app = typer.Typer()
 weights_app = typer.Typer(no_args_is_help=True, help="Published policy versions; rollback.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list, show, retry.")
-app.add_typer(weights_app, name="weights")
-app.add_typer(dlq_app, name="dlq")
 
 TIMEOUT_HELP = "Seconds to wait for every targeted member's acknowledgement."
 
@@ -54,10 +53,10 @@ def status(
     """The fleet: every member's role, status, version, throughput, lag, staleness and
     dead letters, from the heartbeats on fleet.v1; a stall alarm (on stderr, exit code
     4) when every running member has been idle for --stall-after seconds."""
-    from tapioca.bus.admin import admin_client
-    from tapioca.bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
+    from ..bus.admin import admin_client
+    from ..bus.fleet import TARGETABLE_STALE_S, read_fleet, stall
 
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     admin_client(cfg)
     window = None if all_members else max(since_s, TARGETABLE_STALE_S)
@@ -67,7 +66,8 @@ def status(
         emit_json([m.to_json() for m in members])
         _stall_exit(alarm)
         return
-    table = Table(title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
+    table = Table(
+        title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
     for col in ("member", "role", "status"):
         table.add_column(col, no_wrap=True)
     for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "idle", "seen"):
@@ -107,7 +107,7 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
              output: str, run_id: str | None = None, members=None) -> dict:
     """Check the target against the live fleet, send, wait for acks, report; raise when
     a member did not acknowledge or refused."""
-    from tapioca.bus.fleet import (
+    from ..bus.fleet import (
         ControlError,
         check_signing,
         read_fleet,
@@ -122,7 +122,8 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
                                run_id=run_id)
     rows = [{"member_id": mid, "acked": mid in acks, "ok": acks[mid].ok if mid in acks else None,
-             "message": acks[mid].message if mid in acks else f"no acknowledgement within {timeout_s:g} s",
+             "message": (acks[mid].message if mid in acks
+                         else f"no acknowledgement within {timeout_s:g} s"),
              "acked_at": acks[mid].produced_at if mid in acks else None}
             for mid in expect]
     report = {"command_id": event.command_id, "command": command, "target": target,
@@ -153,7 +154,7 @@ def _control_command(command: str, doc: str):
         timeout: float = typer.Option(10.0, "--timeout", help=TIMEOUT_HELP),
         output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
     ) -> None:
-        _check_output(output)
+        check_output(output)
         _command(command, target, timeout_s=timeout, output=output)
 
     run.__doc__ = doc
@@ -173,8 +174,8 @@ _control_command("drain", "Drain members: they take no new input, finish their i
 def _weights(cfg, run: Optional[str]) -> tuple[str, dict[int, dict]]:
     """(run id, version -> its latest weights event as a dict with rollback_of carried
     over from any announcement of that version) for one run on the weights topic."""
-    from tapioca.bus.reader import read_events
-    from tapioca.schemas.events import WeightsEvent
+    from ..bus.reader import read_events
+    from ..schemas.events import WeightsEvent
 
     events = [e for e in read_events(cfg, "weights", idle_s=0.3) if isinstance(e, WeightsEvent)]
     if not events:
@@ -209,7 +210,7 @@ def weights_list(
     """Every published policy version: path, sha256, time, rollback_of."""
     from pathlib import Path
 
-    _check_output(output)
+    check_output(output)
     run_id, versions = _weights(bus_config(), run)
     rows = [{**v, "on_disk": bool(v["path"]) and Path(v["path"]).exists()}
             for _, v in sorted(versions.items())]
@@ -218,7 +219,8 @@ def weights_list(
         return
     dirs = {str(Path(r["path"]).parent) for r in rows if r["path"]}
     table = Table("version", "time", "sha256", "rollback_of", "file", "on disk here",
-                  title=f"weights of run {run_id}" + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
+                  title=f"weights of run {run_id}"
+                  + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
                   caption="the trainer keeps only the last keep_weight_versions files "
                           "(ipc / nccl: every actor.weight_file_every_versions-th version has "
                           "one); -o json has full paths")
@@ -240,7 +242,7 @@ def weights_rollback(
 ) -> None:
     """Republish VERSION's weights as a NEW version (current + 1, with rollback_of =
     VERSION): the trainer loads and checksums the file, publishes, and checkpoints."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     run_id, versions = _weights(cfg, run)
     if version not in versions:
@@ -261,8 +263,8 @@ def weights_rollback(
 
 
 def _dead_letters(cfg) -> list:
-    from tapioca.bus.reader import TopicReader
-    from tapioca.schemas.events import DlqRecord
+    from ..bus.reader import TopicReader
+    from ..schemas.events import DlqRecord
 
     with TopicReader(cfg, "dlq") as reader:
         return [r for r in reader.records(idle_s=0.3, timeout_s=60)
@@ -289,7 +291,7 @@ def _dlq_json(record, *, full: bool = False) -> dict:
 def _matches_source(cfg, record, source: Optional[str]) -> bool:
     if not source:
         return True
-    from tapioca.bus.reader import _full_name
+    from ..bus.reader import _full_name
 
     return record.event.source_topic == _full_name(cfg, source)
 
@@ -301,7 +303,7 @@ def dlq_list(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Dead letters on dlq.v1: where each came from and why it failed."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     rows = [_dlq_json(r) for r in _dead_letters(cfg) if _matches_source(cfg, r, source)]
     if output == "json":
@@ -326,7 +328,7 @@ def dlq_show(
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """One dead letter in full: the error and the original payload, decoded."""
-    _check_output(output)
+    check_output(output)
     cfg = bus_config()
     found = [r for r in _dead_letters(cfg) if r.source.offset == offset]
     if not found:
@@ -353,7 +355,7 @@ def _retry_marker(cfg, dlq_offset: int) -> bytes:
 def _already_retried(cfg, letters: list) -> set[int]:
     """The dlq.v1 offsets among ``letters`` whose payload was republished before: the
     source topics are read for records carrying their ``tapioca.retry_of`` marker."""
-    from tapioca.bus.reader import TopicReader
+    from ..bus.reader import TopicReader
 
     wanted = {_retry_marker(cfg, r.source.offset): r.source.offset for r in letters}
     found: set[int] = set()
@@ -385,9 +387,9 @@ def dlq_retry(
     with its offset) is republished again, with a warning listing such letters."""
     import sys
 
-    from tapioca.bus.producer import EventProducer
+    from ..bus.producer import EventProducer
 
-    _check_output(output)
+    check_output(output)
     if not (source or offsets or all_):
         raise typer.BadParameter("choose what to retry: --source TOPIC, --offset N, or --all")
     cfg = bus_config()
@@ -414,8 +416,8 @@ def dlq_retry(
                    "retried_before": r.source.offset in before}
             if e.payload_truncated:
                 row.update(retried=False, reason="payload was truncated in the dead letter; the "
-                           f"original is at {e.source_topic}[{e.source_partition}]@{e.source_offset} "
-                           "(while retention keeps it)")
+                           f"original is at {e.source_topic}[{e.source_partition}]"
+                           f"@{e.source_offset} (while retention keeps it)")
             elif not e.payload_b64:
                 row.update(retried=False, reason="the dead letter has no payload")
             else:
@@ -431,7 +433,8 @@ def dlq_retry(
     else:
         table = Table("dlq offset", "to", "retried", "note", title="dlq retry")
         for row in results:
-            table.add_row(str(row["offset"]), f"{row['source_topic']} (was @{row['source_offset']})",
+            table.add_row(str(row["offset"]),
+                          f"{row['source_topic']} (was @{row['source_offset']})",
                           "yes" if row["retried"] else "no", row["reason"])
         if not results:
             table.caption = "nothing matched"

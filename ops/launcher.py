@@ -51,14 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tapioca.bus.broker import EmbeddedBroker
-from tapioca.bus.settings import BOOTSTRAP_ENV
-from tapioca.bus.signing import create_key_file, key_path_of_run
-from tapioca.config.loader import to_yaml
-from tapioca.config.schema import TrainConfig, next_bus_run_id
-from tapioca.ops.parent_death import guarded
+from ..bus.broker import EmbeddedBroker
+from ..bus.settings import BOOTSTRAP_ENV
+from ..bus.signing import create_key_file, key_path_of_run
+from ..config.loader import to_yaml
+from ..config.schema import TrainConfig, next_bus_run_id
+from ..schemas.errors import BusError, TapiocaError
+from .parent_death import guarded
+
 # The run's parts, re-exported: callers and tests import them from here.
-from tapioca.ops.run_setup import (  # noqa: F401
+from .run_setup import (  # noqa: F401
     PROXY_KEY_FILE_NAME,
     last_member_warning,
     prepare_run,
@@ -68,7 +70,6 @@ from tapioca.ops.run_setup import (  # noqa: F401
     role_counts,
     run_on_log,
 )
-from tapioca.schemas.errors import BusError, TapiocaError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ class RunSummary:
         """What the closing line says about restarts and recoveries ("" if none)."""
         parts = []
         if self.restarts:
-            parts.append("restarts: " + ", ".join(f"{m} x{n}" for m, n in sorted(self.restarts.items())))
+            parts.append("restarts: " + ", ".join(
+                f"{m} x{n}" for m, n in sorted(self.restarts.items())))
         if self.log_recoveries:
             parts.append(f"broker lost the log {self.log_recoveries}x (now bus run id "
                          f"{self.bus_run_id})")
@@ -188,7 +190,7 @@ class Launcher:
     # ------------------------------------------------------------------ start
 
     def start(self) -> None:
-        from tapioca.bus.admin import ensure_topics, topic_partitions
+        from ..bus.admin import ensure_topics, topic_partitions
 
         run_dir = prepare_run(self.cfg)
         self.summary = RunSummary(run_dir)
@@ -287,7 +289,7 @@ class Launcher:
             self._close_reader()
 
     def _read_metrics(self, *, idle_s: float, timeout_s: float) -> None:
-        from tapioca.bus.reader import TopicReader
+        from ..bus.reader import TopicReader
 
         try:
             if self._reader is None:
@@ -368,7 +370,7 @@ class Launcher:
     # ------------------------------------------------------------------ the broker
 
     def _check_broker(self, now: float) -> None:
-        from tapioca.bus.admin import topic_partitions
+        from ..bus.admin import topic_partitions
 
         if now < self._next_topic_check:
             return
@@ -401,7 +403,7 @@ class Launcher:
     def _recover_lost_log(self, reason: str) -> None:
         """The broker no longer holds the run's log: re-create the topics from the
         registry, move to a new bus run id, restart every role on it."""
-        from tapioca.bus.admin import repair_topics
+        from ..bus.admin import repair_topics
 
         lc = self.cfg.launcher
         now = time.monotonic()

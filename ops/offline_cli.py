@@ -14,16 +14,20 @@ from typing import Optional
 
 import typer
 
-from tapioca.ops.cli import G, app, console, emit_json
+from .cli_context import G, console, emit_json
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-_CONFIG_HELP = "YAML config file (see examples/sft.yaml, dpo.yaml, reward_model.yaml, distill.yaml)."
+_CONFIG_HELP = ("YAML config file (see examples/sft.yaml, dpo.yaml, reward_model.yaml, "
+                "distill.yaml).")
 
 
 def _run(kind: str, config: Optional[str], overrides: list[str], output: str) -> None:
-    from tapioca.config.loader import load_config
-    from tapioca.config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
-    from tapioca.trainers.offline_loop import run_metadata
+    from ..config.loader import load_config
+    from ..config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
+    from ..trainers.offline_loop import run_metadata
 
     if output not in ("table", "json"):
         raise typer.BadParameter("--output must be table or json")
@@ -39,7 +43,7 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
     if cfg.train_dataset.source == "topics" and not cfg.bus.bootstrap_servers:
         # Reading a run's topics needs a broker: the embedded one of `tapioca broker up`
         # (or a clear error saying how to name one).
-        from tapioca.ops.broker_state import resolve_bootstrap
+        from .broker_state import resolve_bootstrap
 
         cfg.bus.bootstrap_servers = resolve_bootstrap(None)
     if G.prefix and cfg.bus.topic_prefix == "tapioca":
@@ -49,17 +53,21 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
     if output == "json":
         emit_json(meta)
         return
-    loss_key = {"sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss", "distill": "distill/loss"}[kind]
+    loss_key = {"sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss",
+                "distill": "distill/loss"}[kind]
     first, last = meta["first"].get(loss_key), meta["last"].get(loss_key)
-    trend = f"; {loss_key} {first:.4f} -> {last:.4f}" if first is not None and last is not None else ""
+    trend = (f"; {loss_key} {first:.4f} -> {last:.4f}"
+             if first is not None and last is not None else "")
     console.print(f"{kind}: {summary.steps} steps in {summary.wall_s:.1f} s{trend}")
-    console.print(f"metrics: {summary.run_dir}/metrics/metrics.jsonl; final model: {summary.final_model_dir}")
+    console.print(f"metrics: {summary.run_dir}/metrics/metrics.jsonl; "
+                  f"final model: {summary.final_model_dir}")
 
 
 def _register(kind: str, doc: str) -> None:
     def command(ctx: typer.Context,
                 config: Optional[str] = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
-                output: str = typer.Option("table", "-o", "--output", help="table or json")) -> None:
+                output: str = typer.Option("table", "-o", "--output", help="table or json"),
+                ) -> None:
         _run(kind, config, list(ctx.args), output)
 
     command.__doc__ = doc

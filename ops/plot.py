@@ -14,8 +14,11 @@ from typing import Any
 
 import typer
 
-from tapioca.ops.cli import app, console
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
+from .cli_context import console
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 
 def metrics_file(path: str | Path) -> Path:

@@ -11,7 +11,10 @@ from typing import Optional
 
 import typer
 
-from tapioca.ops.cli import G, app, console
+from .cli_context import G, console
+
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 
 def build_proxy_service(cfg, *, member: int = 0):
@@ -60,13 +63,13 @@ def proxy(
     """Serve a run's OpenAI-compatible agent proxy (agents set base_url to it).
 
     Extra arguments are dotted overrides, e.g. proxy.port=8001 proxy.api_key=KEY."""
-    from tapioca.bus.admin import ensure_topics
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig, name_trial
-    from tapioca.ops import broker_state
-    from tapioca.producers.proxy import ProxyServer
-
     from transformers.utils import logging as hf_logging
+
+    from ..bus.admin import ensure_topics
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig, name_trial
+    from ..producers.proxy import ProxyServer
+    from . import broker_state
 
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, list(ctx.args))

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tapioca.bus.settings import BOOTSTRAP_ENV
-from tapioca.ops.launcher import Child, Launcher, role_command
-from tapioca.schemas.errors import ConfigError
+from ..bus.settings import BOOTSTRAP_ENV
+from ..schemas.errors import ConfigError
+from .launcher import Child, Launcher, role_command
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,9 @@ class RayLauncher(Launcher):
             self.notices: list[str] = []
         s = cfg.scheduler
         if s.ray_address and not cfg.bus.bootstrap_servers:
-            raise ConfigError("scheduler.ray_address joins a Ray cluster whose nodes must all reach "
-                              "the broker: set bus.bootstrap_servers (the embedded broker listens "
-                              "on 127.0.0.1 of this host only)")
+            raise ConfigError("scheduler.ray_address joins a Ray cluster whose nodes must all "
+                              "reach the broker: set bus.bootstrap_servers (the embedded broker "
+                              "listens on 127.0.0.1 of this host only)")
 
     # ------------------------------------------------------------------ start
 
@@ -189,7 +189,7 @@ class RayLauncher(Launcher):
         if s.ray_address:
             ray.init(address=s.ray_address, log_to_driver=False)
             return
-        from tapioca.ops.launcher import role_counts
+        from .launcher import role_counts
 
         # Logical CPUs: enough for every member whatever this host has (the roles
         # share its cores as they do under the local launcher).
@@ -235,8 +235,9 @@ class RayLauncher(Launcher):
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{self.cfg.run_id}:trainer")
         self.ray.get(pg.ready(), timeout=self.cfg.scheduler.start_timeout_s)
         self._groups.append(pg)
-        return dict(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=0))
+        return dict(num_cpus=cpus, num_gpus=gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=0))
 
     # ------------------------------------------------------------------ supervision
 

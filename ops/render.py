@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from tapioca.bus.reader import Record
+from ..bus.reader import Record
 
 _ENVELOPE = {"event_id", "type", "schema_version", "run_id", "produced_at", "producer_id"}
 

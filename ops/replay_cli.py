@@ -19,13 +19,19 @@ from typing import Iterator, Optional
 
 import typer
 
-from tapioca.bus.replay import (
-    Replayer, ReplayFilter, ReplayItem, ReplayStats, items_from_archive, items_from_topic,
+from ..bus.replay import (
+    Replayer,
+    ReplayFilter,
+    ReplayItem,
+    ReplayStats,
+    items_from_archive,
+    items_from_topic,
 )
-from tapioca.ops.cli import G, app, bus_config, console, emit_json
-from tapioca.schemas.errors import BusError, ConfigError
+from ..schemas.errors import BusError, ConfigError
+from .cli_context import OUTPUT_HELP, G, bus_config, console, emit_json
 
-OUTPUT_HELP = "table (for people) or json (for scripts)"
+# This module's commands; ops/cli.py adds them to `tapioca`.
+app = typer.Typer()
 
 
 def parse_time(value: Optional[str], flag: str) -> Optional[int]:
@@ -81,9 +87,9 @@ def replay(
 ) -> None:
     """Republish a Parquet log, or a live topic's offset or time range, to a topic or a
     new run, with rate control and filters."""
-    from tapioca.bus.admin import admin_client, ensure_topics
-    from tapioca.bus.producer import EventProducer
-    from tapioca.bus.reader import _full_name
+    from ..bus.admin import admin_client, ensure_topics
+    from ..bus.producer import EventProducer
+    from ..bus.reader import _full_name
 
     if output not in ("table", "json"):
         raise typer.BadParameter("--output must be table or json")
@@ -91,7 +97,7 @@ def replay(
         raise ConfigError("give either an archive directory or --from-topic NAME (one source)")
     if rate < 0:
         raise typer.BadParameter("--rate must be >= 0 (0: as fast as possible)")
-    from tapioca.schemas.envelope import event_types
+    from ..schemas.envelope import event_types
 
     unknown = sorted(set(type_) - set(event_types()))
     if unknown:
@@ -105,7 +111,7 @@ def replay(
     if needs_broker:
         src_cfg, dest_cfg = bus_config(), bus_config()
     else:  # counting an archive needs no broker
-        from tapioca.bus.settings import BusConfig
+        from ..bus.settings import BusConfig
 
         src_cfg = dest_cfg = BusConfig(topic_prefix=G.prefix or "tapioca")
     if to_prefix:
@@ -116,7 +122,7 @@ def replay(
     replayer = Replayer(None, dest_cfg, to_topic=to_topic, run_id=run_id, rate=rate)
     stats = ReplayStats()
     if from_topic is not None:
-        from tapioca.schemas.registry import topic as topic_spec
+        from ..schemas.registry import topic as topic_spec
 
         full = _full_name(src_cfg, from_topic)
         target = replayer.to_name or dest_cfg.topic(topic_spec(full))
@@ -168,10 +174,10 @@ def archive(
     max_seconds: Optional[float] = typer.Option(None, help="Stop after this long."),
 ) -> None:
     """Run the archiver against the broker until Ctrl-C (every topic to Parquet)."""
-    from tapioca.bus.admin import admin_client
-    from tapioca.bus.runner import RoleRunner
-    from tapioca.config.schema import ArchiveConfig
-    from tapioca.consumers.archiver import ALL_TOPICS, Archiver
+    from ..bus.admin import admin_client
+    from ..bus.runner import RoleRunner
+    from ..config.schema import ArchiveConfig
+    from ..consumers.archiver import ALL_TOPICS, Archiver
 
     a = ArchiveConfig(enabled=True, dir=directory, roll_bytes=roll_bytes,
                       roll_interval_s=roll_interval_s, topics=list(topic))
@@ -208,14 +214,14 @@ def train_offline(
 ) -> None:
     """Train the policy from a Parquet log (decoupled PPO on the recorded behaviour
     logprobs; staleness gate off). Extra arguments are dotted overrides."""
-    from tapioca.bus.archive import iter_events
-    from tapioca.bus.producer import EventProducer
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig, name_trial
-    from tapioca.ops import broker_state
-    from tapioca.ops.launcher import prepare_run
-    from tapioca.ops.role_builders import build_role
-    from tapioca.trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
+    from ..bus.archive import iter_events
+    from ..bus.producer import EventProducer
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig, name_trial
+    from ..trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
+    from . import broker_state
+    from .launcher import prepare_run
+    from .role_builders import build_role
 
     if source not in ("samples", "trajectories"):
         raise typer.BadParameter("--source must be samples or trajectories")
@@ -238,7 +244,7 @@ def train_offline(
         # broker it ran on, which stopped with the run if it was the run's own.
         cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap,
                                                                    cfg.bus.bootstrap_servers)
-        from tapioca.bus.admin import ensure_topics
+        from ..bus.admin import ensure_topics
 
         try:
             ensure_topics(cfg.bus)

@@ -8,17 +8,18 @@ import logging
 import sys
 import traceback
 
-from tapioca.bus.runner import RoleRunner
-from tapioca.config.loader import load_config
-from tapioca.config.schema import TrainConfig
-from tapioca.ops.role_builders import ROLES, build_role
-from tapioca.ops.launcher import EXIT_NO_RESTART
-from tapioca.schemas.errors import ConfigError, TapiocaError
-from tapioca.trainers.checkpoint import CheckpointFormatError
+from ..bus.runner import RoleRunner
+from ..config.loader import load_config
+from ..config.schema import TrainConfig
+from ..schemas.errors import ConfigError, TapiocaError
+from ..trainers.checkpoint import CheckpointFormatError
+from .launcher import EXIT_NO_RESTART
+from .role_builders import ROLES, build_role
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import tapioca.ops.replay_cli  # noqa: F401  (registers replay / archive / train-offline)
 from tapioca.bus import BusConfig, RoleRunner, TopicReader, consumer_lag, ensure_topics
 from tapioca.bus.archive import iter_events, iter_records
 from tapioca.config.loader import to_yaml

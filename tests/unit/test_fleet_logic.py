@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,23 @@ def test_run_summary_window_says_how_many_steps_it_averaged():
     short = RunSummary(Path("."), rewards={1: 0.0, 2: 0.5, 3: 1.0})
     assert short.window_means() == (0.0, 1.0, 1)
     assert RunSummary(Path(".")).window_means() is None
+
+
+def test_member_fleet_uses_only_the_runners_public_surface():
+    """bus/fleet.py drives the runner through its public methods and attributes, never a
+    private one (``runner._group`` and the like): the runner can change its insides."""
+    import ast
+
+    import tapioca.bus.fleet as fleet
+
+    tree = ast.parse(Path(fleet.__file__).read_text())
+    private = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        base = node.value
+        if (isinstance(base, ast.Name) and base.id == "r") or (
+                isinstance(base, ast.Attribute) and base.attr == "runner"):
+            private.append(f"line {node.lineno}: .{node.attr}")
+    assert not private, private

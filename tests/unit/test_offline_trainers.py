@@ -456,7 +456,6 @@ def test_distillation_refuses_a_teacher_with_another_vocabulary(tiny, tmp_path):
 def test_cli_sft_runs_and_reports_json(tiny, tmp_path):
     from typer.testing import CliRunner
 
-    import tapioca.ops.offline_cli  # noqa: F401  (registers the commands)
     from tapioca.ops.cli import app
 
     result = CliRunner().invoke(app, ["sft", "--config", str(EXAMPLES / "sft.yaml"), "-o", "json",

@@ -97,3 +97,29 @@ def test_every_listed_package_has_a_folder_and_every_folder_is_listed():
         for init in (ROOT / root).rglob("__init__.py"):
             name = f"{PREFIX}." + init.parent.relative_to(ROOT).as_posix().replace("/", ".")
             assert name in packages, f"{init.parent.relative_to(ROOT)}/ is not in packages"
+
+
+def test_the_installed_wheel_resolves_its_relative_imports(tmp_path):
+    """Inside the package, modules import each other relatively (``from ..bus.runner
+    import RoleRunner``; tests/unit/test_import_graph.py). Installed from the wheel, where
+    the folders sit under ``tapioca/``, the CLI and a role process start: their modules
+    come from the wheel and run as ``python -m`` runs them."""
+    import os
+
+    wheel, _ = _build_wheel(tmp_path, _package_roots(_setuptools_config()))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    check = (
+        "import runpy, sys\n"
+        "site, module = sys.argv[1], sys.argv[2]\n"
+        "import importlib\n"
+        "m = importlib.import_module(module)\n"
+        "assert m.__file__.startswith(site), (m.__file__, 'is not the wheel copy')\n"
+        "sys.argv = [module, '--help']\n"
+        "runpy.run_module(module, run_name='__main__', alter_sys=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    for module in ("tapioca.ops.cli", "tapioca.ops.role_main"):
+        proc = subprocess.run([sys.executable, "-c", check, str(site), module], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, f"{module} from the wheel:\n{proc.stderr[-3000:]}"
+        assert "Usage" in proc.stdout or "usage" in proc.stdout, proc.stdout[-2000:]
