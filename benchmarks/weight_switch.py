@@ -86,9 +86,11 @@ def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     on the CPU first would take minutes)."""
     s = dict(SHAPES[shape])
     vocab, tie = s.pop("vocab_size"), s.pop("tie")
-    with torch.device(device):
-        model = build_tiny_model(vocab, seed=0, dtype=dtype, tie_word_embeddings=tie,
-                                 max_position_embeddings=4096, **s)
+    # device= matters: build_tiny_model's own device context (default "cpu") wins over an
+    # outer one, and a 7B model initialised on the host took minutes (the 7B runs that
+    # hung past their stage limits).
+    model = build_tiny_model(vocab, seed=0, dtype=dtype, tie_word_embeddings=tie,
+                             max_position_embeddings=4096, device=device, **s)
     model.set_attn_implementation("sdpa")
     return model.to(device)
 
