@@ -110,6 +110,10 @@ RUNS = [
      dict(FAST, mb_max_tokens=8192, gradient_checkpointing=True, gradient_checkpointing_every_n_layers=2,
           fused_optimizer=False), 14),
     ("tuned", "qwen3-1.7b/fast -fused", Q3, "8x2048", "actor", dict(FAST_BIG, fused_optimizer=False), 12),
+    # Toward 45% at 1.5B: one change from 1.5b/fast each (run with --profile to see why).
+    ("explore", "1.5b/fast -recompute", M15, "8x2048", "actor", dict(FAST), 12),
+    ("explore", "1.5b/fast lp chunk 16k", M15, "8x2048", "actor", dict(FAST_BIG, logprob_chunk_tokens=16384), 12),
+    ("explore", "1.5b/fast -keep logits", M15, "8x2048", "actor", dict(FAST_BIG, logprob_keep_logits=False), 12),
     ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
     ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
     ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
@@ -171,11 +175,33 @@ def run_one(run, batches, args) -> dict:
     tokens = batch.real_tokens
     tflops = 6 * counts["matmul"] * tokens / wall / 1e12
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+    if args.profile:
+        profile_step(name, step, device, wall)
     return {"group": group, "shape": shape, "batch": batch.name, "system": system, "options": opts,
             "kernels": describe, "params": counts, "real_tokens": tokens, "warmup_s": round(warmup_s, 1),
             "wall_s": round(wall, 4), "wall_s_all": [round(w, 4) for w in walls],
             "tokens_per_s": round(tokens / wall, 1), "tflops_6nd": round(tflops, 1),
             "mfu": round(tflops / H200_BF16_DENSE_TFLOPS, 4), "peak_mem_gib": peak}
+
+
+def profile_step(name: str, step, device: str, wall_s: float) -> None:
+    """One more step under torch.profiler: the kernels that take the step's time, and how
+    much of the wall the GPU is busy (the rest is launch / host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_us = sum(getattr(e, attr) for e in events)
+    print(f"--- profile {name}: GPU busy {busy_us / 1e3:.1f} ms of a {wall_s * 1e3:.1f} ms step "
+          f"({100 * busy_us / 1e3 / (wall_s * 1e3):.0f}%)", flush=True)
+    sort = "self_device_time_total" if attr == "self_device_time_total" else "self_cuda_time_total"
+    print(events.table(sort_by=sort, row_limit=int(os.environ.get("PROFILE_ROWS", "30")),
+                       max_name_column_width=70), flush=True)
 
 
 def selected(args) -> list:
@@ -245,6 +271,9 @@ def main() -> None:
                     help="skip runs whose estimated end passes this many seconds from the start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each run's timings, profile one more step (torch.profiler) and print "
+                         "its top kernels")
     args = ap.parse_args()
     runs = selected(args)
     want_check = not args.only or any(k.strip() == "check" for k in args.only.split(","))
