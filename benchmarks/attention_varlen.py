@@ -53,11 +53,53 @@ def time_ms(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def diagnose() -> None:
+    """Why ``cudnn`` fails here: the forward's output shapes, the backward with each way of
+    saying "no bias", and SDPA's own nested-tensor path pinned to cuDNN."""
+    import traceback
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev, dt, h, d = "cuda", torch.bfloat16, 4, 64
+    seqs = packed_seqs([37, 5, 64], dev)
+    n = seqs.n_tokens
+    q, k, v, g = (torch.randn(n, h, d, device=dev, dtype=dt) for _ in range(4))
+    cu, m = seqs.cu_seqlens_S1, seqs.max_len
+    res = torch.ops.aten._cudnn_attention_forward(
+        query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu, max_q=m, max_k=m,
+        compute_log_sumexp=True, dropout_p=0.0, is_causal=True, return_debug_mask=False, scale=d ** -0.5)
+    print("forward outputs:", [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in res])
+    for label, bias in [("empty(0)", torch.empty(0, device=dev, dtype=dt)),
+                        ("empty(0,0,0,0)", torch.empty(0, 0, 0, 0, device=dev, dtype=dt)),
+                        ("zeros(1,1,1,1)", torch.zeros(1, 1, 1, 1, device=dev, dtype=dt))]:
+        try:
+            dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+                grad_out=g, query=q, key=k, value=v, out=res[0], logsumexp=res[1], philox_seed=res[6],
+                philox_offset=res[7], attn_bias=bias, cum_seq_q=cu, cum_seq_k=cu, max_q=m, max_k=m,
+                dropout_p=0.0, is_causal=True, scale=d ** -0.5)
+            print("backward with", label, "ok", tuple(dq.shape))
+        except Exception:  # noqa: BLE001 -- the diagnosis is the traceback
+            print("backward with", label, "failed:", traceback.format_exc(limit=2)[-600:])
+    try:
+        offsets = cu.long()
+        qn, kn, vn = (torch.nested.nested_tensor_from_jagged(x.detach().clone().requires_grad_(), offsets)
+                      .transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+        out.transpose(1, 2).values().backward(g)
+        print("nested-tensor SDPA pinned to cuDNN: ok", tuple(out.transpose(1, 2).values().shape))
+    except Exception:  # noqa: BLE001
+        print("nested-tensor SDPA pinned to cuDNN failed:", traceback.format_exc(limit=3)[-800:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="")
+    ap.add_argument("--diagnose", action="store_true", help="why the cudnn backend fails here")
     args = ap.parse_args()
+    if args.diagnose:
+        return diagnose()
     dev, dt = "cuda", torch.bfloat16
     print(torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_name(), flush=True)
     rows, results = [], []
