@@ -197,6 +197,11 @@ class PagedEngine(EngineLoop):
         return self._undelivered
 
     def _load_state_dict(self, state_dict) -> None:
+        # The engine thread is parked at a step boundary (no step in flight), so the block
+        # manager is ours until the update hands it back (the condition orders the two).
+        # Cached KV was computed with the old weights: drop it, and stop the rows admitted
+        # before (which continue with these weights) from registering their blocks.
+        self.bm.drop_prefix_cache()
         self.decoder.load_hf_state_dict(state_dict)
 
     def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:

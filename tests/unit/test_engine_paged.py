@@ -10,6 +10,7 @@ tokens) and HF's fp32 forward of ``prompt + output`` in one pass (logprobs, 1e-4
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -337,6 +338,61 @@ def test_weight_update_copies_into_the_fused_parameters_in_place():
         (r,) = eng.generate([GenRequest("a", [4, 5, 6], SamplingParams(temperature=0, max_new_tokens=6))])
     assert r.output_versions == [3] * 6
     assert_matches_reference(other, r)
+
+
+def test_weight_update_drops_the_prefix_cache():
+    """KV cached under version v is never served to a request of version v+1: after an
+    update the same prompt is prefilled in full again (a GRPO group of it still once) and
+    its logprobs are the NEW model's."""
+    model, other = tiny_model(), tiny_model(seed=7)
+    prompt = prompt_ids(13, seed=11)  # 3 full blocks + a partial one
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    with engine(model, seed=0) as eng:
+        eng.generate([GenRequest("a", prompt, sp)])
+        assert eng.stats()["cached_blocks"] >= 3
+        eng.update_weights(other.state_dict(), version=1)
+        assert eng.stats()["cached_blocks"] == 0
+        before = eng.stats()
+        results = eng.generate([GenRequest(f"g:{i}", prompt, sp) for i in range(4)])
+        after = eng.stats()
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(prompt)
+    assert after["prefix_cache_hit_blocks"] == before["prefix_cache_hit_blocks"]
+    for r in results:
+        assert r.output_versions == [1] * 6
+        assert_matches_reference(other, r)
+
+
+def test_rows_admitted_before_an_update_never_enter_the_prefix_cache_after_it():
+    """A row that continues across an update (interruptible generation) holds KV of both
+    versions: the blocks it fills afterwards are not offered to later requests."""
+    model, other = tiny_model(), tiny_model(seed=7)
+    eng = engine(model, seed=0)
+    forwards = []
+
+    def hook(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 4:  # hold this step until the update waits for its boundary
+            deadline = time.monotonic() + 60
+            while eng._update_waiters == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    with eng:
+        handle = eng.decoder.register_forward_hook(hook)
+        fut = eng.submit(GenRequest("long", [1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=29)))
+        deadline = time.monotonic() + 60
+        while len(forwards) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        eng.update_weights(other.state_dict(), version=1)
+        r1 = fut.result(timeout=60)
+        handle.remove()
+        assert r1.output_versions[0] == 0 and r1.output_versions[-1] == 1
+        assert eng.stats()["cached_blocks"] == 0
+        before = eng.stats()
+        (r2,) = eng.generate([GenRequest("next", r1.prompt_ids + r1.output_ids, SamplingParams(max_new_tokens=3))])
+        after = eng.stats()
+    assert after["prefix_cache_hit_blocks"] == before["prefix_cache_hit_blocks"]
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == 32
+    assert_matches_reference(other, r2)
 
 
 def test_graph_bucket_padding_rows_write_nowhere_and_read_nothing():
