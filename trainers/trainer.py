@@ -419,7 +419,10 @@ class Trainer(Role[TrainerState]):
         return ()
 
     def committable(self, state: TrainerState, topic: str, partition: int, next_offset: int) -> int:
-        return state.progress.offsets.get(f"{topic}:{partition}", 0)
+        # Both bounds: what the last checkpoint covers (a restart resumes from there), and
+        # what this process has handled (a resumed trainer that has not read up to its
+        # checkpoint yet commits no further than it read).
+        return min(next_offset, state.progress.offsets.get(f"{topic}:{partition}", 0))
 
     def finished(self, state: TrainerState) -> bool:
         return state.done
