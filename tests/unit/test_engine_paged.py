@@ -270,7 +270,7 @@ def test_rounds_of_groups_with_updates_stops_and_cache_hits_keep_the_books_balan
                 assert f.result(timeout=60).output_ids
         bm = eng.bm
         assert eng.stats()["prefix_cache_hit_blocks"] > 0
-        assert bm.reserved == 0 and len(bm.free) == bm.num_blocks - 1 and eng._undelivered == 0
+        assert bm.reserved == 0 and len(bm.free) == bm.num_blocks - 1 and not eng._unfinished
 
 
 def test_prefill_token_budget_splits_admissions():
@@ -393,6 +393,61 @@ def test_rows_admitted_before_an_update_never_enter_the_prefix_cache_after_it():
     assert after["prefix_cache_hit_blocks"] == before["prefix_cache_hit_blocks"]
     assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == 32
     assert_matches_reference(other, r2)
+
+
+def test_a_step_failing_while_its_results_are_processed_fails_every_request_and_the_engine_goes_on():
+    """``_process`` raising half-way (after it finished some rows, before their results were
+    handed over): no future hangs, every one gets a result or an EngineError, the books are
+    balanced, and the next request is served."""
+    import concurrent.futures
+
+    model = tiny_model()
+    with engine(model, seed=0) as eng:
+        real, calls = eng._process, []
+
+        def fails_on_the_third(launched):
+            out = real(launched)
+            calls.append(len(out))
+            if len(calls) == 3:
+                raise RuntimeError("host processing failed (injected)")
+            return out
+
+        eng._process = fails_on_the_third
+        futs = eng.submit_all([GenRequest(f"r{n}", prompt_ids(5, seed=n),
+                                          SamplingParams(temperature=1.0, max_new_tokens=n))
+                               for n in range(1, 7)])
+        done, not_done = concurrent.futures.wait(futs, timeout=120)
+        assert not not_done, "futures left hanging"
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        assert errors and all(isinstance(e, EngineError) and "injected" in str(e) for e in errors)
+        assert calls[2] >= 1  # the failed processing had finished a row: its future failed too
+        finished = [f.result() for f in futs if f.exception() is None]
+        assert len(finished) == sum(calls[:2])
+        eng._process = real
+        stats = eng.stats()
+        assert stats["free_blocks"] == stats["num_blocks"] - 1 and stats["reserved_blocks"] == 0
+        (r,) = eng.generate([GenRequest("after", prompt_ids(7, seed=9), SamplingParams(max_new_tokens=4))])
+    assert r.finish_reason == "length" and len(r.output_ids) == 4
+    assert_matches_reference(model, r)
+
+
+def test_an_error_outside_a_step_fails_every_pending_request_instead_of_hanging():
+    model = tiny_model()
+    with engine(model, seed=0) as eng:
+        eng.pause()
+        futs = eng.submit_all([GenRequest(f"r{i}", prompt_ids(5, seed=i), SamplingParams(max_new_tokens=3))
+                               for i in range(3)])
+
+        def admit_fails(queue, now):
+            raise RuntimeError("admission failed (injected)")
+
+        eng.scheduler.admit = admit_fails
+        eng.resume()
+        for f in futs:
+            with pytest.raises(EngineError, match="injected"):
+                f.result(timeout=60)
+        with pytest.raises(EngineError, match="shut down"):
+            eng.submit(GenRequest("late", [1, 2], SamplingParams(max_new_tokens=1)))
 
 
 def test_graph_bucket_padding_rows_write_nowhere_and_read_nothing():
