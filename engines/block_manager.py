@@ -127,7 +127,10 @@ class BlockManager:
     def take(self) -> int:
         """A fresh block (ref 1): the least recently freed; its cache entry is dropped."""
         if not self.free:
-            raise EngineError("the KV cache is out of blocks (an accounting bug: admissions reserve)")
+            raise EngineError(
+                "the KV cache ran out of blocks although admission reserves every sequence's "
+                "worst case (an engine bug): the requests in flight fail with this error; retry "
+                "them, and please report it with the engine's stats()")
         block, _ = self.free.popitem(last=False)
         key = self._key[block]
         if key is not None:

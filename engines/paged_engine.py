@@ -194,9 +194,12 @@ class PagedEngine(EngineLoop):
             # makes this unreachable; if it is reached, fail the request loudly instead.
             p = self._queue.popleft()
             p.future.set_exception(EngineError(
-                f"request {p.request.request_id!r} cannot be admitted into an idle engine "
-                f"(free blocks {len(self.bm.free)}, reserved {self.bm.reserved}, rows "
-                f"{len(self.scheduler.running)}): an engine bug, please report it"))
+                f"request {p.request.request_id!r} cannot be admitted although nothing runs (free "
+                f"KV blocks {len(self.bm.free)}, reserved {self.bm.reserved}, running rows "
+                f"{len(self.scheduler.running)}), so it is failed rather than left waiting forever; "
+                "the other requests go on. Retry it; if it fails again, lower its prompt length or "
+                "max_new_tokens, or raise rollout.kv_cache_tokens, and please report it (admission "
+                "should have rejected it: an engine bug)"))
         return units
 
     def _running_rows(self) -> int:

@@ -133,13 +133,30 @@ def save(ckpt_path: Path, version: int, model, optimizer, channel,
 
 
 def read_record(ckpt_path: Path) -> dict[str, Any] | None:
-    """Rank 0: the progress record, or None for a fresh run (and a clear error for a
-    run whose checkpoint was written by the single-process trainer)."""
+    """Rank 0: the progress record, or None for a fresh run; a :class:`ConfigError` that
+    says what to do for a record this trainer cannot resume from."""
     path = progress_path(ckpt_path)
     if path.exists():
-        record = json.loads(path.read_text())
-        if record.get("format") != FORMAT:
-            raise ConfigError(f"{path} is not a Tapioca sharded checkpoint ({record.get('format')!r})")
+        move_away = (f"to start the run from scratch instead, move {path} and {path.parent / SHARDS_DIR} "
+                     "out of the checkpoint directory")
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"the sharded trainer checkpoint record {path} cannot be read ({exc}); it is only "
+                "ever replaced whole, so the file was edited or the disk is damaged: restore it "
+                f"from a backup, or {move_away}") from exc
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            found = record.get("format") if isinstance(record, dict) else type(record).__name__
+            raise ConfigError(
+                f"{path} is not a Tapioca sharded checkpoint record (format {found!r}, expected "
+                f"{FORMAT!r}): resume with the Tapioca version that wrote it, or {move_away}")
+        shards = path.parent / str(record.get("shards", ""))
+        if not record.get("shards") or not (shards / "extra.json").is_file():
+            raise ConfigError(
+                f"{path} names the shard directory {shards}, which is missing or incomplete (no "
+                "extra.json): it was deleted or moved. Put it back, or "
+                f"{move_away}")
         return record
     single = [p for p in Path(ckpt_path).parent.glob("trainer.*") if p.suffix != ".tmp"]
     if single:

@@ -420,6 +420,7 @@ def test_a_step_failing_while_its_results_are_processed_fails_every_request_and_
         assert not not_done, "futures left hanging"
         errors = [f.exception() for f in futs if f.exception() is not None]
         assert errors and all(isinstance(e, EngineError) and "injected" in str(e) for e in errors)
+        assert "Retry them" in str(errors[0])  # says what to do
         assert calls[2] >= 1  # the failed processing had finished a row: its future failed too
         finished = [f.result() for f in futs if f.exception() is None]
         assert len(finished) == sum(calls[:2])
@@ -444,7 +445,7 @@ def test_an_error_outside_a_step_fails_every_pending_request_instead_of_hanging(
         eng.scheduler.admit = admit_fails
         eng.resume()
         for f in futs:
-            with pytest.raises(EngineError, match="injected"):
+            with pytest.raises(EngineError, match="injected.*Create a new PagedEngine and retry"):
                 f.result(timeout=60)
         with pytest.raises(EngineError, match="shut down"):
             eng.submit(GenRequest("late", [1, 2], SamplingParams(max_new_tokens=1)))

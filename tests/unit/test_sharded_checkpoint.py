@@ -92,3 +92,19 @@ def test_a_save_failing_midway_keeps_the_previous_checkpoint_loadable(channel, t
     assert new["progress"]["version"] == next_version and new["shards"] != record["shards"]
     dirs = sorted(p.name for p in (ckpt.parent / sharded_checkpoint.SHARDS_DIR).iterdir())
     assert dirs == [new["shards"].split("/")[-1]]
+
+
+@pytest.mark.parametrize("damage,says", [
+    (lambda rec, path: path.write_text("{not json"), "cannot be read"),
+    (lambda rec, path: path.write_text(json.dumps({**rec, "format": "other-v9"})), "not a Tapioca sharded"),
+    (lambda rec, path: (path.parent / rec["shards"] / "extra.json").unlink(), "missing or incomplete"),
+], ids=["corrupt", "other-format", "shards-gone"])
+def test_a_record_that_cannot_be_resumed_says_what_to_do(channel, tmp_path, damage, says):
+    ckpt = tmp_path / "checkpoints" / "trainer.pt"
+    model, opt = trained(0)
+    sharded_checkpoint.save(ckpt, 1, model, opt, channel, TrainerProgress(version=1))
+    path = sharded_checkpoint.progress_path(ckpt)
+    damage(sharded_checkpoint.read_record(ckpt), path)
+    with pytest.raises(TapiocaError, match=says) as info:
+        sharded_checkpoint.read_record(ckpt)
+    assert "move" in str(info.value) and "from scratch" in str(info.value)
