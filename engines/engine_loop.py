@@ -236,7 +236,8 @@ class EngineLoop(InferenceEngine):
         err = EngineError(
             f"the {self._name} thread stopped on an internal error ({type(exc).__name__}: {exc}); "
             f"every pending request fails with this error. Create a new {type(self).__name__} "
-            "and retry them, and please report it with the traceback logged with it (an engine bug)")
+            "and retry them, and please report it with the traceback logged with it "
+            "(an engine bug)")
         err.__cause__ = exc
         with self._cv:
             self._closing = True

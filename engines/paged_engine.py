@@ -196,8 +196,8 @@ class PagedEngine(EngineLoop):
             p.future.set_exception(EngineError(
                 f"request {p.request.request_id!r} cannot be admitted although nothing runs (free "
                 f"KV blocks {len(self.bm.free)}, reserved {self.bm.reserved}, running rows "
-                f"{len(self.scheduler.running)}), so it is failed rather than left waiting forever; "
-                "the other requests go on. Retry it; if it fails again, lower its prompt length or "
+                f"{len(self.scheduler.running)}), so it is failed rather than left waiting "
+                "forever; the other requests go on. Retry it; if it fails again, lower its prompt length or "
                 "max_new_tokens, or raise rollout.kv_cache_tokens, and please report it (admission "
                 "should have rejected it: an engine bug)"))
         return units
