@@ -14,6 +14,12 @@ so the free list is also the LRU of evictable cached blocks. Only full blocks ar
 registered, and a sequence only writes past its shared blocks, so a shared block is
 never written.
 
+Weight updates: KV computed under one policy version is wrong for the next, so a weight
+load drops every cache entry (:meth:`BlockManager.drop_prefix_cache`) and advances
+``epoch``; a sequence admitted in an earlier epoch holds KV of the old weights (and of
+both, if it continues across the update), so it never registers its blocks again
+(:meth:`~tapioca.engines.scheduler.Scheduler.register_full` compares epochs).
+
 Reservations: the engine admits a sequence only when its worst case (prompt +
 ``max_new_tokens``) fits in the free blocks not already reserved by running sequences,
 and reserves the difference; decode steps then take reserved blocks and never run out.
@@ -102,6 +108,7 @@ class BlockManager:
         self._entry: list[tuple[int, tuple[int, ...]] | None] = [None] * self.num_blocks
         self._table: dict[int, int] = {}
         self.hit_blocks = 0  # blocks served from the prefix cache (counter for reports)
+        self.epoch = 0  # weight loads so far: a sequence of an older epoch never registers
 
     @property
     def usable(self) -> int:
@@ -120,7 +127,10 @@ class BlockManager:
     def take(self) -> int:
         """A fresh block (ref 1): the least recently freed; its cache entry is dropped."""
         if not self.free:
-            raise EngineError("the KV cache is out of blocks (an accounting bug: admissions reserve)")
+            raise EngineError(
+                "the KV cache ran out of blocks although admission reserves every sequence's "
+                "worst case (an engine bug): the requests in flight fail with this error; retry "
+                "them, and please report it with the engine's stats()")
         block, _ = self.free.popitem(last=False)
         key = self._key[block]
         if key is not None:
@@ -182,6 +192,17 @@ class BlockManager:
             self._entry[block] = (parent, chunk)
         return key
 
+    def drop_prefix_cache(self) -> None:
+        """Forget every cache entry and start a new epoch (the weights changed). Blocks
+        held by running sequences stay theirs; freed ones stay on the free list."""
+        self._table.clear()
+        self._key = [None] * self.num_blocks
+        self._entry = [None] * self.num_blocks
+        self.epoch += 1
+
     def reset(self) -> None:
-        """Forget every sequence and cache entry (after a failed step)."""
+        """Forget every sequence and cache entry (after a failed step); the epoch goes on,
+        so a sequence of before the reset could never register."""
+        epoch = self.epoch
         self.__init__(self.num_blocks, self.block_size, self.prefix_caching)
+        self.epoch = epoch + 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from tapioca.engines.scheduler import Pending
 from tapioca.schemas.errors import EngineError
 
 Delivered = list[tuple[concurrent.futures.Future, Any]]
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop(InferenceEngine):
@@ -144,7 +147,7 @@ class EngineLoop(InferenceEngine):
             self._paused = True
             if threading.current_thread() is not self._thread:
                 # ... and until a launched step's results are in (the thread flushes it now).
-                while self._in_step or self._has_inflight():
+                while (self._in_step or self._has_inflight()) and not self._closing:
                     self._cv.wait()
 
     def resume(self) -> None:
@@ -221,6 +224,35 @@ class EngineLoop(InferenceEngine):
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # Outside a step (admission, bookkeeping): the thread cannot go on, but no
+            # caller may wait forever. Every request gets this error; new ones are refused.
+            log.error("the %s thread stopped", self._name, exc_info=exc)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        err = EngineError(
+            f"the {self._name} thread stopped on an internal error ({type(exc).__name__}: {exc}); "
+            f"every pending request fails with this error. Create a new {type(self).__name__} "
+            "and retry them, and please report it with the traceback logged with it "
+            "(an engine bug)")
+        err.__cause__ = exc
+        with self._cv:
+            self._closing = True
+            try:
+                delivered = self._fail_step([], exc)  # results already computed, or errors
+            except BaseException:  # the books may be what broke: the queue still gets its error
+                delivered = []
+            delivered += [(p.future, err) for p in self._queue]
+            self._queue.clear()
+            self._live = 0
+            self._in_step = False
+            self._cv.notify_all()
+        self._deliver([(f, outcome) for f, outcome in delivered if not f.done()])
+
+    def _loop(self) -> None:
         if self.device.type == "cuda":  # graphs and streams of this thread on the engine's GPU
             torch.cuda.set_device(self.device)
         delivered: Delivered = []

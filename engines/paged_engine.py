@@ -36,6 +36,7 @@ from TorchEngine's: another noise source).
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
@@ -144,7 +145,12 @@ class PagedEngine(EngineLoop):
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None
         self._last_tokens = torch.zeros(1, dtype=torch.int64, device=device)
-        self._undelivered = 0
+        # Every admitted sequence (by its future) until its result is in ``_handover``: what
+        # a failed step fails, wherever the sequence was (prefilling, running, in flight).
+        self._unfinished: dict[concurrent.futures.Future, Sequence] = {}
+        # Results ready to deliver, kept here so that a step failing after computing them
+        # still delivers them (the engine loop delivers what a step or _fail_step returns).
+        self._handover: Delivered = []
         self._stopped_since_compact = False
         self._decode_only_steps = 0
         self._decode_only_s = 0.0
@@ -182,62 +188,89 @@ class PagedEngine(EngineLoop):
         if free < group:
             return []
         units = self.scheduler.admit(self._queue, now)
-        self._undelivered += sum(len(u.rows) for u in units)
+        self._unfinished.update((seq.pending.future, seq) for u in units for seq in u.rows)
         if not units and self._live == 0 and self._queue:
             # Nothing runs, so nothing will free room: waiting would stall for good. validate()
             # makes this unreachable; if it is reached, fail the request loudly instead.
             p = self._queue.popleft()
             p.future.set_exception(EngineError(
-                f"request {p.request.request_id!r} cannot be admitted into an idle engine "
-                f"(free blocks {len(self.bm.free)}, reserved {self.bm.reserved}, rows "
-                f"{len(self.scheduler.running)}): an engine bug, please report it"))
+                f"request {p.request.request_id!r} cannot be admitted although nothing runs (free "
+                f"KV blocks {len(self.bm.free)}, reserved {self.bm.reserved}, running rows "
+                f"{len(self.scheduler.running)}), so it is failed rather than left waiting "
+                "forever; the other requests go on. Retry it; if it fails again, lower its prompt length or "
+                "max_new_tokens, or raise rollout.kv_cache_tokens, and please report it (admission "
+                "should have rejected it: an engine bug)"))
         return units
 
     def _running_rows(self) -> int:
-        return self._undelivered
+        return len(self._unfinished)
 
     def _load_state_dict(self, state_dict) -> None:
+        # The engine thread is parked at a step boundary (no step in flight), so the block
+        # manager is ours until the update hands it back (the condition orders the two).
+        # Cached KV was computed with the old weights: drop it, and stop the rows admitted
+        # before (which continue with these weights) from registering their blocks.
+        self.bm.drop_prefix_cache()
         self.decoder.load_hf_state_dict(state_dict)
 
     def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:
-        seqs = list(self.scheduler.running) + [s for unit in admitted for s in unit.rows]
-        if self._inflight is not None:
-            seqs += self._inflight.rows
-        seqs = [s for s in {id(s): s for s in seqs}.values() if not s.done]
+        # Results computed before the failure are delivered; every other admitted sequence
+        # (a half-processed step's finished rows included) gets the error.
+        delivered = self._take_handover()
+        handed = {future for future, _ in delivered}
+        seqs = list(self._unfinished.values()) + [s for unit in admitted for s in unit.rows]
+        seqs = [s for s in {id(s): s for s in seqs}.values()
+                if not s.pending.future.done() and s.pending.future not in handed]
+        self._unfinished.clear()
         self.scheduler.running = []
         self.rows.n = 0
         self._inflight = None
-        self._undelivered = 0
+        self._stopped_since_compact = False
         self.bm.reset()
-        err = EngineError(f"generation step failed: {exc!r}")
+        err = EngineError(
+            f"a generation step failed ({type(exc).__name__}: {exc}); the {len(seqs)} request(s) "
+            "in the batch are failed and the engine goes on with the next ones. Retry them; if it "
+            "happens again, the cause above says what to fix (out of GPU memory: lower "
+            "max_batch_size or rollout.kv_cache_memory_fraction)")
         err.__cause__ = exc
-        return [(s.pending.future, err) for s in seqs]
+        return delivered + [(s.pending.future, err) for s in seqs]
 
     def _abort_running(self, now: float) -> Delivered:
-        # After _flush: every undelivered sequence is a running row.
+        # After _flush: every unfinished sequence is a running row.
         delivered = []
-        for s in self.scheduler.running:
-            if not s.done:
+        for s in self._unfinished.values():
+            if not s.pending.future.done():
                 s.done = True
                 self.scheduler.finish(s)
                 delivered.append((s.pending.future, s.result("abort", now)))
+        self._unfinished.clear()
         self.scheduler.running = []
         self.rows.n = 0
-        self._undelivered = 0
         return delivered
 
     def _has_inflight(self) -> bool:
         return self._inflight is not None
 
     def _flush(self) -> Delivered:
+        self._flush_inflight()
+        return self._take_handover()
+
+    def _flush_inflight(self) -> None:
+        """Process the launched step's results into ``_handover``."""
         launched, self._inflight = self._inflight, None
         if launched is None:
-            return []
+            return
         delivered = self._process(launched)
+        for future, _ in delivered:  # handed over: no longer this engine's to fail
+            del self._unfinished[future]
+        self._handover += delivered
         # Finished rows leave now, not at the next launch: admission counts rows, and when
         # every row has finished no next launch comes (a stall the demo hit at step 335).
         self._compact()
-        return delivered
+
+    def _take_handover(self) -> Delivered:
+        taken, self._handover = self._handover, []
+        return taken
 
     # ------------------------------------------------------------------ one step
 
@@ -248,14 +281,14 @@ class PagedEngine(EngineLoop):
         t's own results are processed before returning."""
         t0 = time.perf_counter()
         launched = self._launch(units, version)
-        delivered = self._flush()
+        self._flush_inflight()
         self._inflight = launched
         if not self.overlap:
-            delivered += self._flush()
+            self._flush_inflight()
         if not units:  # the period of a decode step, host work included
             self._decode_only_steps += 1
             self._decode_only_s += time.perf_counter() - t0
-        return delivered
+        return self._take_handover()
 
     def _launch(self, units: list[PrefillUnit], version: int) -> _Launched | None:
         """Queue one decode step of the running rows and the prefill of ``units`` on the
@@ -384,7 +417,6 @@ class PagedEngine(EngineLoop):
                 self._stopped_since_compact = True  # still a running row: _compact drops it
             seq.done = True
             self.scheduler.finish(seq)
-            self._undelivered -= 1
             delivered.append((seq.pending.future, seq.result(reason, now)))
         return delivered
 

@@ -41,7 +41,7 @@ class Sequence:
     """One request being generated: its tokens, blocks and outputs (host side)."""
 
     __slots__ = ("pending", "tokens", "prompt_len", "max_new", "logprobs", "version_runs", "blocks",
-                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done")
+                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done", "epoch")
 
     def __init__(self, pending: Pending, eos: tuple[int, ...]) -> None:
         sp = pending.request.sampling
@@ -58,6 +58,7 @@ class Sequence:
         self.stops = tuple(sp.stop_token_ids) + eos
         self.stop_strings = sp.stop_strings
         self.done = False  # its result is delivered (a later in-flight token is dropped)
+        self.epoch = -1  # the block manager's epoch at admission (weights it was prefilled with)
 
     @property
     def num_out(self) -> int:
@@ -151,6 +152,7 @@ class Scheduler:
                 tokens += new_tokens
                 self.prefill_tokens_computed += new_tokens
             self.prefill_tokens_requested += p_len
+            seq.epoch = bm.epoch
             seq.reserve_left = total - len(seq.blocks)
             bm.reserved += seq.reserve_left
             queue.popleft()
@@ -169,7 +171,10 @@ class Scheduler:
             seq.hashed, seq.last_key = leader.hashed, leader.last_key
 
     def register_full(self, seq: Sequence, kv_tokens: int) -> None:
-        """Register ``seq``'s blocks that are full once ``kv_tokens`` tokens have KV."""
+        """Register ``seq``'s blocks that are full once ``kv_tokens`` tokens have KV,
+        unless the weights changed since it was admitted (its KV is of older weights)."""
+        if seq.epoch != self.bm.epoch:
+            return
         bs = self.bm.block_size
         while (seq.hashed + 1) * bs <= kv_tokens:
             i = seq.hashed

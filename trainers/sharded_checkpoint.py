@@ -4,7 +4,7 @@ Consumes an FSDP2-sharded model and its optimizer on every rank, and the trainer
 :class:`~tapioca.trainers.checkpoint.TrainerProgress` on rank 0; emits files under the
 checkpoint directory:
 
-- ``sharded/v<version>/`` — torch.distributed.checkpoint (DCP) with its Hugging Face
+- ``sharded/v<version>-<random>/`` — torch.distributed.checkpoint (DCP) with its Hugging Face
   safetensors storage (``HuggingFaceStorageWriter(save_distributed=True)``): each rank
   writes ``shard-<rank>-model-00001-of-00001.safetensors`` holding its slices of the
   weights and of the Adam moments, with each slice's offsets as JSON in the safetensors
@@ -12,12 +12,14 @@ checkpoint directory:
   and its reader unpickles it; the safetensors reader rebuilds that metadata from the
   headers instead, so loading executes nothing from the files (the rule of
   trainers/checkpoint.py). It also reshards: a checkpoint of N ranks loads on M.
-- ``sharded/v<version>/extra.json`` — what is not a tensor: the optimizer's
+- ``sharded/v<version>-<random>/extra.json`` — what is not a tensor: the optimizer's
   param_groups (lr, betas, ... by parameter name) and every rank's RNG state.
 - ``trainer-sharded.json`` — the progress (version, trained and rejected groups, the
-  consumer offsets) and which ``sharded/v<version>`` holds the tensors. Written by rank
-  0 with an atomic rename after every rank finished writing (a barrier), so it only
-  ever names a complete directory; older directories are deleted after it.
+  consumer offsets) and which ``sharded/v<version>-<random>`` holds the tensors. Every
+  save writes a fresh directory; rank 0 replaces this file with an atomic rename after
+  every rank finished writing (a barrier), so it only ever names a complete directory;
+  the other directories are deleted only after it (a crash anywhere keeps the last
+  checkpoint loadable).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +89,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save(ckpt_path: Path, version: int, model, optimizer, channel,
          progress: TrainerProgress | None) -> None:
-    """Collective: every rank calls it; ``progress`` only matters on rank 0."""
+    """Collective: every rank calls it; ``progress`` only matters on rank 0.
+
+    Crash-safe: the tensors go to a directory no record names yet (a fresh one, even when
+    this version was saved before); the record is replaced with one atomic rename; only
+    then are the other directories deleted. Whenever it stops, the record names a
+    complete directory: the new one, or the previous one, untouched."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     root = Path(ckpt_path).parent
-    out = root / SHARDS_DIR / f"v{version:06d}"
+    shards_root = root / SHARDS_DIR
     leader = channel.info.leader
+    name = None
     if leader:
-        shutil.rmtree(out, ignore_errors=True)  # a half-written try of this same version
-        out.mkdir(parents=True, exist_ok=True)
-    channel.broadcast(None)  # the directory exists before anyone writes
+        shards_root.mkdir(parents=True, exist_ok=True)
+        name = Path(tempfile.mkdtemp(prefix=f"v{version:06d}-", dir=shards_root)).name
+    out = shards_root / channel.broadcast(name)  # the directory exists before anyone writes
     flat, osd = _flat_state(model, optimizer)
     dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
     rngs = channel.gather(_rng_state())
@@ -110,22 +119,44 @@ def save(ckpt_path: Path, version: int, model, optimizer, channel,
     (out / "extra.json").write_text(json.dumps(extra))
     record = {"format": FORMAT, "shards": str(out.relative_to(root)),
               "world_size": channel.info.world_size, "progress": progress.__dict__}
-    tmp = progress_path(ckpt_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, progress_path(ckpt_path))
-    for old in (root / SHARDS_DIR).glob("v*"):
+    path = progress_path(ckpt_path)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record))
+        f.flush()
+        os.fsync(f.fileno())  # the rename must not land before the bytes
+    os.replace(tmp, path)
+    # Every other directory: older checkpoints and half-written ones of failed saves.
+    for old in shards_root.glob("v*"):
         if old != out:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def read_record(ckpt_path: Path) -> dict[str, Any] | None:
-    """Rank 0: the progress record, or None for a fresh run (and a clear error for a
-    run whose checkpoint was written by the single-process trainer)."""
+    """Rank 0: the progress record, or None for a fresh run; a :class:`ConfigError` that
+    says what to do for a record this trainer cannot resume from."""
     path = progress_path(ckpt_path)
     if path.exists():
-        record = json.loads(path.read_text())
-        if record.get("format") != FORMAT:
-            raise ConfigError(f"{path} is not a Tapioca sharded checkpoint ({record.get('format')!r})")
+        move_away = (f"to start the run from scratch instead, move {path} and {path.parent / SHARDS_DIR} "
+                     "out of the checkpoint directory")
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"the sharded trainer checkpoint record {path} cannot be read ({exc}); it is only "
+                "ever replaced whole, so the file was edited or the disk is damaged: restore it "
+                f"from a backup, or {move_away}") from exc
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            found = record.get("format") if isinstance(record, dict) else type(record).__name__
+            raise ConfigError(
+                f"{path} is not a Tapioca sharded checkpoint record (format {found!r}, expected "
+                f"{FORMAT!r}): resume with the Tapioca version that wrote it, or {move_away}")
+        shards = path.parent / str(record.get("shards", ""))
+        if not record.get("shards") or not (shards / "extra.json").is_file():
+            raise ConfigError(
+                f"{path} names the shard directory {shards}, which is missing or incomplete (no "
+                "extra.json): it was deleted or moved. Put it back, or "
+                f"{move_away}")
         return record
     single = [p for p in Path(ckpt_path).parent.glob("trainer.*") if p.suffix != ".tmp"]
     if single:

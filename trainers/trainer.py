@@ -419,22 +419,32 @@ class Trainer(Role[TrainerState]):
         return ()
 
     def committable(self, state: TrainerState, topic: str, partition: int, next_offset: int) -> int:
-        return state.progress.offsets.get(f"{topic}:{partition}", 0)
+        # Both bounds: what the last checkpoint covers (a restart resumes from there), and
+        # what this process has handled (a resumed trainer that has not read up to its
+        # checkpoint yet commits no further than it read).
+        return min(next_offset, state.progress.offsets.get(f"{topic}:{partition}", 0))
 
     def finished(self, state: TrainerState) -> bool:
         return state.done
 
     def on_stop(self, state: TrainerState) -> Iterable[Event]:
         # A clean stop (SIGTERM, done, stop_at_reward) leaves no published version
-        # uncovered by a checkpoint, whatever actor.checkpoint_every_steps says.
-        # The final version gets its durable file (offline use) before the last event.
-        self._note_files(state, self.weights_out.finish(state.progress.version))
-        final = [self._announce(state)] if state.unannounced or state.files_to_announce else []
+        # uncovered by a checkpoint, whatever actor.checkpoint_every_steps says. The
+        # checkpoint comes first: finishing the publisher waits for file writes (up to
+        # minutes) and may fail, and neither may cost the trained steps. It loses
+        # nothing: the final file's path / checksum matter on resume only for the file
+        # transport, where the publish itself wrote them.
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
-        self.weights_out.close()
-        self.sink.close()
-        return final
+        try:
+            # The final version gets its durable file (offline use) before the last event.
+            self._note_files(state, self.weights_out.finish(state.progress.version))
+            return [self._announce(state)] if state.unannounced or state.files_to_announce else []
+        finally:
+            try:
+                self.weights_out.close()
+            finally:
+                self.sink.close()
 
     def on_control(self, command, state: TrainerState) -> tuple[bool, str, list[Event]]:
         """Operator commands beyond pause / resume / drain (bus/fleet.py). ``rollback``

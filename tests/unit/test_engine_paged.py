@@ -10,6 +10,7 @@ tokens) and HF's fp32 forward of ``prompt + output`` in one pass (logprobs, 1e-4
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -269,7 +270,7 @@ def test_rounds_of_groups_with_updates_stops_and_cache_hits_keep_the_books_balan
                 assert f.result(timeout=60).output_ids
         bm = eng.bm
         assert eng.stats()["prefix_cache_hit_blocks"] > 0
-        assert bm.reserved == 0 and len(bm.free) == bm.num_blocks - 1 and eng._undelivered == 0
+        assert bm.reserved == 0 and len(bm.free) == bm.num_blocks - 1 and not eng._unfinished
 
 
 def test_prefill_token_budget_splits_admissions():
@@ -337,6 +338,117 @@ def test_weight_update_copies_into_the_fused_parameters_in_place():
         (r,) = eng.generate([GenRequest("a", [4, 5, 6], SamplingParams(temperature=0, max_new_tokens=6))])
     assert r.output_versions == [3] * 6
     assert_matches_reference(other, r)
+
+
+def test_weight_update_drops_the_prefix_cache():
+    """KV cached under version v is never served to a request of version v+1: after an
+    update the same prompt is prefilled in full again (a GRPO group of it still once) and
+    its logprobs are the NEW model's."""
+    model, other = tiny_model(), tiny_model(seed=7)
+    prompt = prompt_ids(13, seed=11)  # 3 full blocks + a partial one
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    with engine(model, seed=0) as eng:
+        eng.generate([GenRequest("a", prompt, sp)])
+        assert eng.stats()["cached_blocks"] >= 3
+        eng.update_weights(other.state_dict(), version=1)
+        assert eng.stats()["cached_blocks"] == 0
+        before = eng.stats()
+        results = eng.generate([GenRequest(f"g:{i}", prompt, sp) for i in range(4)])
+        after = eng.stats()
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(prompt)
+    assert after["prefix_cache_hit_blocks"] == before["prefix_cache_hit_blocks"]
+    for r in results:
+        assert r.output_versions == [1] * 6
+        assert_matches_reference(other, r)
+
+
+def test_rows_admitted_before_an_update_never_enter_the_prefix_cache_after_it():
+    """A row that continues across an update (interruptible generation) holds KV of both
+    versions: the blocks it fills afterwards are not offered to later requests."""
+    model, other = tiny_model(), tiny_model(seed=7)
+    eng = engine(model, seed=0)
+    forwards = []
+
+    def hook(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 4:  # hold this step until the update waits for its boundary
+            deadline = time.monotonic() + 60
+            while eng._update_waiters == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    with eng:
+        handle = eng.decoder.register_forward_hook(hook)
+        fut = eng.submit(GenRequest("long", [1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=29)))
+        deadline = time.monotonic() + 60
+        while len(forwards) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        eng.update_weights(other.state_dict(), version=1)
+        r1 = fut.result(timeout=60)
+        handle.remove()
+        assert r1.output_versions[0] == 0 and r1.output_versions[-1] == 1
+        assert eng.stats()["cached_blocks"] == 0
+        before = eng.stats()
+        (r2,) = eng.generate([GenRequest("next", r1.prompt_ids + r1.output_ids, SamplingParams(max_new_tokens=3))])
+        after = eng.stats()
+    assert after["prefix_cache_hit_blocks"] == before["prefix_cache_hit_blocks"]
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == 32
+    assert_matches_reference(other, r2)
+
+
+def test_a_step_failing_while_its_results_are_processed_fails_every_request_and_the_engine_goes_on():
+    """``_process`` raising half-way (after it finished some rows, before their results were
+    handed over): no future hangs, every one gets a result or an EngineError, the books are
+    balanced, and the next request is served."""
+    import concurrent.futures
+
+    model = tiny_model()
+    with engine(model, seed=0) as eng:
+        real, calls = eng._process, []
+
+        def fails_on_the_third(launched):
+            out = real(launched)
+            calls.append(len(out))
+            if len(calls) == 3:
+                raise RuntimeError("host processing failed (injected)")
+            return out
+
+        eng._process = fails_on_the_third
+        futs = eng.submit_all([GenRequest(f"r{n}", prompt_ids(5, seed=n),
+                                          SamplingParams(temperature=1.0, max_new_tokens=n))
+                               for n in range(1, 7)])
+        done, not_done = concurrent.futures.wait(futs, timeout=120)
+        assert not not_done, "futures left hanging"
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        assert errors and all(isinstance(e, EngineError) and "injected" in str(e) for e in errors)
+        assert "Retry them" in str(errors[0])  # says what to do
+        assert calls[2] >= 1  # the failed processing had finished a row: its future failed too
+        finished = [f.result() for f in futs if f.exception() is None]
+        assert len(finished) == sum(calls[:2])
+        eng._process = real
+        stats = eng.stats()
+        assert stats["free_blocks"] == stats["num_blocks"] - 1 and stats["reserved_blocks"] == 0
+        (r,) = eng.generate([GenRequest("after", prompt_ids(7, seed=9), SamplingParams(max_new_tokens=4))])
+    assert r.finish_reason == "length" and len(r.output_ids) == 4
+    assert_matches_reference(model, r)
+
+
+def test_an_error_outside_a_step_fails_every_pending_request_instead_of_hanging():
+    model = tiny_model()
+    with engine(model, seed=0) as eng:
+        eng.pause()
+        futs = eng.submit_all([GenRequest(f"r{i}", prompt_ids(5, seed=i), SamplingParams(max_new_tokens=3))
+                               for i in range(3)])
+
+        def admit_fails(queue, now):
+            raise RuntimeError("admission failed (injected)")
+
+        eng.scheduler.admit = admit_fails
+        eng.resume()
+        for f in futs:
+            with pytest.raises(EngineError, match="injected.*Create a new PagedEngine and retry"):
+                f.result(timeout=60)
+        with pytest.raises(EngineError, match="shut down"):
+            eng.submit(GenRequest("late", [1, 2], SamplingParams(max_new_tokens=1)))
 
 
 def test_graph_bucket_padding_rows_write_nowhere_and_read_nothing():

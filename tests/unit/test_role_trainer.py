@@ -176,6 +176,42 @@ def test_committable_follows_checkpoints_and_holds_buffered_groups(trainer):
     assert trainer.committable(state, TOPIC, 1, 5) == 5
 
 
+def test_committable_is_the_lower_of_the_handled_offset_and_the_checkpoint(trainer):
+    state = start(trainer)
+    trainer.handle(sample("g0"), state, src(10))
+    trainer.handle(sample("g1"), state, src(11))  # step 1 + checkpoint covering offset 12
+    assert state.progress.offsets == {f"{TOPIC}:0": 12}
+    assert trainer.committable(state, TOPIC, 0, 13) == 12  # read further: the checkpoint bounds
+    assert trainer.committable(state, TOPIC, 0, 7) == 7  # read less (a restart): what was read
+    assert trainer.committable(state, TOPIC, 1, 5) == 0  # nothing checkpointed there
+
+
+def test_stop_writes_the_final_checkpoint_before_finishing_the_weight_publisher(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path)
+    t.cfg.actor.checkpoint_every_steps = 1000  # no periodic checkpoint: only the stop's
+    state = start(t)
+    for k in range(2):
+        t.handle(sample(f"g{k}"), state, src(k))
+    assert state.progress.version == 1
+    finishing = []
+
+    def finish_fails(final_version=None, timeout_s=600.0):
+        finishing.append(final_version)
+        raise OSError("the weights disk is gone (injected)")
+
+    monkeypatch.setattr(t.weights_out, "finish", finish_fails)
+    with pytest.raises(OSError, match="injected"):
+        t.on_stop(state)
+    assert finishing == [1]
+    assert t.weights_out.slots is None  # closed anyway
+    saved = params(t)
+    t2 = make_trainer(tmp_path, seed=123)
+    s2 = t2.init_state()
+    assert s2.progress.version == 1 and s2.trained == {"g0", "g1"}
+    assert all(torch.equal(v, saved[k]) for k, v in params(t2).items())
+    t2.sink.close()
+
+
 def test_checkpoint_offsets_never_pass_a_buffered_group(tmp_path):
     # Checkpoint while a group is buffered (done trainer keeps buffering; forced save).
     t = make_trainer(tmp_path)
@@ -207,7 +243,9 @@ def test_restart_resumes_from_checkpoint(tmp_path):
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
     assert s2.trained == {"g0", "g1", "g2", "g3"}
-    assert t2.committable(s2, TOPIC, 0, 0) == 4
+    # Never past what this process has read, nor past the checkpoint.
+    assert t2.committable(s2, TOPIC, 0, 2) == 2
+    assert t2.committable(s2, TOPIC, 0, 9) == 4
     # Re-fed trained groups are duplicates.
     for k in range(4):
         assert list(t2.handle(sample(f"g{k}"), s2, src(k))) == []
