@@ -17,9 +17,9 @@ Backends (``attention_backend``):
   real rows are gathered back. Right padding cannot leak into a causal row of real
   tokens, so the result is exact; padded rows are computed and dropped (their gradient
   is zero).
-* ``cudnn``: cuDNN's fused attention over the same packed (ragged) layout, through
-  ``aten._cudnn_attention_forward`` / ``_backward`` with cumulative sequence offsets
-  (the ops SDPA's nested-tensor path uses). K/V heads are repeated for grouped-query
+* ``cudnn``: cuDNN's fused attention over the same packed (ragged) layout: SDPA on
+  jagged nested-tensor views of the packed tokens, pinned to cuDNN (CUDA only; the
+  nested path has no causal CPU kernel). K/V heads are repeated for grouped-query
   models (cuDNN's ragged path takes equal head counts; autograd sums the repeats'
   gradients). On Hopper its backward runs the wgmma kernels that flash-attention 2
   lacks (benchmarks/attention_varlen.py measures both). Checked once per shape against
@@ -140,42 +140,29 @@ def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
                         seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0))
 
 
-class _CudnnVarlen(torch.autograd.Function):
-    """Causal attention over packed sequences with cuDNN (equal Q and K/V head counts).
-    Arguments by their schema names: the ops' positional order changed between releases."""
-
-    @staticmethod
-    def forward(ctx, q_NHD, k_NHD, v_NHD, cu_S1, max_len: int, scale: float):  # type: ignore[override]
-        res = torch.ops.aten._cudnn_attention_forward(
-            query=q_NHD, key=k_NHD, value=v_NHD, attn_bias=None, cum_seq_q=cu_S1, cum_seq_k=cu_S1,
-            max_q=max_len, max_k=max_len, compute_log_sumexp=True, dropout_p=0.0, is_causal=True,
-            return_debug_mask=False, scale=scale)
-        out_NHD, lse, seed, offset = res[0], res[1], res[6], res[7]
-        ctx.save_for_backward(q_NHD, k_NHD, v_NHD, out_NHD, lse, seed, offset, cu_S1)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out_NHD
-
-    @staticmethod
-    def backward(ctx, grad_NHD):  # type: ignore[override]
-        q_NHD, k_NHD, v_NHD, out_NHD, lse, seed, offset, cu_S1 = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out=grad_NHD.contiguous(), query=q_NHD, key=k_NHD, value=v_NHD, out=out_NHD,
-            logsumexp=lse, philox_seed=seed, philox_offset=offset,
-            attn_bias=torch.empty(0, device=q_NHD.device, dtype=q_NHD.dtype),
-            cum_seq_q=cu_S1, cum_seq_k=cu_S1, max_q=ctx.max_len, max_k=ctx.max_len,
-            dropout_p=0.0, is_causal=True, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 def cudnn_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
                     seqs: PackedSeqs, scale: float) -> torch.Tensor:
-    """cuDNN fused attention over packed sequences (CUDA, bf16 / fp16)."""
+    """cuDNN fused attention over packed sequences (CUDA, bf16 / fp16): SDPA on jagged
+    nested-tensor views of the packed tokens (no copy, no padding), pinned to cuDNN.
+    The raw ``aten._cudnn_attention_backward`` cannot be called for ragged inputs from
+    Python (it needs an undefined bias tensor), SDPA's nested path can."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     n_heads, n_kv = q_NHD.shape[1], k_NKD.shape[1]
-    if n_kv != n_heads:  # outside the Function: autograd sums the repeated heads' grads
+    if n_kv != n_heads:  # cuDNN's ragged path takes equal head counts; autograd sums the repeats
         k_NKD = k_NKD.repeat_interleave(n_heads // n_kv, dim=1)
         v_NKD = v_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-    return _CudnnVarlen.apply(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(),
-                              seqs.cu_seqlens_S1, seqs.max_len, scale)
+    offsets = seqs.cu_seqlens_S1.long()
+    lo, hi = min(seqs.lengths), seqs.max_len  # host ints: no sync to find them
+
+    def jagged(x_NHD: torch.Tensor) -> torch.Tensor:  # [S, H, j, D] view of the packed rows
+        return torch.nested.nested_tensor_from_jagged(
+            x_NHD.contiguous(), offsets, min_seqlen=lo, max_seqlen=hi).transpose(1, 2)
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(jagged(q_NHD), jagged(k_NKD), jagged(v_NKD),
+                                             is_causal=True, scale=scale)
+    return out.transpose(1, 2).values()
 
 
 def _matches_sdpa(fn, device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> bool:
