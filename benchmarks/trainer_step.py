@@ -114,10 +114,6 @@ RUNS = [
     ("explore", "1.5b/fast -recompute", M15, "8x2048", "actor", dict(FAST), 12),
     ("explore", "1.5b/fast lp chunk 16k", M15, "8x2048", "actor", dict(FAST_BIG, logprob_chunk_tokens=16384), 12),
     ("explore", "1.5b/fast -keep logits", M15, "8x2048", "actor", dict(FAST_BIG, logprob_keep_logits=False), 12),
-    ("explore", "0.5b/fast cudnn", M05, "16x1024", "actor", dict(FAST, attention_backend="cudnn"), 6),
-    ("explore", "1.5b/fast cudnn", M15, "8x2048", "actor", dict(FAST_BIG, attention_backend="cudnn"), 12),
-    ("explore", "1.5b/fast -recompute cudnn", M15, "8x2048", "actor", dict(FAST, attention_backend="cudnn"), 12),
-    ("explore", "0.5b/tail fast cudnn", M05, "tail", "actor", dict(FAST, attention_backend="cudnn"), 8),
     ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
     ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
     ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
@@ -139,9 +135,7 @@ def cpu_safe(system: str, opts: dict) -> dict:
     """On the CPU self-check: no liger / compile (Triton needs CUDA; compile is slow)."""
     if system == "hf":
         return dict(opts, compiled=False)
-    return dict(opts, liger_kernels=False, compile_layers=False,
-                attention_backend="sdpa" if opts.get("attention_backend") == "cudnn" else
-                opts.get("attention_backend", "auto"))
+    return dict(opts, liger_kernels=False, compile_layers=False)
 
 
 def reset(device: str) -> None:

@@ -345,8 +345,7 @@ class ActorConfig:
     # counts real tokens. false: right-padded batches through the HF forward.
     packed_sequences: bool = True
     # Attention of packed micro-batches: auto (flash varlen on CUDA in bf16/fp16, else
-    # sdpa) | varlen | cudnn (cuDNN fused attention, ragged; CUDA bf16/fp16) | sdpa
-    # (padded inside the attention call only; any device/dtype).
+    # sdpa) | varlen | sdpa (padded inside the attention call only; any device/dtype).
     attention_backend: str = "auto"
     # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
     # liger-kernel). Packed forward only.
@@ -401,8 +400,8 @@ class ActorConfig:
         self._check_policy_loss()
 
     def _check_speed_switches(self) -> None:
-        _require(self.attention_backend in ("auto", "varlen", "cudnn", "sdpa"),
-                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen, cudnn or sdpa")
+        _require(self.attention_backend in ("auto", "varlen", "sdpa"),
+                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
         _require(self.gradient_checkpointing_every_n_layers >= 1,

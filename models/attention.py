@@ -17,13 +17,6 @@ Backends (``attention_backend``):
   real rows are gathered back. Right padding cannot leak into a causal row of real
   tokens, so the result is exact; padded rows are computed and dropped (their gradient
   is zero).
-* ``cudnn``: cuDNN's fused attention over the same packed (ragged) layout: SDPA on
-  jagged nested-tensor views of the packed tokens, pinned to cuDNN (CUDA only; the
-  nested path has no causal CPU kernel). K/V heads are repeated for grouped-query
-  models (cuDNN's ragged path takes equal head counts; autograd sums the repeats'
-  gradients). On Hopper its backward runs the wgmma kernels that flash-attention 2
-  lacks (benchmarks/attention_varlen.py measures both). Checked once per shape against
-  ``sdpa`` (:func:`probe_cudnn`); asking for it where the check fails is an error.
 * ``auto``: ``varlen`` on CUDA in bf16 / fp16 when :func:`probe_varlen` passes, else
   ``sdpa``.
 
@@ -43,7 +36,7 @@ import torch.nn.functional as F
 
 from tapioca.schemas.errors import ConfigError
 
-BACKENDS = ("auto", "varlen", "cudnn", "sdpa")
+BACKENDS = ("auto", "varlen", "sdpa")
 
 
 @dataclass
@@ -140,60 +133,6 @@ def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
                         seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0))
 
 
-def cudnn_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
-                    seqs: PackedSeqs, scale: float) -> torch.Tensor:
-    """cuDNN fused attention over packed sequences (CUDA, bf16 / fp16): SDPA on jagged
-    nested-tensor views of the packed tokens (no copy, no padding), pinned to cuDNN.
-    The raw ``aten._cudnn_attention_backward`` cannot be called for ragged inputs from
-    Python (it needs an undefined bias tensor), SDPA's nested path can."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    n_heads, n_kv = q_NHD.shape[1], k_NKD.shape[1]
-    if n_kv != n_heads:  # cuDNN's ragged path takes equal head counts; autograd sums the repeats
-        k_NKD = k_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-        v_NKD = v_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-    offsets = seqs.cu_seqlens_S1.long()
-    lo, hi = min(seqs.lengths), seqs.max_len  # host ints: no sync to find them
-
-    def jagged(x_NHD: torch.Tensor) -> torch.Tensor:  # [S, H, j, D] view of the packed rows
-        return torch.nested.nested_tensor_from_jagged(
-            x_NHD.contiguous(), offsets, min_seqlen=lo, max_seqlen=hi).transpose(1, 2)
-
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(jagged(q_NHD), jagged(k_NKD), jagged(v_NKD),
-                                             is_causal=True, scale=scale)
-    return out.transpose(1, 2).values()
-
-
-def _matches_sdpa(fn, device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> bool:
-    """``fn(q, k, v, seqs, scale)``'s output and gradients agree with :func:`sdpa_attention`
-    in fp32 on a small packed batch (forward + backward once, a few ms)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    seqs = packed_seqs([37, 5, 64], device)
-    shapes = [(seqs.n_tokens, n, head_dim) for n in (n_heads, n_kv, n_kv)]
-    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
-    g = torch.randn(seqs.n_tokens, n_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    scale = head_dim ** -0.5
-    ref = sdpa_attention(q.float(), k.float(), v.float(), seqs, scale)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
-    try:
-        out = fn(q, k, v, seqs, scale)
-        grads = torch.autograd.grad(out, (q, k, v), g)
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):
-        return False
-    errs = [(a.float() - b).abs().max() / (b.abs().max() + 1e-6)
-            for a, b in zip((out, *grads), (ref, *ref_grads))]
-    return max(float(e) for e in errs) < 0.05  # bf16 rounding is ~1e-2 at most here
-
-
-@functools.lru_cache(maxsize=None)
-def probe_cudnn(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> bool:
-    """Whether :func:`cudnn_attention` runs here and matches the reference."""
-    if not str(device).startswith("cuda") or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return _matches_sdpa(cudnn_attention, device, dtype, n_heads, n_kv, head_dim)
-
-
 @functools.lru_cache(maxsize=None)
 def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> str:
     """Which varlen variant works here: ``"gqa"`` (native grouped-query), ``"expand"``
@@ -203,28 +142,35 @@ def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_
         return ""
     if _varlen_attn is None:
         return ""
+    gen = torch.Generator(device=device).manual_seed(0)
+    seqs = packed_seqs([37, 5, 64], device)
+    shapes = [(seqs.n_tokens, n, head_dim) for n in (n_heads, n_kv, n_kv)]
+    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
+    g = torch.randn(seqs.n_tokens, n_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    scale = head_dim ** -0.5
+    ref = sdpa_attention(q.float(), k.float(), v.float(), seqs, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
     for variant in ("gqa", "expand") if n_kv != n_heads else ("gqa",):
-        fn = functools.partial(varlen_attention, expand_kv=variant == "expand")
-        if _matches_sdpa(fn, device, dtype, n_heads, n_kv, head_dim):
+        try:
+            out = varlen_attention(q, k, v, seqs, scale, expand_kv=variant == "expand")
+            grads = torch.autograd.grad(out, (q, k, v), g)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        errs = [(a.float() - b).abs().max() / (b.abs().max() + 1e-6)
+                for a, b in zip((out, *grads), (ref, *ref_grads))]
+        if max(float(e) for e in errs) < 0.05:  # bf16 rounding is ~1e-2 at most here
             return variant
     return ""
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n_heads: int,
                     n_kv: int, head_dim: int) -> str:
-    """The backend that will run: ``varlen`` / ``varlen-expand`` / ``cudnn`` / ``sdpa``. ``dtype`` is
+    """The backend that will run: ``varlen`` / ``varlen-expand`` / ``sdpa``. ``dtype`` is
     the dtype attention runs in (the autocast dtype, or the parameters')."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: use one of {', '.join(BACKENDS)}")
     if name == "sdpa":
         return "sdpa"
-    if name == "cudnn":
-        if probe_cudnn(str(torch.device(device)), dtype, n_heads, n_kv, head_dim):
-            return "cudnn"
-        raise ConfigError(
-            f"attention_backend=cudnn does not run here (device {device}, {dtype}, PyTorch "
-            f"{torch.__version__}): it needs CUDA, bf16 / fp16 and cuDNN's fused attention; "
-            "use attention_backend=auto")
     variant = probe_varlen(str(torch.device(device)), dtype, n_heads, n_kv, head_dim)
     if variant:
         return "varlen" if variant == "gqa" else "varlen-expand"
@@ -241,6 +187,4 @@ def attention(backend: str, q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: tor
     """Dispatch to a resolved backend (:func:`resolve_backend`)."""
     if backend == "sdpa":
         return sdpa_attention(q_NHD, k_NKD, v_NKD, seqs, scale)
-    if backend == "cudnn":
-        return cudnn_attention(q_NHD, k_NKD, v_NKD, seqs, scale)
     return varlen_attention(q_NHD, k_NKD, v_NKD, seqs, scale, expand_kv=backend == "varlen-expand")
