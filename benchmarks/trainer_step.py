@@ -196,7 +196,9 @@ def profile_step(name: str, step, device: str, wall_s: float) -> None:
             torch.cuda.synchronize()
     events = prof.key_averages()
     attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    busy_us = sum(getattr(e, attr) for e in events)
+    # Kernel rows only: an operator row's self device time repeats its kernels'.
+    busy_us = sum(getattr(e, attr) for e in events
+                  if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     print(f"--- profile {name}: GPU busy {busy_us / 1e3:.1f} ms of a {wall_s * 1e3:.1f} ms step "
           f"({100 * busy_us / 1e3 / (wall_s * 1e3):.0f}%)", flush=True)
     sort = "self_device_time_total" if attr == "self_device_time_total" else "self_cuda_time_total"
