@@ -176,7 +176,9 @@ def outsider_bus(run_bus):
     every forgery with the run's key, so a forged next version moved the feeder's head
     gate."""
     bus = dataclasses.replace(run_bus)
-    bus.signing_key_path = ""  # also when $TAPIOCA_SIGNING_KEY_FILE is set
+    # No key at all, also when $TAPIOCA_SIGNING_KEY_FILE is set (BusConfig's __post_init__
+    # fills an empty path from it, so the frozen field is cleared after construction).
+    object.__setattr__(bus, "signing_key_path", "")
     return bus
 
 
@@ -268,10 +270,11 @@ class Fuzzer(threading.Thread):
         """``event`` encoded as the fuzzer's, signed with ``key`` if given."""
         from tapioca.bus.signing import SIGNATURE_HEADER
         from tapioca.schemas import encode_event, topic_for
+        from tapioca.schemas.envelope import names_a_run
 
         if not event.producer_id:
             event.producer_id = f"{FUZZ}-producer"
-        if event.run_id == "default":
+        if not names_a_run(event.run_id):
             event.run_id = self.bus.run_id  # attributed: read by the run's roles
         spec = topic_for(event)
         value = encode_event(event, max_bytes=self.bus.max_message_bytes)
