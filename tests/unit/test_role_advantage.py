@@ -11,7 +11,7 @@ import pytest
 from tapioca.algorithms.advantages import group_advantages, shape_reward
 from tapioca.bus.role import Source
 from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
-from tapioca.config.sections import AdvantageSection
+from tapioca.config.sections import AdvantageSection, advantage_section
 from tapioca.consumers.advantage import AdvantageProcessor
 from tapioca.schemas.events import RewardEvent, SampleEvent, TrajectoryEvent
 
