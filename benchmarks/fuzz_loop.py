@@ -446,11 +446,14 @@ def _run(run_dir, steps, rounds, last_round_fraction, bootstrap, prefix, timeout
     schedule = plan_rounds(steps, rounds, cfg.rollout.max_head_offpolicyness, last_round_fraction)
     launcher = Launcher(cfg)
     launcher.start()
+    # The launcher's resolved config: the model it created, the run's bus run id and key
+    # path (runtime/run.py resolve_run; the loaded config itself is frozen).
+    cfg = launcher.cfg
     fuzzer = None
     try:
         model_cfg = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-        # cfg.bus now holds the run's key (the Launcher wrote its path there): the
-        # fuzzer reads with it and publishes without it (outsider_bus).
+        # cfg.bus holds the run's key path: the fuzzer reads with it and publishes
+        # without it (outsider_bus).
         fuzzer = Fuzzer(cfg.bus, vocab_size=model_cfg.vocab_size,
                         max_positions=model_cfg.max_position_embeddings, schedule=schedule)
         fuzzer.start()

@@ -111,6 +111,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
         launcher.on_tick = redraw
         try:
             launcher.start()
+            cfg = launcher.cfg  # resolved: trial, run dir, broker, bus run id
             bus_id = "" if cfg.bus.run_id == cfg.run_id else f", bus run id {cfg.bus.run_id}"
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
                           f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)")
