@@ -39,14 +39,11 @@ class Agent(Protocol):
 
 def task_reward_fn(task: str) -> RewardFn:
     """The reward of a task by name, as the built-in reward scorer computes it
-    (``synthetic``, ``gsm8k``, or ``math`` for file datasets)."""
-    from tapioca.tasks.base import get_task
-    from tapioca.tasks.math_reward import math_reward
+    (``synthetic``, ``gsm8k``, or ``math`` for file datasets): :func:`tapioca.tasks.base.task_reward`
+    (raises ConfigError for an unknown task)."""
+    from tapioca.tasks.base import task_reward
 
-    if not task or task == "math":
-        return lambda text, record: math_reward(text, str(record.get("answer", "")))
-    impl = get_task(task)  # raises ConfigError for an unknown task
-    return lambda text, record: float(impl.reward(text, record))
+    return task_reward(task)
 
 
 def message_dict(message: Any) -> dict[str, Any]:

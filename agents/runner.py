@@ -382,13 +382,12 @@ def dataset_reward_fn(ds: Any) -> RewardFn | None:
     synthetic task's ``format_credit``); None: each record's own task decides."""
     if ds.type not in ("synthetic", "gsm8k"):
         return None
-    from tapioca.tasks.base import get_task
+    from tapioca.tasks.base import task_reward
 
     options = dict(ds.task_options)
     if ds.type == "gsm8k" and ds.path:
         options.setdefault("path", ds.path)
-    task = get_task(ds.type, **options)
-    return lambda text, record: float(task.reward(text, record))
+    return task_reward(ds.type, **options)
 
 
 def build_agent(cfg: Any) -> Agent:
@@ -419,7 +418,7 @@ def build_agent(cfg: Any) -> Agent:
 def runner_from_config(cfg: Any, member: int = 0) -> AgentRunner:
     """The runner of one member of a run (``cfg``: a TrainConfig)."""
     from tapioca.config.sections import agent_section
-    from tapioca.ops.role_builders import dataset_rows
+    from tapioca.tasks.datasets import dataset_rows
 
     cfg = agent_section(cfg)
     ds = cfg.train_dataset

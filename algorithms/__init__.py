@@ -13,7 +13,6 @@ Modules (docs/algorithms.md has the formulas, switches and conventions):
   policy_losses       one pipeline for PPO, GSPO, SAPO, CISPO surrogates + entropy bonus
   rejection_sampling  behaviour weight, its cap, rejection sampling (IcePop, KPop), M2PO
   prox_logp           proximal logprobs: loglinear approximation
-  ppo_loss            AReaL's decoupled PPO loss (a thin entry into policy_losses)
   aggregation         token/sequence loss aggregation modes (torch)
   preference          DPO (sigmoid, IPO) and Bradley-Terry losses
   supervised          masked NLL, chunked forward KL for distillation

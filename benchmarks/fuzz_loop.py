@@ -176,7 +176,9 @@ def outsider_bus(run_bus):
     every forgery with the run's key, so a forged next version moved the feeder's head
     gate."""
     bus = dataclasses.replace(run_bus)
-    bus.signing_key_path = ""  # also when $TAPIOCA_SIGNING_KEY_FILE is set
+    # No key at all, also when $TAPIOCA_SIGNING_KEY_FILE is set (BusConfig's __post_init__
+    # fills an empty path from it, so the frozen field is cleared after construction).
+    object.__setattr__(bus, "signing_key_path", "")
     return bus
 
 
@@ -268,10 +270,11 @@ class Fuzzer(threading.Thread):
         """``event`` encoded as the fuzzer's, signed with ``key`` if given."""
         from tapioca.bus.signing import SIGNATURE_HEADER
         from tapioca.schemas import encode_event, topic_for
+        from tapioca.schemas.envelope import names_a_run
 
         if not event.producer_id:
             event.producer_id = f"{FUZZ}-producer"
-        if event.run_id == "default":
+        if not names_a_run(event.run_id):
             event.run_id = self.bus.run_id  # attributed: read by the run's roles
         spec = topic_for(event)
         value = encode_event(event, max_bytes=self.bus.max_message_bytes)
@@ -443,11 +446,14 @@ def _run(run_dir, steps, rounds, last_round_fraction, bootstrap, prefix, timeout
     schedule = plan_rounds(steps, rounds, cfg.rollout.max_head_offpolicyness, last_round_fraction)
     launcher = Launcher(cfg)
     launcher.start()
+    # The launcher's resolved config: the model it created, the run's bus run id and key
+    # path (runtime/run.py resolve_run; the loaded config itself is frozen).
+    cfg = launcher.cfg
     fuzzer = None
     try:
         model_cfg = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-        # cfg.bus now holds the run's key (the Launcher wrote its path there): the
-        # fuzzer reads with it and publishes without it (outsider_bus).
+        # cfg.bus holds the run's key path: the fuzzer reads with it and publishes
+        # without it (outsider_bus).
         fuzzer = Fuzzer(cfg.bus, vocab_size=model_cfg.vocab_size,
                         max_positions=model_cfg.max_position_embeddings, schedule=schedule)
         fuzzer.start()

@@ -114,6 +114,7 @@ def run_one(algo: str, steps: int, w: int, run_dir: str, extra: list[str]) -> di
     launcher = Launcher(cfg)
     t0 = time.monotonic()
     launcher.start()
+    cfg = launcher.cfg  # resolved: the run's bus run id, model and run dir
     try:
         launcher.wait(timeout_s=1800)
         wall_s = time.monotonic() - t0

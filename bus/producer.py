@@ -24,11 +24,11 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Producer
 
-from ..schemas.envelope import Event, encode_event
-from ..schemas.errors import BusError
-from ..schemas.registry import TopicSpec, topic_for
-from .settings import BusConfig
-from .signing import SIGNATURE_HEADER
+from tapioca.bus.settings import BusConfig
+from tapioca.bus.signing import SIGNATURE_HEADER
+from tapioca.schemas.envelope import Event, encode_event, names_a_run
+from tapioca.schemas.errors import BusError
+from tapioca.schemas.registry import TopicSpec, topic_for
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class EventProducer:
     def stamp(self, event: Event) -> Event:
         if not event.producer_id:
             event.producer_id = self.producer_id
-        if event.run_id == "default" and self.cfg.run_id != "default":
+        if not names_a_run(event.run_id) and names_a_run(self.cfg.run_id):
             event.run_id = self.cfg.run_id
         return event
 

@@ -47,7 +47,7 @@ from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from ..schemas.envelope import Event, decode_event, encode_event
+from ..schemas.envelope import Event, decode_event, encode_event, names_a_run, run_reads
 from ..schemas.errors import (
     BadEventError,
     FatalRoleError,
@@ -210,12 +210,12 @@ class RoleRunner:
     def _ours(self, event: Event) -> bool:
         """One run per topic prefix is the rule; events stamped with another run id are
         someone else's (a replay, a neighbour run) and are skipped, not dead-lettered."""
-        return self.cfg.run_id == "default" or event.run_id == self.cfg.run_id
+        return run_reads(self.cfg.run_id, event.run_id)
 
     def _unattributed(self, event: Event, spec: TopicSpec) -> bool:
         """An event that names no run, where this role requires its run's id. Broadcast
         inputs are re-read from the start by every member and never qualify."""
-        return event.run_id == "default" and spec.name in self.role.attributed_inputs
+        return not names_a_run(event.run_id) and spec.name in self.role.attributed_inputs
 
     def _open_consumers(self) -> None:
         for name in self.role.group_inputs + self.role.broadcast_inputs:

@@ -20,10 +20,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schemas.envelope import DEFAULT_MAX_EVENT_BYTES
-from ..schemas.errors import ConfigError
-from ..schemas.registry import DEFAULT_PREFIX, TopicSpec
-from .signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
+from tapioca.bus.signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
+from tapioca.schemas.envelope import ANY_RUN, DEFAULT_MAX_EVENT_BYTES
+from tapioca.schemas.errors import ConfigError
+from tapioca.schemas.registry import DEFAULT_PREFIX, TopicSpec
 
 BOOTSTRAP_ENV = "TAPIOCA_BOOTSTRAP"
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -44,11 +44,11 @@ class _ClientLogger:
         return self.log
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class BusConfig:
     bootstrap_servers: str = ""
     topic_prefix: str = DEFAULT_PREFIX
-    run_id: str = "default"
+    run_id: str = ANY_RUN
     # Empty: tapioca-HOST-PID of the process that uses it.
     client_id: str = ""
     max_message_bytes: int = DEFAULT_MAX_EVENT_BYTES
@@ -94,12 +94,13 @@ class BusConfig:
     extra_consumer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Filled in at construction from the environment (frozen: set once, here).
         if not self.bootstrap_servers:
-            self.bootstrap_servers = os.environ.get(BOOTSTRAP_ENV, "")
+            object.__setattr__(self, "bootstrap_servers", os.environ.get(BOOTSTRAP_ENV, ""))
         if not self.signing_key_path:
-            self.signing_key_path = os.environ.get(KEY_FILE_ENV, "")
+            object.__setattr__(self, "signing_key_path", os.environ.get(KEY_FILE_ENV, ""))
         if not self.client_id:
-            self.client_id = f"tapioca-{socket.gethostname()}-{os.getpid()}"
+            object.__setattr__(self, "client_id", f"tapioca-{socket.gethostname()}-{os.getpid()}")
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ConfigError(
                 f"bus.heartbeat_interval_ms={self.heartbeat_interval_ms} must be at most a third "
@@ -119,7 +120,7 @@ class BusConfig:
         if self.security_protocol.upper() not in SECURITY_PROTOCOLS:
             raise ConfigError(f"bus.security_protocol={self.security_protocol!r}: use one of "
                               f"{', '.join(SECURITY_PROTOCOLS)}")
-        self.security_protocol = self.security_protocol.upper()
+        object.__setattr__(self, "security_protocol", self.security_protocol.upper())
         sasl = self.security_protocol.startswith("SASL_")
         if sasl and self.sasl_mechanism.upper() not in SASL_MECHANISMS:
             raise ConfigError(f"bus.security_protocol={self.security_protocol} needs "

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional
 from tapioca.schemas.errors import ConfigError, require_config as _require
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class NormConfig:
     """Reward-to-advantage normalisation, AReaL's ``NormConfig`` names.
 
@@ -47,8 +47,9 @@ class NormConfig:
     def __post_init__(self) -> None:
         from tapioca.algorithms.errors import AlgorithmInputError
 
-        self.mean_level = self.mean_level or "none"
-        self.std_level = self.std_level or "none"
+        # null is read as none (frozen: normalised once, here).
+        object.__setattr__(self, "mean_level", self.mean_level or "none")
+        object.__setattr__(self, "std_level", self.std_level or "none")
         if self.group_size is not None and self.group_size < 1:
             raise ConfigError(f"{self.where}.group_size={self.group_size} must be >= 1 "
                               "(or null: groups are the samples of one prompt)")
@@ -85,7 +86,7 @@ def reward_norm_spec(norm: Optional[NormConfig]) -> str:
     return norm.spec()
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RewardNormConfig(NormConfig):
     """``advantage.reward_norm`` (AReaL's ``actor.reward_norm``): the same fields as
     ``adv_norm``, applied by the advantage processor to each group's shaped rewards
@@ -104,7 +105,7 @@ class RewardNormConfig(NormConfig):
         check_reward_norm(**self.as_kwargs())
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RejectionSamplingConfig:
     """``actor.rejection_sampling`` (AReaL's names and defaults): drop or clamp tokens
     whose proximal-vs-behaviour divergence is out of bounds. IcePop = {level: token,
@@ -132,7 +133,7 @@ class RejectionSamplingConfig:
             raise ConfigError(f"actor.{exc}") from None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     """The value model of PPO with a critic (``advantage.estimator: gae``); AReaL's
     ``critic`` section (``eps_clip`` is the value-clip range, AReaL's ``value_eps_clip``)."""
@@ -159,7 +160,7 @@ class CriticConfig:
         _require(self.mb_max_tokens >= 16, "critic.mb_max_tokens must be >= 16")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RefConfig:
     """The frozen reference policy for ``actor.kl_ctl > 0`` (AReaL's ``ref`` section)."""
 
@@ -167,7 +168,7 @@ class RefConfig:
     path: str = ""
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DistillConfig:
     """On-policy distillation in the RL loop: a teacher scores the sampled tokens and
     each token gets ``rl_weight * A_rl + kd_weight * A_kd`` with

@@ -17,7 +17,7 @@ from tapioca.schemas.errors import require_config as _require
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
     """The trainer's data-parallel ranks (PyTorch FSDP2, ``fully_shard``)."""
 
@@ -53,7 +53,7 @@ class FSDPConfig:
         _require(self.timeout_s > 0, "fsdp.timeout_s must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     """The machines of a run (AReaL's ``cluster`` names): what the Ray launcher asks for
     and the Slurm example documents. The local launcher uses one host."""
@@ -66,7 +66,7 @@ class ClusterConfig:
         _require(self.n_gpus_per_node >= 0, "cluster.n_gpus_per_node must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """How `tapioca train` places the roles (``scheduler.type``, AReaL's name)."""
 

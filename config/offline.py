@@ -23,7 +23,7 @@ from tapioca.schemas.errors import require_config as _require
 DATA_SOURCES = ("file", "synthetic", "topics", "archive")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OfflineDatasetConfig:
     # file: JSONL / Parquet / save_to_disk rows; synthetic: the built-in task (answers
     # as responses; a wrong answer as the rejected response of a pair); topics: a run's
@@ -73,7 +73,7 @@ class OfflineDatasetConfig:
         _require(math.isfinite(self.min_reward), "train_dataset.min_reward must be a finite number")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OfflineActorConfig:
     """The optimiser fields of the RL ``actor`` section that mean the same offline."""
 
@@ -105,7 +105,7 @@ class OfflineActorConfig:
         _require(self.torch_threads >= 1, "actor.torch_threads must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OfflineTrainConfig:
     experiment_name: str = "offline"
     trial_name: str = "trial0"
@@ -142,14 +142,14 @@ class OfflineTrainConfig:
         return os.path.join(self.run_dir, self.experiment_name, self.trial_name)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SFTConfig(OfflineTrainConfig):
     """Supervised fine-tuning: masked NLL over response tokens only."""
 
     experiment_name: str = "sft"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DPOConfig(OfflineTrainConfig):
     """Direct preference optimisation against a frozen reference model."""
 
@@ -169,7 +169,7 @@ class DPOConfig(OfflineTrainConfig):
                  "label_smoothing applies to loss_type=sigmoid only; set it to 0 for ipo")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RewardModelConfig(OfflineTrainConfig):
     """Bradley-Terry reward model: a sequence-classification head (one label) on the
     policy's backbone."""
@@ -182,7 +182,7 @@ class RewardModelConfig(OfflineTrainConfig):
         _require(self.center_rewards_coefficient >= 0, "center_rewards_coefficient must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DistillConfig(OfflineTrainConfig):
     """Offline knowledge distillation: forward KL(teacher ‖ student) on dataset tokens,
     optionally mixed with the NLL of those tokens."""

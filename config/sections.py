@@ -1,11 +1,17 @@
 """Each role process gets only its own section of the run's configuration.
 
-The launcher writes the whole :class:`TrainConfig` once; a role's entry point builds
-its section here and never sees the rest.
+The launcher writes the whole :class:`TrainConfig` once; a role's builder
+(:mod:`tapioca.runtime.builders`) makes its section here and hands it to the role,
+which never sees the rest. Sections are frozen and keyword-only, like the config they
+are cut from: the values come from the config (whose dataclasses hold every default
+and validate it, cross-section checks included, in :class:`TrainConfig`), so a section
+restates no default and validates nothing again. Its scalar fields are required; its
+config sections default to that config's own defaults (handy for tests).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from tapioca.config.distributed import FSDPConfig
@@ -25,57 +31,45 @@ from tapioca.config.schema import (
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.schemas.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class FeederSection:
-    train_dataset: DatasetConfig
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model_path: str
     n_samples: int
     max_head_offpolicyness: int
     seed: int
+    # The run id on the bus (TrainConfig.bus_run_id): the feeder's group ids carry it.
+    run_id: str
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RolloutSection:
-    model: ModelConfig
-    gconfig: GenerationConfig
-    rollout: RolloutConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RewardSection:
-    reward: RewardConfig
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AdvantageSection:
-    advantage: AdvantageConfig
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     # The generation limit (gconfig.max_new_tokens): the overlong penalty's L_max.
-    max_new_tokens: int = 0
-    # gconfig.n_samples: dynamic sampling would filter every group of one sample.
-    n_samples: int = 0
-
-    def __post_init__(self) -> None:
-        a = self.advantage
-        if a.overlong_reward_penalty and a.overlong_tokens is not None:
-            if a.overlong_tokens > self.max_new_tokens:
-                raise ConfigError(
-                    f"advantage.overlong_tokens={a.overlong_tokens} exceeds "
-                    f"gconfig.max_new_tokens={self.max_new_tokens}; the penalised tail "
-                    "must fit inside the generation limit")
-        if a.dynamic_sampling and self.n_samples == 1:
-            raise ConfigError(
-                "advantage.dynamic_sampling with gconfig.n_samples=1 would filter every "
-                "group (one sample has no reward variance); raise n_samples or turn it off")
+    max_new_tokens: int
+    # gconfig.n_samples (checked against dynamic sampling by TrainConfig).
+    n_samples: int
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TrainerSection:
-    actor: ActorConfig
-    model: ModelConfig
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     max_head_offpolicyness: int
     prompts_per_step: int
     total_train_steps: int
@@ -83,7 +77,7 @@ class TrainerSection:
     temperature: float
     run_dir: str
     seed: int
-    stop_at_reward: float | None = None
+    stop_at_reward: float | None
     # The trainer's token-level parts: the estimator picks GAE (with the critic) or
     # returns, the normalisation levels pick batch statistics (see token_advantages).
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -97,80 +91,85 @@ class TrainerSection:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
-def feeder_section(cfg: TrainConfig) -> FeederSection:
-    return FeederSection(cfg.train_dataset, cfg.model.path, cfg.gconfig.n_samples,
-                         cfg.rollout.max_head_offpolicyness, cfg.seed)
-
-
-def rollout_section(cfg: TrainConfig) -> RolloutSection:
-    return RolloutSection(cfg.model, cfg.gconfig, cfg.rollout, cfg.seed)
-
-
-def reward_section(cfg: TrainConfig) -> RewardSection:
-    return RewardSection(cfg.reward)
-
-
-def advantage_section(cfg: TrainConfig) -> AdvantageSection:
-    return AdvantageSection(cfg.advantage, cfg.gconfig.max_new_tokens, cfg.gconfig.n_samples)
-
-
-def trainer_section(cfg: TrainConfig) -> TrainerSection:
-    temperature = cfg.gconfig.temperature if cfg.gconfig.temperature > 0 else 1.0
-    return TrainerSection(cfg.actor, cfg.model, cfg.rollout.max_head_offpolicyness,
-                          cfg.train_dataset.prompts_per_step, cfg.total_train_steps,
-                          temperature, cfg.run_path, cfg.seed, cfg.stop_at_reward,
-                          advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ProxySection:
     """What `tapioca proxy` needs: the engine's model and sampling defaults, the head
     gate's eta and B, and its own HTTP/session settings."""
 
-    proxy: ProxyConfig
-    model: ModelConfig
-    gconfig: GenerationConfig
-    rollout: RolloutConfig
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     max_head_offpolicyness: int
     prompts_per_step: int
     run_id: str
     seed: int
 
 
-def proxy_section(cfg: TrainConfig) -> ProxySection:
-    return ProxySection(cfg.proxy, cfg.model, cfg.gconfig, cfg.rollout,
-                        cfg.rollout.max_head_offpolicyness, cfg.train_dataset.prompts_per_step,
-                        cfg.bus_run_id, cfg.seed)
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ArchiveSection:
     """What the archiver needs: its own settings and the resolved output directory."""
 
-    archive: ArchiveConfig
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     dir: str
 
 
-def archive_section(cfg: TrainConfig) -> ArchiveSection:
-    import os
-
-    return ArchiveSection(cfg.archive, cfg.archive.dir or os.path.join(cfg.run_path, "archive"))
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class AgentSection:
     """What an agent runner needs: its workflow, the prompts, the sampling settings of
     its chat calls, and where the proxy is (address and admin key)."""
 
-    agent: AgentConfig
-    train_dataset: DatasetConfig
-    gconfig: GenerationConfig
-    proxy: ProxyConfig
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     run_id: str
     seed: int
 
 
+def feeder_section(cfg: TrainConfig) -> FeederSection:
+    return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
+                         n_samples=cfg.gconfig.n_samples,
+                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                         seed=cfg.seed, run_id=cfg.bus_run_id)
+
+
+def rollout_section(cfg: TrainConfig) -> RolloutSection:
+    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed)
+
+
+def reward_section(cfg: TrainConfig) -> RewardSection:
+    return RewardSection(reward=cfg.reward)
+
+
+def advantage_section(cfg: TrainConfig) -> AdvantageSection:
+    return AdvantageSection(advantage=cfg.advantage, max_new_tokens=cfg.gconfig.max_new_tokens,
+                            n_samples=cfg.gconfig.n_samples)
+
+
+def trainer_section(cfg: TrainConfig) -> TrainerSection:
+    temperature = cfg.gconfig.temperature if cfg.gconfig.temperature > 0 else 1.0
+    return TrainerSection(actor=cfg.actor, model=cfg.model,
+                          max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                          prompts_per_step=cfg.train_dataset.prompts_per_step,
+                          total_train_steps=cfg.total_train_steps, temperature=temperature,
+                          run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
+                          advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
+
+
+def proxy_section(cfg: TrainConfig) -> ProxySection:
+    return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
+                        max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                        prompts_per_step=cfg.train_dataset.prompts_per_step,
+                        run_id=cfg.bus_run_id, seed=cfg.seed)
+
+
+def archive_section(cfg: TrainConfig) -> ArchiveSection:
+    return ArchiveSection(archive=cfg.archive,
+                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"))
+
+
 def agent_section(cfg: TrainConfig) -> AgentSection:
-    return AgentSection(cfg.agent, cfg.train_dataset, cfg.gconfig, cfg.proxy, cfg.bus_run_id,
-                        cfg.seed)
+    return AgentSection(agent=cfg.agent, train_dataset=cfg.train_dataset, gconfig=cfg.gconfig,
+                        proxy=cfg.proxy, run_id=cfg.bus_run_id, seed=cfg.seed)

@@ -17,7 +17,7 @@ from tapioca.schemas.errors import require_config as _require
 ENGINES = ("torch", "vllm", "sglang")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class InferenceServerConfig:
     # Running servers, e.g. ["http://10.0.0.5:8000"]. Empty: launch one per role process.
     urls: list[str] = field(default_factory=list)

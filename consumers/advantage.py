@@ -74,12 +74,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from tapioca.algorithms.advantages import (
-    check_norm,
-    check_reward_norm,
-    estimator_norm,
     normalize_group,
     normalize_rewards,
     shape_reward,
@@ -89,14 +86,11 @@ from tapioca.algorithms.limits import MAX_ABS_REWARD
 from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
 from tapioca.bus.dedup import SeenSet
 from tapioca.bus.role import Role, Source
-from tapioca.config.algorithms import RewardNormConfig, reward_norm_spec
-from tapioca.config.schema import NormConfig
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import BadEventError, ConfigError
+from tapioca.config.algorithms import reward_norm_spec
+from tapioca.config.sections import AdvantageSection
+from tapioca.schemas.envelope import ANY_RUN, Event
+from tapioca.schemas.errors import BadEventError
 from tapioca.schemas.events import RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent
-
-if TYPE_CHECKING:
-    from tapioca.config.sections import AdvantageSection
 
 log = logging.getLogger(__name__)
 
@@ -161,75 +155,37 @@ class AdvantageProcessor(Role[AdvantageState]):
     # outside service forgot to copy the run_id), not dropped as foreign.
     attributed_inputs = ("trajectories", "rewards")
 
-    def __init__(self, *, estimator: str = "grpo", reward_bias: float = 0.0,
-                 reward_scaling: float = 1.0, reward_clip: float | None = None,
-                 eps: float = 1e-6, std_unbiased: bool = False,
-                 adv_norm: Mapping[str, Any] | None = None,
-                 reward_norm: Mapping[str, Any] | None = None,
-                 dynamic_sampling: bool = False,
-                 overlong_reward_penalty: bool = False, overlong_tokens: int | None = None,
-                 overlong_penalty_factor: float | None = None,
-                 max_new_tokens: int | None = None,
-                 reward_weights: Mapping[str, float] | None = None,
-                 reward_timeout_s: float | None = None, missing_reward: str = "drop",
-                 group_timeout_s: float = 600.0,
+    def __init__(self, section: AdvantageSection, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        try:
-            # adv_norm (keyword arguments of normalize_group) replaces the preset.
-            self.norm = dict(adv_norm) if adv_norm is not None else estimator_norm(
-                estimator, eps=eps, std_unbiased=std_unbiased)
-            check_norm(**self.norm)
-            # Carried on every SampleEvent: the trainer checks it matches its own config.
-            self.norm_spec = NormConfig(**self.norm).spec()
-        except (AlgorithmInputError, TypeError) as exc:
-            raise ConfigError(f"advantage normalisation: {exc}") from None
-        try:
-            # reward_norm (keyword arguments of normalize_rewards): None = off; both
-            # levels none is the same as off.
-            rn = dict(reward_norm) if reward_norm is not None else None
-            if rn is not None:
-                check_reward_norm(**rn)
-                if rn["mean_level"] == "none" and rn["std_level"] == "none":
-                    rn = None
-            self.reward_norm = rn
-            self.reward_norm_spec = reward_norm_spec(RewardNormConfig(**rn) if rn else None)
-        except (AlgorithmInputError, KeyError, TypeError) as exc:
-            raise ConfigError(f"advantage.reward_norm: {exc}") from None
-        if overlong_reward_penalty and (overlong_tokens is None or overlong_penalty_factor is None
-                                        or not max_new_tokens):
-            raise ConfigError("overlong_reward_penalty needs overlong_tokens, "
-                              "overlong_penalty_factor and max_new_tokens")
-        if missing_reward not in ("drop", "zero"):
-            raise ConfigError(f"missing_reward={missing_reward!r}: use drop or zero")
-        self.estimator = estimator
-        self.reward_bias = reward_bias
-        self.reward_scaling = reward_scaling
-        self.reward_clip = reward_clip
-        self.dynamic_sampling = dynamic_sampling
-        self.overlong = ((max_new_tokens, overlong_tokens, overlong_penalty_factor)
-                         if overlong_reward_penalty else None)
-        self.reward_weights = dict(reward_weights or {})
+        """``section``: the ``advantage`` config (validated there: estimator, norms,
+        shaping, sources, timeouts) and the generation limit of the overlong penalty.
+        ``clock``: the timeouts' clock (tests pass a fake one)."""
+        a = section.advantage
+        norm = a.norm()  # the estimator's preset, or adv_norm
+        # Keyword arguments of normalize_group; its spec is carried on every SampleEvent,
+        # so the trainer checks the group was normalised as its own config says.
+        self.norm = norm.as_kwargs()
+        self.norm_spec = norm.spec()
+        # reward_norm (keyword arguments of normalize_rewards): None = off; both levels
+        # none is the same as off.
+        rn = a.reward_norm
+        off = rn is None or (rn.mean_level == "none" and rn.std_level == "none")
+        self.reward_norm = None if off else rn.as_kwargs()
+        self.reward_norm_spec = reward_norm_spec(rn)
+        self.estimator = a.estimator
+        self.reward_bias = a.reward_bias
+        self.reward_scaling = a.reward_scaling
+        self.reward_clip = a.reward_clip
+        self.dynamic_sampling = a.dynamic_sampling
+        self.overlong = ((section.max_new_tokens, a.overlong_tokens, a.overlong_penalty_factor)
+                         if a.overlong_reward_penalty else None)
+        self.reward_weights = dict(a.reward_weights)
         # The reward sources a trajectory needs before its group is complete.
         self.sources: tuple[str, ...] = tuple(sorted(self.reward_weights)) or (_ANY,)
-        self.reward_timeout_s = reward_timeout_s
-        self.missing_reward = missing_reward
-        self.group_timeout_s = group_timeout_s
+        self.reward_timeout_s = a.reward_timeout_s
+        self.missing_reward = a.missing_reward
+        self.group_timeout_s = a.group_timeout_s
         self._clock = clock
-
-    @classmethod
-    def from_section(cls, sec: AdvantageSection, **kwargs: Any) -> AdvantageProcessor:
-        a = sec.advantage
-        return cls(estimator=a.estimator, reward_bias=a.reward_bias,
-                   reward_scaling=a.reward_scaling, reward_clip=a.reward_clip,
-                   adv_norm=a.norm().as_kwargs(),
-                   reward_norm=a.reward_norm.as_kwargs() if a.reward_norm else None,
-                   dynamic_sampling=a.dynamic_sampling,
-                   overlong_reward_penalty=a.overlong_reward_penalty,
-                   overlong_tokens=a.overlong_tokens,
-                   overlong_penalty_factor=a.overlong_penalty_factor,
-                   max_new_tokens=sec.max_new_tokens, reward_weights=a.reward_weights,
-                   reward_timeout_s=a.reward_timeout_s, missing_reward=a.missing_reward,
-                   group_timeout_s=a.group_timeout_s, **kwargs)
 
     def init_state(self) -> AdvantageState:
         return AdvantageState()
@@ -386,7 +342,7 @@ class AdvantageProcessor(Role[AdvantageState]):
             group_index=first.group_index if first else 0, estimator=self.estimator,
             adv_norm=self.norm_spec, reward_norm=self.reward_norm_spec,
             task=first.task if first else "",
-            run_id=first.run_id if first else "default", dropped_reason=reason)
+            run_id=first.run_id if first else ANY_RUN, dropped_reason=reason)
 
     # ----------------------------------------------------------------------- timeouts
 

@@ -32,6 +32,7 @@ import orjson
 
 from tapioca.bus.archive import ArchiveError, ArchiveWriter
 from tapioca.bus.role import Role, Source
+from tapioca.config.sections import ArchiveSection
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import FatalRoleError
 from tapioca.schemas.events import FleetEvent, MetricsEvent
@@ -61,17 +62,18 @@ class Archiver(Role[ArchiverState]):
     name = "archiver"
     tick_interval_s = 0.2
 
-    def __init__(self, directory: str | Path, *, topics: Iterable[str] = ALL_TOPICS,
-                 roll_bytes: int = 64 << 20, roll_interval_s: float = 60.0,
-                 compression: str = "zstd", exit_when_idle_s: float | None = None) -> None:
-        self.dir = Path(directory)
+    def __init__(self, section: ArchiveSection, *, exit_when_idle_s: float | None = None) -> None:
+        """``section``: the ``archive`` config (topics, roll size and interval,
+        compression) and the output directory."""
+        a = section.archive
+        self.dir = Path(section.dir)
         # Batch use (`tapioca archive --exit-when-idle-s`): stop once nothing has
         # arrived for this long since the last event or the partition assignment.
         self.exit_when_idle_s = exit_when_idle_s
-        self.group_inputs = tuple(topics) or ALL_TOPICS
-        self.roll_bytes = roll_bytes
-        self.roll_interval_s = roll_interval_s
-        self.compression = compression
+        self.group_inputs = tuple(a.topics) or ALL_TOPICS
+        self.roll_bytes = a.roll_bytes
+        self.roll_interval_s = a.roll_interval_s
+        self.compression = a.compression
 
     def init_state(self) -> ArchiverState:
         try:

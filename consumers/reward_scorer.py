@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 from tapioca.bus.dedup import SeenSet
 from tapioca.bus.role import Role, Source
+from tapioca.config.sections import RewardSection
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import RewardError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
@@ -37,11 +38,13 @@ class RewardScorer(Role[ScorerState]):
     name = "reward"
     group_inputs = ("trajectories",)
 
-    def __init__(self, reward_fn: RewardFn, *, scorer: str = "builtin", timeout_s: float = 10.0,
-                 threads: int = 4) -> None:
+    def __init__(self, section: RewardSection, *, reward_fn: RewardFn, threads: int = 4) -> None:
+        """``section``: ``reward.timeout_s``, and ``reward.scorer``, the name its rewards
+        carry (``RewardEvent.scorer``, what ``advantage.reward_weights`` keys by).
+        ``reward_fn(trajectory)``: the score (runtime/builders.py picks the task's)."""
         self.reward_fn = reward_fn
-        self.scorer = scorer
-        self.timeout_s = timeout_s
+        self.scorer = section.reward.scorer
+        self.timeout_s = section.reward.timeout_s
         self.threads = threads
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward")
 

@@ -28,7 +28,7 @@ import concurrent.futures
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
 
@@ -76,6 +76,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @classmethod
+    def from_generation(cls, gconfig: Any) -> "SamplingParams":
+        """A run's sampling defaults from its ``gconfig`` section (the rollout workers'
+        and the agent proxy's)."""
+        g = gconfig
+        return cls(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                   max_new_tokens=g.max_new_tokens, stop_strings=tuple(g.stop))
 
 
 @dataclass

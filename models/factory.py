@@ -3,7 +3,8 @@
 Consumes nothing and emits nothing; every process that holds weights (rollout workers,
 trainer, tests) goes through here. The rule that keeps a run coherent: the initial
 weights (policy version 0) are written ONCE to a directory by
-:func:`create_tiny_checkpoint` and every process loads that same directory with
+:func:`save_tiny_checkpoint` (for a task's alphabet:
+:func:`tapioca.runtime.run.create_tiny_checkpoint`) and every process loads that same directory with
 :func:`load_model_and_tokenizer`; nobody rebuilds "the same" random model from a seed
 in its own process, because initialisation order can differ across library versions.
 
@@ -115,8 +116,8 @@ def load_model_and_tokenizer(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise TapiocaError(
-            f"no model at {path} (config.json missing); create one with "
-            "tapioca.models.factory.create_tiny_checkpoint(dir) or point to a saved HF model directory"
+            f"no model at {path} (config.json missing); create one with `tapioca model-init DIR` "
+            "(tapioca.runtime.run.create_tiny_checkpoint) or point to a saved HF model directory"
         )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -125,28 +126,27 @@ def load_model_and_tokenizer(
     return model.to(device), tokenizer
 
 
-def create_tiny_checkpoint(
+def save_tiny_checkpoint(
     dir: str | os.PathLike,
-    task: str = "synthetic",
     *,
+    alphabet: str | None = None,
     overwrite: bool = False,
     **model_kwargs: Any,
 ) -> Path:
     """Write a tiny random model + its char tokenizer to ``dir`` (``save_pretrained``).
 
-    The tokenizer's alphabet comes from the task (``get_task(task).alphabet``), so the
-    synthetic task gets its 30-token vocabulary. ``model_kwargs`` go to
+    The tokenizer covers ``alphabet`` (None: the default tiny alphabet); a task's comes
+    from the task (``tapioca.runtime.run.create_tiny_checkpoint(dir, task)``: the
+    synthetic task gets its 30-token vocabulary). ``model_kwargs`` go to
     :func:`build_tiny_model` (``arch``, ``hidden_size``, ``seed``, ...). If ``dir``
     already holds a checkpoint it is kept (every process may call this at start-up);
     the write goes to a temporary sibling that is renamed into place, so a concurrent
     reader never sees half a checkpoint. Returns the directory.
     """
-    from tapioca.tasks.base import get_task
-
     dir = Path(dir)
     if (dir / "config.json").is_file() and not overwrite:
         return dir
-    tokenizer = build_char_tokenizer(get_task(task).alphabet)
+    tokenizer = build_char_tokenizer(alphabet)
     model = build_tiny_model(
         len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,

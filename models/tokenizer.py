@@ -18,7 +18,7 @@ user's text (``"3+4="`` -> the model writes ``"7<eos>"``).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from tapioca.schemas.errors import ConfigError
 
@@ -112,3 +112,20 @@ def load_tokenizer(path: str | os.PathLike) -> "PreTrainedTokenizerFast":
     if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def prompt_encoder(tokenizer) -> Callable[[dict[str, Any]], tuple[list[int], str]]:
+    """``encode(row) -> (prompt token ids, prompt text)`` for dataset rows (``messages``,
+    or ``prompt`` as one user turn): the tokenizer's chat template with a generation
+    prompt when it has one, else the contents joined by newlines. How the feeder encodes
+    prompts (and the offline trainers' data, so a fine-tuned model sees RL's layout)."""
+
+    def encode(row: dict[str, Any]) -> tuple[list[int], str]:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n".join(m["content"] for m in messages)
+        return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+    return encode

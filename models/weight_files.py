@@ -32,6 +32,26 @@ class WeightsUnavailableError(TapiocaError):
     corruption: the worker keeps its version and takes the next event (or the file)."""
 
 
+# A run's weights files: <run dir>/weights/vNNNNNN.safetensors, one per version. The one
+# home of the name (the RL trainer, the offline trainers and the durable writer of the
+# fast transports all write there; `tapioca weights list` and rollback read it).
+WEIGHTS_DIR = "weights"
+
+
+def weights_file(directory: str | os.PathLike, version: int) -> Path:
+    """The weights file of ``version`` in ``directory`` (a run's ``weights/``)."""
+    return Path(directory) / f"v{version:06d}.safetensors"
+
+
+def saved_versions(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(version, path)`` of every weights file in ``directory``, oldest first."""
+    out = []
+    for f in Path(directory).glob("v*.safetensors"):
+        if f.stem[1:].isdigit():
+            out.append((int(f.stem[1:]), f))
+    return sorted(out)
+
+
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -86,7 +86,9 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
-        cfg.bus.bootstrap_servers = G.bootstrap
+        from tapioca.runtime.run import resolve_run
+
+        cfg = resolve_run(cfg, bootstrap=G.bootstrap)
     latest: dict[str, dict] = {}  # role -> its latest step metrics
     status: dict[str, dict] = {}  # member -> its latest status (bus counters, describe)
     recent: list[float] = []
@@ -114,6 +116,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
         launcher.on_tick = redraw
         try:
             launcher.start()
+            cfg = launcher.cfg  # resolved: trial, run dir, broker, bus run id
             bus_id = "" if cfg.bus.run_id == cfg.run_id else f", bus run id {cfg.bus.run_id}"
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
                           f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)")
@@ -184,7 +187,7 @@ def model_init(
         help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
-    from ..models.factory import create_tiny_checkpoint
+    from tapioca.runtime.run import create_tiny_checkpoint
 
     console.print(str(create_tiny_checkpoint(
         directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),

@@ -51,25 +51,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..bus.broker import EmbeddedBroker
-from ..bus.settings import BOOTSTRAP_ENV
-from ..bus.signing import create_key_file, key_path_of_run
-from ..config.loader import to_yaml
-from ..config.schema import TrainConfig, next_bus_run_id
-from ..schemas.errors import BusError, TapiocaError
-from .parent_death import guarded
-
-# The run's parts, re-exported: callers and tests import them from here.
-from .run_setup import (  # noqa: F401
-    PROXY_KEY_FILE_NAME,
-    last_member_warning,
-    prepare_run,
-    resolve_bus_run_id,
-    resolve_proxy_endpoint,
-    role_command,
-    role_counts,
-    run_on_log,
-)
+from tapioca.bus.broker import EmbeddedBroker
+from tapioca.bus.settings import BOOTSTRAP_ENV
+from tapioca.config.loader import to_yaml
+from tapioca.config.schema import TrainConfig, next_bus_run_id
+from tapioca.ops.parent_death import guarded
+# The launcher's parts, re-exported: callers and tests import them from here.
+from tapioca.ops.run_setup import last_member_warning, role_command, role_counts  # noqa: F401
+from tapioca.runtime.run import resolve_bus_run_id, resolve_run
+from tapioca.schemas.errors import BusError, TapiocaError
 
 log = logging.getLogger(__name__)
 
@@ -192,23 +182,21 @@ class Launcher:
     def start(self) -> None:
         from ..bus.admin import ensure_topics, topic_partitions
 
-        run_dir = prepare_run(self.cfg)
+        # The run directory, the model; the run's key, which signs control commands and
+        # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
+        # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
+        self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        run_dir = Path(self.cfg.run_path)
         self.summary = RunSummary(run_dir)
-        # The run's key signs control commands and weights events (bus/signing.py); a
-        # resumed run keeps its key. Only the path goes into config.yaml.
-        if not self.cfg.bus.signing_key_path:
-            self.cfg.bus.signing_key_path = str(key_path_of_run(run_dir))
-        create_key_file(self.cfg.bus.signing_key_path)
         (run_dir / "logs").mkdir(exist_ok=True)
         if not self.cfg.bus.bootstrap_servers:
             self._start_broker()
-            self.cfg.bus.bootstrap_servers = self.broker.bootstrap
+            self.cfg = resolve_run(self.cfg, bootstrap=self.broker.bootstrap)
         ensure_topics(self.cfg.bus)
         self.expected_topics = topic_partitions(self.cfg.bus)
-        self.cfg.bus.run_id = resolve_bus_run_id(self.cfg)
+        self.cfg = resolve_run(self.cfg, bus_run_id=resolve_bus_run_id(self.cfg),
+                               proxy_endpoint=self.cfg.agent.enabled)
         self.summary.bus_run_id = self.cfg.bus.run_id
-        if self.cfg.agent.enabled:
-            resolve_proxy_endpoint(self.cfg)
         self._write_config()
         self._spawn_all()
         self._progress = (None, time.monotonic())
@@ -418,7 +406,7 @@ class Launcher:
         self.children.clear()
         self.pending.clear()
         old = self.cfg.bus.run_id
-        self.cfg.bus.run_id = next_bus_run_id(old)
+        self.cfg = resolve_run(self.cfg, bus_run_id=next_bus_run_id(old))
         self.summary.bus_run_id = self.cfg.bus.run_id
         self.summary.log_recoveries += 1
         self._write_config()

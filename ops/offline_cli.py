@@ -37,17 +37,21 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
                "distill": (DistillConfig, "distill", "train_distill")}
     cls, module, entry = classes[kind]
     train = getattr(importlib.import_module(f"tapioca.trainers.{module}"), entry)
+    from tapioca.runtime.run import resolve_run
+
     cfg = load_config(cls, config, overrides)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
-        cfg.bus.bootstrap_servers = G.bootstrap
+        cfg = resolve_run(cfg, bootstrap=G.bootstrap)
     if cfg.train_dataset.source == "topics" and not cfg.bus.bootstrap_servers:
         # Reading a run's topics needs a broker: the embedded one of `tapioca broker up`
         # (or a clear error saying how to name one).
         from .broker_state import resolve_bootstrap
 
-        cfg.bus.bootstrap_servers = resolve_bootstrap(None)
+        cfg = resolve_run(cfg, bootstrap=resolve_bootstrap(None))
     if G.prefix and cfg.bus.topic_prefix == "tapioca":
-        cfg.bus.topic_prefix = G.prefix
+        cfg = resolve_run(cfg, topic_prefix=G.prefix)
+    # The run directory (absolute), the tiny model when model.path is empty, the run id.
+    cfg = resolve_run(cfg, prepare=True)
     summary = train(cfg)
     meta = run_metadata(summary)
     if output == "json":

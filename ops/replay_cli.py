@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from pathlib import Path
 from typing import Iterator, Optional
@@ -115,10 +116,10 @@ def replay(
 
         src_cfg = dest_cfg = BusConfig(topic_prefix=G.prefix or "tapioca")
     if to_prefix:
-        dest_cfg.topic_prefix = to_prefix
+        dest_cfg = dataclasses.replace(dest_cfg, topic_prefix=to_prefix)
     elif to_topic and to_topic.count(".") >= 2:
         # A full destination name carries its prefix: create that prefix's topics.
-        dest_cfg.topic_prefix = to_topic.rsplit(".", 2)[0]
+        dest_cfg = dataclasses.replace(dest_cfg, topic_prefix=to_topic.rsplit(".", 2)[0])
     replayer = Replayer(None, dest_cfg, to_topic=to_topic, run_id=run_id, rate=rate)
     stats = ReplayStats()
     if from_topic is not None:
@@ -174,17 +175,17 @@ def archive(
     max_seconds: Optional[float] = typer.Option(None, help="Stop after this long."),
 ) -> None:
     """Run the archiver against the broker until Ctrl-C (every topic to Parquet)."""
-    from ..bus.admin import admin_client
-    from ..bus.runner import RoleRunner
-    from ..config.schema import ArchiveConfig
-    from ..consumers.archiver import ALL_TOPICS, Archiver
+    from tapioca.bus.admin import admin_client
+    from tapioca.bus.runner import RoleRunner
+    from tapioca.config.schema import ArchiveConfig
+    from tapioca.config.sections import ArchiveSection
+    from tapioca.consumers.archiver import Archiver
 
     a = ArchiveConfig(enabled=True, dir=directory, roll_bytes=roll_bytes,
                       roll_interval_s=roll_interval_s, topics=list(topic))
     cfg = bus_config(run_id=run_id)
     admin_client(cfg)
-    role = Archiver(a.dir, topics=tuple(a.topics) or ALL_TOPICS, roll_bytes=a.roll_bytes,
-                    roll_interval_s=a.roll_interval_s, exit_when_idle_s=exit_when_idle_s)
+    role = Archiver(ArchiveSection(archive=a, dir=a.dir), exit_when_idle_s=exit_when_idle_s)
     runner = RoleRunner(role, cfg, member_id="archiver-cli", group_id=group)
     state = runner.run(max_seconds=max_seconds)
     w = state.writer
@@ -214,14 +215,14 @@ def train_offline(
 ) -> None:
     """Train the policy from a Parquet log (decoupled PPO on the recorded behaviour
     logprobs; staleness gate off). Extra arguments are dotted overrides."""
-    from ..bus.archive import iter_events
-    from ..bus.producer import EventProducer
-    from ..config.loader import load_config
-    from ..config.schema import TrainConfig, name_trial
-    from ..trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
-    from . import broker_state
-    from .launcher import prepare_run
-    from .role_builders import build_role
+    from tapioca.bus.archive import iter_events
+    from tapioca.bus.producer import EventProducer
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops import broker_state
+    from tapioca.runtime.builders import build_role
+    from tapioca.runtime.run import resolve_run
+    from tapioca.trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
 
     if source not in ("samples", "trajectories"):
         raise typer.BadParameter("--source must be samples or trajectories")
@@ -230,21 +231,18 @@ def train_offline(
                           "directory (archive.dir of the run, or `tapioca archive DIR`)")
     cfg = load_config(TrainConfig, config, list(ctx.args))
     if trial is None:  # never resume another offline run's checkpoint by accident
-        name_trial(cfg)
-        trial = f"{cfg.trial_name}-offline"
-    cfg.trial_name = trial
+        trial = f"{resolve_run(cfg).trial_name}-offline"
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
-    cfg.rollout.max_head_offpolicyness = OFFLINE_ETA
-    if G.prefix:
-        cfg.bus.topic_prefix = G.prefix
-    run_dir = prepare_run(cfg)
+    cfg = resolve_run(cfg, values={"rollout.max_head_offpolicyness": OFFLINE_ETA},
+                      trial_name=trial, topic_prefix=G.prefix or None, prepare=True)
+    run_dir = Path(cfg.run_path)
     producer = None
     if publish:
         # --bootstrap-server / TAPIOCA_BOOTSTRAP first: a run's config.yaml names the
         # broker it ran on, which stopped with the run if it was the run's own.
-        cfg.bus.bootstrap_servers = broker_state.resolve_bootstrap(G.bootstrap,
-                                                                   cfg.bus.bootstrap_servers)
-        from ..bus.admin import ensure_topics
+        cfg = resolve_run(cfg, bootstrap=broker_state.resolve_bootstrap(G.bootstrap,
+                                                                        cfg.bus.bootstrap_servers))
+        from tapioca.bus.admin import ensure_topics
 
         try:
             ensure_topics(cfg.bus)

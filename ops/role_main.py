@@ -8,13 +8,14 @@ import logging
 import sys
 import traceback
 
-from ..bus.runner import RoleRunner
-from ..config.loader import load_config
-from ..config.schema import TrainConfig
-from ..schemas.errors import ConfigError, TapiocaError
-from ..trainers.checkpoint import CheckpointFormatError
-from .launcher import EXIT_NO_RESTART
-from .role_builders import ROLES, build_role
+from tapioca.bus.runner import RoleRunner
+from tapioca.config.loader import load_config
+from tapioca.config.schema import TrainConfig
+from tapioca.ops.launcher import EXIT_NO_RESTART
+from tapioca.runtime.builders import ROLES, build_role
+from tapioca.runtime.run import resolve_run
+from tapioca.schemas.errors import ConfigError, TapiocaError
+from tapioca.trainers.checkpoint import CheckpointFormatError
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
@@ -25,7 +26,7 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
     hf_logging.disable_progress_bar()
     try:
         cfg = load_config(TrainConfig, config, overrides)
-        cfg.bus.client_id = f"{cfg.run_id}-{role}-{member}"
+        cfg = resolve_run(cfg, client_id=f"{cfg.run_id}-{role}-{member}")
         instance = build_role(role, cfg, member) if role == "rollout" else build_role(role, cfg)
         runner = RoleRunner(instance, cfg.bus, member_id=f"{role}-{member}")
         runner.run()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 
 from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
 from tapioca.bus.role import Role, Source
+from tapioca.config.sections import FeederSection
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.events import PromptEvent, WeightsEvent
 
@@ -83,28 +84,27 @@ class PromptFeeder(Role[FeederState]):
 
     def __init__(
         self,
-        records: list[PromptRecord],
+        section: FeederSection,
         *,
-        n_samples: int,
-        prompts_per_step: int,
-        max_head_offpolicyness: int,
-        max_epochs: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
-        run_tag: str = "run",
+        records: list[PromptRecord],
         max_groups_per_tick: int = 64,
         sampling: dict[str, Any] | None = None,
     ) -> None:
+        """``section``: the run's settings (group size, eta and B of the gate, epochs,
+        order, seed; its run id tags the group ids). ``records``: the dataset, tokenized.
+        ``max_groups_per_tick`` bounds one tick's burst; ``sampling`` overrides the
+        rollout's sampling per prompt (PromptEvent.sampling)."""
         if not records:
             raise ValueError("the dataset has no records")
+        ds = section.train_dataset
         self.records = records
-        self.n_samples = n_samples
-        self.B = prompts_per_step
-        self.eta = max_head_offpolicyness
-        self.max_epochs = max_epochs
-        self.shuffle = shuffle
-        self.seed = seed
-        self.run_tag = run_tag
+        self.n_samples = section.n_samples
+        self.B = ds.prompts_per_step
+        self.eta = section.max_head_offpolicyness
+        self.max_epochs = ds.max_epochs
+        self.shuffle = ds.shuffle
+        self.seed = section.seed
+        self.run_tag = section.run_id
         self.max_groups_per_tick = max_groups_per_tick
         self.sampling = sampling or {}
 

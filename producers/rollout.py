@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable
 from tapioca.bus.dedup import SeenSet
 from tapioca.algorithms.versions import is_newer
 from tapioca.bus.role import DeadLetter, Role, Source
+from tapioca.config.sections import RolloutSection
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from tapioca.models.weight_files import WeightsUnavailableError
 from tapioca.schemas.envelope import Event
@@ -117,17 +118,20 @@ class RolloutWorker(Role[RolloutState]):
 
     def __init__(
         self,
+        section: RolloutSection,
+        *,
         engine: InferenceEngine,
         load_weights: LoadWeights,
-        *,
-        sampling: SamplingParams,
         decode: Callable[[list[int]], str],
         member_id: str = "rollout",
         metrics_every_s: float = 10.0,
     ) -> None:
+        """``section``: the sampling defaults (``gconfig``; a prompt's ``sampling``
+        overrides them). ``engine`` and ``load_weights`` (fetch, verify, load a weights
+        event) come from runtime/builders.py; ``decode`` turns output ids into text."""
         self.engine = engine
         self.load_weights = load_weights
-        self.sampling = sampling
+        self.sampling = SamplingParams.from_generation(section.gconfig)
         self.decode = decode
         self.member_id = member_id
         self.metrics_every_s = metrics_every_s

@@ -46,6 +46,28 @@ class EventTooLargeError(SchemaError):
 
 _EVENT_TYPES: dict[str, type["Event"]] = {}
 
+# The run id of an event (or a bus client) that names no run in particular: a CLI
+# command for every run, an external service that did not copy the run id, a member
+# started without a run. The one home of this rule; everything else asks the helpers.
+ANY_RUN = "default"
+
+
+def names_a_run(run_id: str) -> bool:
+    """Whether ``run_id`` names one run (not :data:`ANY_RUN`)."""
+    return run_id != ANY_RUN
+
+
+def run_reads(own_run_id: str, event_run_id: str) -> bool:
+    """Whether a member of run ``own_run_id`` reads an event of ``event_run_id``: a
+    member of no particular run reads every run's events, a run's member only its own."""
+    return not names_a_run(own_run_id) or event_run_id == own_run_id
+
+
+def run_addresses(own_run_id: str, event_run_id: str) -> bool:
+    """Whether an event of ``event_run_id`` is meant for a member of ``own_run_id``:
+    :func:`run_reads`, or the event names no run (a command for every run)."""
+    return run_reads(own_run_id, event_run_id) or not names_a_run(event_run_id)
+
 
 @dataclass(kw_only=True)
 class Event:
@@ -65,7 +87,7 @@ class Event:
     event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     type: str = ""
     schema_version: int = 0
-    run_id: str = "default"
+    run_id: str = ANY_RUN
     produced_at: float = field(default_factory=time.time)
     producer_id: str = ""
 

@@ -81,3 +81,30 @@ def get_task(name: str, **kwargs: Any) -> Task:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**kwargs)
+
+
+RewardOf = Callable[[str, "Mapping[str, Any] | str"], float]
+
+# The task of rows read from a dataset file (train_dataset.type jsonl / parquet /
+# hf_disk): math problems, scored by math-verify against their answer.
+MATH_TASK = "math"
+
+
+def task_reward(task: str, **options: Any) -> RewardOf:
+    """``reward(completion_text, record_or_answer)`` of the task named ``task``: the one
+    home of task -> reward dispatch (the built-in reward scorer, the agent workflows and
+    the agent runner all ask here). ``math`` (or no name: a dataset file's rows) is
+    math-verify against the reference answer; any other name is that registered task's
+    ``reward`` with ``options`` (its keyword arguments, e.g. the synthetic task's
+    ``format_credit``). An unknown name raises :class:`ConfigError`."""
+    if not task or task == MATH_TASK:
+        from tapioca.tasks.math_reward import math_reward
+
+        def math(text: str, record_or_answer: Mapping[str, Any] | str) -> float:
+            answer = (record_or_answer if isinstance(record_or_answer, str)
+                      else str(record_or_answer.get("answer", "")))
+            return math_reward(text, answer)
+
+        return math
+    impl = get_task(task, **options)
+    return lambda text, record_or_answer: float(impl.reward(text, record_or_answer))

@@ -2,7 +2,8 @@
 
 Consumed by the tasks (``gsm8k`` ...) and by the prompt feeder for user datasets. Yields
 one dict per row, in file order, lazily (a large Parquet file is read batch by batch).
-Local paths only: nothing here downloads.
+Local paths only: nothing here downloads. :func:`dataset_rows` is the rows of a run's
+``train_dataset`` section (the feeder's and the agent runners' prompts).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tapioca.schemas.errors import ConfigError, TapiocaError
+
+if TYPE_CHECKING:
+    from tapioca.config.schema import DatasetConfig
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -98,3 +102,24 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     raise TapiocaError(
         f"cannot read {path}: unknown format {suffix!r}; use .jsonl, .parquet or a save_to_disk directory"
     )
+
+
+def dataset_rows(ds: "DatasetConfig", seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
+    """(task name, rows with prompt_id, messages|prompt, answer) of a ``train_dataset``
+    section: a built-in task's records, or a file's rows as math problems (``math``)."""
+    from tapioca.tasks.base import get_task
+
+    if ds.type == "synthetic":
+        return "synthetic", get_task("synthetic", **ds.task_options).iter_records(ds.split, seed)
+    if ds.type == "gsm8k":
+        return "gsm8k", get_task("gsm8k", path=ds.path or None, **ds.task_options).iter_records(ds.split, seed)
+
+    def rows():
+        for i, row in enumerate(read_records(ds.path)):
+            if ds.prompt_key not in row:
+                raise ConfigError(f"dataset row {i} of {ds.path} has no {ds.prompt_key!r}; set "
+                                  "train_dataset.prompt_key to the prompt column")
+            yield {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
+                   "answer": str(row.get(ds.answer_key, ""))}
+
+    return "math", rows()

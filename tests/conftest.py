@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -187,8 +188,9 @@ def start_proxy(broker, one_torch_thread):
     ``gconfig__max_new_tokens=2``). Every proxy still running when the module ends is
     stopped; stopping one earlier (``server.stop()``) is fine."""
     from tapioca.config.schema import ModelConfig, TrainConfig
-    from tapioca.ops.proxy_cli import build_proxy_service
     from tapioca.producers.proxy import ProxyServer
+    from tapioca.runtime.builders import build_proxy_service
+    from tapioca.runtime.run import resolve_run
 
     servers: list = []
 
@@ -197,13 +199,10 @@ def start_proxy(broker, one_torch_thread):
         bus = make_bus_cfg(broker.bootstrap, run_id=run_id)
         experiment, _, trial = run_id.partition(".")
         cfg = TrainConfig(experiment_name=experiment, trial_name=trial or "t0", seed=seed,
-                          model=ModelConfig(path=model_dir))
-        cfg.bus = bus
-        cfg.proxy.api_key = api_key
-        cfg.proxy.port = 0
-        for key, value in overrides.items():
-            section, name = key.split("__")
-            setattr(getattr(cfg, section), name, value)
+                          model=ModelConfig(path=model_dir), bus=bus)
+        values = {"proxy.api_key": api_key, "proxy.port": 0}
+        values.update({key.replace("__", "."): value for key, value in overrides.items()})
+        cfg = resolve_run(cfg, values=values)
         server = ProxyServer(build_proxy_service(cfg), "127.0.0.1", 0).start()
         servers.append(server)
         return server, bus
@@ -245,10 +244,8 @@ class VLLMServerFixture:
         from tapioca.config.servers import InferenceServerConfig
         from tapioca.engines.vllm_engine import VLLMEngine
 
-        cfg = InferenceServerConfig(urls=[self.url], startup_timeout_s=60.0,
-                                    health_interval_s=1.0)
-        for key, value in kwargs.pop("server", {}).items():
-            setattr(cfg, key, value)
+        cfg = InferenceServerConfig(**{"urls": [self.url], "startup_timeout_s": 60.0,
+                                       "health_interval_s": 1.0, **kwargs.pop("server", {})})
         kwargs.setdefault("eos_token_ids", [151645])
         kwargs.setdefault("model_path", self.model_dir)
         eng = VLLMEngine([self.url], config=cfg, max_inflight_per_server=64, **kwargs)

@@ -385,7 +385,7 @@ def _destroy_groups() -> None:
 
 
 def build_sharded_actor(cfg, sec) -> ShardedActor:
-    """The trainer role's actor when ``fsdp.world_size`` > 1 (ops/role_builders.py).
+    """The trainer role's actor when ``fsdp.world_size`` > 1 (runtime/builders.py).
 
     Rank 0 (a plain ``tapioca role trainer``) starts ranks 1..N-1 with the config it
     runs (written to ``<run>/logs/trainer-ranks.yaml``) and returns its actor; under

@@ -16,7 +16,7 @@ Consumes one of (``train_dataset.source``):
 
 Emits :class:`SeqExample` (SFT, distillation) and :class:`PairExample` (DPO, reward
 model) lists of token ids. Text is encoded the way the rollout encodes prompts
-(``ops/role_builders.prompt_encoder``): the tokenizer's chat template with a generation
+(``tapioca.models.tokenizer.prompt_encoder``): the tokenizer's chat template with a generation
 prompt when it has one, else the contents joined by newlines; so a model fine-tuned here
 sees the same prompt layout in RL.
 

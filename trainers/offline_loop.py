@@ -30,10 +30,10 @@ import torch
 
 from tapioca.config.loader import to_yaml
 from tapioca.config.offline import OfflineTrainConfig
-from tapioca.config.schema import name_trial
 from tapioca.models.forward import autocast_context, causal_token_logprobs
-from tapioca.models.weight_files import save_weights
-from tapioca.schemas.errors import FatalRoleError
+from tapioca.models.weight_files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
+from tapioca.schemas.envelope import names_a_run
+from tapioca.schemas.errors import ConfigError, FatalRoleError
 from tapioca.schemas.events import MetricsEvent, WeightsEvent
 from tapioca.trainers.checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
 from tapioca.trainers.metrics_sink import MetricsSink
@@ -41,22 +41,18 @@ from tapioca.trainers.metrics_sink import MetricsSink
 E = TypeVar("E")
 
 
-def prepare_offline_run(cfg: OfflineTrainConfig) -> Path:
-    """Resolve the run directory, create the tiny model when ``model.path`` is empty,
-    write the resolved config; the run directory layout is the RL trainer's."""
-    name_trial(cfg)
-    cfg.run_dir = str(Path(cfg.run_dir).resolve())
+def write_offline_run(cfg: OfflineTrainConfig) -> Path:
+    """Write the run's config to its directory (the RL trainer's layout). ``cfg`` must be
+    resolved (:func:`tapioca.runtime.run.resolve_run` with ``prepare=True``: an absolute
+    run directory that exists, the model, the run's bus run id), as `tapioca sft|dpo|rm|
+    distill` do before they train."""
     run_dir = Path(cfg.run_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.model.path:
-        from tapioca.models.factory import create_tiny_checkpoint
-
-        m = cfg.model
-        cfg.model.path = str(create_tiny_checkpoint(
-            run_dir / "model", task=cfg.tiny_task, arch=m.arch, hidden_size=m.hidden_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed).resolve())
-    cfg.bus.run_id = cfg.run_id
+    if not (Path(cfg.run_dir).is_absolute() and cfg.model.path and names_a_run(cfg.bus.run_id)
+            and run_dir.is_dir()):
+        raise ConfigError(f"the offline run {cfg.run_id} is not resolved (run_dir={cfg.run_dir!r}, "
+                          f"model.path={cfg.model.path!r}, bus.run_id={cfg.bus.run_id!r}): call "
+                          "tapioca.runtime.run.resolve_run(cfg, prepare=True) first, as the "
+                          "`tapioca sft|dpo|rm|distill` commands do")
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
 
@@ -93,13 +89,14 @@ def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention
 
 
 def setup_offline(cfg: OfflineTrainConfig, *, load_policy: bool = True):
-    """Run directory, threads, seed; then ``(model, tokenizer)`` of ``model.path``."""
+    """The run's config written to its directory (``cfg`` resolved, see
+    :func:`write_offline_run`), threads, seed; then ``(model, tokenizer)`` of ``model.path``."""
     from transformers.utils import logging as hf_logging
 
     from tapioca.models.factory import load_model_and_tokenizer
 
     hf_logging.disable_progress_bar()
-    prepare_offline_run(cfg)
+    write_offline_run(cfg)
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.seed)
     if not load_policy:
@@ -230,15 +227,13 @@ class OfflineTrainerBase(Generic[E]):
 
     def _save_version(self) -> None:
         p = self.progress
-        path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
+        path = weights_file(self.run_dir / WEIGHTS_DIR, p.version)
         sha, size = save_weights(self.model.state_dict(), path,
                                  dtype=getattr(torch, self.cfg.model.dtype))
         p.weights_path, p.weights_sha256 = str(path.resolve()), sha
         keep = self.cfg.keep_weight_versions
         if keep:  # the newest `keep` files stay (a reader may still be loading one)
-            saved = sorted((int(f.stem[1:]), f) for f in (self.run_dir / "weights").glob("v*.safetensors")
-                           if f.stem[1:].isdigit())
-            for _, old in saved[:-keep]:
+            for _, old in saved_versions(self.run_dir / WEIGHTS_DIR)[:-keep]:
                 old.unlink(missing_ok=True)
         save_checkpoint(self.ckpt_path, self.model, self.optimizer, p)
         if self.producer is not None:

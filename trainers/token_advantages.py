@@ -51,12 +51,11 @@ from tapioca.algorithms.gae import (
 from tapioca.config.schema import NormConfig
 from tapioca.schemas.errors import ConfigError
 from tapioca.trainers.batching import SeqItem, micro_batches, output_slice, to_tensors
-from tapioca.trainers.critic import Critic, build_value_model
+from tapioca.trainers.critic import Critic
 from tapioca.trainers.reference import FrozenLogprobModel
 
 if TYPE_CHECKING:
     from tapioca.config.sections import TrainerSection
-    from tapioca.trainers.ppo_actor import PPOActor
 
 
 def turn_ids(item: SeqItem) -> list[int]:
@@ -78,64 +77,30 @@ def turn_ids(item: SeqItem) -> list[int]:
 
 
 class TokenAdvantages:
-    def __init__(self, *, estimator: str, norm: NormConfig, discount: float = 1.0,
-                 gae_lambda: float = 1.0, gae_timestep_unit: str = "token", kl_ctl: float = 0.0,
-                 kl_estimator: str = "k1", kd_weight: float = 0.0, rl_weight: float = 1.0,
-                 critic: Critic | None = None, reference: FrozenLogprobModel | None = None,
-                 teacher: FrozenLogprobModel | None = None, pad_token_id: int = 0,
-                 device: str | torch.device = "cpu", mb_max_tokens: int = 16384) -> None:
-        self.estimator = estimator
-        self.norm = norm
-        self.discount, self.gae_lambda, self.unit = discount, gae_lambda, gae_timestep_unit
-        self.kl_ctl, self.kl_estimator = kl_ctl, kl_estimator
-        self.kd_weight, self.rl_weight = kd_weight, rl_weight
+    def __init__(self, section: "TrainerSection", *, pad_token_id: int,
+                 device: str | torch.device, critic: Critic | None = None,
+                 reference: FrozenLogprobModel | None = None,
+                 teacher: FrozenLogprobModel | None = None) -> None:
+        """``section``: the estimator, the normalisation's batch levels, GAE, KL and KD
+        settings (``advantage``, ``actor``, ``distill``). ``critic`` / ``reference`` /
+        ``teacher``: required when the section asks for them (runtime/builders.py
+        ``build_token_models`` builds them)."""
+        a, adv, kd = section.actor, section.advantage, section.distill
+        self.estimator = adv.estimator
+        self.norm: NormConfig = adv.norm()
+        self.discount, self.gae_lambda, self.unit = a.discount, a.gae_lambda, a.gae_timestep_unit
+        self.kl_ctl, self.kl_estimator = a.kl_ctl, a.kl_estimator
+        self.kd_weight, self.rl_weight = kd.kd_weight, kd.rl_weight
         self.critic, self.reference, self.teacher = critic, reference, teacher
-        self.pad_token_id, self.device, self.mb_max_tokens = pad_token_id, device, mb_max_tokens
-        self.center = norm.mean_level == "batch"
-        self.scale = norm.std_level == "batch"
-        for needed, model, what in ((estimator == "gae", critic, "a critic (estimator gae)"),
-                                    (kl_ctl > 0, reference, "a reference model (actor.kl_ctl > 0)"),
-                                    (kd_weight > 0, teacher, "a teacher (distill.kd_weight > 0)")):
+        self.pad_token_id, self.device, self.mb_max_tokens = pad_token_id, device, a.mb_max_tokens
+        self.center = self.norm.mean_level == "batch"
+        self.scale = self.norm.std_level == "batch"
+        for needed, model, what in ((self.estimator == "gae", critic, "a critic (estimator gae)"),
+                                    (self.kl_ctl > 0, reference, "a reference model (actor.kl_ctl > 0)"),
+                                    (self.kd_weight > 0, teacher, "a teacher (distill.kd_weight > 0)")):
             if needed and model is None:
                 raise ConfigError(f"token advantages need {what}; build it with "
-                                  "TokenAdvantages.from_section or pass it in")
-
-    @classmethod
-    def from_section(cls, section: "TrainerSection", actor: "PPOActor", *,
-                     critic: Critic | None = None, reference: FrozenLogprobModel | None = None,
-                     teacher: FrozenLogprobModel | None = None) -> "TokenAdvantages":
-        """Build the models the config asks for (unless given): the critic from the
-        policy's backbone (or ``critic.path``), the reference as a frozen copy of the
-        policy's current weights (or ``ref.path``), the teacher from ``distill.teacher_path``.
-        Call it before a checkpoint is loaded into the policy, so the copy is the
-        initial policy."""
-        a, adv = section.actor, section.advantage
-        device = actor.device
-        frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
-                      autocast_dtype=a.autocast_dtype, device=device)
-        vocab = actor.model.get_output_embeddings().weight.shape[0]
-        if adv.estimator == "gae" and critic is None:
-            model = build_value_model(actor.model, path=section.critic.path,
-                                      init_from_policy=section.critic.init_critic_from_actor,
-                                      dtype=a.param_dtype)
-            critic = Critic(model, section.critic, pad_token_id=actor.pad_token_id, device=device,
-                            autocast_dtype=a.autocast_dtype)
-        if a.kl_ctl > 0 and reference is None:
-            reference = (FrozenLogprobModel.from_path(section.ref.path, vocab_size=vocab,
-                                                      dtype=a.param_dtype, name="reference", **frozen)
-                         if section.ref.path else
-                         FrozenLogprobModel.copy_of(actor.model, name="reference", **frozen))
-        if section.distill.kd_weight > 0 and teacher is None:
-            if not section.distill.teacher_path:
-                raise ConfigError("distill.kd_weight > 0 needs distill.teacher_path")
-            teacher = FrozenLogprobModel.from_path(section.distill.teacher_path, vocab_size=vocab,
-                                                   dtype=a.param_dtype, name="teacher", **frozen)
-        return cls(estimator=adv.estimator, norm=adv.norm(), discount=a.discount,
-                   gae_lambda=a.gae_lambda, gae_timestep_unit=a.gae_timestep_unit,
-                   kl_ctl=a.kl_ctl, kl_estimator=a.kl_estimator,
-                   kd_weight=section.distill.kd_weight, rl_weight=section.distill.rl_weight,
-                   critic=critic, reference=reference, teacher=teacher,
-                   pad_token_id=actor.pad_token_id, device=device, mb_max_tokens=a.mb_max_tokens)
+                                  "tapioca.runtime.builders.build_token_models or pass it in")
 
     @property
     def active(self) -> bool:

@@ -50,6 +50,7 @@ import torch
 from tapioca.bus.role import DeadLetter, Role, Source
 from tapioca.config.algorithms import reward_norm_spec
 from tapioca.config.sections import TrainerSection
+from tapioca.models.weight_files import WEIGHTS_DIR, weights_file
 from tapioca.models.weight_sync import WeightPublisher
 from tapioca.schemas.envelope import Event
 from tapioca.schemas.errors import BadEventError, FatalRoleError
@@ -101,26 +102,31 @@ class Trainer(Role[TrainerState]):
     name = "trainer"
     group_inputs = ("samples",)
 
-    def __init__(self, actor: PPOActor, section: TrainerSection, *, member_id: str = "trainer",
-                 keep_weight_versions: int = 8, critic: Critic | None = None,
+    def __init__(self, section: TrainerSection, *, actor: PPOActor, critic: Critic | None = None,
                  reference: FrozenLogprobModel | None = None,
-                 teacher: FrozenLogprobModel | None = None) -> None:
+                 teacher: FrozenLogprobModel | None = None, member_id: str = "trainer",
+                 keep_weight_versions: int = 8) -> None:
+        """``section``: the run's trainer settings. ``actor``: the policy (PPOActor, or the
+        sharded actor); ``critic`` / ``reference`` / ``teacher``: the models the token-level
+        advantages need (``advantage.estimator`` gae / ``actor.kl_ctl`` > 0 /
+        ``distill.kd_weight`` > 0), built by runtime/builders.py ``build_token_models``
+        before the checkpoint is loaded (so a copied reference is the initial policy)."""
         self.actor = actor
         self.cfg = section
         self.member_id = member_id
         self.run_dir = Path(section.run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / f"trainer{SUFFIX}"
         self.keep_weight_versions = keep_weight_versions
-        # Built before init_state loads a checkpoint: a reference copied from the policy
-        # is the initial policy.
-        self.token_adv = TokenAdvantages.from_section(section, actor, critic=critic,
-                                                      reference=reference, teacher=teacher)
-        self.critic = self.token_adv.critic
+        self.token_adv = TokenAdvantages(section, pad_token_id=actor.pad_token_id,
+                                         device=actor.device, critic=critic,
+                                         reference=reference, teacher=teacher)
+        self.critic = critic
         self.sink = MetricsSink(self.run_dir / "metrics")
+        self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
         # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
         self.weights_out = WeightPublisher.from_config(
-            section.actor, self.run_dir / "weights", publish_dtype=getattr(torch, section.model.dtype),
+            section.actor, self.weights_dir, publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
         # The facts a sample is checked against (sample_checks.py).
@@ -177,7 +183,7 @@ class Trainer(Role[TrainerState]):
         # file: written (sha256) before the event; ipc / nccl: the file, if this version
         # gets one, is written in the background after the event (on_tick polls for it).
         fields = self.weights_out.publish(self.actor.full_state_dict(), p.version)
-        path = self.run_dir / "weights" / f"v{p.version:06d}.safetensors"
+        path = weights_file(self.weights_dir, p.version)
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
         return WeightsEvent(version=p.version, **fields, group_ids=group_ids,
                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
@@ -468,7 +474,7 @@ class Trainer(Role[TrainerState]):
         if not 0 <= target < p.version:
             return False, (f"cannot roll back to version {target}: the current version is "
                            f"{p.version}; pick an earlier one (`tapioca weights list`)"), []
-        path = self.run_dir / "weights" / f"v{target:06d}.safetensors"
+        path = weights_file(self.weights_dir, target)
         if not path.exists():
             return False, (f"the weights file of version {target} ({path}) is gone: the trainer "
                            f"keeps only the last keep_weight_versions={self.keep_weight_versions} "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tapioca.models.weight_files import saved_versions, weights_file
 from tapioca.models.weight_sync.layout import Layout
 from tapioca.models.weight_sync.slots import SlotBuffer
 
@@ -41,10 +42,6 @@ class DurableFile:
     path: str
     sha256: str
     num_bytes: int
-
-
-def weights_path(directory: Path, version: int) -> Path:
-    return directory / f"v{version:06d}.safetensors"
 
 
 def write_safetensors(path: Path, layout: Layout, data_u8: torch.Tensor) -> tuple[str, int]:
@@ -160,7 +157,7 @@ class DurableWriter:
             self._stream.synchronize()
         else:
             host = src  # host / shm memory: written from the slot directly, checked below
-        path = weights_path(self.directory, version)
+        path = weights_file(self.directory, version)
         sha, size = write_safetensors(path, layout, host)
         if slots.gen[slot] != gen:  # the slot was rewritten while we read it: torn file
             path.unlink(missing_ok=True)
@@ -175,10 +172,6 @@ class DurableWriter:
     def _delete_old(self, version: int) -> None:
         if self.keep_versions <= 0:
             return
-        for f in self.directory.glob("v*.safetensors"):
-            try:
-                v = int(f.stem[1:])
-            except ValueError:
-                continue
+        for v, f in saved_versions(self.directory):
             if v <= version - self.keep_versions:
                 f.unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from tapioca.algorithms.versions import is_newer
 from tapioca.bus.reader import TopicReader
 from tapioca.bus.role import Role, Source
 from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event
+from tapioca.schemas.envelope import Event, run_reads
 from tapioca.schemas.events import TrajectoryEvent, WeightsEvent
 
 PROXY_PRODUCER_PREFIX = "proxy"
@@ -91,7 +91,7 @@ def recover_admitted(cfg: BusConfig, per_partition: int = 256) -> int:
         for r in reader.records(idle_s=0.3, timeout_s=30):
             e = r.event
             if (isinstance(e, TrajectoryEvent) and e.producer_id.startswith(PROXY_PRODUCER_PREFIX)
-                    and (cfg.run_id == "default" or e.run_id == cfg.run_id)):
+                    and run_reads(cfg.run_id, e.run_id)):
                 k = max(k, e.group_index + 1)
     return k
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from tapioca.bus.producer import EventProducer
 from tapioca.bus.runner import RoleRunner
 from tapioca.bus.settings import BusConfig
+from tapioca.config.sections import ProxySection
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from tapioca.producers.proxy.gate import PROXY_PRODUCER_PREFIX, HeadGate, WeightsFollower, recover_admitted
 from tapioca.producers.proxy.openai_errors import ApiError, bad_request
@@ -48,35 +49,37 @@ class ProxyService:
     unknown: a call past it is refused as ``context_length_exceeded``.
     """
 
-    def __init__(self, *, engine: InferenceEngine, tokenizer: Any, bus: BusConfig,
-                 load_weights: Callable[[Any], Any], sampling: SamplingParams,
-                 api_key: str, served_model_name: str, default_group_size: int,
-                 max_head_offpolicyness: int, prompts_per_step: int,
-                 max_tokens_per_request: int, max_tokens_per_session: int,
-                 max_request_bytes: int, session_ttl_s: float, max_sessions: int = 4096,
-                 end_mode: str = "concat", turn_discount: float = 1.0,
-                 run_tag: str = "run", max_context_tokens: int | None = None) -> None:
+    def __init__(self, section: ProxySection, *, engine: InferenceEngine, tokenizer: Any,
+                 bus: BusConfig, load_weights: Callable[[Any], Any],
+                 max_context_tokens: int | None = None) -> None:
+        """``section``: the ``proxy`` settings (admin key, limits, sessions), the sampling
+        defaults and group size (``gconfig``), the head gate's eta and B, the run id its
+        group ids carry. ``engine`` / ``load_weights`` / ``tokenizer``: from
+        runtime/builders.py; ``bus``: the run's."""
+        p, g = section.proxy, section.gconfig
+        api_key = p.admin_key()
         if not api_key:
             raise ConfigError("the proxy needs an admin key (proxy.api_key)")
         self.engine = engine
         self.tokenizer = tokenizer
         self.bus = bus
-        self.sampling = sampling
+        self.sampling = SamplingParams.from_generation(g)
         self.api_key = api_key
-        self.served_model_name = served_model_name
-        self.default_group_size = default_group_size
-        self.max_tokens_per_request = max_tokens_per_request
-        self.max_request_bytes = max_request_bytes
-        self.session_ttl_s = session_ttl_s
+        self.served_model_name = p.served_model_name
+        self.default_group_size = g.n_samples
+        self.max_tokens_per_request = p.max_tokens_per_request
+        self.max_request_bytes = p.max_request_bytes
+        self.session_ttl_s = p.session_ttl_s
         self.max_context_tokens = max_context_tokens
         self.text = ResponseText(tokenizer)
         self.template = getattr(tokenizer, "chat_template", None) or ""
         self.template_has_tools = "tools" in self.template
-        self.gate = HeadGate(max_head_offpolicyness, prompts_per_step)
-        self.store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions,
-                                  max_tokens_per_session=max_tokens_per_session, run_tag=run_tag,
+        self.gate = HeadGate(section.max_head_offpolicyness, section.prompts_per_step)
+        self.store = SessionStore(ttl_s=p.session_ttl_s, max_sessions=p.max_sessions,
+                                  max_tokens_per_session=p.max_tokens_per_session,
+                                  run_tag=section.run_id,
                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                  default_mode=end_mode, default_discount=turn_discount)
+                                  default_mode=p.end_mode, default_discount=p.turn_discount)
         self.member_id = f"{PROXY_PRODUCER_PREFIX}-{secrets.token_hex(4)}"
         self.producer = EventProducer(bus, self.member_id)
         self._pub_lock = threading.Lock()

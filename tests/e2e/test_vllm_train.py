@@ -39,6 +39,7 @@ def test_tapioca_train_rollout_through_vllm(broker, vllm_server, tmp_path):
     ])
     launcher = Launcher(cfg)
     launcher.start()
+    cfg = launcher.cfg  # resolved (runtime/run.py): the run's bus run id
     try:
         summary = launcher.wait(timeout_s=240)
     finally:

@@ -25,10 +25,16 @@ from tapioca.agents.math_agent import MathAgent
 from tapioca.agents.runner import AgentRunner, AgentRunnerError
 from tapioca.agents.tir_agent import TIRAgent, default_toolbox
 from tapioca.bus import BusConfig, ensure_topics, read_events
-from tapioca.config.schema import ModelConfig, TrainConfig
+from tapioca.config.schema import (
+    DatasetConfig,
+    GenerationConfig,
+    ModelConfig,
+    ProxyConfig,
+    TrainConfig,
+)
 from tapioca.models.factory import build_tiny_model
 from tapioca.models.tokenizer import build_char_tokenizer
-from tapioca.ops.proxy_cli import build_proxy_service
+from tapioca.runtime.builders import build_proxy_service
 from tapioca.producers.proxy import ProxyServer
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
 from tapioca.producers.proxy.tool_calls import render_tools_prompt
@@ -65,11 +71,11 @@ def proxy(broker, model_dir, one_torch_thread):
                     run_id="agenttest.t0")
     ensure_topics(bus)
     cfg = TrainConfig(experiment_name="agenttest", trial_name="t0", seed=5,
-                      model=ModelConfig(path=model_dir))
-    cfg.bus = bus
-    cfg.gconfig.max_new_tokens = 2
-    cfg.train_dataset.prompts_per_step = 1000  # the head gate stays open
-    cfg.proxy.api_key = ADMIN
+                      model=ModelConfig(path=model_dir), bus=bus,
+                      gconfig=GenerationConfig(max_new_tokens=2),
+                      # the head gate stays open
+                      train_dataset=DatasetConfig(prompts_per_step=1000),
+                      proxy=ProxyConfig(api_key=ADMIN))
     server = ProxyServer(build_proxy_service(cfg), "127.0.0.1", 0).start()
     yield server, bus
     server.stop()

@@ -29,13 +29,15 @@ from tapioca.config.schema import (
     DatasetConfig,
     GenerationConfig,
     ModelConfig,
+    RewardConfig,
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.models.factory import create_tiny_checkpoint
+from tapioca.config.sections import RewardSection
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.models.weight_files import sha256_file
 from tapioca.ops.cli import app
-from tapioca.ops.role_builders import build_role
+from tapioca.runtime.builders import build_role
 from tapioca.schemas import SampleEvent, topic
 from tapioca.schemas.errors import ConfigError
 
@@ -101,7 +103,8 @@ def run(broker, tmp_path_factory, one_torch_thread) -> Run:
     # The tiny untrained model almost never solves a task: the task's reward would be 0.0
     # everywhere, and the replay checks below would compare zeros. A deterministic
     # pseudo-random reward in [0, 1) makes every reward (and so every advantage) differ.
-    built["reward"] = RewardScorer(hash_reward, scorer="hash")
+    built["reward"] = RewardScorer(RewardSection(reward=RewardConfig(scorer="hash")),
+                                   reward_fn=hash_reward)
     runners = {name: RoleRunner(built[name], bus, member_id=f"{name}-0") for name in roles}
     errors: list[BaseException] = []
 

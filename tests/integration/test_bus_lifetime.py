@@ -8,6 +8,7 @@ the launcher's children are stand-ins (only the config it writes matters here)."
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import uuid
@@ -20,9 +21,9 @@ from tapioca.bus.role import Source
 from tapioca.bus.settings import BusConfig
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
-from tapioca.models.factory import create_tiny_checkpoint
-from tapioca.ops.launcher import Launcher, resolve_bus_run_id
-from tapioca.ops.role_builders import build_role
+from tapioca.ops.launcher import Launcher
+from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint, resolve_bus_run_id
 from tapioca.schemas.events import SampleEvent, SampleSequence, WeightsEvent
 
 pytestmark = pytest.mark.integration
@@ -86,7 +87,8 @@ def test_resumed_on_a_fresh_broker_the_run_gets_a_new_bus_run_id_and_no_group_co
     trainer.sink.close()
 
     # The same trial again on a broker that holds nothing of it (here: fresh topics).
-    cfg.bus = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"b{uuid.uuid4().hex[:8]}")
+    cfg = dataclasses.replace(cfg, bus=BusConfig(bootstrap_servers=broker.bootstrap,
+                                                 topic_prefix=f"b{uuid.uuid4().hex[:8]}"))
     second = launch(cfg)
     assert second.bus.run_id == "life.t0@2"
 

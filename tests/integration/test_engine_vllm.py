@@ -151,7 +151,7 @@ def test_shutdown_aborts_in_flight_requests_with_their_tokens(vllm_server):
 
 
 def test_tied_model_refused_on_a_cpu_server(vllm_server, tmp_path):
-    from tapioca.models.factory import create_tiny_checkpoint
+    from tapioca.runtime.run import create_tiny_checkpoint
 
     tied = create_tiny_checkpoint(tmp_path / "tied", hidden_size=64, num_heads=2, num_kv_heads=1)
     with pytest.raises(EngineError, match="tie_word_embeddings=false"):

@@ -13,7 +13,8 @@ from tapioca.bus.producer import EventProducer
 from tapioca.bus.reader import TopicReader, read_events
 from tapioca.config.loader import load_config
 from tapioca.config.offline import DPOConfig, OfflineDatasetConfig, SFTConfig
-from tapioca.models.factory import create_tiny_checkpoint, load_model_and_tokenizer
+from tapioca.models.factory import load_model_and_tokenizer
+from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.models.weight_files import sha256_file
 from tapioca.schemas.events import MetricsEvent, RewardEvent, TrajectoryEvent, WeightsEvent
 from tapioca.trainers.offline_data import load_pair_examples, load_sft_examples
@@ -59,11 +60,12 @@ def _log_a_run(bus_cfg, tokenizer) -> int:
 
 
 def _cfg(cls, tiny, tmp_path, bus_cfg, *overrides):
-    return load_config(cls, None, [
+    """A resolved offline run (as `tapioca sft|dpo` resolve it before training)."""
+    return resolve_run(load_config(cls, None, [
         f"model.path={tiny}", f"run_dir={tmp_path}", "trial_name=t", "actor.torch_threads=1",
         f"bus.bootstrap_servers={bus_cfg.bootstrap_servers}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
         "train_dataset.source=topics", f"train_dataset.run_id={RUN}", "train_dataset.read_idle_s=0.5",
-        *overrides])
+        *overrides]), prepare=True)
 
 
 def test_sft_and_dpo_from_a_runs_topics_publish_weights_and_metrics(bus_cfg, tiny, tmp_path):

@@ -25,11 +25,13 @@ import pytest
 
 from tapioca.bus.producer import EventProducer
 from tapioca.bus.reader import read_events
-from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.models.factory import create_tiny_checkpoint
+from tapioca.config.schema import GenerationConfig, ProxyConfig
+from tapioca.config.sections import ProxySection
+from tapioca.engines.base import GenRequest, GenResult, InferenceEngine
 from tapioca.models.tokenizer import load_tokenizer
 from tapioca.models.weight_files import save_weights
 from tapioca.producers.proxy import ProxyServer, ProxyService
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent, WeightsEvent
 
 pytestmark = pytest.mark.integration
@@ -415,11 +417,14 @@ def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
     reply = "Let me compute.\n" + CALL
     engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
                             + [tokenizer.eos_token_id])
-    svc = ProxyService(engine=engine, tokenizer=tokenizer, bus=bus_cfg, load_weights=lambda e: None,
-                       sampling=SamplingParams(max_new_tokens=128), api_key=ADMIN,
-                       served_model_name="tapioca", default_group_size=1, max_head_offpolicyness=0,
-                       prompts_per_step=100, max_tokens_per_request=4096, max_tokens_per_session=100_000,
-                       max_request_bytes=1 << 20, session_ttl_s=600.0, run_tag="scripted")
+    section = ProxySection(
+        proxy=ProxyConfig(api_key=ADMIN, served_model_name="tapioca", max_tokens_per_request=4096,
+                          max_tokens_per_session=100_000, max_request_bytes=1 << 20,
+                          session_ttl_s=600.0),
+        gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
+        prompts_per_step=100, run_id="scripted", seed=0)
+    svc = ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
+                       load_weights=lambda e: None)
     with ProxyServer(svc) as server:
         session = _session(server, group_size=1)
         client = _client(server, session)

@@ -16,13 +16,15 @@ from tapioca.config.schema import (
     DatasetConfig,
     GenerationConfig,
     ModelConfig,
+    RewardConfig,
     RolloutConfig,
     TrainConfig,
 )
+from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.models.factory import create_tiny_checkpoint
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.models.weight_files import sha256_file
-from tapioca.ops.role_builders import build_role
+from tapioca.runtime.builders import build_role
 from tapioca.schemas import (
     DlqRecord,
     MetricsEvent,
@@ -235,7 +237,7 @@ def test_reward_failure_is_dead_lettered_and_the_rest_scored(make_cfg, start_run
 
     rewards = tail(cfg, "rewards")
     dlq = tail(cfg, "dlq")
-    runner = start_runner(RewardScorer(reward_fn, scorer="test"), cfg)
+    runner = start_runner(RewardScorer(RewardSection(reward=RewardConfig(scorer="test")), reward_fn=reward_fn), cfg)
     publish(cfg, traj("g", 0, text="5"), traj("g", 1, text="5"), traj("g", 2, text="4", size=3))
 
     wait_for(rewards, 2, wait_until, "rewards")

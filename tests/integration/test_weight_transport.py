@@ -16,8 +16,8 @@ import torch
 from tapioca.bus import EventProducer, read_events
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
-from tapioca.models.factory import create_tiny_checkpoint
-from tapioca.ops.role_builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
+from tapioca.runtime.builders import build_role
 from tapioca.schemas import SampleEvent, SampleSequence, WeightsEvent
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,10 @@ def test_nccl_gloo_two_rollout_processes_get_each_version_bit_for_bit(
                  f"run_dir={tmp_path / 'run'}", "experiment_name=wt", "trial_name=t",
                  "actor.weight_transport=nccl", "actor.weight_transfer_timeout_s=30",
                  "actor.weight_bucket_bytes=8192", "train_dataset.prompts_per_step=1",
-                 "gconfig.n_samples=2", "gconfig.max_new_tokens=3"]
+                 "gconfig.n_samples=2", "gconfig.max_new_tokens=3",
+                 # TorchEngine: the follower compares its model's state dict (the paged
+                 # engine keeps no model object).
+                 "rollout.paged=false"]
     cfg = load_config(TrainConfig, None, overrides)
     trainer = build_role("trainer", cfg)
     start_runner(trainer, bus_cfg, member_id="trainer-0", max_seconds=400)

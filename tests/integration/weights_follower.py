@@ -1,6 +1,6 @@
 """A rollout worker process for test_weight_transport.py (not a test module).
 
-Runs the real rollout role, built from the run's config by ops/role_builders.py, under a
+Runs the real rollout role, built from the run's config by runtime/builders.py, under a
 RoleRunner; each time its engine holds one of the target versions it writes the engine's
 weights and its receiver's counters to ``OUT.v<N>.pt`` (torch.save), and after the last
 target it stops and exits 0.
@@ -30,7 +30,7 @@ def main() -> int:
     from tapioca.bus import RoleRunner
     from tapioca.config.loader import load_config
     from tapioca.config.schema import TrainConfig
-    from tapioca.ops.role_builders import build_role
+    from tapioca.runtime.builders import build_role
 
     cfg = load_config(TrainConfig, None, overrides)
     role = build_role("rollout", cfg, int(member))

@@ -236,8 +236,9 @@ def test_session_start_waits_at_the_head_gate_without_a_read_timeout():
 
 
 def test_agent_config_and_agent_mode_roles(tmp_path):
-    from tapioca.config.schema import AgentConfig, TrainConfig
-    from tapioca.ops.launcher import resolve_proxy_endpoint, role_command, role_counts
+    from tapioca.config.schema import AgentConfig, ProxyConfig, TrainConfig
+    from tapioca.ops.launcher import role_command, role_counts
+    from tapioca.runtime.run import resolve_run
 
     for bad in ({"workflow": "chat"}, {"workers": -1}, {"max_turns": 0}, {"turn_discount": 0.0},
                 {"end_mode": "split"}, {"workflow": "command", "command": ""},
@@ -246,14 +247,13 @@ def test_agent_config_and_agent_mode_roles(tmp_path):
             AgentConfig(**bad)
     cfg = TrainConfig()
     assert [r for r, _ in role_counts(cfg)] == ["trainer", "advantage", "reward", "rollout", "feeder"]
-    cfg.agent.enabled, cfg.agent.workers = True, 2
+    cfg = TrainConfig(agent=AgentConfig(enabled=True, workers=2))
     assert role_counts(cfg) == [("trainer", 1), ("advantage", 1), ("proxy", 1), ("agent", 2)]
     assert role_command("agent", 1, "run.yaml")[1:] == ["-m", "tapioca.agents.runner", "--config",
                                                        "run.yaml", "--member", "1"]
     assert role_command("proxy", 0, "run.yaml")[1:4] == ["-m", "tapioca.ops.cli", "proxy"]
-    cfg.proxy.port, cfg.proxy.api_key = 0, ""
-    cfg.run_dir = str(tmp_path)
-    resolve_proxy_endpoint(cfg)  # both sides must read the same port and key
+    cfg = TrainConfig(agent=cfg.agent, proxy=ProxyConfig(port=0, api_key=""), run_dir=str(tmp_path))
+    cfg = resolve_run(cfg, proxy_endpoint=True)  # both sides must read the same port and key
     assert cfg.proxy.port > 0 and len(cfg.proxy.admin_key()) > 20
 
 
@@ -263,13 +263,12 @@ def test_proxy_admin_key_is_in_an_owner_only_file_not_in_the_run_config(tmp_path
     import stat
 
     from tapioca.config.loader import load_config, to_yaml
-    from tapioca.config.schema import ProxyConfig, TrainConfig
-    from tapioca.ops.launcher import resolve_proxy_endpoint
+    from tapioca.config.schema import AgentConfig, ProxyConfig, TrainConfig
+    from tapioca.runtime.run import resolve_run
     from tapioca.schemas.errors import ConfigError
 
-    cfg = TrainConfig(run_dir=str(tmp_path), trial_name="t")
-    cfg.agent.enabled = True
-    resolve_proxy_endpoint(cfg)
+    cfg = TrainConfig(run_dir=str(tmp_path), trial_name="t", agent=AgentConfig(enabled=True))
+    cfg = resolve_run(cfg, proxy_endpoint=True)
     key = cfg.proxy.admin_key()
     written = to_yaml(cfg)
     assert key and key not in written

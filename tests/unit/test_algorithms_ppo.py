@@ -1,4 +1,5 @@
-"""Golden numeric tests for tapioca.algorithms.ppo_loss.decoupled_ppo_loss.
+"""Golden numeric tests for the decoupled PPO surrogate of
+tapioca.algorithms.policy_losses.policy_loss (its default).
 
 Expected values are derived by hand in comments from
   r = exp(logp - prox), pg = max(-A r, -A clip(r, 1-eps, 1+eps_high)),
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tapioca.algorithms.ppo_loss import decoupled_ppo_loss
+from tapioca.algorithms.policy_losses import policy_loss
 
 LN2 = math.log(2.0)
 
@@ -38,7 +39,7 @@ def test_clip_positive_and_negative_advantages():
     #  A=-1 r=1.5: max( 1.5,  1.2) =  1.5  not clipped (A<0 never clips above)
     # token-mean = (-1.2 - 0.5 + 0.8 + 1.5) / 4 = 0.6 / 4 = 0.15
     logp, prox, behav, adv, mask = _on_policy([1.5, 0.5, 0.5, 1.5], [1.0, 1.0, -1.0, -1.0])
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask, eps_clip=0.2)
     assert loss.item() == pytest.approx(0.15, abs=1e-12)
     assert stats["clip_ratio"] == pytest.approx(0.5)
     assert stats["dual_clip_ratio"] == 0.0
@@ -59,10 +60,10 @@ def test_clip_higher():
     #  eps_high=0.28: r=1.25 < 1.28 unclipped -> -1.25 ; r=1.5 -> -1.28
     #                 mean (-1.25 - 1.28)/2 = -1.265, clip_ratio 0.5
     logp, prox, behav, adv, mask = _on_policy([1.25, 1.5], [1.0, 1.0])
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask, eps_clip=0.2)
     assert loss.item() == pytest.approx(-1.2, abs=1e-12)
     assert stats["clip_ratio"] == pytest.approx(1.0)
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, eps_clip_higher=0.28)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask, eps_clip=0.2, eps_clip_higher=0.28)
     assert loss.item() == pytest.approx(-1.265, abs=1e-12)
     assert stats["clip_ratio"] == pytest.approx(0.5)
 
@@ -76,7 +77,7 @@ def test_dual_clip():
     # with c_clip: (3 + 2 - 1.2 + 1.6)/4 = 5.4/4 = 1.35
     # without    : (5 + 2 - 1.2 + 1.6)/4 = 7.4/4 = 1.85
     logp, prox, behav, adv, mask = _on_policy([5.0, 2.0, 5.0, 0.5], [-1.0, -1.0, 1.0, -2.0])
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, c_clip=3.0)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask, eps_clip=0.2, c_clip=3.0)
     assert loss.item() == pytest.approx(1.35, abs=1e-12)
     assert stats["dual_clip_ratio"] == pytest.approx(0.25)
     assert stats["clip_ratio"] == pytest.approx(0.5)
@@ -84,7 +85,7 @@ def test_dual_clip():
     loss.backward()
     assert torch.allclose(logp.grad, _t([0.0, 0.5, 0.0, 0.0]))
 
-    loss, stats = decoupled_ppo_loss(logp.detach(), prox, behav, adv, mask, eps_clip=0.2)
+    loss, stats = policy_loss(logp.detach(), prox, behav, adv, mask, eps_clip=0.2)
     assert loss.item() == pytest.approx(1.85, abs=1e-12)
     assert stats["dual_clip_ratio"] == 0.0
 
@@ -103,7 +104,7 @@ def _behav_inputs():
 def test_behaviour_weight_multiplies_loss():
     # loss_t = w * pg = [-2, -0.5, 4, -2] ; mean = -0.5/4 = -0.125
     logp, prox, behav, adv, mask = _behav_inputs()
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask)
     assert loss.item() == pytest.approx(-0.125, abs=1e-12)
     # w stats: mean (2 + 0.5 + 4 + 1)/4 = 1.875, max 4 ; nothing capped.
     assert stats["importance_weight_mean"] == pytest.approx(1.875)
@@ -120,7 +121,7 @@ def test_behaviour_weight_cap():
     # cap 3 drops token 3 (w = 4 > 3): losses [-2, -0.5, 0, -2], sum -4.5;
     # the denominator stays 4 (AReaL's choice): -4.5/4 = -1.125
     logp, prox, behav, adv, mask = _behav_inputs()
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=3.0)
+    loss, stats = policy_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=3.0)
     assert loss.item() == pytest.approx(-1.125, abs=1e-12)
     assert stats["behav_capped_ratio"] == pytest.approx(0.25)
     # Stats describe w before the cap.
@@ -128,7 +129,7 @@ def test_behaviour_weight_cap():
     loss.backward()
     assert torch.allclose(logp.grad, _t([-0.5, -0.125, 0.0, -0.5]))
     # w == cap is kept (strictly greater is dropped): cap 4 keeps everything -> -0.125.
-    loss, _ = decoupled_ppo_loss(logp.detach(), prox, behav, adv, mask, behav_imp_weight_cap=4.0)
+    loss, _ = policy_loss(logp.detach(), prox, behav, adv, mask, behav_imp_weight_cap=4.0)
     assert loss.item() == pytest.approx(-0.125, abs=1e-12)
 
 
@@ -143,7 +144,7 @@ def test_masked_garbage_does_not_leak():
     mask2 = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
     for mode in ("token-mean", "seq-mean-token-mean"):
         # seq-mean-token-mean: row 0 mean 0.15, row 1 excluded -> 0.15 too.
-        loss, stats = decoupled_ppo_loss(logp2, prox2, behav2, adv2, mask2, agg_mode=mode)
+        loss, stats = policy_loss(logp2, prox2, behav2, adv2, mask2, agg_mode=mode)
         assert loss.item() == pytest.approx(0.15, abs=1e-12)
         assert all(math.isfinite(v) for v in stats.values())
         assert stats["clip_ratio"] == pytest.approx(0.5)
@@ -162,7 +163,7 @@ def test_extreme_log_ratios_are_finite():
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
     mask = torch.ones(1, 5, dtype=torch.bool)
     for kwargs in ({}, {"c_clip": 3.0}, {"behav_imp_weight_cap": 5.0}):
-        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, **kwargs)
+        loss, stats = policy_loss(logp, prox, behav, adv, mask, **kwargs)
         assert torch.isfinite(loss), kwargs
         assert all(math.isfinite(v) for v in stats.values()), (kwargs, stats)
         logp.grad = None
@@ -179,10 +180,10 @@ def test_seq_mode_passthrough_and_no_tokens():
     zeros = torch.zeros_like(logp)
     adv = torch.tensor([[1.0, 1.0], [-1.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
-    loss, _ = decoupled_ppo_loss(logp, zeros, zeros, adv, mask, agg_mode="seq-mean-token-sum")
+    loss, _ = policy_loss(logp, zeros, zeros, adv, mask, agg_mode="seq-mean-token-sum")
     assert loss.item() == pytest.approx(-0.45, abs=1e-12)
     # No unmasked token at all: loss 0, all stats 0.
-    loss, stats = decoupled_ppo_loss(logp, zeros, zeros, adv, torch.zeros_like(mask))
+    loss, stats = policy_loss(logp, zeros, zeros, adv, torch.zeros_like(mask))
     assert loss.item() == 0.0
     assert all(v == 0.0 for v in stats.values())
 
@@ -190,13 +191,13 @@ def test_seq_mode_passthrough_and_no_tokens():
 def test_bad_arguments():
     logp, prox, behav, adv, mask = _on_policy([1.0, 1.0], [1.0, -1.0])
     with pytest.raises(ValueError):
-        decoupled_ppo_loss(logp, prox, behav, adv, mask, c_clip=1.0)
+        policy_loss(logp, prox, behav, adv, mask, c_clip=1.0)
     with pytest.raises(ValueError):
-        decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.0)
+        policy_loss(logp, prox, behav, adv, mask, eps_clip=0.0)
     with pytest.raises(ValueError):
-        decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=0.0)
+        policy_loss(logp, prox, behav, adv, mask, behav_imp_weight_cap=0.0)
     with pytest.raises(ValueError):
-        decoupled_ppo_loss(logp, prox, behav[:, :1], adv, mask)
+        policy_loss(logp, prox, behav[:, :1], adv, mask)
 
 
 # ----------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from tapioca.bus.archive import (
     read_table,
 )
 from tapioca.bus.role import Source
+from tapioca.config.schema import ArchiveConfig
+from tapioca.config.sections import ArchiveSection
 from tapioca.consumers.archiver import Archiver
 from tapioca.schemas import (
     MetricsEvent,
@@ -177,7 +179,8 @@ def test_missing_archive_is_a_clear_error(tmp_path):
 
 
 def test_archiver_role_commits_only_durable_offsets(tmp_path):
-    role = Archiver(tmp_path, roll_bytes=1 << 30, roll_interval_s=3600)
+    role = Archiver(ArchiveSection(archive=ArchiveConfig(roll_bytes=1 << 30, roll_interval_s=3600),
+                                   dir=str(tmp_path)))
     state = role.init_state()
     raws = [encode_event(traj(off)) for off in range(3)]
     for off, raw in enumerate(raws):

@@ -35,8 +35,8 @@ def make_trainer(run_dir: Path, seed: int = 0) -> Trainer:
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=1,
                              prompts_per_step=2, total_train_steps=100, temperature=1.0,
-                             run_dir=str(run_dir), seed=0)
-    return Trainer(actor, section)
+                             run_dir=str(run_dir), seed=0, stop_at_reward=None)
+    return Trainer(section, actor=actor)
 
 
 class _Payload:

@@ -21,7 +21,7 @@ def test_every_compose_service_runs_an_existing_command_and_a_valid_config():
     from tapioca.config.loader import load_config
     from tapioca.config.schema import TrainConfig
     from tapioca.ops.cli import app
-    from tapioca.ops.role_builders import ROLES
+    from tapioca.runtime.builders import ROLES
 
     runner = CliRunner()
     checked = []

@@ -27,7 +27,7 @@ def ok(payload):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tapioca.models.factory import create_tiny_checkpoint
+    from tapioca.runtime.run import create_tiny_checkpoint
 
     return str(create_tiny_checkpoint(tmp_path_factory.mktemp("m") / "model", num_heads=2,
                                       num_kv_heads=1, tie_word_embeddings=False))

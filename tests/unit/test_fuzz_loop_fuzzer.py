@@ -19,6 +19,8 @@ from tapioca.bus.reader import Record
 from tapioca.bus.role import Source
 from tapioca.bus.settings import BusConfig
 from tapioca.bus.signing import SIGNATURE_HEADER, SignatureError, create_key_file
+from tapioca.config.schema import DatasetConfig
+from tapioca.config.sections import FeederSection
 from tapioca.producers.feeder import PromptFeeder, PromptRecord
 from tapioca.schemas import encode_event, topic
 from tapioca.schemas.events import WeightsEvent
@@ -96,8 +98,10 @@ def test_forged_weights_and_commands_fail_the_run_key_and_leave_the_head_gate(fl
 
     # What a feeder reads of the outsider's weights (the runner drops what fails the
     # signature): its version, so its head gate, stays the trainer's.
-    feeder = PromptFeeder([PromptRecord("p0", [1, 2], "q", "synthetic")], n_samples=2,
-                          prompts_per_step=4, max_head_offpolicyness=1, run_tag="fuzz.t0")
+    feeder = PromptFeeder(FeederSection(train_dataset=DatasetConfig(prompts_per_step=4, max_epochs=1),
+                                        model_path="", n_samples=2, max_head_offpolicyness=1,
+                                        seed=0, run_id="fuzz.t0"),
+                          records=[PromptRecord("p0", [1, 2], "q", "synthetic")])
     state = feeder.init_state()
     from tapioca.schemas import decode_event
 

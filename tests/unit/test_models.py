@@ -10,9 +10,9 @@ import torch
 from tapioca.models.factory import (
     build_qwen_tokenizer,
     build_tiny_model,
-    create_tiny_checkpoint,
     load_model_and_tokenizer,
 )
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 from tapioca.schemas.errors import ConfigError, TapiocaError
 

@@ -19,7 +19,8 @@ from tapioca.config.offline import (
     RewardModelConfig,
     SFTConfig,
 )
-from tapioca.models.factory import create_tiny_checkpoint, load_model_and_tokenizer
+from tapioca.models.factory import load_model_and_tokenizer
+from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.models.weight_files import sha256_file
 from tapioca.schemas.errors import ConfigError, TapiocaError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
@@ -54,8 +55,10 @@ def _no_broker(monkeypatch):
 
 
 def _cfg(cls, tiny, tmp_path, *overrides):
-    return load_config(cls, None, [f"model.path={tiny}", f"run_dir={tmp_path}", "trial_name=t",
-                                   "actor.torch_threads=1", *overrides])
+    """A resolved offline run (as the CLI resolves it before training)."""
+    return resolve_run(load_config(cls, None, [f"model.path={tiny}", f"run_dir={tmp_path}",
+                                               "trial_name=t", "actor.torch_threads=1",
+                                               *overrides]), prepare=True)
 
 
 def _ids(tokenizer, text):

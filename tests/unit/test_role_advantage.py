@@ -10,10 +10,32 @@ import pytest
 
 from tapioca.algorithms.advantages import group_advantages, shape_reward
 from tapioca.bus.role import Source
+from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
+from tapioca.config.sections import AdvantageSection, advantage_section
 from tapioca.consumers.advantage import AdvantageProcessor
 from tapioca.schemas.events import RewardEvent, SampleEvent, TrajectoryEvent
 
 TRAJ, REW = "t.trajectories.v1", "t.rewards.v1"
+
+
+def processor(*, clock=None, max_new_tokens: int = 8, n_samples: int = 4, adv_norm=None,
+              reward_norm=None, **advantage) -> AdvantageProcessor:
+    """The processor of an ``advantage`` section with these fields (the norms as keyword
+    dicts). A ``reward_clip`` below 0, which the config refuses, is set on the frozen
+    section anyway: the role must survive a shaping config that raises (dead-letter)."""
+    if adv_norm is not None:
+        advantage["adv_norm"] = NormConfig(**adv_norm)
+    if reward_norm is not None:
+        advantage["reward_norm"] = RewardNormConfig(**reward_norm)
+    clip = advantage.get("reward_clip")
+    unchecked = clip is not None and clip < 0
+    if unchecked:
+        del advantage["reward_clip"]
+    cfg = AdvantageConfig(**advantage)
+    if unchecked:
+        object.__setattr__(cfg, "reward_clip", clip)
+    section = AdvantageSection(advantage=cfg, max_new_tokens=max_new_tokens, n_samples=n_samples)
+    return AdvantageProcessor(section) if clock is None else AdvantageProcessor(section, clock=clock)
 
 
 def traj(gid: str, i: int, n: int, versions: list[int] | None = None) -> TrajectoryEvent:
@@ -48,7 +70,7 @@ class Feed:
 
 
 def test_group_completes_only_with_all_trajectories_and_rewards():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     rs = [1.0, 0.0, 0.5]
     for i in range(3):
         assert feed(traj("g", i, 3)) == []
@@ -62,7 +84,7 @@ def test_group_completes_only_with_all_trajectories_and_rewards():
 
 def test_rewards_for_all_but_one_trajectory_missing_is_incomplete():
     # All rewards known, one trajectory missing: the size comes from the trajectories.
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     for i in range(4):
         assert feed(reward("g", i, float(i))) == []
     for i in range(3):
@@ -75,7 +97,7 @@ def test_any_arrival_order_gives_the_same_sample(seed):
     rs = [0.0, 1.0, 1.0, 0.25]
     events = [traj("g", i, 4) for i in range(4)] + [reward("g", i, r) for i, r in enumerate(rs)]
     random.Random(seed).shuffle(events)
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     outs = [feed(e) for e in events]
     assert all(o == [] for o in outs[:-1])
     (sample,) = outs[-1]
@@ -84,7 +106,7 @@ def test_any_arrival_order_gives_the_same_sample(seed):
 
 
 def test_rewards_before_trajectories():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     for i, r in enumerate([1.0, 0.0]):
         assert feed(reward("g", i, r)) == []
     assert feed(traj("g", 0, 2)) == []
@@ -93,7 +115,7 @@ def test_rewards_before_trajectories():
 
 
 def test_grpo_advantages_on_shaped_rewards_and_versions():
-    role = AdvantageProcessor(estimator="grpo", reward_bias=-0.5, reward_scaling=4.0,
+    role = processor(estimator="grpo", reward_bias=-0.5, reward_scaling=4.0,
                               reward_clip=1.5)
     feed = Feed(role)
     raw = [1.0, 0.0, 0.6, 0.5]
@@ -118,7 +140,7 @@ def test_grpo_advantages_on_shaped_rewards_and_versions():
 
 @pytest.mark.parametrize("estimator", ["rloo", "dr_grpo"])
 def test_other_estimators(estimator):
-    feed = Feed(AdvantageProcessor(estimator=estimator))
+    feed = Feed(processor(estimator=estimator))
     rs = [1.0, 0.0, 0.0]
     for i, r in enumerate(rs):
         feed(traj("g", i, 3))
@@ -131,7 +153,7 @@ def test_other_estimators(estimator):
 
 
 def test_redelivered_trajectory_or_reward_before_completion_changes_nothing():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     feed(traj("g", 0, 2))
     feed(reward("g", 0, 1.0))
     assert feed(traj("g", 0, 2)) == []
@@ -144,7 +166,7 @@ def test_redelivered_trajectory_or_reward_before_completion_changes_nothing():
 
 
 def test_group_recompleted_after_emission_emits_nothing():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     events = [traj("g", 0, 2), traj("g", 1, 2), reward("g", 0, 1.0), reward("g", 1, 0.0)]
     assert sum(len(feed(e)) for e in events) == 1
     # The whole group redelivered: no second sample, no pending state left behind.
@@ -154,7 +176,7 @@ def test_group_recompleted_after_emission_emits_nothing():
 
 
 def test_committable_is_earliest_offset_of_incomplete_groups():
-    role = AdvantageProcessor()
+    role = processor()
     feed = Feed(role)
     feed(traj("a", 0, 2), offset=10)
     feed(traj("b", 0, 2), offset=11)
@@ -177,7 +199,7 @@ def test_committable_is_earliest_offset_of_incomplete_groups():
 
 
 def test_on_revoke_drops_pending_groups_of_revoked_partitions():
-    role = AdvantageProcessor()
+    role = processor()
     feed = Feed(role)
     feed(traj("p0", 0, 2), partition=0)
     feed(reward("p0", 0, 1.0), partition=0)
@@ -193,7 +215,7 @@ def test_on_revoke_drops_pending_groups_of_revoked_partitions():
 
 
 def test_single_reward_value_group_has_zero_advantages():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     out = []
     for i in range(3):
         out += feed(traj("g", i, 3))
@@ -206,7 +228,7 @@ def test_permutations_of_two_groups_interleaved():
     # Two groups interleaved in every order still give exactly two samples.
     base = [traj("x", 0, 1), reward("x", 0, 1.0), traj("y", 0, 1), reward("y", 0, 0.0)]
     for perm in itertools.permutations(base):
-        feed = Feed(AdvantageProcessor())
+        feed = Feed(processor())
         out = [s for e in perm for s in feed(e)]
         assert sorted(s.group_id for s in out) == ["x", "y"]
 
@@ -218,7 +240,7 @@ def test_group_whose_shaping_fails_is_raised_again_on_retry():
     # holding the commit until the reward timeout drops it.
     from tapioca.schemas.errors import BadEventError
 
-    role = AdvantageProcessor(reward_clip=-1.0)
+    role = processor(reward_clip=-1.0)
     feed = Feed(role)
     feed(traj("g", 0, 2), offset=3)
     feed(traj("g", 1, 2), offset=4)
@@ -236,7 +258,7 @@ def test_group_whose_shaping_fails_is_raised_again_on_retry():
 def test_group_incomplete_past_its_timeout_is_dropped_and_releases_the_commit_floor():
     import time as _time
 
-    feed = Feed(AdvantageProcessor(group_timeout_s=0.05))
+    feed = Feed(processor(group_timeout_s=0.05))
     feed(traj("g-lost", 0, 2))  # its second trajectory was dead-lettered upstream
     feed(reward("g-lost", 0, 1.0))
     assert feed.role.committable(feed.state, TRAJ, 0, 1) == 0
@@ -277,7 +299,7 @@ def feed_group(feed: Feed, gid: str, rewards: list[float], **traj_kw) -> list:
 
 
 def test_dynamic_sampling_filters_zero_variance_groups_with_a_reason():
-    feed = Feed(AdvantageProcessor(dynamic_sampling=True))
+    feed = Feed(processor(dynamic_sampling=True))
     (filtered,) = feed_group(feed, "same", [1.0, 1.0, 1.0])
     assert filtered.dropped_reason == "filtered: zero reward variance (all 1.0)"
     # It stays in the log with its data: rewards kept, advantages 0.
@@ -298,13 +320,13 @@ def test_dynamic_sampling_filters_zero_variance_groups_with_a_reason():
 
 def test_dynamic_sampling_compares_shaped_rewards():
     # Raw [2, 5] differ, but clip 1 makes both 1.0 after shaping: filtered.
-    feed = Feed(AdvantageProcessor(dynamic_sampling=True, reward_clip=1.0))
+    feed = Feed(processor(dynamic_sampling=True, reward_clip=1.0))
     (sample,) = feed_group(feed, "g", [2.0, 5.0])
     assert sample.dropped_reason.startswith("filtered:")
 
 
 def test_weighted_sources_complete_only_when_every_source_scored_every_trajectory():
-    feed = Feed(AdvantageProcessor(estimator="dr_grpo",
+    feed = Feed(processor(estimator="dr_grpo",
                                    reward_weights={"acc": 1.0, "judge": 0.5}))
     for i in range(2):
         assert feed(traj("g", i, 2)) == []
@@ -323,7 +345,7 @@ def test_weighted_sources_complete_only_when_every_source_scored_every_trajector
 
 
 def test_without_weights_the_first_reward_from_any_scorer_wins():
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     feed(traj("g", 0, 2))
     feed(traj("g", 1, 2))
     assert feed(sreward("g", 0, 1.0, "a")) == []
@@ -335,7 +357,7 @@ def test_without_weights_the_first_reward_from_any_scorer_wins():
 
 def _timeout_feed(policy: str) -> tuple[Feed, Clock]:
     clock = Clock()
-    role = AdvantageProcessor(estimator="dr_grpo", reward_weights={"acc": 1.0, "judge": 1.0},
+    role = processor(estimator="dr_grpo", reward_weights={"acc": 1.0, "judge": 1.0},
                               reward_timeout_s=30.0, missing_reward=policy, clock=clock)
     feed = Feed(role)
     feed(traj("g", 0, 2))
@@ -376,7 +398,7 @@ def test_reward_timeout_zero_counts_missing_sources_as_zero():
 
 def test_reward_timeout_without_weights_counts_trajectories_without_a_reward():
     clock = Clock()
-    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    role = processor(reward_timeout_s=5.0, clock=clock)
     feed = Feed(role)
     for i in range(3):
         feed(traj("g", i, 3))
@@ -392,7 +414,7 @@ def test_complete_groups_waiting_for_rewards_are_warned_about(caplog):
     timeout nothing is dropped for group_timeout_s (600 s); the processor says so after
     30 s, names the scorer that is missing, and repeats at most once a minute."""
     clock = Clock()
-    role = AdvantageProcessor(reward_weights={"judge": 1.0}, clock=clock)
+    role = processor(reward_weights={"judge": 1.0}, clock=clock)
     feed = Feed(role)
     for i in range(2):
         feed(traj("g", i, 2))
@@ -420,7 +442,7 @@ def test_complete_groups_waiting_for_rewards_are_warned_about(caplog):
 
 def test_group_timeout_still_drops_groups_with_missing_trajectories():
     clock = Clock()
-    role = AdvantageProcessor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
+    role = processor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
     feed = Feed(role)
     feed(traj("g", 0, 2))
     feed(reward("g", 0, 1.0))
@@ -433,7 +455,7 @@ def test_group_timeout_still_drops_groups_with_missing_trajectories():
 
 def test_overlong_penalty_is_applied_before_shaping_and_normalisation():
     # max_new 8, tail 4: lengths 3 and 6 (loss-mask ones) -> penalties 0 and -(6-4)/4 = -0.5.
-    role = AdvantageProcessor(estimator="dr_grpo", overlong_reward_penalty=True,
+    role = processor(estimator="dr_grpo", overlong_reward_penalty=True,
                               overlong_tokens=4, overlong_penalty_factor=1.0, max_new_tokens=8,
                               reward_scaling=2.0)
     feed = Feed(role)
@@ -455,7 +477,7 @@ def test_overlong_penalty_is_applied_before_shaping_and_normalisation():
     ("lite_ppo", [0.5, -0.5, 0.0]),     # group mean 0.5; batch std in the trainer
 ])
 def test_estimators_without_a_group_std(estimator, expected):
-    feed = Feed(AdvantageProcessor(estimator=estimator))
+    feed = Feed(processor(estimator=estimator))
     (sample,) = feed_group(feed, "g", [1.0, 0.0, 0.5])
     assert [s.reward for s in sample.sequences] == [1.0, 0.0, 0.5]
     assert [s.advantage for s in sample.sequences] == pytest.approx(expected)
@@ -464,7 +486,7 @@ def test_estimators_without_a_group_std(estimator, expected):
 
 def test_explicit_adv_norm_overrides_the_preset():
     # estimator grpo, but adv_norm says leave-one-out mean and no std: RLOO numbers.
-    role = AdvantageProcessor(estimator="grpo", adv_norm={
+    role = processor(estimator="grpo", adv_norm={
         "mean_level": "group", "std_level": "none", "mean_leave1out": True,
         "std_unbiased": False, "eps": 1e-6})
     (sample,) = feed_group(Feed(role), "g", [1.0, 0.0, 0.0])
@@ -485,7 +507,7 @@ def test_processor_from_config_section():
         "advantage.missing_reward=zero"])
     sec = advantage_section(cfg)
     assert sec.max_new_tokens == 6
-    role = AdvantageProcessor.from_section(sec)
+    role = AdvantageProcessor(sec)
     assert role.norm["mean_leave1out"] and role.norm["std_level"] == "none"
     assert role.overlong == (6, 2, 1.0) and role.sources == ("acc",)
     assert role.dynamic_sampling and role.missing_reward == "zero"
@@ -494,7 +516,6 @@ def test_processor_from_config_section():
 def test_config_errors_say_what_to_change():
     from tapioca.config.loader import load_config
     from tapioca.config.schema import TrainConfig
-    from tapioca.config.sections import advantage_section
     from tapioca.schemas.errors import ConfigError
 
     bad = [
@@ -514,16 +535,14 @@ def test_config_errors_say_what_to_change():
     for overrides, words in bad:
         with pytest.raises(ConfigError, match=words):
             load_config(TrainConfig, None, overrides)
-    # Cross-section: the penalised tail must fit the generation limit.
-    cfg = load_config(TrainConfig, None, [
-        "advantage.overlong_reward_penalty=true", "advantage.overlong_tokens=9",
-        "advantage.overlong_penalty_factor=1.0", "gconfig.max_new_tokens=8"])
+    # Cross-section (checked once, by TrainConfig): the penalised tail must fit the
+    # generation limit.
     with pytest.raises(ConfigError, match="max_new_tokens"):
-        advantage_section(cfg)
-    cfg = load_config(TrainConfig, None, ["advantage.dynamic_sampling=true",
-                                          "gconfig.n_samples=1"])
+        load_config(TrainConfig, None, [
+            "advantage.overlong_reward_penalty=true", "advantage.overlong_tokens=9",
+            "advantage.overlong_penalty_factor=1.0", "gconfig.max_new_tokens=8"])
     with pytest.raises(ConfigError, match="n_samples"):
-        advantage_section(cfg)
+        load_config(TrainConfig, None, ["advantage.dynamic_sampling=true", "gconfig.n_samples=1"])
     # AReaL writes "no normalisation" as null.
     cfg = load_config(TrainConfig, None, ["advantage.adv_norm.mean_level=group",
                                           "advantage.adv_norm.std_level=null"])
@@ -552,7 +571,7 @@ def test_reward_timeout_drops_a_complete_group_that_cannot_be_built():
     from tapioca.schemas.errors import BadEventError
 
     clock = Clock()
-    role = AdvantageProcessor(reward_clip=-1.0, reward_timeout_s=5.0, clock=clock)
+    role = processor(reward_clip=-1.0, reward_timeout_s=5.0, clock=clock)
     feed = Feed(role)
     feed(traj("g", 0, 1))
     with pytest.raises(BadEventError):
@@ -565,7 +584,7 @@ def test_reward_timeout_drops_a_complete_group_that_cannot_be_built():
 
 def test_paused_time_does_not_count_towards_the_timeouts():
     clock = Clock()
-    role = AdvantageProcessor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
+    role = processor(reward_timeout_s=5.0, group_timeout_s=60.0, clock=clock)
     feed = Feed(role)
     feed(traj("waiting", 0, 2))          # group timeout running
     for i in range(2):
@@ -597,7 +616,7 @@ def test_paused_time_does_not_count_towards_the_timeouts():
 
 def test_reward_timeout_still_fires_after_a_pause_shorter_than_it():
     clock = Clock()
-    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    role = processor(reward_timeout_s=5.0, clock=clock)
     feed = Feed(role)
     for i in range(2):
         feed(traj("g", i, 2))
@@ -612,7 +631,7 @@ def test_reward_timeout_still_fires_after_a_pause_shorter_than_it():
 
 
 def test_rewards_from_two_scorers_without_weights_warn_once_and_are_counted(caplog):
-    feed = Feed(AdvantageProcessor())
+    feed = Feed(processor())
     feed(traj("g", 0, 2))
     feed(traj("g", 1, 2))
     with caplog.at_level("WARNING", logger="tapioca.consumers.advantage"):
@@ -627,7 +646,7 @@ def test_rewards_from_two_scorers_without_weights_warn_once_and_are_counted(capl
     assert "'builtin', 'judge'" in warnings[0].getMessage()
     assert feed.role.describe(feed.state)["mixed_scorers"] == 3
     # With weights the sources are explicit: no warning, no count.
-    weighted = Feed(AdvantageProcessor(reward_weights={"builtin": 1.0, "judge": 1.0}))
+    weighted = Feed(processor(reward_weights={"builtin": 1.0, "judge": 1.0}))
     weighted(traj("g", 0, 1))
     weighted(sreward("g", 0, 1.0, "builtin"))
     weighted(sreward("g", 0, 1.0, "judge"))
@@ -645,7 +664,7 @@ GROUP_GROUP = {"mean_level": "group", "std_level": "group", "mean_leave1out": Fa
 
 
 def test_reward_norm_is_off_by_default():
-    (sample,) = feed_group(Feed(AdvantageProcessor()), "g", RN_R)
+    (sample,) = feed_group(Feed(processor()), "g", RN_R)
     assert sample.reward_norm == "none"
     assert [s.norm_reward for s in sample.sequences] == [None] * 4
     assert [s.reward for s in sample.sequences] == RN_R
@@ -656,7 +675,7 @@ def test_reward_norm_feeds_the_estimator_and_keeps_the_raw_reward():
     # Shaping first (bias -1, scale 2: [4, 0, -2, -2], the same c/s after centring:
     # c = [4, 0, -2, -2] - 0 -> s = sqrt(24/4) = 2.4494897 -> r' = RN_NORMED), then
     # reward_norm, then dr_grpo's group mean on r' (mean 0): A = r'.
-    role = AdvantageProcessor(estimator="dr_grpo", reward_bias=-1.0, reward_scaling=2.0,
+    role = processor(estimator="dr_grpo", reward_bias=-1.0, reward_scaling=2.0,
                               reward_norm=GROUP_GROUP)
     (sample,) = feed_group(Feed(role), "g", RN_R)
     assert [s.reward for s in sample.sequences] == [4.0, 0.0, -2.0, -2.0]  # shaped, raw
@@ -667,7 +686,7 @@ def test_reward_norm_feeds_the_estimator_and_keeps_the_raw_reward():
 
 def test_reward_norm_leave_one_out_and_singleton_through_the_processor():
     loo = dict(GROUP_GROUP, std_level="none", mean_leave1out=True)
-    role = AdvantageProcessor(estimator="reinforce_pp", reward_norm=loo)
+    role = processor(estimator="reinforce_pp", reward_norm=loo)
     feed = Feed(role)
     # r_i - mean of the others: 3 - 1/3, 1 - 3/3, 0 - 4/3: reinforce_pp passes r' on.
     (sample,) = feed_group(feed, "g", RN_R)
@@ -681,17 +700,17 @@ def test_reward_norm_leave_one_out_and_singleton_through_the_processor():
 
 def test_reward_norm_all_equal_group_and_dynamic_sampling():
     # All equal: r' exactly 0; dynamic sampling still names the shaped reward.
-    (plain,) = feed_group(Feed(AdvantageProcessor(reward_norm=GROUP_GROUP)), "g", [1.0] * 3)
+    (plain,) = feed_group(Feed(processor(reward_norm=GROUP_GROUP)), "g", [1.0] * 3)
     assert [s.norm_reward for s in plain.sequences] == [0.0] * 3
     assert [s.advantage for s in plain.sequences] == [0.0] * 3 and not plain.dropped_reason
-    role = AdvantageProcessor(reward_norm=GROUP_GROUP, dynamic_sampling=True)
+    role = processor(reward_norm=GROUP_GROUP, dynamic_sampling=True)
     (filtered,) = feed_group(Feed(role), "g", [1.0] * 3)
     assert filtered.dropped_reason == "filtered: zero reward variance (all 1.0)"
 
 
 def test_reward_norm_both_levels_none_is_off():
     none = dict(GROUP_GROUP, mean_level="none", std_level="none")
-    (sample,) = feed_group(Feed(AdvantageProcessor(reward_norm=none)), "g", RN_R)
+    (sample,) = feed_group(Feed(processor(reward_norm=none)), "g", RN_R)
     assert sample.reward_norm == "none" and sample.sequences[0].norm_reward is None
 
 
@@ -705,11 +724,9 @@ def test_reward_norm_batch_levels_are_config_errors():
                            "supported.*advantage.adv_norm batch levels"):
             load_config(TrainConfig, None, [f"advantage.reward_norm.{level}=batch"])
         with pytest.raises(ConfigError, match="adv_norm batch levels"):
-            AdvantageProcessor(reward_norm=dict(GROUP_GROUP, **{level: "batch"}))
+            processor(reward_norm=dict(GROUP_GROUP, **{level: "batch"}))
     with pytest.raises(ConfigError, match="advantage.reward_norm: mean_level='prompt'"):
         load_config(TrainConfig, None, ["advantage.reward_norm.mean_level=prompt"])
-    with pytest.raises(ConfigError, match="advantage.reward_norm"):
-        AdvantageProcessor(reward_norm={"mean_level": "group"})  # not the full kwargs
     assert load_config(TrainConfig).advantage.reward_norm is None
 
 
@@ -718,7 +735,6 @@ def test_areal_style_reward_norm_yaml_loads(tmp_path):
     # group_size: ${gconfig.n_samples}.
     from tapioca.config.loader import load_config
     from tapioca.config.schema import TrainConfig
-    from tapioca.config.sections import advantage_section
     from tapioca.schemas.errors import ConfigError
 
     path = tmp_path / "areal.yaml"
@@ -729,7 +745,7 @@ def test_areal_style_reward_norm_yaml_loads(tmp_path):
                     "    group_size: ${gconfig.n_samples}\n")
     cfg = load_config(TrainConfig, str(path), ["advantage.reward_norm.eps=0"])
     assert cfg.advantage.reward_norm.group_size == 4
-    role = AdvantageProcessor.from_section(advantage_section(cfg))
+    role = AdvantageProcessor(advantage_section(cfg))
     (sample,) = feed_group(Feed(role), "g", RN_R)
     # Group levels of adv_norm: none, so the processor's advantage is r' itself; the
     # batch levels are the trainer's.
@@ -745,6 +761,7 @@ def _tiny_trainer(run_dir, advantage, **actor_kw):
     from tapioca.config.schema import ActorConfig, ModelConfig
     from tapioca.config.sections import TrainerSection
     from tapioca.models.factory import build_tiny_model
+    from tapioca.runtime.builders import build_token_models
     from tapioca.trainers.ppo_actor import PPOActor
     from tapioca.trainers.trainer import Trainer
 
@@ -754,8 +771,9 @@ def _tiny_trainer(run_dir, advantage, **actor_kw):
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=1,
                              prompts_per_step=2, total_train_steps=100, temperature=1.0,
-                             run_dir=str(run_dir), seed=0, advantage=advantage)
-    return Trainer(actor, section)
+                             run_dir=str(run_dir), seed=0, stop_at_reward=None,
+                             advantage=advantage)
+    return Trainer(section, actor=actor, **build_token_models(section, actor))
 
 
 def test_reward_norm_feeds_gae_in_the_trainer(tmp_path):
@@ -772,7 +790,7 @@ def test_reward_norm_feeds_gae_in_the_trainer(tmp_path):
     adv = AdvantageConfig(estimator="gae", adv_norm=NormConfig(mean_level="none",
                                                                std_level="none"),
                           reward_norm=RewardNormConfig(eps=0.0))
-    role = AdvantageProcessor.from_section(AdvantageSection(adv, max_new_tokens=8, n_samples=4))
+    role = AdvantageProcessor(AdvantageSection(advantage=adv, max_new_tokens=8, n_samples=4))
     (sample,) = feed_group(Feed(role), "g", RN_R, versions=[0, 0, 0])
     assert [s.advantage for s in sample.sequences] == [0.0] * 4  # GAE is the trainer's
     assert [s.reward for s in sample.sequences] == RN_R
@@ -796,8 +814,8 @@ def test_trainer_refuses_samples_with_another_reward_norm(tmp_path):
     from tapioca.schemas.envelope import decode_event, encode_event
     from tapioca.schemas.errors import BadEventError
 
-    on = Feed(AdvantageProcessor(reward_norm=GROUP_GROUP))
-    off = Feed(AdvantageProcessor())
+    on = Feed(processor(reward_norm=GROUP_GROUP))
+    off = Feed(processor())
     (normed,) = feed_group(on, "a", RN_R)
     (normed2,) = feed_group(on, "b", [1.0, 0.0, 0.0, 0.0])
     (plain,) = feed_group(off, "c", RN_R)
@@ -839,7 +857,7 @@ def test_overflowing_reward_is_dead_lettered_and_its_group_dropped_at_the_timeou
     from tapioca.schemas.errors import BadEventError
 
     clock = Clock()
-    role = AdvantageProcessor(reward_timeout_s=5.0, clock=clock)
+    role = processor(reward_timeout_s=5.0, clock=clock)
     feed = Feed(role)
     feed(traj("g", 0, 2))
     feed(traj("g", 1, 2))
@@ -860,7 +878,7 @@ def test_shaped_rewards_that_overflow_cannot_be_built():
     1e300): the completing event is dead-lettered instead of an OverflowError escaping."""
     from tapioca.schemas.errors import BadEventError
 
-    feed = Feed(AdvantageProcessor(reward_scaling=1e300))
+    feed = Feed(processor(reward_scaling=1e300))
     feed(traj("g", 0, 2))
     feed(traj("g", 1, 2))
     feed(reward("g", 0, 1e9))

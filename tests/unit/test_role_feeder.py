@@ -6,6 +6,8 @@ No broker: ``on_tick`` / ``handle`` / ``recover`` are called directly.
 from __future__ import annotations
 
 from tapioca.bus.role import Source
+from tapioca.config.schema import DatasetConfig
+from tapioca.config.sections import FeederSection
 from tapioca.producers.feeder import PromptFeeder, PromptRecord, head_gate_open
 from tapioca.schemas.events import PromptEvent, WeightsEvent
 
@@ -17,11 +19,17 @@ def records(n: int) -> list[PromptRecord]:
                          task="synthetic", task_data={"answer": str(i)}) for i in range(n)]
 
 
+def section(*, n_samples: int = 3, eta: int = 0, B: int = 4, max_epochs: int = 1,
+            shuffle: bool = False, seed: int = 0, run_id: str = "r") -> FeederSection:
+    ds = DatasetConfig(prompts_per_step=B, max_epochs=max_epochs, shuffle=shuffle)
+    return FeederSection(train_dataset=ds, model_path="", n_samples=n_samples,
+                         max_head_offpolicyness=eta, seed=seed, run_id=run_id)
+
+
 def feeder(n_records: int = 100, *, eta: int = 0, B: int = 4, max_epochs: int = 1,
            shuffle: bool = False, seed: int = 0) -> PromptFeeder:
-    return PromptFeeder(records(n_records), n_samples=3, prompts_per_step=B,
-                        max_head_offpolicyness=eta, max_epochs=max_epochs, shuffle=shuffle,
-                        seed=seed, run_tag="r")
+    return PromptFeeder(section(eta=eta, B=B, max_epochs=max_epochs, shuffle=shuffle, seed=seed),
+                        records=records(n_records))
 
 
 def weights(version: int, rejected: int = 0, rollbacks: int = 0,
@@ -193,8 +201,8 @@ def test_shuffle_order_deterministic_by_seed():
 
 
 def test_max_groups_per_tick_bounds_one_tick():
-    f = PromptFeeder(records(100), n_samples=2, prompts_per_step=10, max_head_offpolicyness=0,
-                     shuffle=False, max_groups_per_tick=3)
+    f = PromptFeeder(section(n_samples=2, B=10, eta=0, run_id="run"),
+                     records=records(100), max_groups_per_tick=3)
     state = f.init_state()
     assert len(list(f.on_tick(state, 0.0))) == 3
     assert len(drain(f, state, ticks=10)) == 7

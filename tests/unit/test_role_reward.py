@@ -10,6 +10,8 @@ import time
 import pytest
 
 from tapioca.bus.role import Source
+from tapioca.config.schema import RewardConfig
+from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
 from tapioca.schemas.errors import RewardError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
@@ -28,8 +30,9 @@ def traj(i: int = 0, gid: str = "g1", text: str = "42") -> TrajectoryEvent:
 def make():
     made: list[RewardScorer] = []
 
-    def build(fn, **kw) -> RewardScorer:
-        scorer = RewardScorer(fn, **kw)
+    def build(fn, threads: int = 4, **reward) -> RewardScorer:
+        scorer = RewardScorer(RewardSection(reward=RewardConfig(**reward)), reward_fn=fn,
+                              threads=threads)
         made.append(scorer)
         return scorer
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tapioca.bus.role import Source
-from tapioca.engines.base import SamplingParams
+from tapioca.config.schema import GenerationConfig
+from tapioca.config.sections import RolloutSection
 from tapioca.engines.paged_engine import PagedEngine
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.models.factory import build_tiny_model
@@ -49,8 +50,8 @@ class Harness:
             self.loads.append(event)
             self.engine.update_weights(self.new_model.state_dict(), event.version)
 
-        self.role = RolloutWorker(self.engine, load_weights,
-                                  sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
+        section = RolloutSection(gconfig=GenerationConfig(temperature=1.0, max_new_tokens=4), seed=0)
+        self.role = RolloutWorker(section, engine=self.engine, load_weights=load_weights,
                                   decode=decode)
         self.state = self.role.init_state()
 

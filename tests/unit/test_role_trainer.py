@@ -22,6 +22,7 @@ from tapioca.config.schema import (
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import build_tiny_model
 from tapioca.models.weight_files import sha256_file
+from tapioca.runtime.builders import build_token_models
 from tapioca.schemas.errors import BadEventError, ConfigError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, SampleSequence, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
@@ -41,8 +42,8 @@ def make_trainer(run_dir: Path, seed: int = 0) -> Trainer:
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
-                             run_dir=str(run_dir), seed=0)
-    return Trainer(actor, section)
+                             run_dir=str(run_dir), seed=0, stop_at_reward=None)
+    return Trainer(section, actor=actor)
 
 
 def sample(gid: str, min_version: int = 0, n: int = 2, estimator: str = "grpo") -> SampleEvent:
@@ -287,8 +288,8 @@ def make_token_trainer(run_dir: Path, seed: int = 0, *, actor: dict | None = Non
     ppo = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
-                             run_dir=str(run_dir), seed=0, **section_kwargs)
-    return Trainer(ppo, section)
+                             run_dir=str(run_dir), seed=0, stop_at_reward=None, **section_kwargs)
+    return Trainer(section, actor=ppo, **build_token_models(section, ppo))
 
 
 def full_logprobs(model: torch.nn.Module, item) -> list[float]:
@@ -789,10 +790,10 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
     # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.
     actor_cfg = ActorConfig(lr=1e-2, ppo_n_minibatches=2, mb_max_tokens=16)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
-    t = Trainer(actor, TrainerSection(actor=actor_cfg, model=ModelConfig(),
-                                      max_head_offpolicyness=ETA, prompts_per_step=B,
-                                      total_train_steps=100, temperature=1.0,
-                                      run_dir=str(tmp_path), seed=0))
+    t = Trainer(TrainerSection(actor=actor_cfg, model=ModelConfig(),
+                               max_head_offpolicyness=ETA, prompts_per_step=B,
+                               total_train_steps=100, temperature=1.0,
+                               run_dir=str(tmp_path), seed=0, stop_at_reward=None), actor=actor)
     try:
         state = start(t)
         t.handle(sample("good"), state, src(0))

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from tapioca.bus.role import Source
+from tapioca.config.schema import GenerationConfig
+from tapioca.config.sections import RolloutSection
 from tapioca.engines.base import GenRequest, SamplingParams
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.models.factory import build_tiny_model
@@ -376,8 +378,8 @@ def test_rollout_worker_dead_letters_a_corrupt_transfer_and_keeps_its_version(tm
     trainer_model = tiny(seed=1)
     pub = publishers("ipc", tmp_path)
     engine = TorchEngine(tiny(), seed=0, max_batch_size=4)
-    role = RolloutWorker(engine, make_weight_loader(engine, "cpu"),
-                         sampling=SamplingParams(max_new_tokens=2), decode=str)
+    role = RolloutWorker(RolloutSection(gconfig=GenerationConfig(max_new_tokens=2), seed=0),
+                         engine=engine, load_weights=make_weight_loader(engine, "cpu"), decode=str)
     state = role.init_state()
     try:
         fields = pub.publish(trainer_model.state_dict(), 1)

@@ -1,0 +1,334 @@
+"""Building each role's objects from its config section: the one place that wires
+models, tokenizers, tasks, engines and weights loaders into the roles.
+
+Consumes a resolved :class:`~tapioca.config.schema.TrainConfig` (:mod:`tapioca.runtime.run`)
+and the role's name and member index; emits a role ready for a
+:class:`~tapioca.bus.runner.RoleRunner` (or, for `tapioca proxy`, the proxy's service).
+Each role gets its section (:mod:`tapioca.config.sections`) and the runtime objects
+built here: the feeder its tokenized records, a rollout worker its engine and weights
+loader (the proxy the same pair), the reward scorer its task's reward function, the
+trainer its actor and the critic / reference / teacher its token-level advantages need.
+Roles never import each other or this module; the launcher, `tapioca role`,
+`tapioca proxy` and `tapioca train-offline` build through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tapioca.bus.role import Role
+from tapioca.config.schema import TrainConfig
+from tapioca.config.sections import (
+    TrainerSection,
+    advantage_section,
+    archive_section,
+    feeder_section,
+    proxy_section,
+    reward_section,
+    rollout_section,
+    trainer_section,
+)
+from tapioca.schemas.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver")
+
+
+def set_torch_threads(n: int) -> None:
+    """Intra-op threads of this process's PyTorch (at least 1)."""
+    import torch
+
+    torch.set_num_threads(max(1, n))
+
+
+def _tokenizer(path: str):
+    from tapioca.models.tokenizer import load_tokenizer
+
+    if not path:
+        raise ConfigError("model.path is empty; `tapioca train` creates the tiny model, or set "
+                          "model.path to a local Hugging Face directory (e.g. "
+                          "runs/<experiment>/<trial>/model, or one made by `tapioca model-init DIR`)")
+    # The char tokenizer must not be reloaded as Qwen's byte-level one (see load_tokenizer).
+    return load_tokenizer(path)
+
+
+# ---------------------------------------------------------------- engines and weights
+
+
+def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
+                      decode: Callable[[list[int]], str]):
+    """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
+    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
+    from tapioca.engines.model_runner import unsupported_reason
+    from tapioca.engines.paged_engine import PagedEngine
+    from tapioca.engines.torch_engine import TorchEngine
+
+    common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
+                  interruptible=rollout.interruptible, seed=seed, decode=decode,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
+                  max_prefill_tokens=rollout.max_prefill_tokens)
+    reason = unsupported_reason(hf_model) if rollout.paged else "rollout.paged is off"
+    if reason is None:
+        return PagedEngine(hf_model, kv_block_size_tokens=rollout.kv_block_size_tokens,
+                           kv_cache_tokens=rollout.kv_cache_tokens,
+                           kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
+                           cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
+                           **common)
+    log.info("TorchEngine instead of the paged engine: %s", reason)
+    return TorchEngine(hf_model, **common)
+
+
+@dataclass(frozen=True)
+class EngineBundle:
+    """An inference engine and what its callers need besides: ``load_weights(event)``
+    (fetch over the event's transport, verify, load) and the model's context length
+    (None if unknown)."""
+
+    engine: Any
+    load_weights: Callable[[Any], None]
+    max_context_tokens: int | None
+
+
+def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
+                 name: str = "rollout") -> EngineBundle:
+    """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
+    the in-process engine (:func:`in_process_engine`) with the transport loader of
+    models/weight_sync, or a vLLM / SGLang server adapter (launching the server when
+    ``rollout.server.urls`` is empty) that reloads verified files. Shared by the rollout
+    workers and the proxy."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    eos = tokenizer.eos_token_id
+    if rollout.engine == "torch":
+        from tapioca.models.factory import load_model_and_tokenizer
+        from tapioca.models.weight_sync import make_weight_loader
+
+        set_torch_threads(rollout.torch_threads)
+        hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
+        context = getattr(hf_model.config, "max_position_embeddings", None)
+        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
+        del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
+        # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
+        return EngineBundle(engine, make_weight_loader(engine, rollout.device,
+                                                       member=f"{name}-{member}"), context)
+
+    from tapioca.engines.server_launch import launch_server
+    from tapioca.engines.sglang_engine import SGLangEngine
+    from tapioca.engines.vllm_engine import VLLMEngine
+    from tapioca.models.weight_files import WeightsChecksumError, sha256_file
+
+    if not rollout.interruptible:
+        raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
+                          "across weight updates; set rollout.interruptible=true")
+    srv = rollout.server
+    per_server = srv.max_inflight_per_server or rollout.max_batch_size
+    launched = []
+    urls = list(srv.urls)
+    if not urls:
+        launched.append(launch_server(
+            rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
+            max_num_seqs=per_server, threads=rollout.torch_threads,
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log"))
+        urls = [launched[0].url]
+    cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
+    try:
+        engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
+                     eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
+                     seed=seed, launched=launched)
+    except BaseException:
+        for server in launched:
+            server.stop()
+        raise
+
+    def load_server_weights(event) -> None:
+        if event.transport != "file" or not event.path:
+            raise ConfigError(
+                f"weights version {event.version} comes over {event.transport!r}; the "
+                f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
+                "updates to servers are not wired yet): set actor.weight_transport=file")
+        # The server reads the file itself; it is checked here first, as the torch path does.
+        if not Path(event.path).exists():
+            raise WeightsChecksumError(f"weights file {event.path} does not exist; is the run "
+                                       "directory shared with this process and the server?")
+        actual = sha256_file(event.path)
+        if actual != event.sha256:
+            raise WeightsChecksumError(f"weights file {event.path} has sha256 {actual[:12]}…, the "
+                                       f"event announced {event.sha256[:12]}…; not loading it")
+        engine.update_weights(event.path, event.version)
+
+    return EngineBundle(engine, load_server_weights, engine.max_context_tokens)
+
+
+# ---------------------------------------------------------------- the trainer's models
+
+
+def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
+    """The models the trainer's token-level advantages need besides the policy, as
+    keyword arguments of :class:`~tapioca.trainers.trainer.Trainer`: the critic
+    (``estimator: gae``) from the policy's backbone (or ``critic.path``), the reference
+    (``actor.kl_ctl > 0``) as a frozen copy of the policy's current weights (or
+    ``ref.path``), the teacher (``distill.kd_weight > 0``) from ``distill.teacher_path``.
+    Called before a checkpoint is loaded into the policy (the trainer loads it in
+    ``init_state``), so the copied reference is the initial policy."""
+    from tapioca.trainers.critic import Critic, build_value_model
+    from tapioca.trainers.reference import FrozenLogprobModel
+
+    a, adv = section.actor, section.advantage
+    device = actor.device
+    frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
+                  autocast_dtype=a.autocast_dtype, device=device)
+    vocab = actor.model.get_output_embeddings().weight.shape[0]
+    models: dict[str, Any] = {}
+    if adv.estimator == "gae":
+        model = build_value_model(actor.model, path=section.critic.path,
+                                  init_from_policy=section.critic.init_critic_from_actor,
+                                  dtype=a.param_dtype)
+        models["critic"] = Critic(model, section.critic, pad_token_id=actor.pad_token_id,
+                                  device=device, autocast_dtype=a.autocast_dtype)
+    if a.kl_ctl > 0:
+        models["reference"] = (
+            FrozenLogprobModel.from_path(section.ref.path, vocab_size=vocab, dtype=a.param_dtype,
+                                         name="reference", **frozen)
+            if section.ref.path else
+            FrozenLogprobModel.copy_of(actor.model, name="reference", **frozen))
+    if section.distill.kd_weight > 0:  # DistillConfig requires teacher_path with kd_weight
+        models["teacher"] = FrozenLogprobModel.from_path(
+            section.distill.teacher_path, vocab_size=vocab, dtype=a.param_dtype, name="teacher",
+            **frozen)
+    return models
+
+
+def build_actor(cfg: TrainConfig, sec: TrainerSection):
+    """The policy's actor: :class:`PPOActor` in this process, or the FSDP2 actor over
+    ``fsdp.world_size`` ranks (ranks > 0 serve rank 0 and exit inside)."""
+    import torch
+
+    set_torch_threads(sec.actor.torch_threads)
+    torch.manual_seed(sec.seed)
+    if sec.fsdp.world_size > 1:
+        from tapioca.trainers.fsdp_actor import build_sharded_actor
+
+        return build_sharded_actor(cfg, sec)
+    from tapioca.models.factory import load_model_and_tokenizer
+    from tapioca.trainers.ppo_actor import PPOActor
+
+    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
+                                                device=sec.actor.device)
+    return PPOActor(model, sec.actor, temperature=sec.temperature,
+                    pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)
+
+
+# ---------------------------------------------------------------- the roles
+
+
+def build_feeder(cfg: TrainConfig) -> Role:
+    from tapioca.models.tokenizer import prompt_encoder
+    from tapioca.producers.feeder import PromptFeeder, tokenize_records
+    from tapioca.tasks.datasets import dataset_rows
+
+    sec = feeder_section(cfg)
+    task, rows = dataset_rows(sec.train_dataset, sec.seed)
+    records = tokenize_records(rows, prompt_encoder(_tokenizer(sec.model_path)), task)
+    return PromptFeeder(sec, records=records)
+
+
+def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
+    from tapioca.producers.rollout import RolloutWorker
+
+    sec = rollout_section(cfg)
+    tokenizer = _tokenizer(sec.model.path)
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
+                          tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
+                          member=member)
+    return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
+                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         member_id=f"rollout-{member}")
+
+
+def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
+    """The built-in scorer's ``reward_fn(trajectory)``: ``reward.scorer`` names one task
+    for every trajectory, or ``auto`` lets each trajectory's own ``task`` decide
+    (:func:`tapioca.tasks.base.task_reward`), against its ``task_data`` answer."""
+    from tapioca.tasks.base import task_reward
+
+    fixed = None if scorer == "auto" else task_reward(scorer)
+    per_task: dict[str, Callable[[str, Any], float]] = {}
+
+    def reward_fn(event) -> float:
+        answer = str(event.task_data.get("answer", ""))
+        fn = fixed
+        if fn is None:
+            fn = per_task.get(event.task) or per_task.setdefault(event.task, task_reward(event.task))
+        return fn(event.output_text, answer)
+
+    return reward_fn
+
+
+def build_reward(cfg: TrainConfig) -> Role:
+    from tapioca.consumers.reward_scorer import RewardScorer
+
+    sec = reward_section(cfg)
+    if sec.reward.scorer == "none":
+        raise ConfigError("reward.scorer is none: this run has no built-in scorer process "
+                          "(rewards come from an external service, docs/reward-services.md); "
+                          "set reward.scorer to auto or a task name to run one")
+    return RewardScorer(sec, reward_fn=trajectory_reward_fn(sec.reward.scorer))
+
+
+def build_advantage(cfg: TrainConfig) -> Role:
+    from tapioca.consumers.advantage import AdvantageProcessor
+
+    return AdvantageProcessor(advantage_section(cfg))
+
+
+def build_trainer(cfg: TrainConfig) -> Role:
+    from tapioca.trainers.trainer import Trainer
+
+    sec = trainer_section(cfg)
+    actor = build_actor(cfg, sec)
+    return Trainer(sec, actor=actor, **build_token_models(sec, actor))
+
+
+def build_archiver(cfg: TrainConfig) -> Role:
+    from tapioca.consumers.archiver import Archiver
+
+    return Archiver(archive_section(cfg))
+
+
+def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
+    if name == "feeder":
+        return build_feeder(cfg)
+    if name == "rollout":
+        return build_rollout(cfg, member)
+    if name == "reward":
+        return build_reward(cfg)
+    if name == "advantage":
+        return build_advantage(cfg)
+    if name == "trainer":
+        return build_trainer(cfg)
+    if name == "archiver":
+        return build_archiver(cfg)
+    raise ConfigError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")
+
+
+def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
+    """The agent proxy's :class:`~tapioca.producers.proxy.ProxyService` for ``cfg``: the
+    engine of ``rollout.engine`` (in-process, or a vLLM / SGLang server) with its weights
+    loader, the tokenizer, the run's bus. Its threads start with the HTTP server."""
+    from tapioca.producers.proxy import ProxyService
+
+    sec = proxy_section(cfg)
+    tokenizer = _tokenizer(sec.model.path)
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 500 + member,
+                          tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
+                          member=member, name="proxy")
+    return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
+                        load_weights=bundle.load_weights,
+                        max_context_tokens=bundle.max_context_tokens)
