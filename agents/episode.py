@@ -41,7 +41,7 @@ def task_reward_fn(task: str) -> RewardFn:
     """The reward of a task by name, as the built-in reward scorer computes it
     (``synthetic``, ``gsm8k``, or ``math`` for file datasets): :func:`tapioca.tasks.base.task_reward`
     (raises ConfigError for an unknown task)."""
-    from tapioca.tasks.base import task_reward
+    from ..tasks.base import task_reward
 
     return task_reward(task)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tapioca.agents.episode import Episode, RewardFn, task_reward_fn
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
+from .episode import Episode, RewardFn, task_reward_fn
 
 
 @dataclass

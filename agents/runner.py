@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -38,12 +39,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-from tapioca.agents.episode import Agent, Episode, RewardFn
-from tapioca.schemas.errors import ConfigError, TapiocaError
-
-import importlib
-
 import openai
+
+from ..schemas.errors import ConfigError, TapiocaError
+from .episode import Agent, Episode, RewardFn
 
 
 def _sdk_http_module() -> Any:
@@ -382,7 +381,7 @@ def dataset_reward_fn(ds: Any) -> RewardFn | None:
     synthetic task's ``format_credit``); None: each record's own task decides."""
     if ds.type not in ("synthetic", "gsm8k"):
         return None
-    from tapioca.tasks.base import task_reward
+    from ..tasks.base import task_reward
 
     options = dict(ds.task_options)
     if ds.type == "gsm8k" and ds.path:
@@ -397,18 +396,18 @@ def build_agent(cfg: Any) -> Agent:
     common = {"max_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p,
               "reward_fn": dataset_reward_fn(cfg.train_dataset)}
     if a.workflow == "math":
-        from tapioca.agents.math_agent import MathAgent
+        from .math_agent import MathAgent
 
         return MathAgent(max_turns=a.max_turns, turn_discount=a.turn_discount,
                          feedback=a.feedback, **common)
     if a.workflow == "tir":
-        from tapioca.agents.tir_agent import SYSTEM_PROMPT, TIRAgent, default_toolbox
+        from .tir_agent import SYSTEM_PROMPT, TIRAgent, default_toolbox
 
         return TIRAgent(toolbox=default_toolbox(a.tool_timeout_s, a.tool_memory_mb),
                         max_tool_rounds=a.max_turns, system_prompt=a.system_prompt or SYSTEM_PROMPT,
                         **common)
     if a.workflow == "command":
-        from tapioca.agents.command_agent import CommandAgent
+        from .command_agent import CommandAgent
 
         return CommandAgent(command=a.command, timeout_s=a.command_timeout_s,
                             reward_fn=common["reward_fn"])
@@ -417,8 +416,8 @@ def build_agent(cfg: Any) -> Agent:
 
 def runner_from_config(cfg: Any, member: int = 0) -> AgentRunner:
     """The runner of one member of a run (``cfg``: a TrainConfig)."""
-    from tapioca.config.sections import agent_section
-    from tapioca.tasks.datasets import dataset_rows
+    from ..config.sections import agent_section
+    from ..tasks.datasets import dataset_rows
 
     cfg = agent_section(cfg)
     ds = cfg.train_dataset
@@ -445,8 +444,8 @@ def runner_from_config(cfg: Any, member: int = 0) -> AgentRunner:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tapioca.agents.runner --config run.yaml [--member N] [key=value ...]``:
     what ``tapioca train`` starts in agent mode."""
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig
 
     parser = argparse.ArgumentParser(prog="python -m tapioca.agents.runner")
     parser.add_argument("--config", required=True)

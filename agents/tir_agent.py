@@ -19,9 +19,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tapioca.agents.episode import Episode, RewardFn, message_dict, task_reward_fn
-from tapioca.agents.tools import Calculator, PythonExecutor, Toolbox
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
+from .episode import Episode, RewardFn, message_dict, task_reward_fn
+from .tools import Calculator, PythonExecutor, Toolbox
 
 SYSTEM_PROMPT = ("You can call tools to compute. Think step by step, call the python or "
                  "calculator tool when arithmetic is involved, then give the final answer "

@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from tapioca.schemas.errors import ConfigError, TapiocaError
+from ..schemas.errors import ConfigError, TapiocaError
 
 
 class ToolError(TapiocaError):

@@ -54,7 +54,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 #: Values of ``mean_level`` / ``std_level``.
 LEVELS: tuple[str, ...] = ("group", "batch", "none")

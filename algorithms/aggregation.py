@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 #: Valid values of ``aggregate_loss(mode=...)``.
 AGG_MODES: tuple[str, ...] = (

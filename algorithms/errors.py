@@ -4,7 +4,7 @@ It is both a :class:`TapiocaError` (the project's one hierarchy) and a
 :class:`ValueError` (what callers of pure math functions expect to catch).
 """
 
-from tapioca.schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError
 
 
 class AlgorithmInputError(TapiocaError, ValueError):

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.algorithms.kl import kl_estimate
+from .errors import AlgorithmInputError
+from .kl import kl_estimate
 
 #: AReaL clamps every per-token KL estimate to [-KL_CLAMP, KL_CLAMP].
 KL_CLAMP = 10.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 #: Valid values of ``kl_estimate(kind=...)``.
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")

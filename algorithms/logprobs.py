@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -104,7 +104,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                         ignore_index, cdtype, keep: list | None):
         """The Triton path: per chunk, the logits in the matmul dtype and one kernel;
         ``keep``: a list that receives each chunk's logits for backward."""
-        from tapioca.algorithms.logprobs_triton import chunk_forward
+        from .logprobs_triton import chunk_forward
 
         n_tokens = hidden_NH.shape[0]
         logprobs_N = hidden_NH.new_empty(n_tokens, dtype=cdtype)
@@ -187,7 +187,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                          grad_entropy_N, need_h, need_w):
         """The Triton path: per chunk, recompute the logits in the matmul dtype, one kernel
         turns them into dL/dz in place, then the two matmuls."""
-        from tapioca.algorithms.logprobs_triton import chunk_backward_
+        from .logprobs_triton import chunk_backward_
 
         cdtype, mm_dtype = lse_N.dtype, ctx.mm_dtype
         n_tokens = hidden_NH.shape[0]

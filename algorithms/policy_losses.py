@@ -80,9 +80,9 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.aggregation import aggregate_loss
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.algorithms.rejection_sampling import (
+from .aggregation import aggregate_loss
+from .errors import AlgorithmInputError
+from .rejection_sampling import (
     LOG_RATIO_CLAMP,
     behaviour_weight,
     m2po_keep_mask,

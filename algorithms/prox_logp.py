@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 #: Valid values of ``actor.prox_logp_method``.
 PROX_LOGP_METHODS: tuple[str, ...] = ("recompute", "loglinear", "metrics")

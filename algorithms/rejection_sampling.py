@@ -74,8 +74,8 @@ from typing import NamedTuple
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.algorithms.kl import kl_estimate
+from .errors import AlgorithmInputError
+from .kl import kl_estimate
 
 #: Bound on |log-ratio| before exp (verl uses the same): e^20 ~ 4.9e8.
 LOG_RATIO_CLAMP = 20.0

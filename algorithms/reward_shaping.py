@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 
 def weighted_reward(rewards: Mapping[str, float], weights: Mapping[str, float]) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from tapioca.algorithms.errors import AlgorithmInputError
+from .errors import AlgorithmInputError
 
 
 def _check_same_shape(name: str, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -11,8 +11,8 @@ A genuine rollback is a new, higher version with ``rollback_of`` set, and passes
 
 from __future__ import annotations
 
-from tapioca.schemas.errors import BadEventError
-from tapioca.schemas.events import WeightsEvent
+from ..schemas.errors import BadEventError
+from ..schemas.events import WeightsEvent
 
 
 def is_newer(event: WeightsEvent, followed_version: int, member: str) -> bool:

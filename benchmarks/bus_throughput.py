@@ -32,8 +32,16 @@ from typing import Any
 
 import orjson
 
-from tapioca.bus import BusConfig, EmbeddedBroker, EventProducer, Role, RoleRunner, TopicReader
-from tapioca.bus import ensure_topics, find_tansu
+from tapioca.bus import (
+    BusConfig,
+    EmbeddedBroker,
+    EventProducer,
+    Role,
+    RoleRunner,
+    TopicReader,
+    ensure_topics,
+    find_tansu,
+)
 from tapioca.schemas import TrajectoryEvent, decode_event, encode_event, topic
 
 MB = 1e6

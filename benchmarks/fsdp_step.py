@@ -38,8 +38,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_generate import (  # noqa: E402
-    H200_BF16_DENSE_TFLOPS, QWEN2_05B_SHAPE, TINY_SHAPE, add_common_args, build_model, env_info,
-    fill_defaults, measure, print_table, reset_peak, sync, write_json,
+    H200_BF16_DENSE_TFLOPS,
+    QWEN2_05B_SHAPE,
+    TINY_SHAPE,
+    add_common_args,
+    build_model,
+    env_info,
+    fill_defaults,
+    measure,
+    print_table,
+    reset_peak,
+    sync,
+    write_json,
 )
 
 from tapioca.config.distributed import FSDPConfig  # noqa: E402
@@ -74,7 +84,13 @@ def step_fn(actor, items):
 
 def sharded_actor(model, cfg: ActorConfig, device: str):
     from tapioca.trainers.fsdp_actor import ShardedActor
-    from tapioca.trainers.fsdp_ranks import Channel, RankInfo, free_port, init_process_groups, rank_device
+    from tapioca.trainers.fsdp_ranks import (
+        Channel,
+        RankInfo,
+        free_port,
+        init_process_groups,
+        rank_device,
+    )
 
     fsdp = FSDPConfig(world_size=1, param_dtype="bfloat16", grad_reduce_dtype="float32")
     info = RankInfo(0, 1, 0, "127.0.0.1", free_port("127.0.0.1"))

@@ -80,6 +80,7 @@ def main() -> None:
     global torch, triton, R, TA, TN, TR, TS
     import torch
     import triton
+
     from tapioca.engines.kernels import reference as R
     from tapioca.engines.kernels import triton_attention as TA
     from tapioca.engines.kernels import triton_norm_act as TN
@@ -186,8 +187,10 @@ def bench_rope(bench: Bench, s: Shape, dev) -> Row:
     moved = s.rows * ((s.heads + 2 * s.kv_heads) * s.head_dim * e + (s.heads + 3 * s.kv_heads) * s.head_dim * e
                       + s.head_dim * 4 + 16)
     return Row("rope+store_kv", f"{s.rows} tokens", bytes=moved,
-               triton_us=bench.time_us(lambda: TR.rope_and_store_kv(q, k, v, positions, table, k_cache, v_cache, slots)),
-               reference_us=bench.time_us(lambda: R.rope_and_store_kv(q, k, v, positions, table, k_cache, v_cache, slots)),
+               triton_us=bench.time_us(
+                   lambda: TR.rope_and_store_kv(q, k, v, positions, table, k_cache, v_cache, slots)),
+               reference_us=bench.time_us(
+                   lambda: R.rope_and_store_kv(q, k, v, positions, table, k_cache, v_cache, slots)),
                rel_err=rel_err(*outs))
 
 
@@ -216,11 +219,13 @@ def bench_decode(bench: Bench, s: Shape, dev, rows: int, ctx: int, sweep: bool =
     out = TA.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, **knobs)
     ref = R.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale)
     row = Row("decode_attention", f"{rows} rows x ctx {ctx}", bytes=_decode_bytes(s, rows, ctx, q.element_size()),
-              triton_us=bench.time_us(lambda: TA.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, **knobs)),
+              triton_us=bench.time_us(
+                  lambda: TA.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, **knobs)),
               reference_us=None if sweep else bench.time_us(
                   lambda: R.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)),
               rel_err=rel_err(out, ref))
-    row.extra["splits"] = knobs.get("num_splits") or TA.decode_splits(rows, s.kv_heads, table.shape[1] * s.block, dev, 64)
+    row.extra["splits"] = knobs.get("num_splits") or TA.decode_splits(
+        rows, s.kv_heads, table.shape[1] * s.block, dev, 64)
     if dev.type == "cuda" and not sweep:  # the contiguous-cache baseline (today's engine): SDPA with GQA
         kc = torch.randn(rows, s.kv_heads, ctx, s.head_dim, device=dev, dtype=q.dtype)
         vc = torch.randn_like(kc)
@@ -248,7 +253,8 @@ def bench_prefill(bench: Bench, s: Shape, dev, sweep: bool = False, **knobs) -> 
     e = q.element_size()
     moved = 2 * q.numel() * e + s.prefill_seqs * n * 2 * s.kv_heads * s.head_dim * e
     row = Row("prefill_attention", f"{s.prefill_seqs} seqs x {n} tokens", bytes=moved,
-              triton_us=bench.time_us(lambda: TA.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, n, **knobs)),
+              triton_us=bench.time_us(
+                  lambda: TA.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, n, **knobs)),
               reference_us=None if sweep else bench.time_us(
                   lambda: R.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, n)),
               rel_err=rel_err(out, ref))
@@ -358,7 +364,8 @@ def run_sweep(bench: Bench, s: Shape, dev, start: float, budget_s: float) -> lis
         for block_n in (32, 64, 128):
             for warps in (2, 4, 8):
                 for stages in (1, 2, 3):
-                    grids.append(("decode", s.rows, ctx, dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=1)))
+                    grids.append(("decode", s.rows, ctx, dict(block_n=block_n, num_warps=warps,
+                                                              num_stages=stages, num_splits=1)))
         for splits in (2, 4, 8):
             grids.append(("decode", s.rows, ctx, dict(num_splits=splits)))
     for splits in (1, 2, 4, 8, 16):
@@ -391,7 +398,8 @@ def run_sweep(bench: Bench, s: Shape, dev, start: float, budget_s: float) -> lis
             out.append({"kind": kind, "rows": rows, "context": ctx, **knobs, "us": r.triton_us,
                         "gbps": r.gbps, "rel_err": r.rel_err, **{k: v for k, v in r.extra.items() if k == "tflops"}})
         except Exception as exc:  # a config that does not compile (shared memory, registers)
-            out.append({"kind": kind, "rows": rows, "context": ctx, **knobs, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            out.append({"kind": kind, "rows": rows, "context": ctx, **knobs,
+                        "error": f"{type(exc).__name__}: {exc}"[:200]})
     return out
 
 
@@ -410,10 +418,12 @@ def report(rows: list[Row], steps: list[dict], sweep: list[dict], s: Shape, wall
             entries = [e for e in sweep if e["kind"] == kind]
             done = [e for e in entries if "us" in e]
             for e in entries:
-                knobs = {k: v for k, v in e.items() if k not in ("kind", "us", "gbps", "rel_err", "rows", "context", "tflops")}
+                knobs = {k: v for k, v in e.items()
+                         if k not in ("kind", "us", "gbps", "rel_err", "rows", "context", "tflops")}
                 where = f"{e['rows']}x{e['context']}" if e["rows"] else ""
                 if "us" in e:
-                    print(f"  {kind:8s} {where:>10s} {knobs}  {e['us']:9.1f} us  {e['gbps']:7.0f} GB/s  err {e['rel_err']:.1e}")
+                    print(f"  {kind:8s} {where:>10s} {knobs}  {e['us']:9.1f} us  {e['gbps']:7.0f} GB/s  "
+                          f"err {e['rel_err']:.1e}")
                 else:
                     print(f"  {kind:8s} {where:>10s} {knobs}  -- {e.get('error') or e.get('skipped')}")
             groups = {}
@@ -421,8 +431,9 @@ def report(rows: list[Row], steps: list[dict], sweep: list[dict], s: Shape, wall
                 groups.setdefault((e["rows"], e["context"]), []).append(e)
             for key, group in groups.items():
                 best = min(group, key=lambda e: e["us"])
-                print(f"  best {kind} {key}: {best['us']:.1f} us  "
-                      f"{ {k: v for k, v in best.items() if k in ('block_n', 'block_m', 'block_v', 'num_warps', 'num_stages', 'num_splits')} }")
+                tuned = {k: v for k, v in best.items()
+                         if k in ('block_n', 'block_m', 'block_v', 'num_warps', 'num_stages', 'num_splits')}
+                print(f"  best {kind} {key}: {best['us']:.1f} us  {tuned}")
     print("\n== decode step (24 layers of the fused ops + final norm + sampling; matmuls excluded) ==")
     for st in steps:
         line = (f"  {st['rows']} rows x ctx {st['context']}: sum of op medians triton {st['sum_triton_us']:,.0f} us, "

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [f"model.path={model}"] + args.overrides
     for algo in [a for a in args.algos.split(",") if a]:
         res = run_one(algo, args.steps, args.window, run_dir, args.overrides)
-        print(f"{algo}{' ' + ' '.join(args.overrides) if args.overrides else ''}: {res['steps']} steps in {res['wall_s']} s; trainer reward "
+        extra = ' ' + ' '.join(args.overrides) if args.overrides else ''
+        print(f"{algo}{extra}: {res['steps']} steps in {res['wall_s']} s; trainer reward "
               f"first-{res['window']} {res['trainer_reward_first']} -> last-{res['window']} "
               f"{res['trainer_reward_last']}; task reward by version "
               f"{res['task_reward_first']} -> {res['task_reward_last']}", flush=True)

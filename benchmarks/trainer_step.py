@@ -54,8 +54,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
 from engine_generate import H200_BF16_DENSE_TFLOPS, env_info, print_table, timed, write_json  # noqa: E402
 from trainer_systems import (  # noqa: E402
-    TINY, VOCAB, actor_config, actor_step, build, fixed_batch, heavy_tailed_batch, hf_plain_step,
-    packed_vs_padded, param_counts,
+    TINY,
+    VOCAB,
+    actor_config,
+    actor_step,
+    build,
+    fixed_batch,
+    heavy_tailed_batch,
+    hf_plain_step,
+    packed_vs_padded,
+    param_counts,
 )
 
 TODAY = dict(packed_sequences=False, param_dtype="float32", autocast_dtype="bfloat16",
@@ -155,7 +163,8 @@ def run_one(run, batches, args) -> dict:
     if system == "hf":
         model = build(shape, args.tiny, torch.float32, device)
         step = hf_plain_step(model, batch, device, **opts)
-        describe = "plain HF" + (" +ac" if opts.get("checkpointing") else "") + (" compiled" if opts.get("compiled") else "")
+        describe = ("plain HF" + (" +ac" if opts.get("checkpointing") else "")
+                    + (" compiled" if opts.get("compiled") else ""))
     else:
         cfg = actor_config(device, **dict(dict(mb_max_tokens=16384, logprob_chunk_tokens=args.chunk_tokens), **opts))
         model = build(shape, args.tiny, getattr(torch, cfg.param_dtype), device)
@@ -328,7 +337,8 @@ def main() -> None:
             reset(args.device)
         print(name, results[name], f"[{time.perf_counter() - start:.0f} s]", flush=True)
     summary(results, check, args)
-    payload = {"benchmark": "trainer_step", "env": env_info(args.device), "elapsed_s": round(time.perf_counter() - start, 1),
+    payload = {"benchmark": "trainer_step", "env": env_info(args.device),
+               "elapsed_s": round(time.perf_counter() - start, 1),
                "peak_tflops": H200_BF16_DENSE_TFLOPS, "steps": args.steps, "chunk_tokens": args.chunk_tokens,
                "batches": {k: {"name": b.name, "real_tokens": b.real_tokens, "lengths": [len(r) for r in b.ids]}
                            for k, b in batches.items()},

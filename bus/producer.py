@@ -24,11 +24,11 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Producer
 
-from tapioca.bus.settings import BusConfig
-from tapioca.bus.signing import SIGNATURE_HEADER
-from tapioca.schemas.envelope import Event, encode_event, names_a_run
-from tapioca.schemas.errors import BusError
-from tapioca.schemas.registry import TopicSpec, topic_for
+from ..schemas.envelope import Event, encode_event, names_a_run
+from ..schemas.errors import BusError
+from ..schemas.registry import TopicSpec, topic_for
+from .settings import BusConfig
+from .signing import SIGNATURE_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapioca.bus.signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
-from tapioca.schemas.envelope import ANY_RUN, DEFAULT_MAX_EVENT_BYTES
-from tapioca.schemas.errors import ConfigError
-from tapioca.schemas.registry import DEFAULT_PREFIX, TopicSpec
+from ..schemas.envelope import ANY_RUN, DEFAULT_MAX_EVENT_BYTES
+from ..schemas.errors import ConfigError
+from ..schemas.registry import DEFAULT_PREFIX, TopicSpec
+from .signing import KEY_FILE_ENV, SigningKey, cached_key, read_secret_file
 
 BOOTSTRAP_ENV = "TAPIOCA_BOOTSTRAP"
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")

@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses + YAML + dotted overrides (AReaL-style names)."""
 
-from tapioca.config.loader import load_config, to_yaml
-from tapioca.config.schema import (
+from .loader import load_config, to_yaml
+from .schema import (
     ActorConfig,
     AdvantageConfig,
     DatasetConfig,

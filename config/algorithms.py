@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from tapioca.schemas.errors import ConfigError, require_config as _require
+from ..schemas.errors import ConfigError
+from ..schemas.errors import require_config as _require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +46,7 @@ class NormConfig:
     group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        from tapioca.algorithms.errors import AlgorithmInputError
+        from ..algorithms.errors import AlgorithmInputError
 
         # null is read as none (frozen: normalised once, here).
         object.__setattr__(self, "mean_level", self.mean_level or "none")
@@ -59,7 +60,7 @@ class NormConfig:
             raise ConfigError(f"{self.where}: {exc}") from None
 
     def _check(self) -> None:
-        from tapioca.algorithms.advantages import check_norm
+        from ..algorithms.advantages import check_norm
 
         check_norm(**self.as_kwargs())
 
@@ -100,7 +101,7 @@ class RewardNormConfig(NormConfig):
     where: ClassVar[str] = "advantage.reward_norm"
 
     def _check(self) -> None:
-        from tapioca.algorithms.advantages import check_reward_norm
+        from ..algorithms.advantages import check_reward_norm
 
         check_reward_norm(**self.as_kwargs())
 
@@ -124,8 +125,8 @@ class RejectionSamplingConfig:
     lower: Optional[float] = None
 
     def __post_init__(self) -> None:
-        from tapioca.algorithms.errors import AlgorithmInputError
-        from tapioca.algorithms.rejection_sampling import check_rejection_sampling
+        from ..algorithms.errors import AlgorithmInputError
+        from ..algorithms.rejection_sampling import check_rejection_sampling
 
         try:
             check_rejection_sampling(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tapioca.schemas.errors import require_config as _require
+from ..schemas.errors import require_config as _require
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

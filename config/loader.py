@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tapioca.bus.settings import BusConfig
-from tapioca.config.schema import ModelConfig
-from tapioca.schemas.errors import require_config as _require
+from ..bus.settings import BusConfig
+from ..schemas.errors import require_config as _require
+from .schema import ModelConfig
 
 DATA_SOURCES = ("file", "synthetic", "topics", "archive")
 

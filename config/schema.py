@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tapioca.bus.settings import BusConfig
-from tapioca.config.distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from ..bus.settings import BusConfig
+from ..schemas.envelope import names_a_run
+from ..schemas.errors import require_config as _require
+
 # The algorithm sections live in config/algorithms.py; re-exported here, where
 # every caller imports config sections from.
-from tapioca.config.algorithms import (  # noqa: F401
+from .algorithms import (  # noqa: F401
     CriticConfig,
     DistillConfig,
     NormConfig,
@@ -33,9 +35,8 @@ from tapioca.config.algorithms import (  # noqa: F401
     RejectionSamplingConfig,
     RewardNormConfig,
 )
-from tapioca.config.servers import ENGINES, InferenceServerConfig
-from tapioca.schemas.envelope import names_a_run
-from tapioca.schemas.errors import require_config as _require
+from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from .servers import ENGINES, InferenceServerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +208,7 @@ class AdvantageConfig:
     group_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        from tapioca.algorithms.advantages import ESTIMATORS
+        from ..algorithms.advantages import ESTIMATORS
 
         _require(self.group_timeout_s > 0, "advantage.group_timeout_s must be > 0")
         _require(self.estimator in ESTIMATORS,
@@ -248,7 +249,7 @@ class AdvantageConfig:
         """The effective normalisation: ``adv_norm`` if set, else the estimator's preset."""
         if self.adv_norm is not None:
             return self.adv_norm
-        from tapioca.algorithms.advantages import ESTIMATOR_NORMS
+        from ..algorithms.advantages import ESTIMATOR_NORMS
 
         return NormConfig(**ESTIMATOR_NORMS[self.estimator], std_unbiased=self.std_unbiased,
                           eps=self.eps)
@@ -536,7 +537,7 @@ class ProxyConfig:
         """The admin key: proxy.api_key, or the content of proxy.api_key_file ("" if
         neither is set)."""
         if self.api_key_file:
-            from tapioca.bus.signing import read_secret_file
+            from ..bus.signing import read_secret_file
 
             return read_secret_file(self.api_key_file, "the proxy admin key file (proxy.api_key_file)")
         return self.api_key
@@ -559,7 +560,7 @@ class ArchiveConfig:
     compression: str = "zstd"
 
     def __post_init__(self) -> None:
-        from tapioca.schemas.registry import TOPICS
+        from ..schemas.registry import TOPICS
 
         _require(self.roll_bytes >= 1, "archive.roll_bytes must be >= 1")
         _require(self.roll_interval_s > 0, "archive.roll_interval_s must be > 0")
@@ -707,7 +708,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
         if self.fsdp.world_size > 1:
-            from tapioca.config.distributed import check_sharded_trainer
+            from .distributed import check_sharded_trainer
 
             check_sharded_trainer(self)
         if self.rollout.engine == "vllm":

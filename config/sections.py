@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tapioca.config.distributed import FSDPConfig
-from tapioca.config.schema import (
+from .distributed import FSDPConfig
+from .schema import (
     ActorConfig,
     AdvantageConfig,
     AgentConfig,

@@ -76,21 +76,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tapioca.algorithms.advantages import (
+from ..algorithms.advantages import (
     normalize_group,
     normalize_rewards,
     shape_reward,
 )
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.algorithms.limits import MAX_ABS_REWARD
-from tapioca.algorithms.reward_shaping import overlong_penalty, weighted_reward
-from tapioca.bus.dedup import SeenSet
-from tapioca.bus.role import Role, Source
-from tapioca.config.algorithms import reward_norm_spec
-from tapioca.config.sections import AdvantageSection
-from tapioca.schemas.envelope import ANY_RUN, Event
-from tapioca.schemas.errors import BadEventError
-from tapioca.schemas.events import RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent
+from ..algorithms.errors import AlgorithmInputError
+from ..algorithms.limits import MAX_ABS_REWARD
+from ..algorithms.reward_shaping import overlong_penalty, weighted_reward
+from ..bus.dedup import SeenSet
+from ..bus.role import Role, Source
+from ..config.algorithms import reward_norm_spec
+from ..config.sections import AdvantageSection
+from ..schemas.envelope import ANY_RUN, Event
+from ..schemas.errors import BadEventError
+from ..schemas.events import RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent
 
 log = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from typing import Any, Iterable
 
 import orjson
 
-from tapioca.bus.archive import ArchiveError, ArchiveWriter
-from tapioca.bus.role import Role, Source
-from tapioca.config.sections import ArchiveSection
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import FatalRoleError
-from tapioca.schemas.events import FleetEvent, MetricsEvent
-from tapioca.schemas.registry import TOPICS
+from ..bus.archive import ArchiveError, ArchiveWriter
+from ..bus.role import Role, Source
+from ..config.sections import ArchiveSection
+from ..schemas.envelope import Event
+from ..schemas.errors import FatalRoleError
+from ..schemas.events import FleetEvent, MetricsEvent
+from ..schemas.registry import TOPICS
 
 ALL_TOPICS: tuple[str, ...] = tuple(t.name for t in TOPICS)
 

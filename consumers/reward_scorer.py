@@ -17,12 +17,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tapioca.bus.dedup import SeenSet
-from tapioca.bus.role import Role, Source
-from tapioca.config.sections import RewardSection
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import RewardError
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent
+from ..bus.dedup import SeenSet
+from ..bus.role import Role, Source
+from ..config.sections import RewardSection
+from ..schemas.envelope import Event
+from ..schemas.errors import RewardError
+from ..schemas.events import RewardEvent, TrajectoryEvent
 
 RewardFn = Callable[[TrajectoryEvent], float]
 

@@ -8,8 +8,8 @@ its own forward; the fallback).
 from their modules: ``tapioca.engines.vllm_engine`` / ``tapioca.engines.sglang_engine``).
 """
 
-from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.engines.paged_engine import PagedEngine
-from tapioca.engines.torch_engine import TorchEngine
+from .base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from .paged_engine import PagedEngine
+from .torch_engine import TorchEngine
 
 __all__ = ["GenRequest", "GenResult", "InferenceEngine", "PagedEngine", "SamplingParams", "TorchEngine"]

@@ -4,7 +4,8 @@ Consumes generation requests (token ids in) and emits generation results (token 
 behaviour logprobs and per-token policy versions out). Rollout workers and the agent
 proxy drive an engine through this interface only; backends are the in-process
 PyTorch engine (:mod:`tapioca.engines.torch_engine`) and HTTP adapters for vLLM /
-SGLang servers (:mod:`tapioca.engines.vllm_engine`, :mod:`tapioca.engines.sglang_engine`). Results are keyed by the caller's ``request_id``.
+SGLang servers (:mod:`tapioca.engines.vllm_engine`, :mod:`tapioca.engines.sglang_engine`).
+Results are keyed by the caller's ``request_id``.
 
 Behaviour-logprob convention (every backend must follow it):
     ``output_logprobs[t]`` is the log-probability of the sampled token ``output_ids[t]``
@@ -32,7 +33,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 FinishReason = Literal["stop", "length", "abort"]
 Decode = Callable[[list[int]], str]

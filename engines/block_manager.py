@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from tapioca.schemas.errors import EngineError
+from ..schemas.errors import EngineError
 
 NULL_BLOCK = 0
 # The chain hash of "no previous block".

@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tapioca.engines import kernels
-from tapioca.engines.model_runner import DecodeInputs, PagedDecoder
+from . import kernels
+from .model_runner import DecodeInputs, PagedDecoder
 
 # Block-table widths are powers of two from this many blocks: few captures per rows bucket.
 MIN_WIDTH_BLOCKS = 4

@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
-from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
-from tapioca.engines.scheduler import Pending
-from tapioca.schemas.errors import EngineError
+from ..schemas.errors import EngineError
+from .base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
+from .scheduler import Pending
 
 Delivered = list[tuple[concurrent.futures.Future, Any]]
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tapioca.engines import kernels
-from tapioca.schemas.errors import EngineError
+from ..schemas.errors import EngineError
+from . import kernels
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 

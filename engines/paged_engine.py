@@ -44,20 +44,20 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from tapioca.engines import kernels
-from tapioca.engines.base import Decode, GenRequest
-from tapioca.engines.block_manager import (
+from ..schemas.errors import EngineError
+from . import kernels
+from .base import Decode, GenRequest
+from .block_manager import (
     BlockManager,
     allocate_kv_cache,
     bytes_per_block,
     plan_num_blocks,
 )
-from tapioca.engines.cuda_graphs import DecodeGraphs
-from tapioca.engines.engine_loop import Delivered, EngineLoop
-from tapioca.engines.model_runner import PagedDecoder, PrefillInputs
-from tapioca.engines.sampling import RowParams, sample_next
-from tapioca.engines.scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
-from tapioca.schemas.errors import EngineError
+from .cuda_graphs import DecodeGraphs
+from .engine_loop import Delivered, EngineLoop
+from .model_runner import PagedDecoder, PrefillInputs
+from .sampling import RowParams, sample_next
+from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
 
 # Stop strings are matched in the decoded text of the last few tokens only (as TorchEngine).
 _STOP_STRING_MARGIN_TOKENS = 8

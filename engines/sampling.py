@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from tapioca.engines.base import SamplingParams
+from .base import SamplingParams
 
 
 @dataclass

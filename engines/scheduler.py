@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tapioca.engines.base import GenRequest, GenResult
-from tapioca.engines.block_manager import ROOT_KEY, BlockManager, blocks_for
+from .base import GenRequest, GenResult
+from .block_manager import ROOT_KEY, BlockManager, blocks_for
 
 
 @dataclass

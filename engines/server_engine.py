@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from tapioca.config.servers import InferenceServerConfig
-from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, WeightsSource
-from tapioca.schemas.errors import EngineError
+from ..config.servers import InferenceServerConfig
+from ..schemas.errors import EngineError
+from .base import GenRequest, GenResult, InferenceEngine, WeightsSource
 
 log = logging.getLogger(__name__)
 # httpx2 logs every request at INFO: with health probes every few seconds that buries a

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tapioca.config.servers import InferenceServerConfig
-from tapioca.schemas.errors import ConfigError, EngineError
+from ..config.servers import InferenceServerConfig
+from ..schemas.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, 
                   dtype: str, max_num_seqs: int, log_path: Path, threads: int = 1,
                   version: int = 0) -> LaunchedServer:
     """Start one server and return once it answers ``/health`` (or raise with its log)."""
-    from tapioca.engines.sglang_engine import sglang_command
-    from tapioca.engines.vllm_engine import vllm_command
+    from .sglang_engine import sglang_command
+    from .vllm_engine import vllm_command
 
     python = server_python(backend, cfg)
     port = cfg.port or free_port()

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tapioca.engines.base import GenRequest
-from tapioca.engines.server_engine import RawOutput, Server, ServerEngine
-from tapioca.schemas.errors import EngineError
+from ..schemas.errors import EngineError
+from .base import GenRequest
+from .server_engine import RawOutput, Server, ServerEngine
 
 
 class SGLangEngine(ServerEngine):

@@ -52,11 +52,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tapioca.engines.attention import use_decode_attention
-from tapioca.engines.base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
-from tapioca.engines.kv_cache import DEFAULT_BUCKET, SlotKVCache
-from tapioca.engines.sampling import RowParams, sample_next
-from tapioca.schemas.errors import EngineError
+from ..schemas.errors import EngineError
+from .attention import use_decode_attention
+from .base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
+from .kv_cache import DEFAULT_BUCKET, SlotKVCache
+from .sampling import RowParams, sample_next
 
 # Stop strings are matched in the decoded text of the last few tokens only: a string of
 # n characters spans at most n tokens that each decode to >= 1 character; the margin

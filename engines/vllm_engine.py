@@ -47,8 +47,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tapioca.engines.base import GenRequest
-from tapioca.engines.server_engine import (
+from ..schemas.errors import EngineError
+from .base import GenRequest
+from .server_engine import (
     RawOutput,
     RequestRejected,
     Server,
@@ -57,7 +58,6 @@ from tapioca.engines.server_engine import (
     is_tied,
     request_seed,
 )
-from tapioca.schemas.errors import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 BACKENDS = ("auto", "varlen", "sdpa")
 

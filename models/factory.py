@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tapioca.models.tokenizer import build_char_tokenizer
-from tapioca.schemas.errors import ConfigError, TapiocaError
+from ..schemas.errors import ConfigError, TapiocaError
+from .tokenizer import build_char_tokenizer
 
 ARCHS = ("qwen2", "qwen3", "llama")
 
@@ -111,7 +111,7 @@ def load_model_and_tokenizer(
     """Load ``(model, tokenizer)`` from a local Hugging Face directory (never the network)."""
     from transformers import AutoModelForCausalLM
 
-    from tapioca.models.tokenizer import load_tokenizer
+    from .tokenizer import load_tokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, ContextManager
 
 import torch
 
-from tapioca.algorithms.logprobs import gather_logprobs_entropy
+from ..algorithms.logprobs import gather_logprobs_entropy
 
 if TYPE_CHECKING:
-    from tapioca.models.attention import PackedSeqs
-    from tapioca.models.packed import PackedCausalLM
+    from .attention import PackedSeqs
+    from .packed import PackedCausalLM
 
 
 def autocast_context(device: str | torch.device, autocast_dtype: str) -> ContextManager:

@@ -18,10 +18,9 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
-
 from torch.autograd.function import once_differentiable
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 LIGER_HINT = "pip install liger-kernel (a pure-Python wheel; its Triton kernels need CUDA)"
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tapioca.models.attention import PackedSeqs, attention, resolve_backend
-from tapioca.models.forward import decoder_body
-from tapioca.models.fused_ops import TorchOps, make_ops
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
+from .attention import PackedSeqs, attention, resolve_backend
+from .forward import decoder_body
+from .fused_ops import TorchOps, make_ops
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers is imported lazily: reward scorers use the constants only
     from transformers import PreTrainedTokenizerFast

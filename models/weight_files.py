@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from tapioca.schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError
 
 
 class WeightsChecksumError(TapiocaError):

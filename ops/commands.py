@@ -86,7 +86,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if G.bootstrap and not cfg.bus.bootstrap_servers:
-        from tapioca.runtime.run import resolve_run
+        from ..runtime.run import resolve_run
 
         cfg = resolve_run(cfg, bootstrap=G.bootstrap)
     latest: dict[str, dict] = {}  # role -> its latest step metrics
@@ -187,7 +187,7 @@ def model_init(
         help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
-    from tapioca.runtime.run import create_tiny_checkpoint
+    from ..runtime.run import create_tiny_checkpoint
 
     console.print(str(create_tiny_checkpoint(
         directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),

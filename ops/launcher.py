@@ -51,15 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tapioca.bus.broker import EmbeddedBroker
-from tapioca.bus.settings import BOOTSTRAP_ENV
-from tapioca.config.loader import to_yaml
-from tapioca.config.schema import TrainConfig, next_bus_run_id
-from tapioca.ops.parent_death import guarded
+from ..bus.broker import EmbeddedBroker
+from ..bus.settings import BOOTSTRAP_ENV
+from ..config.loader import to_yaml
+from ..config.schema import TrainConfig, next_bus_run_id
+from ..runtime.run import resolve_bus_run_id, resolve_run
+from ..schemas.errors import BusError, TapiocaError
+from .parent_death import guarded
+
 # The launcher's parts, re-exported: callers and tests import them from here.
-from tapioca.ops.run_setup import last_member_warning, role_command, role_counts  # noqa: F401
-from tapioca.runtime.run import resolve_bus_run_id, resolve_run
-from tapioca.schemas.errors import BusError, TapiocaError
+from .run_setup import last_member_warning, role_command, role_counts  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
                "distill": (DistillConfig, "distill", "train_distill")}
     cls, module, entry = classes[kind]
     train = getattr(importlib.import_module(f"tapioca.trainers.{module}"), entry)
-    from tapioca.runtime.run import resolve_run
+    from ..runtime.run import resolve_run
 
     cfg = load_config(cls, config, overrides)
     if G.bootstrap and not cfg.bus.bootstrap_servers:

@@ -26,15 +26,15 @@ def proxy(
     """Serve a run's OpenAI-compatible agent proxy (agents set base_url to it).
 
     Extra arguments are dotted overrides, e.g. proxy.port=8001 proxy.api_key=KEY."""
-    from tapioca.bus.admin import ensure_topics
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
-    from tapioca.ops import broker_state
-    from tapioca.producers.proxy import ProxyServer
-    from tapioca.runtime.builders import build_proxy_service
-    from tapioca.runtime.run import resolve_run
-
     from transformers.utils import logging as hf_logging
+
+    from ..bus.admin import ensure_topics
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig
+    from ..producers.proxy import ProxyServer
+    from ..runtime.builders import build_proxy_service
+    from ..runtime.run import resolve_run
+    from . import broker_state
 
     hf_logging.disable_progress_bar()
     cfg = load_config(TrainConfig, config, list(ctx.args))

@@ -175,11 +175,11 @@ def archive(
     max_seconds: Optional[float] = typer.Option(None, help="Stop after this long."),
 ) -> None:
     """Run the archiver against the broker until Ctrl-C (every topic to Parquet)."""
-    from tapioca.bus.admin import admin_client
-    from tapioca.bus.runner import RoleRunner
-    from tapioca.config.schema import ArchiveConfig
-    from tapioca.config.sections import ArchiveSection
-    from tapioca.consumers.archiver import Archiver
+    from ..bus.admin import admin_client
+    from ..bus.runner import RoleRunner
+    from ..config.schema import ArchiveConfig
+    from ..config.sections import ArchiveSection
+    from ..consumers.archiver import Archiver
 
     a = ArchiveConfig(enabled=True, dir=directory, roll_bytes=roll_bytes,
                       roll_interval_s=roll_interval_s, topics=list(topic))
@@ -215,14 +215,14 @@ def train_offline(
 ) -> None:
     """Train the policy from a Parquet log (decoupled PPO on the recorded behaviour
     logprobs; staleness gate off). Extra arguments are dotted overrides."""
-    from tapioca.bus.archive import iter_events
-    from tapioca.bus.producer import EventProducer
-    from tapioca.config.loader import load_config
-    from tapioca.config.schema import TrainConfig
-    from tapioca.ops import broker_state
-    from tapioca.runtime.builders import build_role
-    from tapioca.runtime.run import resolve_run
-    from tapioca.trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
+    from ..bus.archive import iter_events
+    from ..bus.producer import EventProducer
+    from ..config.loader import load_config
+    from ..config.schema import TrainConfig
+    from ..runtime.builders import build_role
+    from ..runtime.run import resolve_run
+    from ..trainers.offline import OFFLINE_ETA, OfflineTrainer, samples_from_log
+    from . import broker_state
 
     if source not in ("samples", "trajectories"):
         raise typer.BadParameter("--source must be samples or trajectories")
@@ -242,7 +242,7 @@ def train_offline(
         # broker it ran on, which stopped with the run if it was the run's own.
         cfg = resolve_run(cfg, bootstrap=broker_state.resolve_bootstrap(G.bootstrap,
                                                                         cfg.bus.bootstrap_servers))
-        from tapioca.bus.admin import ensure_topics
+        from ..bus.admin import ensure_topics
 
         try:
             ensure_topics(cfg.bus)

@@ -8,14 +8,14 @@ import logging
 import sys
 import traceback
 
-from tapioca.bus.runner import RoleRunner
-from tapioca.config.loader import load_config
-from tapioca.config.schema import TrainConfig
-from tapioca.ops.launcher import EXIT_NO_RESTART
-from tapioca.runtime.builders import ROLES, build_role
-from tapioca.runtime.run import resolve_run
-from tapioca.schemas.errors import ConfigError, TapiocaError
-from tapioca.trainers.checkpoint import CheckpointFormatError
+from ..bus.runner import RoleRunner
+from ..config.loader import load_config
+from ..config.schema import TrainConfig
+from ..runtime.builders import ROLES, build_role
+from ..runtime.run import resolve_run
+from ..schemas.errors import ConfigError, TapiocaError
+from ..trainers.checkpoint import CheckpointFormatError
+from .launcher import EXIT_NO_RESTART
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tapioca.config.schema import TrainConfig
+from ..config.schema import TrainConfig
 
 
 def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:

@@ -29,11 +29,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
-from tapioca.bus.role import Role, Source
-from tapioca.config.sections import FeederSection
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.events import PromptEvent, WeightsEvent
+from ..algorithms.head_gate import head_gate_capacity, log_counts
+from ..bus.role import Role, Source
+from ..config.sections import FeederSection
+from ..schemas.envelope import Event
+from ..schemas.events import PromptEvent, WeightsEvent
 
 
 def head_gate_open(next_group_index: int, version: int, eta: int, prompts_per_step: int,

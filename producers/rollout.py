@@ -36,15 +36,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from tapioca.bus.dedup import SeenSet
-from tapioca.algorithms.versions import is_newer
-from tapioca.bus.role import DeadLetter, Role, Source
-from tapioca.config.sections import RolloutSection
-from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.models.weight_files import WeightsUnavailableError
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import BadEventError, TapiocaError
-from tapioca.schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
+from ..algorithms.versions import is_newer
+from ..bus.dedup import SeenSet
+from ..bus.role import DeadLetter, Role, Source
+from ..config.sections import RolloutSection
+from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from ..models.weight_files import WeightsUnavailableError
+from ..schemas.envelope import Event
+from ..schemas.errors import BadEventError, TapiocaError
+from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 
 LoadWeights = Callable[[WeightsEvent], Any]
 # Weights events kept as candidates at most (the lowest versions are dropped first).

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tapioca.bus.role import Role
-from tapioca.config.schema import TrainConfig
-from tapioca.config.sections import (
+from ..bus.role import Role
+from ..config.schema import TrainConfig
+from ..config.sections import (
     TrainerSection,
     advantage_section,
     archive_section,
@@ -32,7 +32,7 @@ from tapioca.config.sections import (
     rollout_section,
     trainer_section,
 )
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def set_torch_threads(n: int) -> None:
 
 
 def _tokenizer(path: str):
-    from tapioca.models.tokenizer import load_tokenizer
+    from ..models.tokenizer import load_tokenizer
 
     if not path:
         raise ConfigError("model.path is empty; `tapioca train` creates the tiny model, or set "
@@ -64,9 +64,9 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                       decode: Callable[[list[int]], str]):
     """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
     architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
-    from tapioca.engines.model_runner import unsupported_reason
-    from tapioca.engines.paged_engine import PagedEngine
-    from tapioca.engines.torch_engine import TorchEngine
+    from ..engines.model_runner import unsupported_reason
+    from ..engines.paged_engine import PagedEngine
+    from ..engines.torch_engine import TorchEngine
 
     common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
                   interruptible=rollout.interruptible, seed=seed, decode=decode,
@@ -107,8 +107,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
 
     eos = tokenizer.eos_token_id
     if rollout.engine == "torch":
-        from tapioca.models.factory import load_model_and_tokenizer
-        from tapioca.models.weight_sync import make_weight_loader
+        from ..models.factory import load_model_and_tokenizer
+        from ..models.weight_sync import make_weight_loader
 
         set_torch_threads(rollout.torch_threads)
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
@@ -119,10 +119,10 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         return EngineBundle(engine, make_weight_loader(engine, rollout.device,
                                                        member=f"{name}-{member}"), context)
 
-    from tapioca.engines.server_launch import launch_server
-    from tapioca.engines.sglang_engine import SGLangEngine
-    from tapioca.engines.vllm_engine import VLLMEngine
-    from tapioca.models.weight_files import WeightsChecksumError, sha256_file
+    from ..engines.server_launch import launch_server
+    from ..engines.sglang_engine import SGLangEngine
+    from ..engines.vllm_engine import VLLMEngine
+    from ..models.weight_files import WeightsChecksumError, sha256_file
 
     if not rollout.interruptible:
         raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
@@ -177,8 +177,8 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
     ``ref.path``), the teacher (``distill.kd_weight > 0``) from ``distill.teacher_path``.
     Called before a checkpoint is loaded into the policy (the trainer loads it in
     ``init_state``), so the copied reference is the initial policy."""
-    from tapioca.trainers.critic import Critic, build_value_model
-    from tapioca.trainers.reference import FrozenLogprobModel
+    from ..trainers.critic import Critic, build_value_model
+    from ..trainers.reference import FrozenLogprobModel
 
     a, adv = section.actor, section.advantage
     device = actor.device
@@ -213,11 +213,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     set_torch_threads(sec.actor.torch_threads)
     torch.manual_seed(sec.seed)
     if sec.fsdp.world_size > 1:
-        from tapioca.trainers.fsdp_actor import build_sharded_actor
+        from ..trainers.fsdp_actor import build_sharded_actor
 
         return build_sharded_actor(cfg, sec)
-    from tapioca.models.factory import load_model_and_tokenizer
-    from tapioca.trainers.ppo_actor import PPOActor
+    from ..models.factory import load_model_and_tokenizer
+    from ..trainers.ppo_actor import PPOActor
 
     model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
                                                 device=sec.actor.device)
@@ -229,9 +229,9 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
 
 
 def build_feeder(cfg: TrainConfig) -> Role:
-    from tapioca.models.tokenizer import prompt_encoder
-    from tapioca.producers.feeder import PromptFeeder, tokenize_records
-    from tapioca.tasks.datasets import dataset_rows
+    from ..models.tokenizer import prompt_encoder
+    from ..producers.feeder import PromptFeeder, tokenize_records
+    from ..tasks.datasets import dataset_rows
 
     sec = feeder_section(cfg)
     task, rows = dataset_rows(sec.train_dataset, sec.seed)
@@ -240,7 +240,7 @@ def build_feeder(cfg: TrainConfig) -> Role:
 
 
 def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
-    from tapioca.producers.rollout import RolloutWorker
+    from ..producers.rollout import RolloutWorker
 
     sec = rollout_section(cfg)
     tokenizer = _tokenizer(sec.model.path)
@@ -256,7 +256,7 @@ def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
     """The built-in scorer's ``reward_fn(trajectory)``: ``reward.scorer`` names one task
     for every trajectory, or ``auto`` lets each trajectory's own ``task`` decide
     (:func:`tapioca.tasks.base.task_reward`), against its ``task_data`` answer."""
-    from tapioca.tasks.base import task_reward
+    from ..tasks.base import task_reward
 
     fixed = None if scorer == "auto" else task_reward(scorer)
     per_task: dict[str, Callable[[str, Any], float]] = {}
@@ -272,7 +272,7 @@ def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
 
 
 def build_reward(cfg: TrainConfig) -> Role:
-    from tapioca.consumers.reward_scorer import RewardScorer
+    from ..consumers.reward_scorer import RewardScorer
 
     sec = reward_section(cfg)
     if sec.reward.scorer == "none":
@@ -283,13 +283,13 @@ def build_reward(cfg: TrainConfig) -> Role:
 
 
 def build_advantage(cfg: TrainConfig) -> Role:
-    from tapioca.consumers.advantage import AdvantageProcessor
+    from ..consumers.advantage import AdvantageProcessor
 
     return AdvantageProcessor(advantage_section(cfg))
 
 
 def build_trainer(cfg: TrainConfig) -> Role:
-    from tapioca.trainers.trainer import Trainer
+    from ..trainers.trainer import Trainer
 
     sec = trainer_section(cfg)
     actor = build_actor(cfg, sec)
@@ -297,7 +297,7 @@ def build_trainer(cfg: TrainConfig) -> Role:
 
 
 def build_archiver(cfg: TrainConfig) -> Role:
-    from tapioca.consumers.archiver import Archiver
+    from ..consumers.archiver import Archiver
 
     return Archiver(archive_section(cfg))
 
@@ -322,7 +322,7 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
     """The agent proxy's :class:`~tapioca.producers.proxy.ProxyService` for ``cfg``: the
     engine of ``rollout.engine`` (in-process, or a vLLM / SGLang server) with its weights
     loader, the tokenizer, the run's bus. Its threads start with the HTTP server."""
-    from tapioca.producers.proxy import ProxyService
+    from ..producers.proxy import ProxyService
 
     sec = proxy_section(cfg)
     tokenizer = _tokenizer(sec.model.path)

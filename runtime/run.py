@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from tapioca.config.schema import next_bus_run_id
-from tapioca.schemas.envelope import names_a_run
+from ..config.schema import next_bus_run_id
+from ..schemas.envelope import names_a_run
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def resolve_run(cfg: C, *, values: Mapping[str, Any] | None = None, trial_name: 
     if bus_run_id is not None:
         cfg = replace_path(cfg, "bus.run_id", bus_run_id)
     if signing_key:
-        from tapioca.bus.signing import create_key_file, key_path_of_run
+        from ..bus.signing import create_key_file, key_path_of_run
 
         if not cfg.bus.signing_key_path:
             cfg = replace_path(cfg, "bus.signing_key_path", str(key_path_of_run(Path(cfg.run_path))))
@@ -125,8 +125,8 @@ def create_tiny_checkpoint(dir: str | os.PathLike, task: str = "synthetic", *,
                            overwrite: bool = False, **model_kwargs: Any) -> Path:
     """The tiny random model + char tokenizer of ``task``'s alphabet, written to ``dir``
     (:func:`tapioca.models.factory.save_tiny_checkpoint`; an existing checkpoint is kept)."""
-    from tapioca.models.factory import save_tiny_checkpoint
-    from tapioca.tasks.base import get_task
+    from ..models.factory import save_tiny_checkpoint
+    from ..tasks.base import get_task
 
     return save_tiny_checkpoint(dir, alphabet=get_task(task).alphabet, overwrite=overwrite,
                                 **model_kwargs)
@@ -136,7 +136,7 @@ def _fix_proxy_endpoint(cfg: C) -> C:
     import secrets
     import socket
 
-    from tapioca.bus.signing import SECRETS_DIR, write_secret_file
+    from ..bus.signing import SECRETS_DIR, write_secret_file
 
     if not cfg.proxy.api_key and not cfg.proxy.api_key_file:
         path = Path(cfg.run_path) / SECRETS_DIR / PROXY_KEY_FILE_NAME
@@ -154,8 +154,8 @@ def _fix_proxy_endpoint(cfg: C) -> C:
 def run_on_log(cfg: Any, bus_run_id: str) -> bool:
     """Whether the broker holds the log of ``bus_run_id``: its trainer's weights events
     (the weights topic is compacted by run id, so its latest event always stays)."""
-    from tapioca.bus.reader import TopicReader
-    from tapioca.schemas.events import WeightsEvent
+    from ..bus.reader import TopicReader
+    from ..schemas.events import WeightsEvent
 
     with TopicReader(cfg.bus, "weights") as reader:
         return any(isinstance(r.event, WeightsEvent) and r.event.run_id == bus_run_id
@@ -166,7 +166,7 @@ def resolve_bus_run_id(cfg: Any) -> str:
     """The run id this run uses on the bus: ``cfg.run_id`` for a new run; for a resumed
     one, the bus run id of its checkpoint if the broker still holds that log, else the
     next one (``demo.t0@2``): the old log is gone, and with it the group numbering."""
-    from tapioca.trainers.checkpoint import SUFFIX, read_progress
+    from ..trainers.checkpoint import SUFFIX, read_progress
 
     progress = read_progress(Path(cfg.run_path) / "checkpoints" / f"trainer{SUFFIX}")
     if progress is None or progress.version == 0:

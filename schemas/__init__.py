@@ -3,7 +3,7 @@
 Import events from here: ``from tapioca.schemas import TrajectoryEvent, encode_event``.
 """
 
-from tapioca.schemas.envelope import (
+from .envelope import (
     DEFAULT_MAX_EVENT_BYTES,
     Event,
     EventTooLargeError,
@@ -13,7 +13,7 @@ from tapioca.schemas.envelope import (
     encode_event,
     event_types,
 )
-from tapioca.schemas.errors import (
+from .errors import (
     BadEventError,
     BrokerUnavailableError,
     BusError,
@@ -24,7 +24,7 @@ from tapioca.schemas.errors import (
     SchemaError,
     TapiocaError,
 )
-from tapioca.schemas.events import (
+from .events import (
     ControlAckEvent,
     ControlEvent,
     DlqRecord,
@@ -37,6 +37,6 @@ from tapioca.schemas.events import (
     TrajectoryEvent,
     WeightsEvent,
 )
-from tapioca.schemas.registry import DEFAULT_PREFIX, TOPICS, TopicSpec, topic, topic_for
+from .registry import DEFAULT_PREFIX, TOPICS, TopicSpec, topic, topic_for
 
 __all__ = [name for name in dir() if not name.startswith("_")]

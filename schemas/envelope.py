@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Literal, Union
 
 import orjson
 
-from tapioca.schemas.errors import SchemaError
+from .errors import SchemaError
 
 # Kafka's default broker limit is ~1 MB; ours is raised (docker-compose.yml sets the
 # broker to match) because a sample event carries whole groups of long sequences.

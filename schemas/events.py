@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
-from tapioca.schemas.envelope import Event
+from .envelope import Event
 
 
 @dataclass(kw_only=True)

@@ -16,9 +16,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from tapioca.schemas.descriptions import deprecated_fields, field_descriptions
-from tapioca.schemas.envelope import Event, event_types, field_types
-from tapioca.schemas.registry import topic_for
+from .descriptions import deprecated_fields, field_descriptions
+from .envelope import Event, event_types, field_types
+from .registry import topic_for
 
 JSON_DIR = Path(__file__).parent / "json"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"

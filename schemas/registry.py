@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import SchemaError
-from tapioca.schemas.events import (
+from .envelope import Event
+from .errors import SchemaError
+from .events import (
     ControlAckEvent,
     ControlEvent,
     DlqRecord,

@@ -4,6 +4,6 @@
 ``reward(completion_text, record_or_answer)``; see :mod:`tapioca.tasks.base`.
 """
 
-from tapioca.tasks.base import Task, get_task, register_task, task_names, task_reward
+from .base import Task, get_task, register_task, task_names, task_reward
 
 __all__ = ["Task", "get_task", "register_task", "task_names", "task_reward"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from tapioca.schemas.errors import ConfigError
+from ..schemas.errors import ConfigError
 
 Record = dict[str, Any]
 
@@ -67,7 +67,7 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
 
 def _load_builtins() -> None:
     # Imported here, not at module top, so base.py has no import cycle with the tasks.
-    from tapioca.tasks import gsm8k, synthetic  # noqa: F401  (they register themselves)
+    from . import gsm8k, synthetic  # noqa: F401  (they register themselves)
 
 
 def task_names() -> list[str]:
@@ -98,7 +98,7 @@ def task_reward(task: str, **options: Any) -> RewardOf:
     ``reward`` with ``options`` (its keyword arguments, e.g. the synthetic task's
     ``format_credit``). An unknown name raises :class:`ConfigError`."""
     if not task or task == MATH_TASK:
-        from tapioca.tasks.math_reward import math_reward
+        from .math_reward import math_reward
 
         def math(text: str, record_or_answer: Mapping[str, Any] | str) -> float:
             answer = (record_or_answer if isinstance(record_or_answer, str)

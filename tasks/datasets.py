@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from tapioca.schemas.errors import ConfigError, TapiocaError
+from ..schemas.errors import ConfigError, TapiocaError
 
 if TYPE_CHECKING:
-    from tapioca.config.schema import DatasetConfig
+    from ..config.schema import DatasetConfig
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -107,7 +107,7 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
 def dataset_rows(ds: "DatasetConfig", seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
     """(task name, rows with prompt_id, messages|prompt, answer) of a ``train_dataset``
     section: a built-in task's records, or a file's rows as math problems (``math``)."""
-    from tapioca.tasks.base import get_task
+    from .base import get_task
 
     if ds.type == "synthetic":
         return "synthetic", get_task("synthetic", **ds.task_options).iter_records(ds.split, seed)

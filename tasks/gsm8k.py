@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tapioca.models.tokenizer import PRINTABLE_ALPHABET
-from tapioca.schemas.errors import ConfigError, TapiocaError
-from tapioca.tasks.base import Record, reference_of, register_task, user_messages
-from tapioca.tasks.datasets import read_records
-from tapioca.tasks.math_reward import math_reward
+from ..models.tokenizer import PRINTABLE_ALPHABET
+from ..schemas.errors import ConfigError, TapiocaError
+from .base import Record, reference_of, register_task, user_messages
+from .datasets import read_records
+from .math_reward import math_reward
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

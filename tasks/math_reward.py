@@ -29,7 +29,7 @@ import math
 import re
 import threading
 
-from tapioca.schemas.errors import RewardError
+from ..schemas.errors import RewardError
 
 DEFAULT_TIMEOUT_S = 5
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tapioca.models.tokenizer import DEFAULT_ALPHABET, EOS_TOKEN
-from tapioca.schemas.errors import ConfigError
-from tapioca.tasks.base import Record, reference_of, register_task, user_messages
+from ..models.tokenizer import DEFAULT_ALPHABET, EOS_TOKEN
+from ..schemas.errors import ConfigError
+from .base import Record, reference_of, register_task, user_messages
 
 # The letters and brackets the prompts need, on top of the default tiny alphabet:
 # 23 + 7 = 30 tokens.

@@ -118,8 +118,17 @@ class RunnerThread:
 def one_of_each_event() -> list:
     """A valid instance of every event type (fresh ids on every call)."""
     from tapioca.schemas import (
-        ControlAckEvent, ControlEvent, DlqRecord, FleetEvent, MetricsEvent, PromptEvent,
-        RewardEvent, SampleEvent, SampleSequence, TrajectoryEvent, WeightsEvent,
+        ControlAckEvent,
+        ControlEvent,
+        DlqRecord,
+        FleetEvent,
+        MetricsEvent,
+        PromptEvent,
+        RewardEvent,
+        SampleEvent,
+        SampleSequence,
+        TrajectoryEvent,
+        WeightsEvent,
     )
 
     seq = SampleSequence(traj_id="t0", output_ids=[5, 6], behav_logprobs=[-0.5, -1.0],

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from tapioca.schemas.events import SampleEvent
+from ..schemas.events import SampleEvent
 
 
 @dataclass

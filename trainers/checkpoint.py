@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tapioca.schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from tapioca.algorithms.gae import clipped_value_loss, explained_variance
-from tapioca.config.schema import CriticConfig
-from tapioca.models.forward import autocast_context, decoder_body
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.batching import SeqItem, TensorBatch, micro_batches, to_tensors
+from ..algorithms.gae import clipped_value_loss, explained_variance
+from ..config.schema import CriticConfig
+from ..models.forward import autocast_context, decoder_body
+from ..schemas.errors import ConfigError
+from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
 
 
 def _value_config(config: Any) -> Any:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.logprobs import gather_logprobs_entropy
-from tapioca.algorithms.supervised import forward_kl_from_hidden
-from tapioca.config.offline import DistillConfig
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.batching import pack
-from tapioca.trainers.offline_data import SeqExample, load_sft_examples
-from tapioca.models.forward import last_hidden
-from tapioca.trainers.offline_loop import (
+from ..algorithms.logprobs import gather_logprobs_entropy
+from ..algorithms.supervised import forward_kl_from_hidden
+from ..config.offline import DistillConfig
+from ..models.forward import last_hidden
+from ..schemas.errors import ConfigError
+from .batching import pack
+from .offline_data import SeqExample, load_sft_examples
+from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     pad_batch,
@@ -98,7 +98,7 @@ class DistillTrainer(OfflineTrainerBase[SeqExample]):
 
 def train_distill(cfg: DistillConfig) -> OfflineSummary:
     """Distil ``teacher_path`` into the student (``model.path``, or the tiny model)."""
-    from tapioca.models.factory import load_model_and_tokenizer
+    from ..models.factory import load_model_and_tokenizer
 
     model, tokenizer = setup_offline(cfg)
     teacher, _ = load_model_and_tokenizer(cfg.teacher_path, dtype=cfg.teacher_dtype or cfg.model.dtype,

@@ -20,13 +20,13 @@ import copy
 
 import torch
 
-from tapioca.algorithms.preference import dpo_loss
-from tapioca.algorithms.supervised import sequence_logprobs
-from tapioca.config.offline import DPOConfig
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.batching import pack
-from tapioca.trainers.offline_data import PairExample, load_pair_examples
-from tapioca.trainers.offline_loop import (
+from ..algorithms.preference import dpo_loss
+from ..algorithms.supervised import sequence_logprobs
+from ..config.offline import DPOConfig
+from ..schemas.errors import ConfigError
+from .batching import pack
+from .offline_data import PairExample, load_pair_examples
+from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     mean,
@@ -113,7 +113,7 @@ def train_dpo(cfg: DPOConfig) -> OfflineSummary:
     model, tokenizer = setup_offline(cfg)
     ref = None
     if cfg.ref_model_path:
-        from tapioca.models.factory import load_model_and_tokenizer
+        from ..models.factory import load_model_and_tokenizer
 
         ref, _ = load_model_and_tokenizer(cfg.ref_model_path, dtype=cfg.actor.param_dtype,
                                           device=cfg.actor.device)

@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-from tapioca.algorithms.aggregation import agg_units
-from tapioca.config.distributed import FSDPConfig
-from tapioca.config.schema import ActorConfig
-from tapioca.schemas.errors import FatalRoleError
-from tapioca.trainers import sharded_checkpoint
-from tapioca.trainers.batching import SeqItem, TensorBatch, pack
-from tapioca.trainers.fsdp_ranks import Channel
-from tapioca.trainers.ppo_actor import PPOActor, StepResult, _split
+from ..algorithms.aggregation import agg_units
+from ..config.distributed import FSDPConfig
+from ..config.schema import ActorConfig
+from ..schemas.errors import FatalRoleError
+from . import sharded_checkpoint
+from .batching import SeqItem, TensorBatch, pack
+from .fsdp_ranks import Channel
+from .ppo_actor import PPOActor, StepResult, _split
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,9 @@ def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
     packed forward's layers, which hold the HF layers, else the HF layers), then ``root``
     (everything else). A unit's parameters are gathered by its forward hooks, so the
     unit must be the module whose forward runs."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import torch.distributed as dist
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fsdp.param_dtype),
@@ -209,7 +208,7 @@ class ShardedActor(PPOActor):
                        "progress": progress.__dict__})
 
     def load_checkpoint(self, path):
-        from tapioca.trainers.checkpoint import TrainerProgress
+        from .checkpoint import TrainerProgress
 
         record = sharded_checkpoint.read_record(path)
         if record is None:
@@ -274,7 +273,7 @@ class ShardedActor(PPOActor):
             self.optimizer.state.clear()
             return None
         if op == "save":
-            from tapioca.trainers.checkpoint import TrainerProgress
+            from .checkpoint import TrainerProgress
 
             progress = TrainerProgress(**cmd["progress"]) if self.channel.info.leader else None
             sharded_checkpoint.save(cmd["path"], cmd["version"], self.model, self.optimizer,
@@ -396,9 +395,9 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
     import os
     from pathlib import Path
 
-    from tapioca.config.loader import to_yaml
-    from tapioca.models.factory import load_model_and_tokenizer
-    from tapioca.trainers.fsdp_ranks import (
+    from ..config.loader import to_yaml
+    from ..models.factory import load_model_and_tokenizer
+    from .fsdp_ranks import (
         command_line,
         init_process_groups,
         rank_device,

@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 import torch
 
-from tapioca.config.distributed import FSDPConfig
-from tapioca.schemas.errors import ConfigError, TapiocaError
+from ..config.distributed import FSDPConfig
+from ..schemas.errors import ConfigError, TapiocaError
 
 log = logging.getLogger(__name__)
 

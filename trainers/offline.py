@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from tapioca.bus.role import Role, Source
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.events import (
+from ..bus.role import Role, Source
+from ..schemas.envelope import Event
+from ..schemas.events import (
     MetricsEvent,
     RewardEvent,
     SampleEvent,

@@ -41,11 +41,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-from tapioca.algorithms.reward_shaping import weighted_reward
-from tapioca.bus.settings import BusConfig
-from tapioca.config.offline import OfflineDatasetConfig
-from tapioca.schemas.errors import ConfigError, TapiocaError
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent
+from ..algorithms.reward_shaping import weighted_reward
+from ..bus.settings import BusConfig
+from ..config.offline import OfflineDatasetConfig
+from ..schemas.errors import ConfigError, TapiocaError
+from ..schemas.events import RewardEvent, TrajectoryEvent
 
 
 @dataclass
@@ -189,7 +189,7 @@ def pair_examples_from_rows(rows: Iterable[dict[str, Any]], encoder: ChatEncoder
 def synthetic_rows(ds: OfflineDatasetConfig, seed: int, *, pairs: bool) -> Iterator[dict[str, Any]]:
     """The synthetic task as SFT rows (prompt, response = the answer) or preference rows
     (chosen = the answer, rejected = a different digit, chosen by ``seed``)."""
-    from tapioca.tasks.base import get_task
+    from ..tasks.base import get_task
 
     rng = random.Random(seed)
     for rec in get_task("synthetic", **ds.task_options).iter_records(ds.split, seed):
@@ -212,7 +212,7 @@ class LoggedGroup:
 def _topic_events(bus: BusConfig, ds: OfflineDatasetConfig) -> Iterator[Any]:
     from dataclasses import replace
 
-    from tapioca.bus.reader import TopicReader
+    from ..bus.reader import TopicReader
 
     cfg = replace(bus, topic_prefix=ds.topic_prefix or bus.topic_prefix)
     cfg.require_bootstrap()
@@ -226,7 +226,7 @@ def _topic_events(bus: BusConfig, ds: OfflineDatasetConfig) -> Iterator[Any]:
 
 def _archive_events(ds: OfflineDatasetConfig) -> Iterator[Any]:
     try:
-        from tapioca.bus.archive import iter_events
+        from ..bus.archive import iter_events
     except ImportError as exc:
         raise ConfigError(
             "train_dataset.source=archive needs the Parquet archive reader "
@@ -372,7 +372,7 @@ def _finish(examples: Iterable[Any], ds: OfflineDatasetConfig, stats: DataStats)
 
 
 def _file_rows(ds: OfflineDatasetConfig) -> Iterator[dict[str, Any]]:
-    from tapioca.tasks.datasets import read_records
+    from ..tasks.datasets import read_records
 
     return read_records(ds.path, split=ds.split)
 

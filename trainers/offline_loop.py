@@ -28,15 +28,15 @@ from typing import Any, Generic, Sequence, TypeVar
 
 import torch
 
-from tapioca.config.loader import to_yaml
-from tapioca.config.offline import OfflineTrainConfig
-from tapioca.models.forward import autocast_context, causal_token_logprobs
-from tapioca.models.weight_files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
-from tapioca.schemas.envelope import names_a_run
-from tapioca.schemas.errors import ConfigError, FatalRoleError
-from tapioca.schemas.events import MetricsEvent, WeightsEvent
-from tapioca.trainers.checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
-from tapioca.trainers.metrics_sink import MetricsSink
+from ..config.loader import to_yaml
+from ..config.offline import OfflineTrainConfig
+from ..models.forward import autocast_context, causal_token_logprobs
+from ..models.weight_files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
+from ..schemas.envelope import names_a_run
+from ..schemas.errors import ConfigError, FatalRoleError
+from ..schemas.events import MetricsEvent, WeightsEvent
+from .checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
+from .metrics_sink import MetricsSink
 
 E = TypeVar("E")
 
@@ -93,7 +93,7 @@ def setup_offline(cfg: OfflineTrainConfig, *, load_policy: bool = True):
     :func:`write_offline_run`), threads, seed; then ``(model, tokenizer)`` of ``model.path``."""
     from transformers.utils import logging as hf_logging
 
-    from tapioca.models.factory import load_model_and_tokenizer
+    from ..models.factory import load_model_and_tokenizer
 
     hf_logging.disable_progress_bar()
     write_offline_run(cfg)
@@ -140,7 +140,7 @@ class OfflineTrainerBase(Generic[E]):
         self.progress = load_checkpoint(self.ckpt_path, self.model, self.optimizer) or TrainerProgress()
         self.producer = None
         if cfg.bus.bootstrap_servers:
-            from tapioca.bus.producer import EventProducer
+            from ..bus.producer import EventProducer
 
             self.producer = EventProducer(cfg.bus, f"{self.kind}-trainer")
         n, B = len(examples), cfg.train_dataset.batch_size

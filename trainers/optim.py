@@ -27,7 +27,7 @@ from typing import Iterable
 
 import torch
 
-from tapioca.config.schema import ActorConfig
+from ..config.schema import ActorConfig
 
 # Master-weight updates run in buckets of this many elements, so the fp32 copies of
 # the gradients exist for one bucket at a time (512 MiB), not for the whole model.

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.models.attention import PackedSeqs, packed_seqs, position_ids
-from tapioca.trainers.batching import SeqItem, TensorBatch, pack
+from ..algorithms.errors import AlgorithmInputError
+from ..models.attention import PackedSeqs, packed_seqs, position_ids
+from .batching import SeqItem, TensorBatch, pack
 
 
 @dataclass

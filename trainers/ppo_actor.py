@@ -55,16 +55,16 @@ from typing import Callable
 
 import torch
 
-from tapioca.algorithms.aggregation import agg_units
-from tapioca.algorithms.errors import AlgorithmInputError
-from tapioca.algorithms.policy_losses import policy_loss
-from tapioca.algorithms.prox_logp import loglinear_prox_logprobs
-from tapioca.algorithms.rejection_sampling import m2po_keep_flat
-from tapioca.config.schema import ActorConfig
-from tapioca.models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
-from tapioca.trainers.batching import SeqItem, TensorBatch, micro_batches, to_tensors
-from tapioca.trainers.optim import build_optimizer, clip_grad_norm_
-from tapioca.trainers.packing import PackedBatch, packed_micro_batches, to_packed
+from ..algorithms.aggregation import agg_units
+from ..algorithms.errors import AlgorithmInputError
+from ..algorithms.policy_losses import policy_loss
+from ..algorithms.prox_logp import loglinear_prox_logprobs
+from ..algorithms.rejection_sampling import m2po_keep_flat
+from ..config.schema import ActorConfig
+from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
+from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
+from .optim import build_optimizer, clip_grad_norm_
+from .packing import PackedBatch, packed_micro_batches, to_packed
 
 
 @dataclass
@@ -87,7 +87,7 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
     is built over the (then sharded) parameters."""
     packed = None
     if cfg.packed_sequences:
-        from tapioca.models.packed import PackedCausalLM
+        from ..models.packed import PackedCausalLM
 
         packed = PackedCausalLM(
             model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
@@ -143,13 +143,13 @@ class PPOActor:
                 own[name].copy_(tensor)
 
     def save_checkpoint(self, path, progress) -> None:
-        from tapioca.trainers.checkpoint import save_checkpoint
+        from .checkpoint import save_checkpoint
 
         save_checkpoint(path, self.model, self.optimizer, progress)
 
     def load_checkpoint(self, path):
         """The checkpoint's TrainerProgress (weights and optimizer loaded), or None."""
-        from tapioca.trainers.checkpoint import load_checkpoint
+        from .checkpoint import load_checkpoint
 
         return load_checkpoint(path, self.model, self.optimizer)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from tapioca.models.forward import autocast_context, causal_token_logprobs
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.batching import TensorBatch
+from ..models.forward import autocast_context, causal_token_logprobs
+from ..schemas.errors import ConfigError
+from .batching import TensorBatch
 
 
 class FrozenLogprobModel:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from tapioca.algorithms.preference import bradley_terry_loss
-from tapioca.config.offline import RewardModelConfig
-from tapioca.schemas.errors import ConfigError, TapiocaError
-from tapioca.trainers.batching import pack
-from tapioca.trainers.offline_data import PairExample, load_pair_examples
-from tapioca.trainers.offline_loop import (
+from ..algorithms.preference import bradley_terry_loss
+from ..config.offline import RewardModelConfig
+from ..schemas.errors import ConfigError, TapiocaError
+from .batching import pack
+from .offline_data import PairExample, load_pair_examples
+from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     mean,

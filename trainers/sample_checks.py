@@ -11,9 +11,9 @@ indexes the embedding, every number stays finite in float32.
 
 from __future__ import annotations
 
-from tapioca.algorithms.limits import MAX_ABS_REWARD, MAX_BEHAV_LOGPROB, MIN_BEHAV_LOGPROB
-from tapioca.schemas.errors import BadEventError
-from tapioca.schemas.events import SampleEvent
+from ..algorithms.limits import MAX_ABS_REWARD, MAX_BEHAV_LOGPROB, MIN_BEHAV_LOGPROB
+from ..schemas.errors import BadEventError
+from ..schemas.events import SampleEvent
 
 
 def check_made_for(event: SampleEvent, *, estimator: str, norm_spec: str,

@@ -15,11 +15,11 @@ never trained.
 
 from __future__ import annotations
 
-from tapioca.algorithms.supervised import masked_nll
-from tapioca.config.offline import SFTConfig
-from tapioca.trainers.batching import pack
-from tapioca.trainers.offline_data import SeqExample, load_sft_examples
-from tapioca.trainers.offline_loop import (
+from ..algorithms.supervised import masked_nll
+from ..config.offline import SFTConfig
+from .batching import pack
+from .offline_data import SeqExample, load_sft_examples
+from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
     pad_batch,

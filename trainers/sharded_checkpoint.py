@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.checkpoint import TrainerProgress
+from ..schemas.errors import ConfigError
+from .checkpoint import TrainerProgress
 
 PROGRESS_FILE = "trainer-sharded.json"
 SHARDS_DIR = "sharded"
@@ -51,7 +51,10 @@ def progress_path(ckpt_path: Path) -> Path:
 
 def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """(tensors by flat name, the optimizer state dict) of this rank's shards."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     flat, seen = {}, set()
     for k, v in get_model_state_dict(model).items():
@@ -170,7 +173,10 @@ def load(ckpt_path: Path, shards: str, model, optimizer, channel) -> None:
     """Collective: load ``shards`` (a directory under the checkpoint dir) on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     src = Path(ckpt_path).parent / shards
     flat, osd = _flat_state(model, optimizer)  # also creates the Adam state to load into

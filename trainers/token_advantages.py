@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tapioca.algorithms.gae import (
+from ..algorithms.gae import (
     discounted_returns,
     gae_advantages,
     kl_penalty_rewards,
@@ -48,14 +48,14 @@ from tapioca.algorithms.gae import (
     terminal_rewards,
     turn_gae_advantages,
 )
-from tapioca.config.schema import NormConfig
-from tapioca.schemas.errors import ConfigError
-from tapioca.trainers.batching import SeqItem, micro_batches, output_slice, to_tensors
-from tapioca.trainers.critic import Critic
-from tapioca.trainers.reference import FrozenLogprobModel
+from ..config.schema import NormConfig
+from ..schemas.errors import ConfigError
+from .batching import SeqItem, micro_batches, output_slice, to_tensors
+from .critic import Critic
+from .reference import FrozenLogprobModel
 
 if TYPE_CHECKING:
-    from tapioca.config.sections import TrainerSection
+    from ..config.sections import TrainerSection
 
 
 def turn_ids(item: SeqItem) -> list[int]:

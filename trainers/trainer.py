@@ -47,28 +47,28 @@ from typing import Any, Iterable
 
 import torch
 
-from tapioca.bus.role import DeadLetter, Role, Source
-from tapioca.config.algorithms import reward_norm_spec
-from tapioca.config.sections import TrainerSection
-from tapioca.models.weight_files import WEIGHTS_DIR, weights_file
-from tapioca.models.weight_sync import WeightPublisher
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import BadEventError, FatalRoleError
-from tapioca.schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
-from tapioca.trainers.batching import flatten_groups
-from tapioca.trainers.checkpoint import (
+from ..bus.role import DeadLetter, Role, Source
+from ..config.algorithms import reward_norm_spec
+from ..config.sections import TrainerSection
+from ..models.weight_files import WEIGHTS_DIR, weights_file
+from ..models.weight_sync import WeightPublisher
+from ..schemas.envelope import Event
+from ..schemas.errors import BadEventError, FatalRoleError
+from ..schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
+from .batching import flatten_groups
+from .checkpoint import (
     SUFFIX,
     TrainerProgress,
     load_state,
     refuse_legacy,
     save_state,
 )
-from tapioca.trainers.critic import Critic
-from tapioca.trainers.metrics_sink import MetricsSink
-from tapioca.trainers.ppo_actor import PPOActor
-from tapioca.trainers.reference import FrozenLogprobModel
-from tapioca.trainers.sample_checks import check_made_for, check_trainable
-from tapioca.trainers.token_advantages import TokenAdvantages
+from .critic import Critic
+from .metrics_sink import MetricsSink
+from .ppo_actor import PPOActor
+from .reference import FrozenLogprobModel
+from .sample_checks import check_made_for, check_trainable
+from .token_advantages import TokenAdvantages
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Trainer(Role[TrainerState]):
         own = self.cfg.bus_run_id
         if not own:
             return
-        from tapioca.config.schema import split_bus_run_id
+        from ..config.schema import split_bus_run_id
 
         before = progress.bus_run_id or split_bus_run_id(own)[0]
         if resumed and before != own:
@@ -461,7 +461,7 @@ class Trainer(Role[TrainerState]):
         The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
         of that version when one exists, else keeps its weights with a fresh optimizer
         state (a warning says so; see :meth:`_rollback_critic`)."""
-        from tapioca.models.weight_files import load_verified
+        from ..models.weight_files import load_verified
 
         if command.command != "rollback":
             return super().on_control(command, state)

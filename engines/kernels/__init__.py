@@ -27,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-from tapioca.engines.kernels import reference
-from tapioca.schemas.errors import ConfigError
+from ...schemas.errors import ConfigError
+from . import reference
 
 __all__ = [
     "rms_norm", "rope_and_store_kv", "paged_decode_attention", "paged_prefill_attention",

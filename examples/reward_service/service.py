@@ -39,7 +39,6 @@ import sys
 import time
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
-
 from reward_core import Record, RewardCore, log, parse_args
 
 

@@ -34,7 +34,6 @@ import time
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import CommitFailedError, KafkaError
-
 from reward_core import Record, RewardCore, log, parse_args
 
 

@@ -15,7 +15,7 @@ process group (nccl, or gloo on CPU). The weights event names the transport and 
 reader needs; fast transports carry per-bucket checksums that the reader checks.
 """
 
-from tapioca.models.weight_sync.publisher import WeightPublisher
-from tapioca.models.weight_sync.receiver import WeightReceiver, make_weight_loader
+from .publisher import WeightPublisher
+from .receiver import WeightReceiver, make_weight_loader
 
 __all__ = ["WeightPublisher", "WeightReceiver", "make_weight_loader"]

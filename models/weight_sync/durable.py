@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from tapioca.models.weight_files import saved_versions, weights_file
-from tapioca.models.weight_sync.layout import Layout
-from tapioca.models.weight_sync.slots import SlotBuffer
+from ..weight_files import saved_versions, weights_file
+from .layout import Layout
+from .slots import SlotBuffer
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from tapioca.models.weight_files import WeightsUnavailableError
-from tapioca.models.weight_sync.slots import SlotBuffer
+from ..weight_files import WeightsUnavailableError
+from .slots import SlotBuffer
 
 log = logging.getLogger(__name__)
 

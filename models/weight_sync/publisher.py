@@ -31,10 +31,10 @@ from typing import Any, Mapping
 
 import torch
 
-from tapioca.models.weight_sync.durable import DurableFile, DurableWriter
-from tapioca.models.weight_sync.layout import Layout, bucket_checksums
-from tapioca.models.weight_sync.slots import SlotBuffer
-from tapioca.schemas.errors import ConfigError
+from ...schemas.errors import ConfigError
+from .durable import DurableFile, DurableWriter
+from .layout import Layout, bucket_checksums
+from .slots import SlotBuffer
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class WeightPublisher:
         self._last.clear()
         if self.transport == "nccl":
             if self.server is None:
-                from tapioca.models.weight_sync.nccl import NcclServer
+                from .nccl import NcclServer
 
                 self.server = NcclServer(self.slots, host=self.nccl["host"], port=self.nccl["port"],
                                          backend=self.nccl["backend"],

@@ -24,14 +24,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from tapioca.models.weight_files import (
+from ...schemas.events import WeightsEvent
+from ..weight_files import (
     WeightsTransferError,
     WeightsUnavailableError,
     load_verified,
 )
-from tapioca.models.weight_sync.layout import Layout, bucket_checksums, mismatched_buckets
-from tapioca.models.weight_sync.slots import MappedSlots
-from tapioca.schemas.events import WeightsEvent
+from .layout import Layout, bucket_checksums, mismatched_buckets
+from .slots import MappedSlots
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class WeightReceiver:
                 "newer version replaced it; taking the next event")
 
     def _receive_nccl(self, event: WeightsEvent, buf: torch.Tensor, padded: int) -> None:
-        from tapioca.models.weight_sync.nccl import NcclClient, VersionGone
+        from .nccl import NcclClient, VersionGone
 
         info = event.transport_info
         session = str(info.get("session", ""))

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from tapioca.models.weight_files import WeightsUnavailableError
-from tapioca.models.weight_sync.layout import ALIGN_BYTES
-from tapioca.schemas.errors import TapiocaError
+from ...schemas.errors import TapiocaError
+from ..weight_files import WeightsUnavailableError
+from .layout import ALIGN_BYTES
 
 # The first 4 KiB hold the tags (int64 per slot), so slots start 4 KiB aligned.
 HEADER_BYTES = ALIGN_BYTES

@@ -26,13 +26,13 @@ import logging
 import threading
 from typing import Any, Callable, Iterable
 
-from tapioca.algorithms.head_gate import head_gate_capacity, log_counts
-from tapioca.algorithms.versions import is_newer
-from tapioca.bus.reader import TopicReader
-from tapioca.bus.role import Role, Source
-from tapioca.bus.settings import BusConfig
-from tapioca.schemas.envelope import Event, run_reads
-from tapioca.schemas.events import TrajectoryEvent, WeightsEvent
+from ...algorithms.head_gate import head_gate_capacity, log_counts
+from ...algorithms.versions import is_newer
+from ...bus.reader import TopicReader
+from ...bus.role import Role, Source
+from ...bus.settings import BusConfig
+from ...schemas.envelope import Event, run_reads
+from ...schemas.events import TrajectoryEvent, WeightsEvent
 
 PROXY_PRODUCER_PREFIX = "proxy"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tapioca.schemas.errors import TapiocaError
+from ...schemas.errors import TapiocaError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapioca.engines.base import GenResult
-from tapioca.producers.proxy.sessions import Completion
-from tapioca.producers.proxy.tool_calls import parse_tool_calls
+from ...engines.base import GenResult
+from .sessions import Completion
+from .tool_calls import parse_tool_calls
 
 # A byte-level tokenizer decodes an incomplete UTF-8 sequence to this character; the
 # token's text is then sent with the token that completes it.

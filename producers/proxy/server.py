@@ -60,13 +60,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tapioca.engines.base import GenResult
-from tapioca.producers.proxy.openai_errors import ApiError, bad_request, error_body
-from tapioca.producers.proxy.responses import build_chat_choices, build_text_choices
-from tapioca.producers.proxy.service import ProxyService, float_field, int_field
-from tapioca.producers.proxy.sessions import Session
-from tapioca.producers.proxy.tool_calls import prepare_messages, validate_tool_choice, validate_tools
-from tapioca.schemas.errors import ConfigError, TapiocaError
+from ...engines.base import GenResult
+from ...schemas.errors import ConfigError, TapiocaError
+from .openai_errors import ApiError, bad_request, error_body
+from .responses import build_chat_choices, build_text_choices
+from .service import ProxyService, float_field, int_field
+from .sessions import Session
+from .tool_calls import prepare_messages, validate_tool_choice, validate_tools
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,8 @@ def create_app(svc: ProxyService) -> FastAPI:
         if isinstance(prompt, str) and prompt:
             prompt_ids = await asyncio.to_thread(
                 lambda: list(svc.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = list(prompt)
         else:
             raise bad_request("prompt must be a non-empty string (or a list of token ids)", "prompt")

@@ -22,17 +22,17 @@ import secrets
 import threading
 from typing import Any, Callable
 
-from tapioca.bus.producer import EventProducer
-from tapioca.bus.runner import RoleRunner
-from tapioca.bus.settings import BusConfig
-from tapioca.config.sections import ProxySection
-from tapioca.engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from tapioca.producers.proxy.gate import PROXY_PRODUCER_PREFIX, HeadGate, WeightsFollower, recover_admitted
-from tapioca.producers.proxy.openai_errors import ApiError, bad_request
-from tapioca.producers.proxy.responses import ResponseText
-from tapioca.producers.proxy.sessions import Session, SessionStore
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.errors import BusError, ConfigError, EngineError, SchemaError
+from ...bus.producer import EventProducer
+from ...bus.runner import RoleRunner
+from ...bus.settings import BusConfig
+from ...config.sections import ProxySection
+from ...engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from ...schemas.envelope import Event
+from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError
+from .gate import PROXY_PRODUCER_PREFIX, HeadGate, WeightsFollower, recover_admitted
+from .openai_errors import ApiError, bad_request
+from .responses import ResponseText
+from .sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)
 

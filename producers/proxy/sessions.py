@@ -47,10 +47,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, NamedTuple
 
-from tapioca.bus.dedup import SeenSet
-from tapioca.producers.proxy.openai_errors import ApiError, bad_request
-from tapioca.schemas.envelope import Event
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent
+from ...bus.dedup import SeenSet
+from ...schemas.envelope import Event
+from ...schemas.events import RewardEvent, TrajectoryEvent
+from .openai_errors import ApiError, bad_request
 
 Mode = Literal["concat", "per_completion"]
 
@@ -463,7 +463,8 @@ class SessionStore:
                 output_ids=p.output_ids, output_logprobs=p.output_logprobs,
                 output_versions=p.output_versions, loss_mask=p.loss_mask,
                 turn_boundaries=p.turn_boundaries,
-                finish_reason=p.finish_reason if p.finish_reason in ("stop", "length", "abort", "tool_calls") else "stop",
+                finish_reason=(p.finish_reason if p.finish_reason in ("stop", "length", "abort", "tool_calls")
+                               else "stop"),
                 output_text=self.decode(p.output_ids), task=group.task, task_data=group.task_data,
                 group_index=group.group_index, timings=p.timings))
         for p in pieces:

@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any, Mapping
 
-from tapioca.producers.proxy.openai_errors import bad_request
+from .openai_errors import bad_request
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -169,7 +169,8 @@ def prepare_messages(
             for j, c in enumerate(calls):
                 validate_tool_call(c, f"{where}.tool_calls[{j}]")
             ids = [c["id"] for c in calls]
-            if calls and all(i in raw_by_tool_call_id for i in ids) and len(set(raw_by_tool_call_id[i] for i in ids)) == 1:
+            if (calls and all(i in raw_by_tool_call_id for i in ids)
+                    and len(set(raw_by_tool_call_id[i] for i in ids)) == 1):
                 out.append({"role": "assistant", "content": raw_by_tool_call_id[ids[0]]})
             elif not calls and text in raw_by_content:
                 out.append({"role": "assistant", "content": raw_by_content[text]})

@@ -14,8 +14,8 @@ import pytest
 
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.trainers.trainer import read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -34,10 +34,10 @@ from tapioca.config.schema import (
 )
 from tapioca.models.factory import build_tiny_model
 from tapioca.models.tokenizer import build_char_tokenizer
-from tapioca.runtime.builders import build_proxy_service
 from tapioca.producers.proxy import ProxyServer
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent
 from tapioca.producers.proxy.tool_calls import render_tools_prompt
+from tapioca.runtime.builders import build_proxy_service
+from tapioca.schemas.events import RewardEvent, TrajectoryEvent
 from tapioca.tasks.synthetic import SYNTHETIC_ALPHABET, SyntheticTask
 
 pytestmark = pytest.mark.integration

@@ -2,10 +2,11 @@
 
 One short real run per module (feeder, rollout, advantage processor and archiver built
 as the launcher builds them, and a RewardScorer whose reward is a hash of the
-trajectory id, so rewards and advantages vary; tiny model): 4 groups of 2 samples. Then: the archive holds exactly the run's records and its
-offsets are committed; replaying the archived trajectories and rewards through a
-fresh advantage processor reproduces the recorded advantages exactly; `tapioca replay`
-republishes the archive or a live topic range with filters and rate control; and
+trajectory id, so rewards and advantages vary; tiny model): 4 groups of 2 samples.
+Then: the archive holds exactly the run's records and its offsets are committed;
+replaying the archived trajectories and rewards through a fresh advantage processor
+reproduces the recorded advantages exactly; `tapioca replay` republishes the archive or
+a live topic range with filters and rate control; and
 `tapioca train-offline` trains from the archive with the staleness gate off."""
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typer.testing import CliRunner
 from tapioca.bus import BusConfig, RoleRunner, TopicReader, consumer_lag, ensure_topics
 from tapioca.bus.archive import iter_events, iter_records
 from tapioca.config.loader import to_yaml
-from tapioca.consumers.reward_scorer import RewardScorer
 from tapioca.config.schema import (
     ArchiveConfig,
     DatasetConfig,
@@ -34,10 +34,11 @@ from tapioca.config.schema import (
     TrainConfig,
 )
 from tapioca.config.sections import RewardSection
-from tapioca.runtime.run import create_tiny_checkpoint
+from tapioca.consumers.reward_scorer import RewardScorer
 from tapioca.models.weight_files import sha256_file
 from tapioca.ops.cli import app
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import SampleEvent, topic
 from tapioca.schemas.errors import ConfigError
 

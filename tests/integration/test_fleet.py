@@ -25,8 +25,8 @@ from tapioca.config.schema import (
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
     FleetEvent,
     PromptEvent,

@@ -31,9 +31,9 @@ from tapioca.config.schema import (
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.ops.launcher import role_counts
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import DlqRecord, RewardEvent, SampleEvent, TrajectoryEvent, topic
 from tapioca.schemas.errors import ConfigError
 

@@ -22,9 +22,9 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
     DlqRecord,
     MetricsEvent,

@@ -16,8 +16,8 @@ import torch
 from tapioca.bus import EventProducer, read_events
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.runtime.builders import build_role
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import SampleEvent, SampleSequence, WeightsEvent
 
 pytestmark = pytest.mark.integration

@@ -234,8 +234,8 @@ def _replay_items():
 
 def _replayed(**flt) -> list[tuple[str, str]]:
     """(type, traj_id or group_id) of what a dry run would publish."""
-    from tapioca.bus.settings import BusConfig
     from tapioca.bus.replay import Replayer, ReplayFilter, ReplayStats
+    from tapioca.bus.settings import BusConfig
 
     items = _replay_items()
     published = []
@@ -275,8 +275,8 @@ def test_reward_filter_keeps_or_drops_whole_groups_by_default():
     assert ("reward", "g-new:0") in per_event and ("sample", "g-new") in per_event
     assert ("reward", "g-new:1") not in per_event
     # The verdicts are counted.
-    from tapioca.bus.settings import BusConfig
     from tapioca.bus.replay import Replayer
+    from tapioca.bus.settings import BusConfig
 
     stats = Replayer(None, BusConfig(topic_prefix="p")).run(
         lambda: iter(_replay_items()), ReplayFilter(max_reward=0.85), ReplayStats(), dry_run=True)

@@ -24,11 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "tapioca"
-# Folders already converted: no absolute self-import may come back. The final pass of
-# issue 17 converts the rest and sets this to None (every package folder).
-RELATIVE_ONLY: tuple[str, ...] | None = ("bus", "ops")
-# Modules the config work of issue 17 moves out of ops/ or rewrites; converted with the rest.
-NOT_YET = ("ops/role_builders.py", "ops/run_setup.py", "ops/proxy_cli.py")
+# Folders whose modules may hold no absolute self-import; None: every package folder.
+RELATIVE_ONLY: tuple[str, ...] | None = None
+# Modules exempt from that rule (none left).
+NOT_YET: tuple[str, ...] = ()
 # The modules that make up the `tapioca` command.
 CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "fleet_cli", "offline_cli",
                "plot", "proxy_cli", "replay_cli")

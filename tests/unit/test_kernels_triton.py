@@ -21,7 +21,6 @@ if not CUDA:
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 if not CUDA and not isinstance(tl.sum, InterpretedFunction):
@@ -32,7 +31,6 @@ from tapioca.engines import kernels as K  # noqa: E402
 from tapioca.engines.kernels import reference as R  # noqa: E402
 from tapioca.engines.kernels import triton_attention, triton_norm_act, triton_rope, triton_sampling  # noqa: E402
 from tapioca.schemas.errors import ConfigError  # noqa: E402
-
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 BLOCK, HEAD_DIM = 4, 16

@@ -12,8 +12,8 @@ from tapioca.models.factory import (
     build_tiny_model,
     load_model_and_tokenizer,
 )
-from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.models.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas.errors import ConfigError, TapiocaError
 
 torch.set_num_threads(2)

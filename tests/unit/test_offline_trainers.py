@@ -20,8 +20,8 @@ from tapioca.config.offline import (
     SFTConfig,
 )
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.models.weight_files import sha256_file
+from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.errors import ConfigError, TapiocaError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
 from tapioca.trainers.offline_data import (

@@ -34,8 +34,8 @@ from tapioca.models.weight_sync.layout import ALIGN_BYTES, Layout, bucket_checks
 from tapioca.models.weight_sync.slots import SlotBuffer
 from tapioca.producers.rollout import RolloutWorker
 from tapioca.schemas.envelope import decode_event, encode_event
-from tapioca.schemas.events import DlqRecord, WeightsEvent
 from tapioca.schemas.errors import BadEventError
+from tapioca.schemas.events import DlqRecord, WeightsEvent
 
 VOCAB = 16
 BUCKET = 8192  # several buckets even for the tiny model
