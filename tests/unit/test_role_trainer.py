@@ -35,10 +35,10 @@ B = 2
 ETA = 1
 
 
-def make_trainer(run_dir: Path, seed: int = 0) -> Trainer:
+def make_trainer(run_dir: Path, seed: int = 0, **actor_kw) -> Trainer:
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=seed)
-    actor_cfg = ActorConfig(lr=1e-2)
+    actor_cfg = ActorConfig(lr=1e-2, **actor_kw)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
@@ -188,8 +188,7 @@ def test_committable_is_the_lower_of_the_handled_offset_and_the_checkpoint(train
 
 
 def test_stop_writes_the_final_checkpoint_before_finishing_the_weight_publisher(tmp_path, monkeypatch):
-    t = make_trainer(tmp_path)
-    t.cfg.actor.checkpoint_every_steps = 1000  # no periodic checkpoint: only the stop's
+    t = make_trainer(tmp_path, checkpoint_every_steps=1000)  # no periodic checkpoint: only the stop's
     state = start(t)
     for k in range(2):
         t.handle(sample(f"g{k}"), state, src(k))
