@@ -26,6 +26,14 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
     hf_logging.disable_progress_bar()
     try:
         cfg = load_config(TrainConfig, config, overrides)
+        if not cfg.trial_name:
+            # resolve_run would name a new trial by this process's start time: every role
+            # process (and every restart of one) would be a run of its own.
+            raise ConfigError(
+                f"tapioca role {role}: the config names no trial, so its processes cannot agree "
+                "on one run; set trial_name in the YAML or on the command line "
+                "(trial_name=NAME), or pass the config.yaml that `tapioca train` wrote into "
+                "the run directory")
         cfg = resolve_run(cfg, client_id=f"{cfg.run_id}-{role}-{member}")
         instance = build_role(role, cfg, member) if role == "rollout" else build_role(role, cfg)
         runner = RoleRunner(instance, cfg.bus, member_id=f"{role}-{member}")

@@ -44,6 +44,22 @@ class CheckpointFormatError(TapiocaError):
     """A checkpoint is in a format Tapioca will not load (an old pickle) or is damaged."""
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's bytes, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_replace(tmp: Path, path: Path) -> None:
+    """``os.replace(tmp, path)`` that survives a power loss, not only a crash: the bytes
+    reach the disk before the rename, and the rename before this returns."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(Path(path).parent)
+
 @dataclass
 class TrainerProgress:
     version: int = 0
@@ -170,7 +186,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         torch.zeros(0, dtype=torch.uint8)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
 
 
 def _check_format(path: Path) -> None:
@@ -313,5 +329,5 @@ def migrate_legacy(path: str | os.PathLike) -> Path:
     tensors["meta/json"] = torch.frombuffer(bytearray(blob_json), dtype=torch.uint8)
     tmp = target.with_name(target.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    os.replace(tmp, target)
+    durable_replace(tmp, target)
     return target

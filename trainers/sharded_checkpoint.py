@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from ..schemas.errors import ConfigError
-from .checkpoint import TrainerProgress
+from .checkpoint import TrainerProgress, durable_replace, fsync_path
 
 PROGRESS_FILE = "trainer-sharded.json"
 SHARDS_DIR = "sharded"
@@ -124,11 +123,15 @@ def save(ckpt_path: Path, version: int, model, optimizer, channel,
               "world_size": channel.info.world_size, "progress": progress.__dict__}
     path = progress_path(ckpt_path)
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record))
-        f.flush()
-        os.fsync(f.fileno())  # the rename must not land before the bytes
-    os.replace(tmp, path)
+    # Every rank's shard files, extra.json and the directory reach the disk before the
+    # record names them (a power loss must not leave a record of unwritten data).
+    for file in out.rglob("*"):
+        if file.is_file():
+            fsync_path(file)
+    fsync_path(out)
+    fsync_path(shards_root)
+    tmp.write_text(json.dumps(record))
+    durable_replace(tmp, path)
     # Every other directory: older checkpoints and half-written ones of failed saves.
     for old in shards_root.glob("v*"):
         if old != out:
