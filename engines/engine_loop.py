@@ -3,9 +3,10 @@
 Consumes calls from any thread (``submit``, ``pause``, ``update_weights``, ...) and
 drives a subclass's steps on one background thread; emits each request's
 :class:`~tapioca.engines.base.GenResult` through its future, keyed by ``request_id``.
-The subclass supplies admission (``_admit_locked``), one step (``_step``), failure and
-abort handling, and the weight copy; this class owns the semantics every caller relies
-on (the same as :class:`~tapioca.engines.torch_engine.TorchEngine`'s):
+The subclass (:class:`~tapioca.engines.torch_engine.TorchEngine`,
+:class:`~tapioca.engines.paged_engine.PagedEngine`) supplies admission
+(``_admit_locked``), one step (``_step``), failure and abort handling, and the weight
+copy; this class owns the semantics every caller relies on:
 
 - a step is the unit of work; ``pause``, ``update_weights`` and admission happen only
   between steps, and tokens of a step carry the version its step started with;
@@ -36,6 +37,14 @@ from .scheduler import Pending
 Delivered = list[tuple[concurrent.futures.Future, Any]]
 
 log = logging.getLogger(__name__)
+
+
+def engine_device(device: str | torch.device) -> torch.device:
+    """``device`` with a CUDA index filled in (the engine thread makes it current)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class EngineLoop(InferenceEngine):
@@ -111,6 +120,23 @@ class EngineLoop(InferenceEngine):
     def _validate_more(self, request: GenRequest) -> None:
         """Engine-specific checks (e.g. the KV cache's capacity)."""
 
+    def _read_weights_file(self, path: str) -> dict[str, torch.Tensor]:
+        """A safetensors file's tensors, read on the caller's thread before the update waits."""
+        from safetensors.torch import load_file
+
+        # To host memory: this thread must not touch the GPU while the engine thread may be
+        # capturing a CUDA graph; the copy into the weights happens at the step boundary.
+        return load_file(path)
+
+    def _admission_room_locked(self) -> int:
+        """How many queued requests may join the next step: the free rows, or 0 while fewer
+        rows are free than a group of >= 1/8 of the batch (or the whole queue, if smaller).
+        Each admission costs a prefill forward, so admitting one row per finished row would
+        double the step cost."""
+        free = self.max_batch_size - self._live
+        group = min(len(self._queue), max(1, self.max_batch_size // 8))
+        return free if free >= group else 0
+
     # ------------------------------------------------------------------ public API
 
     @property
@@ -157,11 +183,7 @@ class EngineLoop(InferenceEngine):
 
     def update_weights(self, weights: WeightsSource, version: int) -> None:
         if isinstance(weights, (str, os.PathLike)):
-            from safetensors.torch import load_file
-
-            # To host memory: this thread must not touch the GPU while the engine thread may be
-            # capturing a CUDA graph; the copy into the weights happens at the step boundary.
-            weights = load_file(os.fspath(weights))
+            weights = self._read_weights_file(os.fspath(weights))
         if threading.current_thread() is self._thread:
             raise EngineError(
                 "update_weights was called from the engine thread (a future callback); "

@@ -54,7 +54,7 @@ from .block_manager import (
     plan_num_blocks,
 )
 from .cuda_graphs import DecodeGraphs
-from .engine_loop import Delivered, EngineLoop
+from .engine_loop import Delivered, EngineLoop, engine_device
 from .model_runner import PagedDecoder, PrefillInputs
 from .sampling import RowParams, sample_next
 from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
@@ -111,9 +111,7 @@ class PagedEngine(EngineLoop):
         overlap: bool = True,
     ) -> None:
         del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = engine_device(device)
         if kv_block_size_tokens < 1 or max_prefill_tokens < 1:
             raise EngineError("kv_block_size_tokens and max_prefill_tokens must be >= 1")
         self.decoder = PagedDecoder(model, device)
@@ -181,11 +179,7 @@ class PagedEngine(EngineLoop):
                 "kv_cache_memory_fraction on a GPU), or lower max_new_tokens")
 
     def _admit_locked(self, now: float) -> list[PrefillUnit]:
-        # Admit in groups of >= 1/8 of the batch (or the whole queue): each admission costs
-        # an eager prefill forward, so one row per finished row would double the step cost.
-        free = self.max_batch_size - self._live
-        group = min(len(self._queue), max(1, self.max_batch_size // 8))
-        if free < group:
+        if not self._admission_room_locked():  # the scheduler counts the free rows itself
             return []
         units = self.scheduler.admit(self._queue, now)
         self._unfinished.update((seq.pending.future, seq) for u in units for seq in u.rows)

@@ -5,8 +5,10 @@ weight updates (state dicts or safetensors files, each with a policy version); e
 :class:`~tapioca.engines.base.GenResult` per request, keyed by ``request_id``.
 
 How it runs
-    One background thread owns the model and a running batch. Each iteration is one
-    "step": (1) one decode forward for every live row of the running batch (one new
+    One background thread owns the model and a running batch; the thread, the queue
+    and the control protocol (pause, weight updates at step boundaries, shutdown) are
+    :class:`~tapioca.engines.engine_loop.EngineLoop`'s, this module supplies admission
+    and the step. Each iteration is one "step": (1) one decode forward for every live row of the running batch (one new
     token each, through the KV cache, :mod:`tapioca.engines.kv_cache`), (2) if enough
     requests are queued and there is room (``max_batch_size`` live rows; admission in
     groups of >= 1/8 of the batch or the whole queue), prefill forwards for them
@@ -40,12 +42,8 @@ outputs on the same device.
 
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
-import os
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -54,22 +52,16 @@ import torch
 
 from ..schemas.errors import EngineError
 from .attention import use_decode_attention
-from .base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
+from .base import Decode, GenResult
+from .engine_loop import Delivered, EngineLoop, engine_device
 from .kv_cache import DEFAULT_BUCKET, SlotKVCache
 from .sampling import RowParams, sample_next
+from .scheduler import Pending
 
 # Stop strings are matched in the decoded text of the last few tokens only: a string of
 # n characters spans at most n tokens that each decode to >= 1 character; the margin
 # covers tokens that decode to nothing (partial UTF-8 bytes, skipped specials).
 _STOP_STRING_MARGIN_TOKENS = 8
-
-
-@dataclass
-class _Pending:
-    request: GenRequest
-    future: concurrent.futures.Future
-    t_submit: float
-    t_admit: float = 0.0
 
 
 # Per-row device tensors of a _Batch (selected together when rows are dropped).
@@ -83,7 +75,7 @@ _ROW_TENSORS = (
 class _Batch:
     """The running batch: device tensors with one row per sequence, plus host mirrors."""
 
-    rows: list[_Pending]
+    rows: list[Pending]
     cache: SlotKVCache
     mask_BL: torch.Tensor  # bool, which cache columns are real tokens
     pos_B: torch.Tensor  # int64, position id of the token fed next
@@ -111,7 +103,7 @@ class _Batch:
         return int(self.alive.sum())
 
 
-class TorchEngine(InferenceEngine):
+class TorchEngine(EngineLoop):
     """Batched, interruptible generation with any transformers causal LM (Qwen2, Qwen3, Llama).
 
     ``model`` is moved to ``device`` and put in eval mode; its dtype is kept.
@@ -137,29 +129,13 @@ class TorchEngine(InferenceEngine):
         version: int = 0,
         max_prefill_tokens: int = 32768,
     ) -> None:
-        if max_batch_size < 1:
-            raise EngineError(f"max_batch_size={max_batch_size}: use an integer >= 1")
-        self.max_prefill_tokens = int(max_prefill_tokens)
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.max_batch_size = int(max_batch_size)
-        self.interruptible = bool(interruptible)
-        self.decode = decode
-        if eos_token_id is None:
-            self._eos: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, int):
-            self._eos = (eos_token_id,)
-        else:
-            self._eos = tuple(int(t) for t in eos_token_id)
-        self.pad_token_id = int(pad_token_id)
-        self._generator = None
-        if seed is not None:
-            self._generator = torch.Generator(device=self.device)
-            self._generator.manual_seed(int(seed))
-
         config = model.config
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
+        super().__init__(device=engine_device(device), max_batch_size=max_batch_size,
+                         interruptible=interruptible, decode=decode, eos_token_id=eos_token_id,
+                         version=version, vocab_size=int(getattr(config, "vocab_size", 0)) or None,
+                         max_positions=getattr(config, "max_position_embeddings", None), name="torch-engine")
         self._num_layers = int(config.num_hidden_layers)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self._num_layers
         if any(t != "full_attention" for t in layer_types):
@@ -168,8 +144,14 @@ class TorchEngine(InferenceEngine):
                 f"layer_types={sorted(set(layer_types))}; "
                 "disable sliding window attention in the model config (e.g. use_sliding_window=False)"
             )
-        self._max_positions = getattr(config, "max_position_embeddings", None)
-        self._vocab_size = int(getattr(config, "vocab_size", 0)) or None
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.model = model.to(self.device).eval()
+        self.pad_token_id = int(pad_token_id)
+        self._generator = None
+        if seed is not None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(int(seed))
+
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns until 5.40).
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -186,135 +168,17 @@ class TorchEngine(InferenceEngine):
         # Cache bucket (kv_cache.py): on CUDA shape-stable kernels matter; on CPU padded
         # columns are just extra attention work.
         self._kv_bucket = DEFAULT_BUCKET if self.device.type == "cuda" else 8
-
-        self._version = int(version)
-        self._cv = threading.Condition()
-        self._queue: deque[_Pending] = deque()
         self._batch: _Batch | None = None
-        self._live = 0  # live rows in the running batch (mirror for other threads)
-        self._paused = False
-        self._in_step = False
-        self._updating = False
-        self._update_waiters = 0
-        self._update_lock = threading.Lock()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="tapioca-torch-engine", daemon=True)
-        self._thread.start()
+        self._start()
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ EngineLoop hooks
 
-    @property
-    def version(self) -> int:
-        return self._version
+    def _read_weights_file(self, path: str) -> dict[str, torch.Tensor]:
+        # Straight onto the device: this engine captures no CUDA graphs, so the caller's
+        # thread may allocate there, and the copy at the step boundary stays on the device.
+        from safetensors.torch import load_file
 
-    def submit(self, request: GenRequest) -> concurrent.futures.Future[GenResult]:
-        return self._enqueue([request])[0]
-
-    def submit_all(self, requests: Sequence[GenRequest]) -> list[concurrent.futures.Future[GenResult]]:
-        return self._enqueue(list(requests))
-
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        # Enqueued in one go, so an idle engine batches them identically every time
-        # (what makes ``seed`` reproducible).
-        return [f.result() for f in self._enqueue(list(requests))]
-
-    def _enqueue(self, requests: list[GenRequest]) -> list[concurrent.futures.Future]:
-        for request in requests:
-            self._validate(request)
-        now = time.monotonic()
-        pendings = [_Pending(r, concurrent.futures.Future(), now) for r in requests]
-        for p in pendings:
-            p.future.set_running_or_notify_cancel()
-        with self._cv:
-            if self._closing:
-                raise EngineError("the engine is shut down; create a new TorchEngine")
-            self._queue.extend(pendings)
-            self._cv.notify_all()
-        return [p.future for p in pendings]
-
-    def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-            if threading.current_thread() is not self._thread:
-                while self._in_step:
-                    self._cv.wait()
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
-    def update_weights(self, weights: WeightsSource, version: int) -> None:
-        if isinstance(weights, (str, os.PathLike)):
-            from safetensors.torch import load_file
-
-            weights = load_file(os.fspath(weights), device=str(self.device))
-        if threading.current_thread() is self._thread:
-            raise EngineError(
-                "update_weights was called from the engine thread (a future callback); "
-                "call it from another thread"
-            )
-        with self._update_lock:
-            with self._cv:
-                if self._closing:
-                    raise EngineError("the engine is shut down; create a new TorchEngine")
-                self._update_waiters += 1
-                self._cv.notify_all()
-                try:
-                    while self._in_step or (not self.interruptible and self._live > 0):
-                        if not self.interruptible and self._paused and self._live > 0 and not self._in_step:
-                            raise EngineError(
-                                "interruptible=False waits for the running batch to finish, but the "
-                                "engine is paused; call resume() first (or build the engine with "
-                                "interruptible=True)"
-                            )
-                        if self._closing:
-                            raise EngineError("the engine shut down while a weight update was waiting")
-                        self._cv.wait()
-                    self._updating = True
-                finally:
-                    self._update_waiters -= 1
-            try:
-                self._load_state_dict(weights)  # the engine thread is parked at a step boundary
-                self._version = int(version)
-            finally:
-                with self._cv:
-                    self._updating = False
-                    self._cv.notify_all()
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    # ------------------------------------------------------------------ validation / weights
-
-    def validate(self, request: GenRequest) -> None:
-        self._validate(request)
-
-    def _validate(self, request: GenRequest) -> None:
-        if not request.prompt_ids:
-            raise EngineError(f"request {request.request_id!r} has an empty prompt; give at least one token")
-        if request.sampling.stop_strings and self.decode is None:
-            raise EngineError(
-                f"request {request.request_id!r} uses stop_strings but the engine has no decode function; "
-                "pass TorchEngine(..., decode=tokenizer.decode)"
-            )
-        # One bad id would fail the whole batch's forward, so reject it here.
-        if self._vocab_size is not None and not all(0 <= t < self._vocab_size for t in request.prompt_ids):
-            raise EngineError(
-                f"request {request.request_id!r} has token ids outside [0, {self._vocab_size}); "
-                "check the tokenizer matches the model"
-            )
-        total = len(request.prompt_ids) + request.sampling.max_new_tokens
-        if self._max_positions is not None and total > self._max_positions:
-            raise EngineError(
-                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
-                f"({request.sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
-                f"({self._max_positions}); shorten the prompt or lower max_new_tokens"
-            )
+        return load_file(path, device=str(self.device))
 
     def _load_state_dict(self, state_dict) -> None:
         own = self.model.state_dict()
@@ -337,59 +201,19 @@ class TorchEngine(InferenceEngine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # ------------------------------------------------------------------ engine thread
+    def _admit_locked(self, now: float) -> list[Pending]:
+        admitted: list[Pending] = []
+        room = self._admission_room_locked()
+        while self._queue and len(admitted) < room:
+            p = self._queue.popleft()
+            p.t_admit = now
+            admitted.append(p)
+        return admitted
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while True:
-                    if self._closing:
-                        break
-                    waiting_update = self.interruptible and self._update_waiters > 0
-                    blocked = self._paused or self._updating or waiting_update
-                    draining = not self.interruptible and self._update_waiters > 0
-                    # Admit in groups of >= 1/8 of the batch (or the whole queue if smaller):
-                    # each admission costs a prefill forward and a cache merge, so
-                    # admitting one row per finished row would double the step cost.
-                    free = self.max_batch_size - self._live
-                    group = min(len(self._queue), max(1, self.max_batch_size // 8))
-                    can_admit = bool(self._queue) and not draining and free >= group
-                    if not blocked and (self._live > 0 or can_admit):
-                        break
-                    self._cv.wait()
-                if self._closing:
-                    delivered = self._abort_all_locked()
-                    self._cv.notify_all()
-                    break
-                admitted: list[_Pending] = []
-                if can_admit:
-                    now = time.monotonic()
-                    while self._queue and self._live + len(admitted) < self.max_batch_size:
-                        p = self._queue.popleft()
-                        p.t_admit = now
-                        admitted.append(p)
-                version = self._version
-                self._in_step = True
-            try:
-                delivered = self._step(admitted, version)
-            except BaseException as exc:  # a failed step fails its requests, not the engine
-                delivered = self._fail_batch(admitted, exc)
-            with self._cv:
-                self._in_step = False
-                self._live = self._batch.n_alive if self._batch is not None else 0
-                self._cv.notify_all()
-            self._deliver(delivered)
-        self._deliver(delivered)
+    def _running_rows(self) -> int:
+        return self._batch.n_alive if self._batch is not None else 0
 
-    @staticmethod
-    def _deliver(delivered) -> None:
-        for future, outcome in delivered:
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-
-    def _fail_batch(self, admitted: list[_Pending], exc: BaseException):
+    def _fail_step(self, admitted: list[Pending], exc: BaseException) -> Delivered:
         rows = list(admitted)
         if self._batch is not None:
             rows += [p for p, alive in zip(self._batch.rows, self._batch.alive) if alive]
@@ -398,26 +222,17 @@ class TorchEngine(InferenceEngine):
         err.__cause__ = exc
         return [(p.future, err) for p in rows]
 
-    def _abort_all_locked(self):
-        delivered = []
-        now = time.monotonic()
+    def _abort_running(self, now: float) -> Delivered:
+        delivered: Delivered = []
         b = self._batch
         if b is not None:
             idx = [i for i in range(b.size) if b.alive[i]]
-            delivered += self._results(b, idx, ["abort"] * len(idx), now)
+            delivered = self._results(b, idx, ["abort"] * len(idx), now)
         self._batch = None
-        for p in self._queue:
-            result = GenResult(
-                p.request.request_id, list(p.request.prompt_ids), [], [], [], "abort",
-                {"queued_s": now - p.t_submit, "generate_s": 0.0},
-            )
-            delivered.append((p.future, result))
-        self._queue.clear()
-        self._live = 0
         return delivered
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Pending], version: int):
+    def _step(self, admitted: list[Pending], version: int) -> Delivered:
         batch = self._batch
         if batch is not None and batch.n_alive > 0:
             self._decode_step(batch, version)
@@ -467,10 +282,10 @@ class TorchEngine(InferenceEngine):
         logits = self.model(**kwargs).logits
         return logits[:, -1, :]
 
-    def _prefill_groups(self, admitted: list[_Pending]) -> list[list[_Pending]]:
+    def _prefill_groups(self, admitted: list[Pending]) -> list[list[Pending]]:
         """Split by ``max_prefill_tokens`` of padded prompt; sorting by length cuts padding."""
-        groups: list[list[_Pending]] = []
-        group: list[_Pending] = []
+        groups: list[list[Pending]] = []
+        group: list[Pending] = []
         for p in sorted(admitted, key=lambda p: len(p.request.prompt_ids)):
             # sorted, so this row is the longest so far: it sets the group's padded length
             if group and (len(group) + 1) * len(p.request.prompt_ids) > self.max_prefill_tokens:
@@ -481,7 +296,7 @@ class TorchEngine(InferenceEngine):
             groups.append(group)
         return groups
 
-    def _prefill(self, admitted: list[_Pending], version: int) -> _Batch:
+    def _prefill(self, admitted: list[Pending], version: int) -> _Batch:
         dev = self.device
         n = len(admitted)
         prompt_lens = [len(p.request.prompt_ids) for p in admitted]
