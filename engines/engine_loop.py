@@ -105,6 +105,11 @@ class EngineLoop(InferenceEngine):
     def _running_rows(self) -> int:
         """Admitted requests whose results are not delivered yet."""
 
+    def _admitted_futures(self) -> list:
+        """Every admitted request's future whose result is not delivered yet (the last
+        resort of :meth:`_die` when :meth:`_fail_step` itself raised)."""
+        return []
+
     def _has_inflight(self) -> bool:
         """Whether a launched step's results are still to be processed (overlap)."""
         return False
@@ -265,8 +270,11 @@ class EngineLoop(InferenceEngine):
             self._closing = True
             try:
                 delivered = self._fail_step([], exc)  # results already computed, or errors
-            except BaseException:  # the books may be what broke: the queue still gets its error
-                delivered = []
+            except BaseException:  # the books may be what broke: every known request still
+                try:                # gets the error, so no caller waits forever
+                    delivered = [(f, err) for f in self._admitted_futures()]
+                except BaseException:
+                    delivered = []
             delivered += [(p.future, err) for p in self._queue]
             self._queue.clear()
             self._live = 0

@@ -229,6 +229,9 @@ class PagedEngine(EngineLoop):
         err.__cause__ = exc
         return delivered + [(s.pending.future, err) for s in seqs]
 
+    def _admitted_futures(self) -> list:
+        return list(self._unfinished) + [future for future, _ in self._handover]
+
     def _abort_running(self, now: float) -> Delivered:
         # After _flush: every unfinished sequence is a running row.
         delivered = []
@@ -256,7 +259,7 @@ class PagedEngine(EngineLoop):
             return
         delivered = self._process(launched)
         for future, _ in delivered:  # handed over: no longer this engine's to fail
-            del self._unfinished[future]
+            self._unfinished.pop(future, None)
         self._handover += delivered
         # Finished rows leave now, not at the next launch: admission counts rows, and when
         # every row has finished no next launch comes (a stall the demo hit at step 335).

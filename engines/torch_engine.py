@@ -218,9 +218,17 @@ class TorchEngine(EngineLoop):
         if self._batch is not None:
             rows += [p for p, alive in zip(self._batch.rows, self._batch.alive) if alive]
         self._batch = None
-        err = EngineError(f"generation step failed: {exc!r}")
+        err = EngineError(
+            f"a generation step failed ({type(exc).__name__}: {exc}); the {len(rows)} request(s) "
+            "in the batch are failed and the engine goes on with the next ones. Retry them; if it "
+            "happens again, the cause above says what to fix (out of GPU memory: lower "
+            "max_batch_size)")
         err.__cause__ = exc
         return [(p.future, err) for p in rows]
+
+    def _admitted_futures(self) -> list:
+        b = self._batch
+        return [] if b is None else [p.future for p, alive in zip(b.rows, b.alive) if alive]
 
     def _abort_running(self, now: float) -> Delivered:
         delivered: Delivered = []

@@ -451,6 +451,30 @@ def test_an_error_outside_a_step_fails_every_pending_request_instead_of_hanging(
             eng.submit(GenRequest("late", [1, 2], SamplingParams(max_new_tokens=1)))
 
 
+
+def test_when_failing_a_step_fails_too_every_admitted_request_still_gets_the_error():
+    """The last resort: ``_step`` raises and so does ``_fail_step`` (the books broke): the
+    engine thread stops, and every admitted request and every queued one fails, none hangs."""
+    model = tiny_model()
+    with engine(model, seed=0) as eng:
+        def step_fails(admitted, version):
+            raise RuntimeError("step failed (injected)")
+
+        def fail_step_fails(admitted, exc):
+            raise RuntimeError("the books broke (injected)")
+
+        running = eng.submit_all([GenRequest(f"r{i}", prompt_ids(5, seed=i),
+                                             SamplingParams(max_new_tokens=200)) for i in range(2)])
+        deadline = time.monotonic() + 60
+        while not eng._unfinished and time.monotonic() < deadline:  # admitted and running
+            time.sleep(0.01)
+        eng._step, eng._fail_step = step_fails, fail_step_fails
+        queued = eng.submit_all([GenRequest(f"q{i}", prompt_ids(4, seed=i), SamplingParams(max_new_tokens=2))
+                                 for i in range(2)])
+        for f in running + queued:
+            with pytest.raises(EngineError, match="Create a new PagedEngine"):
+                f.result(timeout=60)
+
 def test_graph_bucket_padding_rows_write_nowhere_and_read_nothing():
     """The CUDA graphs' padding (rows up to a bucket: slot -1, context 0; block tables up to
     a power-of-two width), run eagerly on CPU: every real row stays exact."""
