@@ -8,14 +8,14 @@ same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
-(models/weight_sync/) and loaded between decode steps:
-in-flight sequences continue and their later tokens carry the new version. Which event
-is loaded, refused or dead-lettered is decided in producers/weights_follow.py (shared with
-the agent proxy); in short, versions only go forward (algorithms/versions.py): a weights event older than the loaded version is
-dead-lettered, never loaded, and so is another claim of the loaded version. Newer events
-are candidates, the highest loaded first: one that cannot be loaded (file missing,
-checksum wrong) is retried with backoff by the bus, then dead-lettered, and the next
-candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
+(models/weight_sync/) and loaded between decode steps: in-flight sequences continue and
+their later tokens carry the new version. Which weights event is loaded, refused or
+dead-lettered is decided in producers/weights_follow.py (shared with the agent proxy):
+versions only go forward (algorithms/versions.py), so an event older than the loaded
+version is dead-lettered, never loaded, and so is another claim of the loaded version.
+Newer events are candidates, the highest loaded first: one that cannot be loaded (file
+missing, checksum wrong) is retried with backoff by the bus, then dead-lettered, and the
+next candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
 that can never be generated (token ids outside the vocabulary, too long, no samples) is
 dead-lettered at once. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
