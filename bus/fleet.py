@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from ..schemas.envelope import decode_event
+from ..schemas.envelope import ANY_RUN, decode_event, run_addresses
 from ..schemas.errors import SchemaError, TapiocaError
 from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
 from ..schemas.registry import topic
@@ -80,7 +80,7 @@ class MemberControl:
 
     member_id: str
     role: str
-    run_id: str = "default"
+    run_id: str = ANY_RUN
     # Commands produced before the member started are history, not orders for it: the
     # control topic's end offset may be reported too low (docs/kafka-clients.md), so older
     # commands can be read again at start and are skipped by time (with
@@ -100,9 +100,9 @@ class MemberControl:
             return False  # acknowledgements share the topic
         if not matches(event.target, self.role, self.member_id):
             return False
-        # CLI commands carry run_id "default" (any run); a command stamped with a run id
-        # is only for that run's members.
-        if self.run_id != "default" and event.run_id not in ("default", self.run_id):
+        # CLI commands carry ANY_RUN (every run); a command stamped with a run id is only
+        # for that run's members.
+        if not run_addresses(self.run_id, event.run_id):
             return False
         if (event.produced_at < self.started_at - CLOCK_SKEW_SLACK_S
                 or event.command_id in self._seen):

@@ -17,6 +17,7 @@ import orjson
 import typer
 from rich.table import Table
 
+from ..schemas.envelope import names_a_run
 from ..schemas.errors import TapiocaError
 from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
 
@@ -256,7 +257,7 @@ def weights_rollback(
                            "versions, in the background); roll back to a version that has one "
                            "(`tapioca weights list`)")
     _command("rollback", "trainer", args={"version": version, "sha256": target["sha256"]},
-             timeout_s=timeout, output=output, run_id=None if run_id == "default" else run_id)
+             timeout_s=timeout, output=output, run_id=run_id if names_a_run(run_id) else None)
 
 
 # ---------------------------------------------------------------------- dlq

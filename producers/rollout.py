@@ -8,13 +8,14 @@ same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
-(models/weight_sync/) and loaded between decode steps:
-in-flight sequences continue and their later tokens carry the new version. Versions only
-go forward (algorithms/versions.py): a weights event older than the loaded version is
-dead-lettered, never loaded, and so is another claim of the loaded version. Newer events
-are candidates, the highest loaded first: one that cannot be loaded (file missing,
-checksum wrong) is retried with backoff by the bus, then dead-lettered, and the next
-candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
+(models/weight_sync/) and loaded between decode steps: in-flight sequences continue and
+their later tokens carry the new version. Which weights event is loaded, refused or
+dead-lettered is decided in producers/weights_follow.py (shared with the agent proxy):
+versions only go forward (algorithms/versions.py), so an event older than the loaded
+version is dead-lettered, never loaded, and so is another claim of the loaded version.
+Newer events are candidates, the highest loaded first: one that cannot be loaded (file
+missing, checksum wrong) is retried with backoff by the bus, then dead-lettered, and the
+next candidate is tried; the worker keeps the version it has meanwhile and goes on. A prompt
 that can never be generated (token ids outside the vocabulary, too long, no samples) is
 dead-lettered at once. A prompt is
 not started before the worker has loaded the version the feeder admitted it under
@@ -31,41 +32,20 @@ so another member or a restart generates them).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ..algorithms.versions import is_newer
 from ..bus.dedup import SeenSet
 from ..bus.role import DeadLetter, Role, Source
 from ..config.sections import RolloutSection
 from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
+from .weights_follow import WeightsFollow
 
 LoadWeights = Callable[[WeightsEvent], Any]
-# Weights events kept as candidates at most (the lowest versions are dropped first).
-MAX_WEIGHTS_CANDIDATES = 16
-log = logging.getLogger(__name__)
-
-
-def _weights_id(event: WeightsEvent) -> tuple[str, tuple[str, ...]]:
-    """What names a version's bytes: its file's sha256 and the fast transports' bucket
-    checksums. An event of a fast transport may carry only the checksums (its durable
-    file, with the sha256, is written and re-announced later), so two events of one
-    version conflict only where both name the same kind of checksum and differ."""
-    return event.sha256, tuple(event.bucket_checksums)
-
-
-def _differ(a: tuple[str, tuple[str, ...]], b: tuple[str, tuple[str, ...]]) -> bool:
-    return any(x and y and x != y for x, y in zip(a, b))
-
-
-def _merge_ids(a, b):
-    return b if a is None else tuple(x or y for x, y in zip(a, b))
 
 
 @dataclass
@@ -79,33 +59,30 @@ class _Group:
 
 @dataclass
 class RolloutState:
+    # The following of weights.v1 (producers/weights_follow.py): the loaded version and
+    # the candidates, the first loaded on the next tick.
+    weights: WeightsFollow
     inflight: dict[str, _Group] = field(default_factory=dict)
     seen_groups: SeenSet = field(default_factory=lambda: SeenSet(1_000_000))
-    # Weights events newer than the loaded version, with where they were read (None:
-    # recovered), highest version first (first arrived among equals): the first is loaded
-    # on the next tick, the others are fallbacks should it be dead-lettered (one of
-    # several events claiming a version may be forged).
-    candidates: list[tuple[WeightsEvent, Source | None]] = field(default_factory=list)
-    head_failed: bool = False  # a load of the first candidate raised at least once
-    weight_load_failures: int = 0  # loads that failed (any cause)
-    loaded_version: int = 0
-    # What names the loaded version's bytes (_weights_id; None: not known).
-    loaded_id: tuple[str, tuple[str, ...]] | None = None
-    weights_dead_lettered: int = 0
     trajectories: int = 0
     tokens: int = 0
     window_start: float = field(default_factory=time.time)
     window_tokens: int = 0
-    weight_loads: int = 0
     groups_done: int = 0
-    # Older weights events on the replayed broadcast topic are skipped up to this one.
-    skip_weights_until: str = ""
     draining: bool = False
+
+    @property
+    def loaded_version(self) -> int:
+        return self.weights.loaded_version
+
+    @property
+    def candidates(self) -> list[tuple[WeightsEvent, Source | None]]:
+        return self.weights.candidates
 
     @property
     def pending_weights(self) -> WeightsEvent | None:
         """The weights event the next tick loads (None: none newer than the loaded one)."""
-        return self.candidates[0][0] if self.candidates else None
+        return self.weights.head
 
 
 class RolloutWorker(Role[RolloutState]):
@@ -137,29 +114,18 @@ class RolloutWorker(Role[RolloutState]):
         self.metrics_every_s = metrics_every_s
 
     def init_state(self) -> RolloutState:
-        return RolloutState(loaded_version=self.engine.version)
+        return RolloutState(WeightsFollow("this rollout worker", loaded_version=self.engine.version))
 
     def recover(self, state: RolloutState, latest: list[Event]) -> None:
-        weights = [e for e in latest if isinstance(e, WeightsEvent)]
-        if weights:
-            # The highest version (the latest of equals), not merely the latest event: a
-            # re-published old event must not set the version a restarted worker runs.
-            newest = max(weights, key=lambda e: e.version)
-            if newest.version > state.loaded_version:
-                state.candidates = [(newest, None)]
-            elif newest.version == state.loaded_version:
-                state.loaded_id = _weights_id(newest)
-            state.skip_weights_until = newest.event_id
+        state.weights.recover(latest)  # the newest version is loaded on the first tick
 
     # ------------------------------------------------------------------ events
 
     def handle(self, event: Event, state: RolloutState, source: Source) -> Iterable[Event]:
         if isinstance(event, WeightsEvent):
-            if state.skip_weights_until:
-                if event.event_id == state.skip_weights_until:
-                    state.skip_weights_until = ""
+            if state.weights.replayed(event):
                 return ()
-            return self._follow(event, source, state)
+            return state.weights.offer(event, source)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
             return ()
@@ -193,81 +159,8 @@ class RolloutWorker(Role[RolloutState]):
         # Together: the engine prefills the group's shared prompt once.
         return self.engine.submit_all(self._requests(prompt))
 
-    def _follow(self, event: WeightsEvent, source: Source,
-                state: RolloutState) -> list[DeadLetter]:
-        """A weights event: older than the loaded version is refused; the same version
-        is a re-announcement (same checksum) or a conflict (refused); a newer one becomes
-        a candidate. The highest candidate is loaded on the next tick; lower ones stay as
-        fallbacks, and one that already failed to load is dead-lettered once superseded."""
-        if not is_newer(event, state.loaded_version, "this rollout worker"):
-            if state.loaded_id is None or not _differ(state.loaded_id, _weights_id(event)):
-                state.loaded_id = _merge_ids(state.loaded_id, _weights_id(event))
-                return []
-            raise BadEventError(self._conflict(event, state.loaded_id))
-        if any(c.event_id == event.event_id for c, _ in state.candidates):
-            return []  # read again
-        out = []
-        head = state.pending_weights
-        if head is not None and event.version > head.version and state.head_failed:
-            out.append(DeadLetter(head, BadEventError(
-                f"weights version {head.version} ({head.path}) could not be loaded and was "
-                f"superseded by version {event.version}"), state.candidates.pop(0)[1]))
-            state.weights_dead_lettered += 1
-        state.candidates.append((event, source))
-        state.candidates.sort(key=lambda c: -c[0].version)  # stable: arrival among equals
-        del state.candidates[MAX_WEIGHTS_CANDIDATES:]
-        if state.pending_weights is not head:
-            state.head_failed = False
-        return out
-
-    @staticmethod
-    def _conflict(event: WeightsEvent, loaded: tuple[str, tuple[str, ...]]) -> str:
-        sha, buckets = _weights_id(event)
-        return (f"weights version {event.version} ({event.path or event.transport}, sha256 "
-                f"{sha[:12] or '-'}, bucket checksums {','.join(b[:8] for b in buckets) or '-'}) "
-                f"conflicts with the loaded weights of that version (sha256 {loaded[0][:12] or '-'}, "
-                f"bucket checksums {','.join(b[:8] for b in loaded[1]) or '-'}); "
-                "a version names one set of weights")
-
-    def _apply_weights(self, state: RolloutState) -> list[DeadLetter]:
-        event, source = state.candidates[0]
-        try:
-            self.load_weights(event)
-        except WeightsUnavailableError as exc:
-            # A fast transport no longer holds this version (superseded in the trainer's
-            # buffers, or a restarted trainer): nothing is wrong with the event, so it is
-            # dropped, not dead-lettered; the next event (or its durable file) brings it.
-            state.weight_load_failures += 1
-            state.candidates.pop(0)
-            state.head_failed = False
-            log.warning("weights version %d not available over %s (staying on %d): %s",
-                        event.version, event.transport, state.loaded_version, exc)
-            return []
-        except Exception as exc:
-            state.weight_load_failures += 1
-            # Kept: the bus retries the tick with backoff, then dead-letters the event
-            # (on_dead_letter) and this worker keeps the version it has.
-            state.head_failed = True
-            raise BadEventError(
-                f"weights version {event.version} ({event.path}) cannot be loaded: "
-                f"{type(exc).__name__}: {exc}; this worker stays on version "
-                f"{state.loaded_version}", event=event, source=source, retryable=True) from exc
-        state.loaded_version, state.loaded_id = event.version, _weights_id(event)
-        state.weight_loads += 1
-        # Lower candidates are superseded; others claiming this version conflict with it.
-        conflicts = [DeadLetter(e, BadEventError(self._conflict(e, state.loaded_id)), src)
-                     for e, src in state.candidates[1:]
-                     if e.version == event.version and _differ(_weights_id(e), state.loaded_id)]
-        state.candidates = [c for c in state.candidates if c[0].version > event.version]
-        state.head_failed = False
-        return conflicts
-
     def on_dead_letter(self, state: RolloutState, event: Event, error: BaseException) -> None:
-        before = len(state.candidates)
-        state.candidates = [c for c in state.candidates if c[0].event_id != event.event_id]
-        if len(state.candidates) < before:
-            state.weights_dead_lettered += 1
-            state.head_failed = False  # the next candidate, if any, is tried afresh
+        state.weights.forget(event)  # this worker keeps its version; the next candidate is tried
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
         if not prompt.sampling:
@@ -280,7 +173,7 @@ class RolloutWorker(Role[RolloutState]):
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
         out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
-            out += self._apply_weights(state)
+            out += state.weights.load_head(self.load_weights)
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
@@ -353,8 +246,8 @@ class RolloutWorker(Role[RolloutState]):
         # The engine's own health (a server engine's servers_up / servers_down) goes to
         # fleet.v1 with the rest.
         return {**self.engine.describe(), "version": state.loaded_version,
-                "weight_load_failures": state.weight_load_failures,
+                "weight_load_failures": state.weights.load_failures,
                 "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories,
-                "weights_dead_lettered": state.weights_dead_lettered}
+                "weights_dead_lettered": state.weights.dead_lettered}

@@ -2,10 +2,11 @@
 
 Consumes ``weights.v1`` (broadcast, through a :class:`~tapioca.bus.runner.RoleRunner`
 in a background thread): each new version is loaded into the proxy's engine and its
-``version`` / ``groups_rejected`` move the gate. Versions only go forward
-(algorithms/versions.py): an older weights event is dead-lettered, never loaded; one
-that fails to load is retried, then dead-lettered, and the proxy keeps its version.
-Emits nothing but the runner's status metrics.
+``version`` / ``groups_rejected`` move the gate once loaded. Which weights event is
+loaded, refused or dead-lettered is the rule the rollout workers follow too
+(producers/weights_follow.py): versions only go forward, another claim of the loaded
+version is refused, one that fails to load is retried, then dead-lettered, and the
+proxy keeps its version. Emits nothing but dead letters and the runner's status metrics.
 
 Gate (DESIGN.md §3, the feeder's rule, algorithms/head_gate.py): a session that starts
 a new group waits until ``k - rejected - abandoned < (eta + v + 1) * B`` with k the
@@ -27,12 +28,13 @@ import threading
 from typing import Any, Callable, Iterable
 
 from ...algorithms.head_gate import head_gate_capacity, log_counts
-from ...algorithms.versions import is_newer
 from ...bus.reader import TopicReader
-from ...bus.role import Role, Source
+from ...bus.role import DeadLetter, Role, Source
 from ...bus.settings import BusConfig
 from ...schemas.envelope import Event, run_reads
+from ...schemas.errors import BadEventError
 from ...schemas.events import TrajectoryEvent, WeightsEvent
+from ..weights_follow import WeightsFollow
 
 PROXY_PRODUCER_PREFIX = "proxy"
 
@@ -96,8 +98,13 @@ def recover_admitted(cfg: BusConfig, per_partition: int = 256) -> int:
     return k
 
 
-class WeightsFollower(Role[dict]):
-    """Loads every new version into the engine (``load``) and moves the gate."""
+class WeightsFollower(Role[WeightsFollow]):
+    """Loads every new version into the engine (``load``) and moves the gate once loaded.
+
+    Which event is loaded, refused or dead-lettered is :class:`WeightsFollow`'s rule, as
+    for the rollout workers; the gate takes v and the counts of the version loaded (or of
+    its re-announcements). The newest recovered version is loaded at start, before the
+    gate opens; later ones on the tick."""
 
     name = "proxy-weights"
     broadcast_inputs = ("weights",)
@@ -109,47 +116,50 @@ class WeightsFollower(Role[dict]):
         self.load = load
         self.current_version = current_version
 
-    def init_state(self) -> dict:
-        return {"skip_until": "", "loads": 0}
+    def init_state(self) -> WeightsFollow:
+        return WeightsFollow("the agent proxy", loaded_version=self.current_version())
 
-    def recover(self, state: dict, latest: list[Event]) -> None:
-        weights = [e for e in latest if isinstance(e, WeightsEvent)]
-        if weights:
-            # The highest version, not merely the latest event (a re-published old one).
-            newest = max(weights, key=lambda e: e.version)
+    def recover(self, state: WeightsFollow, latest: list[Event]) -> None:
+        newest = state.recover(latest)
+        if state.head is not None:
             try:
-                self._apply(newest, state)
-            except Exception as exc:  # serve what the engine has; the next version loads
-                log.error("the newest weights (version %d, %s) cannot be loaded: %s; serving "
-                          "version %d until the next weights event", newest.version,
-                          newest.path, exc, self.current_version())
-            # The replayed broadcast topic repeats older versions: skip up to this one.
-            state["skip_until"] = newest.event_id
+                self._load_head(state)
+            except BadEventError as exc:  # serve what the engine has; the tick retries it
+                log.error("%s; serving version %d meanwhile", exc, state.loaded_version)
+        elif newest is not None and newest.version == state.loaded_version:
+            self._move_gate(newest)
         self.gate.ready.set()
 
-    def handle(self, event: Event, state: dict, source: Source) -> Iterable[Event]:
-        if not isinstance(event, WeightsEvent):
+    def handle(self, event: Event, state: WeightsFollow, source: Source) -> Iterable[Event | DeadLetter]:
+        if not isinstance(event, WeightsEvent) or state.replayed(event):
             return ()
-        if state["skip_until"]:
-            if event.event_id == state["skip_until"]:
-                state["skip_until"] = ""
-            return ()
-        self._apply(event, state)
-        return ()
+        out = state.offer(event, source)
+        if event.version == state.loaded_version:  # a re-announcement: the counts move
+            self._move_gate(event)
+        return out
 
-    def _apply(self, event: WeightsEvent, state: dict) -> None:
-        # Older than the gate's version: BadEventError, dead-lettered by the bus. A load
-        # that raises is retried, then dead-lettered; the gate moves only once loaded.
-        if is_newer(event, self.gate.version, "the agent proxy") and (
-                event.version != self.current_version()):
-            # Loading waits for a decode-step boundary; requests queue meanwhile and
-            # continue on the new weights (interruptible generation), none fails.
-            self.load(event)
-            state["loads"] += 1
+    def on_tick(self, state: WeightsFollow, now: float) -> Iterable[Event | DeadLetter]:
+        return self._load_head(state) if state.head is not None else ()
+
+    def _load_head(self, state: WeightsFollow) -> list[DeadLetter]:
+        # Loading waits for a decode-step boundary; requests queue meanwhile and
+        # continue on the new weights (interruptible generation), none fails.
+        event = state.head
+        out = state.load_head(self.load)
+        if state.loaded_version == event.version:
+            self._move_gate(event)
+        return out
+
+    def _move_gate(self, event: WeightsEvent) -> None:
         rollbacks, rejected = log_counts(event.rollbacks, event.groups_rejected,
                                          event.base_steps, event.base_rejected)
         self.gate.update(event.version, rejected, rollbacks)
 
-    def describe(self, state: dict) -> dict[str, Any]:
+    def on_dead_letter(self, state: WeightsFollow, event: Event, error: BaseException) -> None:
+        state.forget(event)  # the proxy keeps its version; the next candidate is tried
+
+    def describe(self, state: WeightsFollow) -> dict[str, Any]:
         return {"version": self.gate.version, "admitted": self.gate.admitted,
-                "rejected": self.gate.rejected, "weight_loads": state["loads"]}
+                "rejected": self.gate.rejected, "weight_loads": state.loads,
+                "weight_load_failures": state.load_failures,
+                "weights_dead_lettered": state.dead_lettered}

@@ -250,7 +250,7 @@ def test_proxy_weights_follower_versions_only_go_forward():
     follower.recover(state, history + [replay])
     assert loaded == [3] and gate.version == 3 and gate.ready.is_set()
     src = Source(topic="t.weights.v1", partition=0, offset=9, broadcast=True)
-    state["skip_until"] = ""
+    state.skip_until = ""
     with pytest.raises(BadEventError, match="weights version 2 is older than version 3"):
         follower.handle(WeightsEvent(version=2, path="/w2", sha256="00" * 32), state, src)
     assert loaded == [3] and gate.version == 3
@@ -259,4 +259,47 @@ def test_proxy_weights_follower_versions_only_go_forward():
     assert loaded == [3] and gate.rejected == 1
     follower.handle(WeightsEvent(version=4, path="/w1", sha256="00" * 32, rollback_of=1,
                                  rollbacks=1), state, src)
+    assert loaded == [3] and gate.version == 3  # loaded on the tick, then the gate moves
+    follower.on_tick(state, 0.0)
     assert loaded == [3, 4] and (gate.version, gate.rollbacks) == (4, 1)
+
+
+def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_loaded():
+    """The rollout workers' rule (producers/weights_follow.py): a load that fails keeps the
+    gate and, once dead-lettered, lets the next claim of the version load; another claim
+    of the loaded version is refused; a version a fast transport no longer holds is dropped."""
+    from tapioca.bus.role import Source
+    from tapioca.models.weight_files import WeightsUnavailableError
+    from tapioca.producers.proxy.gate import WeightsFollower
+    from tapioca.schemas.errors import BadEventError
+    from tapioca.schemas.events import WeightsEvent
+
+    gate = HeadGate(eta=0, prompts_per_step=4)
+    loaded: list[str] = []
+
+    def load(event):
+        if "missing" in event.path:
+            raise FileNotFoundError(event.path)
+        if event.transport != "file":
+            raise WeightsUnavailableError("the trainer's buffer holds a newer version")
+        loaded.append(event.path)
+
+    follower = WeightsFollower(gate, load, lambda: 0)
+    state = follower.init_state()
+    follower.recover(state, [])
+    src = Source(topic="t.weights.v1", partition=0, offset=0, broadcast=True)
+    forged, genuine = (WeightsEvent(version=1, path=p, sha256=c * 64) for p, c in (("/missing", "a"), ("/w1", "b")))
+    follower.handle(forged, state, src)
+    with pytest.raises(BadEventError, match="cannot be loaded.*the agent proxy stays on version 0") as info:
+        follower.on_tick(state, 0.0)
+    assert info.value.retryable and gate.version == 0 and loaded == []
+    follower.handle(genuine, state, src)  # a fallback while the forged one is retried
+    follower.on_dead_letter(state, forged, info.value)
+    follower.on_tick(state, 0.0)
+    assert loaded == ["/w1"] and gate.version == 1
+    with pytest.raises(BadEventError, match="conflicts with the loaded weights"):
+        follower.handle(WeightsEvent(version=1, path="/w1c", sha256="c" * 64), state, src)
+    follower.handle(WeightsEvent(version=2, path="", sha256="", transport="ipc", bucket_checksums=["d" * 64]),
+                    state, src)
+    assert list(follower.on_tick(state, 0.0)) == [] and state.head is None  # dropped
+    assert gate.version == 1 and follower.describe(state)["weights_dead_lettered"] == 1
