@@ -33,6 +33,7 @@ for s in "$@"; do
     kernels) stage $s 130 python3 benchmarks/kernels.py ;;
     kernels_configs) stage $s 280 python3 benchmarks/kernels.py --configs ;;
     engine_tests) stage $s 120 $PYTEST tests/unit/test_engine_paged.py -k "cuda or graph" ;;
+    engine_a) stage $s 300 python3 benchmarks/engine_generate.py --device cuda --workloads a ;;
     engine) stage $s 430 python3 benchmarks/engine_generate.py --device cuda ;;
     weights_tests) stage $s 60 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
     weight_switch_quick) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 4 --file-repeats 1 ;;
