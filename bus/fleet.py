@@ -284,11 +284,7 @@ class MemberFleet:
         except SignatureError as exc:
             if event.command_id not in self._forged:
                 self._forged.add(event.command_id)
-                key = msg.key()
-                source = Source(topic=msg.topic(), partition=msg.partition(),
-                                offset=msg.offset(),
-                                key=key.decode(errors="replace") if key is not None else None,
-                                timestamp_ms=msg.timestamp()[1])
+                source = Source.of(msg)
                 log.warning("%s: refused control command %s (%s) from %s: %s", r.member_id,
                             event.command, event.command_id, event.producer_id, exc)
                 r.dead_letter(msg.value(), source, exc, attempts=1)

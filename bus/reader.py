@@ -126,10 +126,7 @@ class TopicReader:
                     raise BusError(f"reading {self.topic} failed: {err.str()}")
                 if msg.offset() + 1 >= self._targets.get(msg.partition(), 0):
                     self._targets.pop(msg.partition(), None)
-                key = msg.key()
-                source = Source(self.topic, msg.partition(), msg.offset(),
-                                key.decode(errors="replace") if key is not None else None,
-                                msg.timestamp()[1])
+                source = Source.of(msg)
                 event, error = None, None
                 if decode:
                     try:

@@ -29,6 +29,14 @@ class Source:
     timestamp_ms: int = 0
     broadcast: bool = False
 
+    @classmethod
+    def of(cls, msg, broadcast: bool = False) -> "Source":
+        """Where a consumed Kafka record (a confluent-kafka ``Message``) was read from."""
+        key = msg.key()
+        return cls(topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                   key=key.decode(errors="replace") if key is not None else None,
+                   timestamp_ms=msg.timestamp()[1], broadcast=broadcast)
+
 
 @dataclass(frozen=True)
 class DeadLetter:

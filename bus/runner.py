@@ -389,12 +389,7 @@ class RoleRunner:
     def _handle_message(self, msg: Message, broadcast: bool, attempt: int = 1) -> bool:
         """Handle or dead-letter one record; False when it failed and waits for a retry
         (or, while stopping, for redelivery)."""
-        key = msg.key()
-        source = Source(
-            topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-            key=key.decode(errors="replace") if key is not None else None,
-            timestamp_ms=msg.timestamp()[1], broadcast=broadcast,
-        )
+        source = Source.of(msg, broadcast)
         if attempt == 1:
             self.stats.consumed += 1
         raw = msg.value()

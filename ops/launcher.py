@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..bus.broker import EmbeddedBroker
+from ..bus.retry import backoff_s
 from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
@@ -337,7 +338,7 @@ class Launcher:
                       else "restarts are off (launcher.max_restarts=0)")
             raise RoleFailedError(f"role {child.label} exited with code {code} and {budget}; "
                                   f"{tail}")
-        delay = min(lc.restart_backoff_s * 2 ** recent, lc.restart_backoff_max_s)
+        delay = min(backoff_s(lc.restart_backoff_s, recent + 1), lc.restart_backoff_max_s)
         record.times.append(now)
         record.last_code = code
         self.summary.restarts[child.label] = record.count

@@ -215,7 +215,10 @@ class PPOActor:
                 f"PPOActor.train_step: actor.prox_logp_method={method} needs "
                 "policy_version= (the version of the weights before this update).")
         self.model.train()
-        total_tokens = sum(mb.n_tokens for mb in mbs)
+        # Real tokens per micro-batch, read once (one host sync for all of them; the
+        # property syncs on every read).
+        n_tok = [int(n) for n in torch.stack([mb.mask_BT.sum() for mb in mbs]).tolist()] if mbs else []
+        total_tokens = sum(n_tok)
         units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)
         # pi_prox per micro-batch: a tensor when known before training (behaviour
@@ -238,14 +241,14 @@ class PPOActor:
         skipped: list[int] = []
         for mb_index, mb_ids in enumerate(minibatches):
             mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
-            mb_tokens = sum(mbs[i].n_tokens for i in mb_ids) or 1
+            mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             # No optimizer step yet in this train_step: the training forward is pi_prox.
             exact_forward = mb_index == 0 and self.prox_from_training_forward
             self.optimizer.zero_grad(set_to_none=True)
             for i in mb_ids:
                 mb = mbs[i]
-                if mb.n_tokens == 0:
+                if n_tok[i] == 0:
                     continue
                 logp, ent = self.logprobs(
                     mb, entropy=cfg.entropy_coeff > 0 or not entropy_known[i])
@@ -268,7 +271,7 @@ class PPOActor:
                     entropy_BT=ent if cfg.entropy_coeff > 0 else None, **kwargs)
                 (loss * (units[i] / mb_units)).backward()
                 for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + v * mb.n_tokens
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
