@@ -94,23 +94,40 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
               "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
-    """Load a weights file after checking its checksum, reading it once: the file is
-    mapped (copy-on-write), hashed, and the tensors are views of the same pages (they
-    stay valid after the file is replaced or deleted: writers rename a new file in)."""
+def _existing(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
         raise WeightsChecksumError(
             f"weights file {path} does not exist; is the run directory shared between "
-            "the trainer and this process?")
+            "the trainer and this process (and the inference server)?")
+    return path
+
+
+def _mismatch(path: Path, actual: str, announced: str) -> None:
+    raise WeightsChecksumError(
+        f"weights file {path} has sha256 {actual[:12]}…, the event announced "
+        f"{(announced or '(none)')[:12]}…; the file is torn or was replaced — do not load it")
+
+
+def check_weights_file(path: str | os.PathLike, sha256: str) -> None:
+    """The checks of :func:`load_verified` without loading (a server reads the file itself)."""
+    path = _existing(path)
+    actual = sha256_file(path)
+    if actual != sha256:
+        _mismatch(path, actual, sha256)
+
+
+def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
+    """Load a weights file after checking its checksum, reading it once: the file is
+    mapped (copy-on-write), hashed, and the tensors are views of the same pages (they
+    stay valid after the file is replaced or deleted: writers rename a new file in)."""
+    path = _existing(path)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     actual = hashlib.sha256(mm).hexdigest()
     if actual != sha256:
         mm.close()
-        raise WeightsChecksumError(
-            f"weights file {path} has sha256 {actual[:12]}…, the event announced "
-            f"{(sha256 or '(none)')[:12]}…; the file is torn or was replaced — do not load it")
+        _mismatch(path, actual, sha256)
     n = int.from_bytes(mm[:8], "little")
     header = json.loads(mm[8:8 + n])
     header.pop("__metadata__", None)

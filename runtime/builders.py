@@ -122,7 +122,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
     from ..engines.server_launch import launch_server
     from ..engines.sglang_engine import SGLangEngine
     from ..engines.vllm_engine import VLLMEngine
-    from ..models.weight_files import WeightsChecksumError, sha256_file
+    from ..models.weight_files import check_weights_file
 
     if not rollout.interruptible:
         raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
@@ -154,13 +154,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
                 f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
                 "updates to servers are not wired yet): set actor.weight_transport=file")
         # The server reads the file itself; it is checked here first, as the torch path does.
-        if not Path(event.path).exists():
-            raise WeightsChecksumError(f"weights file {event.path} does not exist; is the run "
-                                       "directory shared with this process and the server?")
-        actual = sha256_file(event.path)
-        if actual != event.sha256:
-            raise WeightsChecksumError(f"weights file {event.path} has sha256 {actual[:12]}…, the "
-                                       f"event announced {event.sha256[:12]}…; not loading it")
+        check_weights_file(event.path, event.sha256)
         engine.update_weights(event.path, event.version)
 
     return EngineBundle(engine, load_server_weights, engine.max_context_tokens)
