@@ -21,6 +21,8 @@ from . import broker_state
 
 console = Console()
 OUTPUT_HELP = "table (for people) or json (for scripts)"
+# Commands that take a run's dotted config overrides after their options.
+EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 class _Globals:

@@ -11,7 +11,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from .cli_context import G, console
+from .cli_context import EXTRA_ARGS, G, console
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -141,7 +141,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
                   f"{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
 
 
-@app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("train", context_settings=EXTRA_ARGS)
 def train(
     ctx: typer.Context,
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file."),
@@ -154,13 +154,13 @@ def train(
     run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
 
 
-@app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("demo", context_settings=EXTRA_ARGS)
 def demo(ctx: typer.Context) -> None:
     """Train the tiny model on the built-in synthetic task on the embedded broker."""
     run_training(str(EXAMPLES / DEMO_CONFIG), list(ctx.args))
 
 
-@app.command("role", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("role", context_settings=EXTRA_ARGS)
 def role(
     ctx: typer.Context,
     name: str = typer.Argument(

@@ -14,12 +14,11 @@ from typing import Optional
 
 import typer
 
-from .cli_context import G, console, emit_json
+from .cli_context import EXTRA_ARGS, OUTPUT_HELP, G, check_output, console, emit_json
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
 
-_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 _CONFIG_HELP = ("YAML config file (see examples/sft.yaml, dpo.yaml, reward_model.yaml, "
                 "distill.yaml).")
 
@@ -29,8 +28,7 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
     from ..config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
     from ..trainers.offline_loop import run_metadata
 
-    if output not in ("table", "json"):
-        raise typer.BadParameter("--output must be table or json")
+    check_output(output)
     # kind -> (config class, trainer module, entry point); imported on use (torch is slow to import)
     classes = {"sft": (SFTConfig, "sft", "train_sft"), "dpo": (DPOConfig, "dpo", "train_dpo"),
                "rm": (RewardModelConfig, "reward_model", "train_reward_model"),
@@ -70,12 +68,12 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
 def _register(kind: str, doc: str) -> None:
     def command(ctx: typer.Context,
                 config: Optional[str] = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
-                output: str = typer.Option("table", "-o", "--output", help="table or json"),
+                output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
                 ) -> None:
         _run(kind, config, list(ctx.args), output)
 
     command.__doc__ = doc
-    app.command(kind, context_settings=_EXTRA)(command)
+    app.command(kind, context_settings=EXTRA_ARGS)(command)
 
 
 _register("sft", "Supervised fine-tuning: masked NLL on responses, from a dataset or from a "

@@ -12,13 +12,13 @@ from typing import Optional
 
 import typer
 
-from .cli_context import G, console
+from .cli_context import EXTRA_ARGS, G, console
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
 
 
-@app.command("proxy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("proxy", context_settings=EXTRA_ARGS)
 def proxy(
     ctx: typer.Context,
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file of the run."),

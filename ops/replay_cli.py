@@ -29,7 +29,7 @@ from ..bus.replay import (
     items_from_topic,
 )
 from ..schemas.errors import BusError, ConfigError
-from .cli_context import OUTPUT_HELP, G, bus_config, console, emit_json
+from .cli_context import EXTRA_ARGS, OUTPUT_HELP, G, bus_config, check_output, console, emit_json
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -92,8 +92,7 @@ def replay(
     from ..bus.producer import EventProducer
     from ..bus.reader import _full_name
 
-    if output not in ("table", "json"):
-        raise typer.BadParameter("--output must be table or json")
+    check_output(output)
     if (archive is None) == (from_topic is None):
         raise ConfigError("give either an archive directory or --from-topic NAME (one source)")
     if rate < 0:
@@ -197,7 +196,7 @@ def archive(
 
 
 @app.command("train-offline",
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+             context_settings=EXTRA_ARGS)
 def train_offline(
     ctx: typer.Context,
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML config file."),

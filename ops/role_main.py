@@ -35,7 +35,7 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
                 "(trial_name=NAME), or pass the config.yaml that `tapioca train` wrote into "
                 "the run directory")
         cfg = resolve_run(cfg, client_id=f"{cfg.run_id}-{role}-{member}")
-        instance = build_role(role, cfg, member) if role == "rollout" else build_role(role, cfg)
+        instance = build_role(role, cfg, member)
         runner = RoleRunner(instance, cfg.bus, member_id=f"{role}-{member}")
         runner.run()
         logging.info("stopped cleanly: %s", runner.stats)

@@ -103,7 +103,7 @@ def test_every_member_followed_the_weights(run):
         assert version >= STEPS - ETA - 2, (member, dict(latest))
 
 
-def test_versions_published_once_and_groups_trained_once_within_eta(run):
+def test_each_version_names_one_group_set_and_groups_trained_once_within_eta(run):
     cfg, _ = run
     samples = {e.group_id: e for e in read_events(cfg.bus, "samples")}
     sets: dict[int, set[frozenset]] = defaultdict(set)
@@ -119,7 +119,7 @@ def test_versions_published_once_and_groups_trained_once_within_eta(run):
             assert 0 <= (version - 1) - samples[gid].min_version <= ETA
 
 
-def test_trainer_ranks_stopped_cleanly(run):
+def test_second_rank_restarted_with_the_trainer_and_stopped_cleanly_with_a_sharded_checkpoint(run):
     cfg, _ = run
     logs = Path(cfg.run_path) / "logs"
     text = (logs / "trainer-rank1.log").read_text()

@@ -75,7 +75,7 @@ def test_ray_is_shut_down_after_the_run(ray_run):
     assert not ray.is_initialized()
 
 
-def test_learns_as_the_local_launcher_does(ray_run):
+def test_learns_the_copy_task_to_the_local_launchers_calibrated_bar(ray_run):
     cfg, summary, _ = ray_run
     by_step = {r["step"]: r["reward/mean"] for r in read_metrics(cfg.run_path)}
     steps = sorted(by_step)
