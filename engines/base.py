@@ -78,6 +78,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filtered(self) -> bool:
+        """Sampling from a top-p / top-k nucleus (greedy ignores both)."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
     @classmethod
     def from_generation(cls, gconfig: Any) -> "SamplingParams":
         """A run's sampling defaults from its ``gconfig`` section (the rollout workers'

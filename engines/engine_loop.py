@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,6 +45,20 @@ def engine_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# Stop strings are matched in the decoded text of the last few tokens only: a string of
+# n characters spans at most n tokens that each decode to >= 1 character; the margin
+# covers tokens that decode to nothing (partial UTF-8 bytes, skipped specials).
+STOP_STRING_MARGIN_TOKENS = 8
+
+
+def stop_string_in_tail(decode: Callable[[list[int]], str], tokens: Sequence[int], start: int,
+                        end: int, stops: Sequence[str]) -> bool:
+    """Whether the output ``tokens[start:end]`` ends with text containing one of ``stops``."""
+    window = max(len(s) for s in stops) + STOP_STRING_MARGIN_TOKENS
+    text = decode(list(tokens[max(start, end - window):end]))
+    return any(s in text for s in stops)
 
 
 class EngineLoop(InferenceEngine):

@@ -54,13 +54,11 @@ from .block_manager import (
     plan_num_blocks,
 )
 from .cuda_graphs import DecodeGraphs
-from .engine_loop import Delivered, EngineLoop, engine_device
+from .engine_loop import Delivered, EngineLoop, engine_device, stop_string_in_tail
 from .model_runner import PagedDecoder, PrefillInputs
 from .sampling import RowParams, sample_next
 from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
 
-# Stop strings are matched in the decoded text of the last few tokens only (as TorchEngine).
-_STOP_STRING_MARGIN_TOKENS = 8
 # CPU cache when no size is given: this many tokens, at most this many bytes.
 _CPU_CACHE_TOKENS = 65536
 _CPU_CACHE_BYTES = 1 << 30
@@ -418,10 +416,8 @@ class PagedEngine(EngineLoop):
         return delivered
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        window = max(len(s) for s in seq.stop_strings) + _STOP_STRING_MARGIN_TOKENS
-        start = max(seq.prompt_len, len(seq.tokens) - window)
-        text = self.decode(seq.tokens[start:])
-        return any(s in text for s in seq.stop_strings)
+        return stop_string_in_tail(self.decode, seq.tokens, seq.prompt_len, len(seq.tokens),
+                                   seq.stop_strings)
 
     # ------------------------------------------------------------------ prefill
 
@@ -471,7 +467,7 @@ class PagedEngine(EngineLoop):
         params = RowParams(
             t(np.asarray(temps, dtype=np.float32)), t(np.asarray([sp.top_p for sp in sps], dtype=np.float32)),
             t(np.asarray([sp.top_k for sp in sps], dtype=np.int64)), all_greedy=all(x == 0 for x in temps),
-            any_filter=any(sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps))
+            any_filter=any(sp.filtered for sp in sps))
         if params.any_filter:
             tok_R, logp_R = sample_next(logits_RV, params, self._generator)
         else:

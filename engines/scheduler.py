@@ -230,7 +230,7 @@ class DecodeRows:
         self.temp[rows] = [sp.temperature for sp in sps]
         self.top_p[rows] = [sp.top_p for sp in sps]
         self.top_k[rows] = [sp.top_k for sp in sps]
-        self.filtered[rows] = [sp.temperature > 0 and (sp.top_p < 1 or sp.top_k > 0) for sp in sps]
+        self.filtered[rows] = [sp.filtered for sp in sps]
         width = max(len(s.blocks) for s in seqs)
         self.fit_width(max(blocks_for(s.prompt_len + s.max_new, self.block_size) for s in seqs))
         self.bt[rows, :width] = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]

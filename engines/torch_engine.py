@@ -53,16 +53,10 @@ import torch
 from ..schemas.errors import EngineError
 from .attention import use_decode_attention
 from .base import Decode, GenResult
-from .engine_loop import Delivered, EngineLoop, engine_device
+from .engine_loop import Delivered, EngineLoop, engine_device, stop_string_in_tail
 from .kv_cache import DEFAULT_BUCKET, SlotKVCache
 from .sampling import RowParams, sample_next
 from .scheduler import Pending
-
-# Stop strings are matched in the decoded text of the last few tokens only: a string of
-# n characters spans at most n tokens that each decode to >= 1 character; the margin
-# covers tokens that decode to nothing (partial UTF-8 bytes, skipped specials).
-_STOP_STRING_MARGIN_TOKENS = 8
-
 
 # Per-row device tensors of a _Batch (selected together when rows are dropped).
 _ROW_TENSORS = (
@@ -400,10 +394,7 @@ class TorchEngine(EngineLoop):
         toks = b.out_tok_BN[torch.tensor(rows, device=self.device), :n_max].cpu().tolist()
         for i, row_toks in zip(rows, toks):
             stops = b.rows[i].request.sampling.stop_strings
-            n = int(b.n_out[i])
-            window = max(len(s) for s in stops) + _STOP_STRING_MARGIN_TOKENS
-            text = self.decode(row_toks[max(0, n - window) : n])
-            if any(s in text for s in stops):
+            if stop_string_in_tail(self.decode, row_toks, 0, int(b.n_out[i]), stops):
                 hits.append(i)
         return hits
 

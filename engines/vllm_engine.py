@@ -131,7 +131,7 @@ class VLLMEngine(ServerEngine):
     def validate(self, request: GenRequest) -> None:
         super().validate(request)
         s = request.sampling
-        if s.temperature > 0 and (s.top_p < 1 or s.top_k > 0):
+        if s.filtered:
             raise EngineError(
                 f"request {request.request_id!r}: top_p={s.top_p}, top_k={s.top_k}: vLLM's "
                 "logprobs are renormalised over the top-p/top-k nucleus, Tapioca's are not "
