@@ -41,6 +41,7 @@ for s in "$@"; do
     weight_switch_7b_only) stage $s 210 python3 benchmarks/weight_switch.py --device cuda --variants ipc-big --repeats 3 ;;
     trainer_tuned) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "0.5b/today,0.5b/fast,1.5b/fast,3b/fast mb4k,tuned" --budget-s 135 ;;
     trainer_profile) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --only "1.5b/fast,1.5b/hf compiled,explore" --profile --budget-s 180 ;;
+    trainer_final) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "0.5b/today,0.5b/fast,1.5b/hf,1.5b/fast,3b/fast mb4k" --budget-s 130 ;;
     trainer_compile) stage $s 260 python3 benchmarks/trainer_step.py --device cuda --only "compile,0.5b/fast,1.5b/fast,1.5b/hf" --budget-s 240 ;;
     trainer_switches) stage $s 90 python3 benchmarks/trainer_step.py --device cuda --only switches --budget-s 75 ;;
     weight_switch) stage $s 300 python3 benchmarks/weight_switch.py --device cuda ;;
