@@ -219,11 +219,13 @@ class Replayer:
 
     def run(self, items: Iterator[ReplayItem] | Callable[[], Iterator[ReplayItem]],
             flt: ReplayFilter, stats: ReplayStats, *, limit: int | None = None,
-            dry_run: bool = False) -> ReplayStats:
+            dry_run: bool = False,
+            progress: Callable[[ReplayStats], None] | None = None) -> ReplayStats:
         """Republish the items that pass ``flt``. ``items`` may be a function giving a
         fresh iterator each call: group filtering reads the source twice (a first pass
         decides each group, the second publishes); a plain iterator only filters per
-        event."""
+        event. ``progress`` is called with ``stats`` after each item read (the
+        publishing pass)."""
         from ..schemas.envelope import encode_event
 
         start = time.monotonic()
@@ -253,6 +255,8 @@ class Replayer:
                               "returning the items, or set per_event")
         for item in items:
             stats.read += 1
+            if progress is not None:
+                progress(stats)
             if not flt.keep(item, verdicts):
                 stats.skipped += 1
                 continue
