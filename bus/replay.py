@@ -220,12 +220,12 @@ class Replayer:
     def run(self, items: Iterator[ReplayItem] | Callable[[], Iterator[ReplayItem]],
             flt: ReplayFilter, stats: ReplayStats, *, limit: int | None = None,
             dry_run: bool = False,
-            progress: Callable[[ReplayStats], None] | None = None) -> ReplayStats:
+            progress: Callable[[int, ReplayStats, bool], None] | None = None) -> ReplayStats:
         """Republish the items that pass ``flt``. ``items`` may be a function giving a
         fresh iterator each call: group filtering reads the source twice (a first pass
         decides each group, the second publishes); a plain iterator only filters per
-        event. ``progress`` is called with ``stats`` after each item read (the
-        publishing pass)."""
+        event. ``progress(items read in this pass, stats, first_pass)`` is called after
+        each item read."""
         from ..schemas.envelope import encode_event
 
         start = time.monotonic()
@@ -235,9 +235,11 @@ class Replayer:
                 first: dict[tuple[str, int], int] = {}
 
                 def counted(it: Iterator[ReplayItem]) -> Iterator[ReplayItem]:
-                    for item in it:
+                    for n, item in enumerate(it, 1):
                         tp = (item.source.topic, item.source.partition)
                         first[tp] = max(first.get(tp, -1), item.source.offset)
+                        if progress is not None:
+                            progress(n, stats, True)
                         yield item
 
                 undecodable = stats.undecodable
@@ -256,7 +258,7 @@ class Replayer:
         for item in items:
             stats.read += 1
             if progress is not None:
-                progress(stats)
+                progress(stats.read, stats, False)
             if not flt.keep(item, verdicts):
                 stats.skipped += 1
                 continue

@@ -153,12 +153,16 @@ def replay(
         replayer.producer = EventProducer(dest_cfg, "tapioca-replay")
     total = count_records(archive, topic=list(topic) or None) if archive is not None else None
     verb = "would publish" if dry_run else "published"
+
+    def progress(read: int, st: ReplayStats, first_pass: bool) -> None:
+        shown.update(read, info="pass 1 of 2: deciding whole groups" if first_pass
+                     else f"{verb} {st.published:,}")
+
     try:
         # -o json keeps stdout one document: the bar (or lines) go to stderr there.
         with CommandProgress("replay", "events read", total=total,
                              console=console if output == "table" else err_console) as shown:
-            replayer.run(items, flt, stats, limit=limit, dry_run=dry_run,
-                         progress=lambda st: shown.update(st.read, info=f"{verb} {st.published:,}"))
+            replayer.run(items, flt, stats, limit=limit, dry_run=dry_run, progress=progress)
     finally:
         if replayer.producer is not None:
             replayer.producer.close()
