@@ -645,8 +645,15 @@ class LauncherConfig:
     # How often the launcher checks that the broker answers and that every topic exists
     # with its partitions; lost topics are re-created and the roles restarted.
     topic_check_interval_s: float = 5.0
+    # When stdout is not a terminal (a log file, nohup, Slurm, CI), the live table becomes
+    # a progress line every log_every_steps trainer steps or log_every_s seconds,
+    # whichever comes first.
+    log_every_steps: int = 10
+    log_every_s: float = 30.0
 
     def __post_init__(self) -> None:
+        _require(self.log_every_steps >= 1, "launcher.log_every_steps must be >= 1")
+        _require(self.log_every_s > 0, "launcher.log_every_s must be > 0")
         _require(self.max_restarts >= 0, "launcher.max_restarts must be >= 0 (0: never restart)")
         _require(self.restart_window_s > 0, "launcher.restart_window_s must be > 0")
         _require(self.restart_backoff_s >= 0, "launcher.restart_backoff_s must be >= 0")

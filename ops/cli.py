@@ -10,6 +10,11 @@ Global options: ``--bootstrap-server`` (or ``$TAPIOCA_BOOTSTRAP``; else the brok
 settings unless the flags do, and its ``secrets/bus.key`` signs commands) or
 ``--key-file`` (the signing key alone; or ``$TAPIOCA_SIGNING_KEY_FILE``). Errors are one
 line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
+
+Global options go before the command or anywhere after it, as kafka's tools and kubectl
+take them (``tapioca status --run-dir R`` = ``tapioca --run-dir R status``):
+:func:`hoist_global_options` moves them to the front before the parser sees them.
+Everything after a ``--`` stays where it is.
 """
 
 from __future__ import annotations
@@ -61,9 +66,45 @@ def _main(
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+# The root callback's options: those that take a value, and the flags.
+GLOBAL_VALUE_OPTIONS = ("--bootstrap-server", "-b", "--prefix", "--run-dir", "--key-file")
+GLOBAL_FLAGS = ("--debug",)
+
+
+def _global_width(args: list[str], i: int) -> int:
+    """How many arguments the global option at ``args[i]`` spans (0: not one)."""
+    arg = args[i]
+    if arg in GLOBAL_FLAGS:
+        return 1
+    if arg in GLOBAL_VALUE_OPTIONS:
+        return 2 if i + 1 < len(args) else 1  # a missing value: the parser says so
+    if arg.startswith("--") and arg.split("=", 1)[0] in GLOBAL_VALUE_OPTIONS and "=" in arg:
+        return 1
+    return 0
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """``args`` with the global options that follow the command moved before it."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--":
+            rest += args[i:]
+            break
+        width = _global_width(args, i)
+        if width:
+            front += args[i:i + width]
+            i += width
+        else:
+            rest.append(args[i])
+            i += 1
+    return front + rest
+
+
 def main() -> None:
     try:
-        app()
+        app(args=hoist_global_options(sys.argv[1:]))
     except TapiocaError as exc:
         if G.debug:
             raise

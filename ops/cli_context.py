@@ -20,6 +20,8 @@ from rich.console import Console
 from . import broker_state
 
 console = Console()
+# Progress of a command whose stdout is one JSON document (-o json) goes here.
+err_console = Console(stderr=True)
 OUTPUT_HELP = "table (for people) or json (for scripts)"
 # Commands that take a run's dotted config overrides after their options.
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}

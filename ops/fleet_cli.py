@@ -20,6 +20,7 @@ from rich.table import Table
 from ..schemas.envelope import names_a_run
 from ..schemas.errors import TapiocaError
 from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
+from .render import compact, duration, narrow_table, number_column
 
 # This module's top-level commands and its two command groups; ops/cli.py adds them to
 # `tapioca`.
@@ -67,25 +68,29 @@ def status(
         emit_json([m.to_json() for m in members])
         _stall_exit(alarm)
         return
-    table = Table(
-        title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
-    for col in ("member", "role", "status"):
-        table.add_column(col, no_wrap=True)
-    for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "idle", "seen"):
-        table.add_column(col, justify="right")
+    # Short headers and compact numbers: the numbers stay whole on 80 columns (the text
+    # columns wrap instead). A member id names its role ("rollout-0"): the role is said
+    # only where it does not.
+    table = narrow_table(f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and "
+                         "per-partition lag")
+    for col in ("member", "status"):
+        table.add_column(col, overflow="fold")
+    for col in ("ver", "in/out/s", "lag~", "stale", "DLQ", "idle", "seen"):
+        number_column(table, col)
     for m in members:
         j = m.to_json()
         state = f"[yellow]stale[/] ({j['status']})" if m.stale else j["status"]
         staleness = ("-" if j["staleness_mean"] is None else
                      f"{j['staleness_mean']:.2f}/{_fmt(j['staleness_max'], '{:.0f}')}")
-        table.add_row(j["member_id"], j["role"], state, str(j["policy_version"]),
-                      f"{_fmt(j['rates'].get('in_per_s'))}/{_fmt(j['rates'].get('out_per_s'))}",
-                      "-" if j["lag_total"] is None else str(j["lag_total"]), staleness,
-                      str(j["dead_lettered"]),
-                      "-" if j["idle_s"] is None else f"{j['idle_s']:.0f}s",
-                      f"{j['age_s']:.0f}s ago")
-    table.caption = ("lag~: approximate (broker watermarks); staleness: mean/max versions "
-                     "of the trainer's last step")
+        member = (j["member_id"] if j["member_id"].startswith(f"{j['role']}-")
+                  else f"{j['member_id']} ({j['role']})")
+        table.add_row(member, state, str(j["policy_version"]),
+                      f"{compact(j['rates'].get('in_per_s'))}/{compact(j['rates'].get('out_per_s'))}",
+                      compact(j["lag_total"]), staleness, compact(j["dead_lettered"]),
+                      duration(j["idle_s"]), duration(j["age_s"]))
+    table.caption = ("ver: policy version; in/out/s: events per second; lag~: approximate "
+                     "(broker watermarks); stale: mean/max staleness of the trainer's last "
+                     "step; idle: since it last moved; seen: since its last heartbeat")
     if not members:
         table.caption = "no heartbeats on fleet.v1 (are roles running under this --prefix?)"
     console.print(table)
@@ -202,29 +207,49 @@ def _weights(cfg, run: Optional[str]) -> tuple[str, dict[int, dict]]:
     return run_id, versions
 
 
+def shown_versions(rows: list[dict], last: int, all_versions: bool) -> list[dict]:
+    """What `weights list` shows (rows in version order): every version with ``--all``,
+    else the newest ``last`` and every older one whose file is on disk here (what a
+    rollback can go back to; the trainer deletes all but keep_weight_versions files)."""
+    if all_versions:
+        return rows
+    newest = {r["version"] for r in rows[-last:]} if last > 0 else set()
+    return [r for r in rows if r["version"] in newest or r["on_disk"]]
+
+
 @weights_app.command("list")
 def weights_list(
     run: Optional[str] = typer.Option(None, "--run", help="Run id (default: the run of the "
                                       "newest weights event)."),
+    last: int = typer.Option(10, "--last", help="Show the newest N versions, and the older "
+                             "ones whose file is on disk here."),
+    all_versions: bool = typer.Option(False, "--all", help="Every version ever published."),
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
-    """Every published policy version: path, sha256, time, rollback_of."""
+    """Published policy versions (path, sha256, time, rollback_of): the newest --last N
+    and those whose weights file is on disk here, or every one with --all."""
     from pathlib import Path
 
     check_output(output)
+    if last < 0:
+        raise typer.BadParameter("--last must be >= 0")
     run_id, versions = _weights(bus_config(), run)
-    rows = [{**v, "on_disk": bool(v["path"]) and Path(v["path"]).exists()}
-            for _, v in sorted(versions.items())]
+    every = [{**v, "on_disk": bool(v["path"]) and Path(v["path"]).exists()}
+             for _, v in sorted(versions.items())]
+    rows = shown_versions(every, last, all_versions)
     if output == "json":
         emit_json(rows)
         return
     dirs = {str(Path(r["path"]).parent) for r in rows if r["path"]}
+    hidden = len(every) - len(rows)
     table = Table("version", "time", "sha256", "rollback_of", "file", "on disk here",
                   title=f"weights of run {run_id}"
                   + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
-                  caption="the trainer keeps only the last keep_weight_versions files "
-                          "(ipc / nccl: every actor.weight_file_every_versions-th version has "
-                          "one); -o json has full paths")
+                  caption=(f"{len(rows)} of {len(every)} versions: the newest {last} and those "
+                           "on disk here; --all shows every one. " if hidden else "")
+                  + "The trainer keeps only the last keep_weight_versions files "
+                    "(ipc / nccl: every actor.weight_file_every_versions-th version has "
+                    "one); -o json has full paths")
     for r in rows:
         table.add_row(str(r["version"]), _when(r["time"]),
                       r["sha256"][:12] + "…" if r["sha256"] else "-",

@@ -14,7 +14,8 @@ from typing import Optional
 
 import typer
 
-from .cli_context import EXTRA_ARGS, OUTPUT_HELP, G, check_output, console, emit_json
+from .cli_context import EXTRA_ARGS, OUTPUT_HELP, G, check_output, console, emit_json, err_console
+from .progress import CommandProgress
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -50,13 +51,22 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
         cfg = resolve_run(cfg, topic_prefix=G.prefix)
     # The run directory (absolute), the tiny model when model.path is empty, the run id.
     cfg = resolve_run(cfg, prepare=True)
-    summary = train(cfg)
+    loss_key = f"{kind}/loss"
+    # -o json keeps stdout one document: the bar (or lines) go to stderr there.
+    with CommandProgress(kind, "steps", console=console if output == "table" else err_console,
+                         total=cfg.total_train_steps) as shown:
+        summary = train(cfg, progress=lambda step, total, metrics: shown.update(
+            step, total, info=f"{loss_key} {metrics[loss_key]:.4f}" if loss_key in metrics else ""))
     meta = run_metadata(summary)
     if output == "json":
         emit_json(meta)
         return
-    loss_key = {"sft": "sft/loss", "dpo": "dpo/loss", "rm": "rm/loss",
-                "distill": "distill/loss"}[kind]
+    if summary.already_complete:
+        console.print(f"{kind}: already complete: {summary.run_dir} has {summary.steps} steps "
+                      f"(checkpoint {summary.checkpoint}); nothing to train (raise "
+                      "total_train_steps to go on, or set a new trial_name)", soft_wrap=True)
+        console.print(f"final model: {summary.final_model_dir}", soft_wrap=True)
+        return
     first, last = meta["first"].get(loss_key), meta["last"].get(loss_key)
     trend = (f"; {loss_key} {first:.4f} -> {last:.4f}"
              if first is not None and last is not None else "")

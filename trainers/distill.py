@@ -33,6 +33,7 @@ from .offline_data import SeqExample, load_sft_examples
 from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
+    StepProgress,
     pad_batch,
     setup_offline,
 )
@@ -96,7 +97,7 @@ class DistillTrainer(OfflineTrainerBase[SeqExample]):
         return {"kl": float(kl_N.mean()), "nll": float(-logprobs_N.mean())}
 
 
-def train_distill(cfg: DistillConfig) -> OfflineSummary:
+def train_distill(cfg: DistillConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
     """Distil ``teacher_path`` into the student (``model.path``, or the tiny model)."""
     from ..models.factory import load_model_and_tokenizer
 
@@ -105,4 +106,4 @@ def train_distill(cfg: DistillConfig) -> OfflineSummary:
                                           device=cfg.actor.device)
     examples, stats = load_sft_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
     return DistillTrainer(cfg, model, tokenizer, examples, teacher=teacher,
-                          data_metrics=stats.metrics()).fit()
+                          data_metrics=stats.metrics()).fit(progress)

@@ -29,6 +29,7 @@ from .offline_data import PairExample, load_pair_examples
 from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
+    StepProgress,
     mean,
     pad_batch,
     setup_offline,
@@ -108,7 +109,7 @@ class DPOTrainer(OfflineTrainerBase[PairExample]):
                 "logp_chosen_minus_rejected": float((pol_c - pol_r).mean())}
 
 
-def train_dpo(cfg: DPOConfig) -> OfflineSummary:
+def train_dpo(cfg: DPOConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
     """Run DPO as configured (creates the run directory; resumes from its checkpoint)."""
     model, tokenizer = setup_offline(cfg)
     ref = None
@@ -118,4 +119,4 @@ def train_dpo(cfg: DPOConfig) -> OfflineSummary:
         ref, _ = load_model_and_tokenizer(cfg.ref_model_path, dtype=cfg.actor.param_dtype,
                                           device=cfg.actor.device)
     examples, stats = load_pair_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
-    return DPOTrainer(cfg, model, tokenizer, examples, ref_model=ref, data_metrics=stats.metrics()).fit()
+    return DPOTrainer(cfg, model, tokenizer, examples, ref_model=ref, data_metrics=stats.metrics()).fit(progress)

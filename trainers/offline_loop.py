@@ -24,7 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from .checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoin
 from .metrics_sink import MetricsSink
 
 E = TypeVar("E")
+# ``progress(step, total_steps, metrics)``, called after each step (a CLI's progress bar).
+StepProgress = Callable[[int, int, dict[str, float]], None]
 
 
 def write_offline_run(cfg: OfflineTrainConfig) -> Path:
@@ -113,6 +115,9 @@ class OfflineSummary:
     history: list[dict[str, float]] = field(default_factory=list)
     final_model_dir: Path | None = None
     data: dict[str, float] = field(default_factory=dict)
+    # The checkpoint had reached the step budget already: nothing was trained.
+    already_complete: bool = False
+    checkpoint: Path | None = None
 
 
 class OfflineTrainerBase(Generic[E]):
@@ -181,21 +186,29 @@ class OfflineTrainerBase(Generic[E]):
 
     # ---------------------------------------------------------------- loop
 
-    def fit(self) -> OfflineSummary:
+    def fit(self, progress: StepProgress | None = None) -> OfflineSummary:
+        """Train to the step budget; ``progress(step, total, metrics)`` after each step
+        (a CLI's progress bar). A run whose checkpoint is at the budget already trains
+        nothing and says so (``already_complete``)."""
         t_start = time.perf_counter()
+        final = self.run_dir / "final"
+        complete = self.progress.version >= self.total_steps
         sink = MetricsSink(self.run_dir / "metrics")
         history: list[dict[str, float]] = []
         try:
             while self.progress.version < self.total_steps:
                 history.append(self._step(sink))
-            final = self.run_dir / "final"
-            self.save_final(final)
+                if progress is not None:
+                    progress(self.progress.version, self.total_steps, history[-1])
+            if not (complete and final.is_dir()):
+                self.save_final(final)
         finally:
             sink.close()
             if self.producer is not None:
                 self.producer.close()
         return OfflineSummary(self.kind, self.run_dir, self.progress.version,
-                              time.perf_counter() - t_start, history, final, self.data_metrics)
+                              time.perf_counter() - t_start, history, final, self.data_metrics,
+                              already_complete=complete, checkpoint=self.ckpt_path)
 
     def _step(self, sink: MetricsSink) -> dict[str, float]:
         step = self.progress.version  # 0-based index of the step being taken

@@ -27,6 +27,7 @@ from .offline_data import PairExample, load_pair_examples
 from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
+    StepProgress,
     mean,
     pad_batch,
     setup_offline,
@@ -107,9 +108,9 @@ class RewardModelTrainer(OfflineTrainerBase[PairExample]):
         return {"accuracy": float((rc_B > rr_B).float().mean()), "margin": float((rc_B - rr_B).mean())}
 
 
-def train_reward_model(cfg: RewardModelConfig) -> OfflineSummary:
+def train_reward_model(cfg: RewardModelConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
     """Train a Bradley-Terry reward model as configured (resumes from its checkpoint)."""
     setup_offline(cfg, load_policy=False)
     model, tokenizer = load_reward_model(cfg.model.path, dtype=cfg.actor.param_dtype, device=cfg.actor.device)
     examples, stats = load_pair_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
-    return RewardModelTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit()
+    return RewardModelTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress)

@@ -22,6 +22,7 @@ from .offline_data import SeqExample, load_sft_examples
 from .offline_loop import (
     OfflineSummary,
     OfflineTrainerBase,
+    StepProgress,
     pad_batch,
     setup_offline,
     token_logprobs,
@@ -49,8 +50,8 @@ class SFTTrainer(OfflineTrainerBase[SeqExample]):
                 "sft/examples": float(len(batch))}
 
 
-def train_sft(cfg: SFTConfig) -> OfflineSummary:
+def train_sft(cfg: SFTConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
     """Run SFT as configured (creates the run directory; resumes from its checkpoint)."""
     model, tokenizer = setup_offline(cfg)
     examples, stats = load_sft_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
-    return SFTTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit()
+    return SFTTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress)

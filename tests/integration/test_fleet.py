@@ -448,3 +448,54 @@ def test_read_fleet_reads_back_far_enough_for_a_quiet_member_of_a_big_fleet(cfg)
     assert "quiet-0" not in _read_heartbeats(cfg, 8)[0]
     everything = {m.event.member_id for m in read_fleet(cfg, window_s=None, now=now)}
     assert {"quiet-0", "ancient-0"} <= everything
+
+
+def test_status_keeps_every_number_whole_on_80_columns(cfg, tmp_path):
+    """Heartbeats of a busy fleet (big rates, lag, dead letters) as `tapioca status` shows
+    them on an 80-column terminal: nothing is cut (a member id that does not name its
+    role, as an external service's may, is followed by it)."""
+    now = time.time()
+    publish(cfg, FleetEvent(member_id="advantage-0", role="advantage", status="running",
+                            policy_version=12345, rates={"in_per_s": 12345.6, "out_per_s": 2345.6},
+                            lag={"p0": 123000, "p1": 456}, produced_at=now,
+                            detail={"interval_s": 600.0, "dead_lettered": 1234, "idle_s": 754.0,
+                                    "metrics": {"trainer/staleness_mean": 12.25,
+                                                "trainer/staleness_max": 16.0}}),
+            FleetEvent(member_id="lenpen-svc-3", role="reward", status="draining",
+                       policy_version=7, rates={"in_per_s": 0.5, "out_per_s": 3.25},
+                       produced_at=now, detail={"interval_s": 600.0, "idle_s": 4000.0}))
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "COLUMNS": "80"}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    proc = subprocess.run([TAPIOCA, "status", "--bootstrap-server", cfg.bootstrap_servers,
+                           "--prefix", cfg.topic_prefix, "--stall-after", "86400"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    # By hand: 12345.6 -> 12k, 2345.6 -> 2.3k; lag 123000 + 456 = 123456 -> 123k; idle
+    # 754 s -> 12m34s, 4000 s -> 1h06m; 0.5 and 3.25 per s -> 0.5/3.2.
+    for cell in ("12345", "12k/2.3k", "123k", "12.25/16", "1.2k", "12m34s", "0.5/3.2", "1h06m",
+                 "draining", "advantage-0", "lenpen-svc-3", "(reward)"):
+        assert cell in text, f"{cell!r} cut or missing at 80 columns:\n{text}"
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def test_weights_list_shows_the_newest_and_those_on_disk_unless_all(cfg, cli, tmp_path):
+    """A long run's weights topic: 15 versions published, the files of versions 2 and 3
+    still on disk (as if an old rollback target had been kept), the rest deleted."""
+    files = {}
+    for v in (2, 3):
+        files[v] = tmp_path / f"v{v:06d}.safetensors"
+        files[v].write_bytes(b"x")
+    publish(cfg, *[WeightsEvent(version=v, run_id="long.t0", sha256=f"{v:064x}",
+                                path=str(files.get(v, tmp_path / f"v{v:06d}.safetensors")))
+                   for v in range(15)])
+    default = ok_json(cli("weights", "list", "--last", "3", "-o", "json"))
+    # By hand: the newest 3 (12, 13, 14) and the older ones on disk (2, 3).
+    assert [r["version"] for r in default] == [2, 3, 12, 13, 14]
+    assert [r["version"] for r in ok_json(cli("weights", "list", "-o", "json"))] == \
+        [2, 3] + list(range(5, 15))
+    assert [r["version"] for r in ok_json(cli("weights", "list", "--all", "-o", "json"))] == \
+        list(range(15))
+    table = cli("weights", "list", "--last", "3")
+    assert table.returncode == 0, table.stderr
+    assert "5 of 15 versions" in table.stdout and "--all" in table.stdout, table.stdout

@@ -108,6 +108,27 @@ def test_models_and_chat(proxy):
     assert 1 <= out.usage.completion_tokens <= 5
 
 
+def test_session_wrapper_with_a_wrong_admin_key_is_a_one_line_error(proxy):
+    """examples/agents/session_wrapper.py against the real proxy with a key it refuses:
+    one line that says what to pass, no stack trace."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, _ = proxy
+    wrapper = Path(__file__).resolve().parents[2] / "examples" / "agents" / "session_wrapper.py"
+    proc = subprocess.run([sys.executable, str(wrapper), "--proxy", server.base_url, "--admin-key",
+                           "not-the-key", "--question", "max(3,7)=", "--answer", "7", "--wait-s",
+                           "30", "--", sys.executable, "-c", "print(7)"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: the proxy at {server.base_url} refused /models (HTTP 401"), \
+        lines[0]
+    assert "--admin-key or $TAPIOCA_PROXY_KEY" in lines[0] and "proxy-admin.key" in lines[0]
+
+
 def test_streaming_and_n(proxy):
     server, _ = proxy
     client = _client(server, _session(server, group_size=1))

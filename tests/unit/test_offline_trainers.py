@@ -472,6 +472,32 @@ def test_cli_sft_runs_and_reports_json(tiny, tmp_path):
     assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError)
 
 
+def test_cli_sft_shows_progress_off_a_terminal_and_says_a_finished_run_is_complete(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from tapioca.ops.cli import app
+
+    args = ["sft", "--config", str(EXAMPLES / "sft.yaml"), f"model.path={tiny}",
+            f"run_dir={tmp_path}", "total_train_steps=3", "trial_name=again",
+            f"train_dataset.path={EXAMPLES / 'data/synthetic_sft.jsonl'}"]
+    # CliRunner's stdout is no terminal: lines, here one per step.
+    env = {"TAPIOCA_PROGRESS_EVERY_S": "0.000001"}
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, (result.output, result.exception)
+    steps = [line for line in result.output.splitlines() if line.startswith("sft: ")
+             and "/3 steps" in line]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"], result.output
+    assert "sft/loss" in steps[-1]
+    final = tmp_path / "sft" / "again" / "final"
+    stamp = (final / "config.json").stat().st_mtime_ns
+    # The same command again: nothing to train, and it says so (final/ is left as it is).
+    again = CliRunner().invoke(app, args, env=env)
+    assert again.exit_code == 0, (again.output, again.exception)
+    assert f"sft: already complete: {tmp_path / 'sft' / 'again'} has 3 steps" in again.output
+    assert "nothing to train" in again.output and f"final model: {final}" in again.output
+    assert (final / "config.json").stat().st_mtime_ns == stamp
+
+
 def test_no_usable_examples_is_a_clear_error(tiny, tokenizer, tmp_path):
     rows = tmp_path / "long.jsonl"
     rows.write_text(json.dumps({"prompt": "max(1,2)=" * 30, "response": "2"}) + "\n")
