@@ -11,8 +11,12 @@ Supervision (``launcher`` config section):
 - a role that crashes (non-zero exit) is restarted after a backoff that doubles per
   restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
   the run stops with an error naming the role and its log. Exit code 78 (a config or
-  file problem, ``EXIT_NO_RESTART``) is never retried. Restarting is safe: every role
-  resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
+  file problem, ``EXIT_NO_RESTART``) is never retried, nor is 74 (``EXIT_STORAGE``: a
+  disk full, failing or read-only, which the run stops on with the role's one-line
+  reason). Restarting is safe: every role resumes from the log and its checkpoint. A
+  clean exit (0) of a role is a drain.
+- each role gets the write end of a pipe (``$TAPIOCA_REASON_FD``) for the one line that
+  says why it failed (ops/role_main.py): its log may be on the disk that is full.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
   process group, which the launcher signals when it stops.
@@ -74,6 +78,11 @@ ARCHIVER_CATCH_UP_S = 2.0
 # A role exits with this code for an error no restart can fix (a bad config, a missing
 # key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
 EXIT_NO_RESTART = 78
+# ... and with this one when a disk is full, failing or read-only (StorageError, EX_IOERR):
+# the run stops, saying which file could not be written, until a person frees space.
+EXIT_STORAGE = 74
+# The environment variable naming a role's inherited pipe for its one-line failure reason.
+REASON_FD_ENV = "TAPIOCA_REASON_FD"
 
 
 class RoleFailedError(TapiocaError):
@@ -87,10 +96,34 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
+    # Read end of the pipe the role writes its failure reason to (-1: none).
+    reason_fd: int = -1
+    _reason: str | None = None
 
     @property
     def label(self) -> str:
         return f"{self.role}-{self.member}"
+
+    def exit_reason(self) -> str:
+        """The last line the role wrote to its reason pipe ("" if none); closes the pipe.
+        Read after the role exited: what it wrote is in the pipe whatever its disk does."""
+        if self._reason is None:
+            data = b""
+            if self.reason_fd >= 0:
+                try:
+                    while chunk := os.read(self.reason_fd, 65536):
+                        data += chunk
+                except OSError:  # EAGAIN: a process the role started still holds it open
+                    pass
+            self.close_reason()
+            lines = [ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]
+            self._reason = lines[-1].strip() if lines else ""
+        return self._reason
+
+    def close_reason(self) -> None:
+        if self.reason_fd >= 0:
+            os.close(self.reason_fd)
+            self.reason_fd = -1
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -233,6 +266,7 @@ class Launcher:
         if kill and old.proc.poll() is None:
             old.proc.kill()
         old.proc.wait(10)
+        old.close_reason()
         self.children.remove(old)
         return self._spawn(role, member, self.config_path)
 
@@ -245,10 +279,21 @@ class Launcher:
         # flush to; the roles are crash-safe).
         sig = signal.SIGKILL if self.broker is not None else signal.SIGTERM
         cmd = guarded(self.command_for(role, member, config_path), sig)
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        child = Child(role, member, proc, log_path)
+        # The role's failure reason comes back through a pipe (kernel memory), not its log.
+        reason_r, reason_w = os.pipe()
+        os.set_blocking(reason_r, False)
+        env[REASON_FD_ENV] = str(reason_w)
+        try:
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        pass_fds=(reason_w,))
+        except BaseException:
+            os.close(reason_r)
+            raise
+        finally:
+            os.close(reason_w)
+        child = Child(role, member, proc, log_path, reason_fd=reason_r)
         self.children.append(child)
         return child
 
@@ -312,6 +357,7 @@ class Launcher:
                 return True
             self.children.remove(child)
             if code == 0:
+                child.close_reason()
                 # A clean exit of another role is a `tapioca drain`: the run goes on
                 # (its work is committed; the rest of the group takes over) -- unless
                 # it was the role's last member, which the user must hear about.
@@ -328,7 +374,16 @@ class Launcher:
         lc = self.cfg.launcher
         record = self.restarts.setdefault(child.label, Restarts())
         recent = record.recent(now, lc.restart_window_s)
+        reason = child.exit_reason()
         tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
+        if code == EXIT_STORAGE:
+            # One line, the reason first: the log may be on the disk that is full.
+            raise RoleFailedError(
+                f"role {child.label} stopped: {reason or 'a disk was full, failing or read-only'}"
+                f"; free space on that disk (or fix it) and run the same command again: the run "
+                f"resumes from its last checkpoint (log: {child.log_path})")
+        if reason:
+            tail = f"{reason}; {tail}"
         if code == EXIT_NO_RESTART:
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
@@ -343,7 +398,8 @@ class Launcher:
         record.last_code = code
         self.summary.restarts[child.label] = record.count
         self.pending.append(PendingRestart(child.role, child.member, now + delay))
-        self._notice(f"{child.label} exited with code {code}; restart "
+        said = f" ({reason})" if reason else ""
+        self._notice(f"{child.label} exited with code {code}{said}; restart "
                      f"{recent + 1}/{lc.max_restarts} in {delay:.1f} s (log: {child.log_path})")
 
     def _start_due(self, now: float) -> None:
@@ -513,6 +569,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(5)
+            child.close_reason()
 
     def __enter__(self) -> "Launcher":
         self.start()
