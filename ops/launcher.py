@@ -165,6 +165,13 @@ class RunSummary:
     # Times the broker lost the run's log and the roles moved to a new bus run id.
     log_recoveries: int = 0
     bus_run_id: str = ""
+    # What the lost logs took with them, from the members' last status before each loss:
+    # groups admitted but not yet trained or rejected (in prompts, trajectories, rewards,
+    # samples or the trainer's buffer), and trained steps that no checkpoint held (the
+    # trainer's last version minus the one it resumed at). None: not known (no feeder or
+    # trainer had reported on that log, or the trainer had not reported since).
+    groups_dropped: int | None = None
+    steps_dropped: int | None = None
 
     def supervision_line(self) -> str:
         """What the closing line says about restarts and recoveries ("" if none)."""
@@ -173,8 +180,12 @@ class RunSummary:
             parts.append("restarts: " + ", ".join(
                 f"{m} x{n}" for m, n in sorted(self.restarts.items())))
         if self.log_recoveries:
+            lost = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in (
+                (self.groups_dropped, "in-flight group"), (self.steps_dropped, "trained step"))
+                if n is not None]
+            dropped = f"; dropped with it: {' and '.join(lost)}" if lost else ""
             parts.append(f"broker lost the log {self.log_recoveries}x (now bus run id "
-                         f"{self.bus_run_id})")
+                         f"{self.bus_run_id}{dropped})")
         return "; ".join(parts)
 
     def window_means(self, window: int = 20) -> tuple[float, float, int] | None:
@@ -207,6 +218,8 @@ class Launcher:
         self.expected_topics: dict[str, int] = {}
         self._next_topic_check = 0.0
         self._status: dict[str, dict] = {}  # member -> its latest bus status metrics
+        # The trainer's last version on a log that was lost, until it reports on the new one.
+        self._version_at_loss: float | None = None
         self._progress = (None, time.monotonic())  # (sum of counters, when it last changed)
         self._last_report = time.monotonic()
         self._reported = False
@@ -458,6 +471,7 @@ class Launcher:
             raise RoleFailedError(f"{reason}, again: {record.count} times within "
                                   f"{lc.restart_window_s:.0f} s; stopping the run")
         record.times.append(now)
+        self._count_dropped()
         created, recreated = repair_topics(self.cfg.bus, self.expected_topics)
         self._close_reader()
         self._stop_children(list(self.children), timeout_s=5.0)
@@ -477,6 +491,23 @@ class Launcher:
                              if recreated else [])) or "topics fine"
         self._notice(f"{reason}: topics {fixed}; every role restarted on bus run id "
                      f"{self.cfg.bus.run_id} (was {old})")
+
+    def _count_dropped(self) -> None:
+        """What the log being lost drops, from the members' last status on it: the groups
+        the feeder (or the agent proxy) admitted that the trainer had not trained or
+        rejected; and, once the restarted trainer reports, the steps it lost."""
+        status = self._status.values()
+
+        def total(*keys: str) -> float | None:
+            found = [row[k] for row in status for k in keys if k in row]
+            return sum(found) if found else None
+
+        admitted = total("feeder/groups", "proxy-weights/admitted")
+        done = total("trainer/groups_done_on_log")
+        s = self.summary
+        if admitted is not None and done is not None:
+            s.groups_dropped = (s.groups_dropped or 0) + int(max(admitted - done, 0))
+        self._version_at_loss = total("trainer/version")
 
     # ------------------------------------------------------------------ stall alarm
 
@@ -510,6 +541,11 @@ class Launcher:
         self._reported = True
         if "bus/handled" in metrics:
             self._status[source] = metrics
+            if self._version_at_loss is not None and "trainer/version" in metrics:
+                # The restarted trainer's first report on the new log: its resumed version.
+                lost = max(self._version_at_loss - metrics["trainer/version"], 0)
+                s.steps_dropped = (s.steps_dropped or 0) + int(lost)
+                self._version_at_loss = None
             total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)
                         for m in self._status.values())
             if total != self._progress[0]:

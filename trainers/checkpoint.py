@@ -117,6 +117,9 @@ class TrainerProgress:
     # counts only what happened on this log (WeightsEvent.base_steps / base_rejected).
     base_steps: int = 0
     base_rejected: int = 0
+    # Groups trained or rejected when this log began: the launcher counts the groups a
+    # lost log dropped from the trainer's count of this log's (Trainer.describe).
+    base_groups: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainerProgress":

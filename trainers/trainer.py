@@ -202,6 +202,7 @@ class Trainer(Role[TrainerState]):
             progress.offsets = {}
             progress.base_steps = progress.version - progress.rollbacks
             progress.base_rejected = len(state.rejected)
+            progress.base_groups = len(state.trained) + len(state.rejected)
         progress.bus_run_id = own
 
     def recover(self, state: TrainerState, latest: list[Event]) -> None:
@@ -623,6 +624,9 @@ class Trainer(Role[TrainerState]):
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),
                 "groups_consumed": len(state.trained) + len(state.rejected) + len(state.buffer),
+                # Of this bus run id's log: the launcher's count of what a lost log dropped.
+                "groups_done_on_log": len(state.trained) + len(state.rejected)
+                - state.progress.base_groups,
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 
