@@ -154,6 +154,22 @@ def trained_once(weights: list[WeightsEvent], versions) -> list[str]:
     return groups
 
 
+def feed_and_once_at(launcher: Launcher, source: GroupSource, version: int, action) -> list[int]:
+    """The launcher's tick: feed groups; the first time ``version`` is on the log, run
+    ``action()`` and lift the source's limit. Returns where the version seen is noted."""
+    seen: list[int] = []
+
+    def tick() -> None:
+        source.tick()
+        if not seen and source.latest is not None and source.latest.version >= version:
+            action()
+            seen.append(source.latest.version)
+            source.limit = None
+
+    launcher.on_tick = tick
+    return seen
+
+
 def test_a_full_disk_stops_the_trainer_with_its_reason_and_the_resume_finishes(
         tmp_path, broker, tiny_ckpt, tokenizer):
     cfg = make_cfg(tmp_path, broker, tiny_ckpt)
@@ -161,19 +177,13 @@ def test_a_full_disk_stops_the_trainer_with_its_reason_and_the_resume_finishes(
     launcher.start()
     # Groups for two steps, then the disk fills (the trainer idle at version 2), then more.
     source = GroupSource(launcher.cfg.bus, tokenizer, limit=2 * B)
-    filled_at: list[int] = []
 
-    def tick() -> None:
-        source.tick()
-        if not filled_at and source.latest is not None and source.latest.version >= 2:
-            # The disk is full: every further write of the trainer fails in the kernel.
-            trainer = next(c for c in launcher.children if c.role == "trainer")
-            _soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.prlimit(trainer.proc.pid, resource.RLIMIT_FSIZE, (1, hard))
-            filled_at.append(source.latest.version)
-            source.limit = None
+    def fill_the_disk() -> None:  # every further write of the trainer fails in the kernel
+        trainer = next(c for c in launcher.children if c.role == "trainer")
+        _soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.prlimit(trainer.proc.pid, resource.RLIMIT_FSIZE, (1, hard))
 
-    launcher.on_tick = tick
+    filled_at = feed_and_once_at(launcher, source, 2, fill_the_disk)
     try:
         with pytest.raises(RoleFailedError) as err:
             launcher.wait(timeout_s=240)
@@ -237,16 +247,7 @@ def test_a_trainer_killed_above_its_checkpoint_publishes_above_the_log_and_finis
     launcher = Launcher(cfg, command_for=only_the_trainer)
     launcher.start()
     source = GroupSource(launcher.cfg.bus, tokenizer, limit=3 * B)
-    killed: list[int] = []
-
-    def tick() -> None:
-        source.tick()
-        if not killed and source.latest is not None and source.latest.version >= 3:
-            launcher.restart("trainer")
-            killed.append(source.latest.version)
-            source.limit = None
-
-    launcher.on_tick = tick
+    killed = feed_and_once_at(launcher, source, 3, lambda: launcher.restart("trainer"))
     try:
         summary = launcher.wait(timeout_s=300)  # it finishes: no stall on resume
     finally:

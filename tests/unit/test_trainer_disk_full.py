@@ -65,16 +65,24 @@ def weights_events(out) -> list[WeightsEvent]:
     return [e for e in out if isinstance(e, WeightsEvent)]
 
 
-def test_full_disk_at_the_weights_write_commits_nothing_and_stops_the_trainer(tmp_path, monkeypatch):
-    t = make_trainer(tmp_path)
+def step_2_on_a_full_disk(t, m, module):
+    """Step 1 (g0, g1) on a healthy disk, g2 buffered; then ``module``'s writes hit a
+    full disk and g3 triggers step 2. Returns (state, version 1's event, the error)."""
     state = start(t)
     t.handle(sample("g0"), state, src(0))
     (v1,) = weights_events(t.handle(sample("g1"), state, src(1)))
     t.handle(sample("g2"), state, src(2))
+    fill_disk(m, module)
+    with pytest.raises(StorageError) as err:
+        t.handle(sample("g3"), state, src(3))
+    return state, v1, err
+
+
+def test_full_disk_at_the_weights_write_commits_nothing_and_stops_the_trainer(tmp_path, monkeypatch):
+    t = make_trainer(tmp_path)
     with monkeypatch.context() as m:
-        fill_disk(m, durable)  # the file transport writes through durable.write_safetensors
-        with pytest.raises(StorageError) as err:
-            t.handle(sample("g3"), state, src(3))
+        # The file transport writes through durable.write_safetensors.
+        state, v1, err = step_2_on_a_full_disk(t, m, durable)
     # One line naming the file; fatal (the runner re-raises FatalRoleError, never retries).
     assert str(err.value) == f"{ENOSPC} writing {weights_file(tmp_path / 'weights', 2)}"
     assert isinstance(err.value, FatalRoleError)
@@ -102,14 +110,8 @@ def test_full_disk_at_the_weights_write_commits_nothing_and_stops_the_trainer(tm
 
 def test_full_disk_at_the_checkpoint_commits_no_version_nor_offset(tmp_path, monkeypatch):
     t = make_trainer(tmp_path)
-    state = start(t)
-    t.handle(sample("g0"), state, src(0))
-    (v1,) = weights_events(t.handle(sample("g1"), state, src(1)))
-    t.handle(sample("g2"), state, src(2))
     with monkeypatch.context() as m:
-        fill_disk(m, checkpoint)  # trainers/checkpoint.py write_tensors
-        with pytest.raises(StorageError) as err:
-            t.handle(sample("g3"), state, src(3))
+        state, v1, err = step_2_on_a_full_disk(t, m, checkpoint)  # checkpoint.write_tensors
         assert str(err.value) == f"{ENOSPC} writing {t.ckpt_path}"
         assert state.progress.version == 1 and state.trained == {"g0", "g1"}
         # The offsets that may be committed are still the saved checkpoint's (the bug:
