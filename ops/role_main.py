@@ -23,9 +23,9 @@ from ..trainers.checkpoint import CheckpointFormatError
 from .launcher import EXIT_NO_RESTART, EXIT_STORAGE, REASON_FD_ENV
 
 
-def _report(exc: BaseException) -> None:
+def _report(exc: BaseException, reason_fd: str) -> None:
     """The traceback and ``error: ...`` on stderr (the role's log) when it can be written,
-    and the one line to the launcher's pipe whatever the disk does."""
+    and the one line to the launcher's pipe (``reason_fd``) whatever the disk does."""
     line = str(exc).replace("\n", " ") if isinstance(exc, TapiocaError) else \
         f"{type(exc).__name__}: {exc}".replace("\n", " ")
     try:
@@ -34,15 +34,16 @@ def _report(exc: BaseException) -> None:
         sys.stderr.flush()
     except OSError:  # the log is on a full disk: the pipe below still says why
         pass
-    fd = os.environ.get(REASON_FD_ENV, "")
-    if fd.isdigit():
+    if reason_fd.isdigit():
         try:
-            os.write(int(fd), f"{line[:4000]}\n".encode())
+            os.write(int(reason_fd), f"{line[:4000]}\n".encode())
         except OSError:
             pass
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
+    # The pipe is this process's alone: processes it starts do not inherit the fd.
+    reason_fd = os.environ.pop(REASON_FD_ENV, "")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
@@ -66,13 +67,13 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         return 0
     except (ConfigError, CheckpointFormatError) as exc:
         # No restart can fix these (the launcher does not retry EXIT_NO_RESTART).
-        _report(exc)
+        _report(exc, reason_fd)
         return EXIT_NO_RESTART
     except Exception as exc:
         # A full or failing disk (raised by the role, or met anywhere else here): no
         # restart either, until a person frees space (the launcher stops the run).
         disk = storage_error(exc)
-        _report(disk or exc)
+        _report(disk or exc, reason_fd)
         return EXIT_STORAGE if disk is not None else 1
 
 

@@ -61,6 +61,7 @@ def durable_replace(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
     fsync_path(Path(path).parent)
 
+
 # safetensors' dtype names (the inverse of models/weight_files.py's reader table).
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",

@@ -516,8 +516,8 @@ class Trainer(Role[TrainerState]):
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         self._note_files(state, self.weights_out.poll())
-        if state.pending:  # it names the rejections so far
-            state.announce_rejections = False
+        if state.pending:  # instead of the announcement at start; it names the rejections so far
+            state.announce_rejections = bool(state.unannounced)
             return self._take_pending(state)
         if state.announce_rejections or state.files_to_announce:
             state.announce_rejections = False
