@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
 from ..schemas.envelope import ANY_RUN, decode_event, run_addresses
-from ..schemas.errors import SchemaError, TapiocaError
+from ..schemas.errors import FatalRoleError, SchemaError, TapiocaError
 from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
 from ..schemas.registry import topic
 from .role import Source
@@ -262,6 +262,9 @@ class MemberFleet:
                 try:
                     ok, message, events = r.role.on_control(event, r.state)
                     outputs = list(events or ())
+                except FatalRoleError as exc:  # e.g. a rollback that could not write (a full disk)
+                    r.publish_own(self.control.ack(event, False, f"{exc}; {r.member_id} stopped"))
+                    raise
                 except TapiocaError as exc:
                     ok, message = False, str(exc)
                 except Exception as exc:  # a failed command must not stop the member

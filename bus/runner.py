@@ -21,6 +21,9 @@ handled in order. Faults found late are dead-lettered too: a role's outputs may 
 ``DeadLetter`` items, and an ``on_tick`` that raises ``BadEventError(event=...)`` is
 retried with backoff (ticks wait, events flow), then that event is dead-lettered and
 handed to ``role.on_dead_letter``. Either way the loop goes on and nothing else is lost.
+Two kinds of failure stop the member instead, raised from ``run``: ``FatalRoleError``
+(the role says no retry can help) and an OSError of the disk (full, failing, read-only:
+``StorageError`` with the one-line reason, e.g. ``No space left on device writing <path>``).
 
 SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after the
 current batch: outputs are flushed, offsets committed, the group left cleanly.
@@ -54,6 +57,7 @@ from ..schemas.errors import (
     SchemaError,
     TapiocaError,
     UnattributedEventError,
+    storage_error,
 )
 from ..schemas.events import MetricsEvent
 from ..schemas.registry import TopicSpec, topic, topic_for
@@ -80,6 +84,16 @@ class RunnerStats:
     started_at: float = field(default_factory=time.time)
     # Dead letters by error type (e.g. BadEventError, SchemaError): shown in status.
     dead_lettered_by_type: Counter = field(default_factory=Counter)
+
+
+def _raise_storage_error(exc: Exception) -> None:
+    """A full, failing or read-only disk (ENOSPC, EIO, EROFS, ...) is no fault of the event
+    at hand: a retry would fail the same way or, worse, run a handler a second time on
+    state it half changed; dead-lettering would throw the event away. It stops the role
+    with the one-line reason (StorageError) instead."""
+    error = storage_error(exc)
+    if error is not None:
+        raise error from exc
 
 
 class RoleRunner:
@@ -432,6 +446,7 @@ class RoleRunner:
                 return True
             return self._failed(exc, raw, source, attempt)
         except Exception as exc:
+            _raise_storage_error(exc)
             return self._failed(exc, raw, source, attempt)
         self.stats.handled += 1
         return True
@@ -463,6 +478,7 @@ class RoleRunner:
         except FatalRoleError:
             raise
         except Exception as exc:
+            _raise_storage_error(exc)
             self._tick_failed(exc, now)
             return
         self._tick_failures.clear()

@@ -1,6 +1,8 @@
 """Policy weights as files: safetensors plus a sha256, written by the trainer and
 verified by every reader before use (a torn or tampered file is never loaded); and the
-errors of every weight transport (models/weight_sync/)."""
+errors of every weight transport (models/weight_sync/). Every file of weights or of a
+checkpoint is written through :func:`atomic_write`: a temp file renamed into place, which a
+failed write (a full disk) removes, raising ``StorageError`` with the one-line reason."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import hashlib
 import json
 import mmap
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save
 
-from ..schemas.errors import TapiocaError
+from ..schemas.errors import TapiocaError, storage_error
 
 
 class WeightsChecksumError(TapiocaError):
@@ -52,6 +56,31 @@ def saved_versions(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+@contextmanager
+def atomic_write(path: str | os.PathLike,
+                 replace: Callable[[Path, Path], None] = os.replace) -> Iterator[Path]:
+    """Write ``path`` atomically: yields its temp file ``<path>.tmp`` to write, then moves it
+    over ``path`` with ``replace`` (trainers/checkpoint.py passes its fsyncing one). On any
+    failure the temp file is removed, so a full disk leaves no ``.tmp`` behind, and an
+    OSError of the disk (ENOSPC, EIO, EROFS, ...) is raised as StorageError naming ``path``
+    (fatal to the role: bus/runner.py does not retry it)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the disk may refuse even that; the cause is what matters
+            pass
+        error = storage_error(exc, path)
+        if error is not None and error is not exc:
+            raise error from exc
+        raise
+
+
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -64,9 +93,6 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *
                  dtype: torch.dtype | None = None) -> tuple[str, int]:
     """Write atomically (temp file + rename), cast to ``dtype`` if given; returns
     (sha256, size in bytes)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     # safetensors refuses shared storage (tied embeddings): store each tensor once. The
     # cast comes after this check: cast first, tied tensors are two copies (for
     # Qwen2-0.5B, 1,202 MiB instead of 942 MiB, and the time to hash and write them).
@@ -83,9 +109,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *
     # the file to hash it.
     blob = save(tensors)
     digest = hashlib.sha256(blob).hexdigest()
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
         f.write(blob)
-    os.replace(tmp, path)
     return digest, len(blob)
 
 

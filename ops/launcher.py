@@ -11,8 +11,12 @@ Supervision (``launcher`` config section):
 - a role that crashes (non-zero exit) is restarted after a backoff that doubles per
   restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
   the run stops with an error naming the role and its log. Exit code 78 (a config or
-  file problem, ``EXIT_NO_RESTART``) is never retried. Restarting is safe: every role
-  resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
+  file problem, ``EXIT_NO_RESTART``) is never retried, nor is 74 (``EXIT_STORAGE``: a
+  disk full, failing or read-only, which the run stops on with the role's one-line
+  reason). Restarting is safe: every role resumes from the log and its checkpoint. A
+  clean exit (0) of a role is a drain.
+- each role gets the write end of a pipe (``$TAPIOCA_REASON_FD``) for the one line that
+  says why it failed (ops/role_main.py): its log may be on the disk that is full.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
   process group, which the launcher signals when it stops.
@@ -74,6 +78,11 @@ ARCHIVER_CATCH_UP_S = 2.0
 # A role exits with this code for an error no restart can fix (a bad config, a missing
 # key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
 EXIT_NO_RESTART = 78
+# ... and with this one when a disk is full, failing or read-only (StorageError, EX_IOERR):
+# the run stops, saying which file could not be written, until a person frees space.
+EXIT_STORAGE = 74
+# The environment variable naming a role's inherited pipe for its one-line failure reason.
+REASON_FD_ENV = "TAPIOCA_REASON_FD"
 
 
 class RoleFailedError(TapiocaError):
@@ -87,10 +96,34 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
+    # Read end of the pipe the role writes its failure reason to (-1: none).
+    reason_fd: int = -1
+    _reason: str | None = None
 
     @property
     def label(self) -> str:
         return f"{self.role}-{self.member}"
+
+    def exit_reason(self) -> str:
+        """The last line the role wrote to its reason pipe ("" if none); closes the pipe.
+        Read after the role exited: what it wrote is in the pipe whatever its disk does."""
+        if self._reason is None:
+            data = b""
+            if self.reason_fd >= 0:
+                try:
+                    while chunk := os.read(self.reason_fd, 65536):
+                        data += chunk
+                except OSError:  # EAGAIN: a process the role started still holds it open
+                    pass
+            self.close_reason()
+            lines = [ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]
+            self._reason = lines[-1].strip() if lines else ""
+        return self._reason
+
+    def close_reason(self) -> None:
+        if self.reason_fd >= 0:
+            os.close(self.reason_fd)
+            self.reason_fd = -1
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -132,6 +165,13 @@ class RunSummary:
     # Times the broker lost the run's log and the roles moved to a new bus run id.
     log_recoveries: int = 0
     bus_run_id: str = ""
+    # What the lost logs took with them, from the members' last status before each loss:
+    # groups admitted but not yet trained or rejected (in prompts, trajectories, rewards,
+    # samples or the trainer's buffer), and trained steps that no checkpoint held (the
+    # trainer's last version minus the one it resumed at). None: not known (no feeder or
+    # trainer had reported on that log, or the trainer had not reported since).
+    groups_dropped: int | None = None
+    steps_dropped: int | None = None
 
     def supervision_line(self) -> str:
         """What the closing line says about restarts and recoveries ("" if none)."""
@@ -140,8 +180,12 @@ class RunSummary:
             parts.append("restarts: " + ", ".join(
                 f"{m} x{n}" for m, n in sorted(self.restarts.items())))
         if self.log_recoveries:
+            lost = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in (
+                (self.groups_dropped, "in-flight group"), (self.steps_dropped, "trained step"))
+                if n is not None]
+            dropped = f"; dropped with it: {' and '.join(lost)}" if lost else ""
             parts.append(f"broker lost the log {self.log_recoveries}x (now bus run id "
-                         f"{self.bus_run_id})")
+                         f"{self.bus_run_id}{dropped})")
         return "; ".join(parts)
 
     def window_means(self, window: int = 20) -> tuple[float, float, int] | None:
@@ -174,6 +218,8 @@ class Launcher:
         self.expected_topics: dict[str, int] = {}
         self._next_topic_check = 0.0
         self._status: dict[str, dict] = {}  # member -> its latest bus status metrics
+        # The trainer's last version on a log that was lost, until it reports on the new one.
+        self._version_at_loss: float | None = None
         self._progress = (None, time.monotonic())  # (sum of counters, when it last changed)
         self._last_report = time.monotonic()
         self._reported = False
@@ -233,6 +279,7 @@ class Launcher:
         if kill and old.proc.poll() is None:
             old.proc.kill()
         old.proc.wait(10)
+        old.close_reason()
         self.children.remove(old)
         return self._spawn(role, member, self.config_path)
 
@@ -245,10 +292,21 @@ class Launcher:
         # flush to; the roles are crash-safe).
         sig = signal.SIGKILL if self.broker is not None else signal.SIGTERM
         cmd = guarded(self.command_for(role, member, config_path), sig)
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        child = Child(role, member, proc, log_path)
+        # The role's failure reason comes back through a pipe (kernel memory), not its log.
+        reason_r, reason_w = os.pipe()
+        os.set_blocking(reason_r, False)
+        env[REASON_FD_ENV] = str(reason_w)
+        try:
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        pass_fds=(reason_w,))
+        except BaseException:
+            os.close(reason_r)
+            raise
+        finally:
+            os.close(reason_w)
+        child = Child(role, member, proc, log_path, reason_fd=reason_r)
         self.children.append(child)
         return child
 
@@ -312,6 +370,7 @@ class Launcher:
                 return True
             self.children.remove(child)
             if code == 0:
+                child.close_reason()
                 # A clean exit of another role is a `tapioca drain`: the run goes on
                 # (its work is committed; the rest of the group takes over) -- unless
                 # it was the role's last member, which the user must hear about.
@@ -328,7 +387,16 @@ class Launcher:
         lc = self.cfg.launcher
         record = self.restarts.setdefault(child.label, Restarts())
         recent = record.recent(now, lc.restart_window_s)
+        reason = child.exit_reason()
         tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
+        if code == EXIT_STORAGE:
+            # One line, the reason first: the log may be on the disk that is full.
+            raise RoleFailedError(
+                f"role {child.label} stopped: {reason or 'a disk was full, failing or read-only'}"
+                f"; free space on that disk (or fix it) and run the same command again: the run "
+                f"resumes from its last checkpoint (log: {child.log_path})")
+        if reason:
+            tail = f"{reason}; {tail}"
         if code == EXIT_NO_RESTART:
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
@@ -343,7 +411,8 @@ class Launcher:
         record.last_code = code
         self.summary.restarts[child.label] = record.count
         self.pending.append(PendingRestart(child.role, child.member, now + delay))
-        self._notice(f"{child.label} exited with code {code}; restart "
+        said = f" ({reason})" if reason else ""
+        self._notice(f"{child.label} exited with code {code}{said}; restart "
                      f"{recent + 1}/{lc.max_restarts} in {delay:.1f} s (log: {child.log_path})")
 
     def _start_due(self, now: float) -> None:
@@ -402,6 +471,7 @@ class Launcher:
             raise RoleFailedError(f"{reason}, again: {record.count} times within "
                                   f"{lc.restart_window_s:.0f} s; stopping the run")
         record.times.append(now)
+        self._count_dropped()
         created, recreated = repair_topics(self.cfg.bus, self.expected_topics)
         self._close_reader()
         self._stop_children(list(self.children), timeout_s=5.0)
@@ -421,6 +491,23 @@ class Launcher:
                              if recreated else [])) or "topics fine"
         self._notice(f"{reason}: topics {fixed}; every role restarted on bus run id "
                      f"{self.cfg.bus.run_id} (was {old})")
+
+    def _count_dropped(self) -> None:
+        """What the log being lost drops, from the members' last status on it: the groups
+        the feeder (or the agent proxy) admitted that the trainer had not trained or
+        rejected; and, once the restarted trainer reports, the steps it lost."""
+        status = self._status.values()
+
+        def total(*keys: str) -> float | None:
+            found = [row[k] for row in status for k in keys if k in row]
+            return sum(found) if found else None
+
+        admitted = total("feeder/groups", "proxy-weights/admitted")
+        done = total("trainer/groups_done_on_log")
+        s = self.summary
+        if admitted is not None and done is not None:
+            s.groups_dropped = (s.groups_dropped or 0) + int(max(admitted - done, 0))
+        self._version_at_loss = total("trainer/version")
 
     # ------------------------------------------------------------------ stall alarm
 
@@ -454,6 +541,11 @@ class Launcher:
         self._reported = True
         if "bus/handled" in metrics:
             self._status[source] = metrics
+            if self._version_at_loss is not None and "trainer/version" in metrics:
+                # The restarted trainer's first report on the new log: its resumed version.
+                lost = max(self._version_at_loss - metrics["trainer/version"], 0)
+                s.steps_dropped = (s.steps_dropped or 0) + int(lost)
+                self._version_at_loss = None
             total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)
                         for m in self._status.values())
             if total != self._progress[0]:
@@ -513,6 +605,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(5)
+            child.close_reason()
 
     def __enter__(self) -> "Launcher":
         self.start()

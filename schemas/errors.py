@@ -3,6 +3,9 @@
 Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
 """
 
+import errno
+import os
+
 
 class TapiocaError(Exception):
     """Base of every Tapioca error."""
@@ -60,6 +63,28 @@ class BadEventError(TapiocaError):
 class FatalRoleError(TapiocaError):
     """Raised by a role when retrying or dead-lettering cannot help (a bad config, a
     failed training step, lost model files): the role stops and reports it."""
+
+
+class StorageError(FatalRoleError):
+    """A file could not be written because of its disk: full (``ENOSPC``, ``EDQUOT``,
+    or a file size limit, ``EFBIG``), failing (``EIO``) or read-only (``EROFS``). No retry
+    fixes it, so it stops the role; the message is one line, ``<strerror> writing <path>``
+    (e.g. ``No space left on device writing runs/x/weights/v000028.safetensors``)."""
+
+
+# The OSError numbers :func:`storage_error` turns into a StorageError.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
+
+
+def storage_error(exc: BaseException, path: object = None) -> "StorageError | None":
+    """``exc`` as a :class:`StorageError` naming ``path`` (default: the error's own file
+    name) when it is an OSError of the disk (``STORAGE_ERRNOS``); else None."""
+    if isinstance(exc, StorageError):
+        return exc
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_ERRNOS:
+        return None
+    where = path if path is not None else (exc.filename or "a file")
+    return StorageError(f"{os.strerror(exc.errno)} writing {where}")
 
 
 def require_config(cond: bool, message: str) -> None:

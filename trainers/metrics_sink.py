@@ -9,6 +9,8 @@ import logging
 import time
 from pathlib import Path
 
+from ..schemas.errors import storage_error
+
 log = logging.getLogger(__name__)
 
 
@@ -26,7 +28,10 @@ class MetricsSink:
             log.info("TensorBoard logging off (%s); metrics still go to JSONL", exc)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        try:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        except OSError as exc:  # a full disk stops the trainer with the file it could not write
+            raise storage_error(exc, self._jsonl.name) or exc
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)

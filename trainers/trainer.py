@@ -33,6 +33,14 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - Checkpoints are safetensors + JSON (trainers/checkpoint.py): nothing is unpickled.
   Each records the bus run id whose log its offsets belong to; resumed on another log
   (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
+- A step computes, writes the version's weights file, writes the checkpoint, and only
+  then commits the version, the trained groups, the buffer and the offsets, and sends
+  the weights event (:meth:`Trainer._write_version`). A write that fails (a full disk:
+  ``StorageError``, ``No space left on device writing <path>``) changes none of them and
+  stops the trainer (not retried); the launcher prints the reason. A version is
+  re-announced only with its own file (models/weight_sync/publisher.py).
+- At start the trainer reads the highest version on ``weights.v1``: a checkpoint below
+  it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -53,7 +61,7 @@ from ..config.sections import TrainerSection
 from ..models.weight_files import WEIGHTS_DIR, weights_file
 from ..models.weight_sync import WeightPublisher
 from ..schemas.envelope import Event
-from ..schemas.errors import BadEventError, FatalRoleError
+from ..schemas.errors import BadEventError, FatalRoleError, storage_error
 from ..schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
 from .batching import flatten_groups
 from .checkpoint import (
@@ -96,11 +104,29 @@ class TrainerState:
     last_reward: float = 0.0
     # Durable weights files finished since the last weights event (WeightsEvent.files).
     files_to_announce: list[WeightsFile] = field(default_factory=list)
+    # Events made before the loop could publish them (the version a trainer resumed below
+    # the log publishes in ``recover``): sent ahead of the next outputs.
+    pending: list[Event] = field(default_factory=list)
+
+    def draft(self) -> "TrainerState":
+        """A copy of everything a step (or a rollback) changes. The step changes the copy,
+        writes its weights and checkpoint from it, and only then commits it
+        (:meth:`commit`), so a failed write (a full disk) leaves the version, the trained
+        groups, the buffer and the offsets as they were."""
+        return replace(self, progress=replace(self.progress), trained=set(self.trained),
+                       rejected=set(self.rejected), buffer=list(self.buffer),
+                       handled_to=dict(self.handled_to), staleness_hist=Counter(self.staleness_hist),
+                       unannounced=list(self.unannounced),
+                       files_to_announce=list(self.files_to_announce), pending=list(self.pending))
+
+    def commit(self, draft: "TrainerState") -> None:
+        self.__dict__.update(draft.__dict__)
 
 
 class Trainer(Role[TrainerState]):
     name = "trainer"
     group_inputs = ("samples",)
+    recover_from = ("weights",)  # the log's highest version (recover)
 
     def __init__(self, section: TrainerSection, *, actor: PPOActor, critic: Critic | None = None,
                  reference: FrozenLogprobModel | None = None,
@@ -176,7 +202,36 @@ class Trainer(Role[TrainerState]):
             progress.offsets = {}
             progress.base_steps = progress.version - progress.rollbacks
             progress.base_rejected = len(state.rejected)
+            progress.base_groups = len(state.trained) + len(state.rejected)
         progress.bus_run_id = own
+
+    def recover(self, state: TrainerState, latest: list[Event]) -> None:
+        """Resume above the log's highest version. A checkpoint below it (the newest
+        versions were published but never checkpointed: ``actor.checkpoint_every_steps`` >
+        1 and a crash, or a checkpoint restored from a copy) must neither publish those
+        versions again with other weights nor wait on samples made by newer weights (the
+        rollout workers refuse an older version, ``check_trainable`` a sample newer than
+        the trainer: the run would stall for good). As a rollback does, the checkpoint's
+        weights are published as the version above the highest (``rollback_of`` = the
+        checkpoint's version; the versions skipped count as rollbacks, so the head gate
+        still counts the steps this model trained), and checkpointed. The lost steps'
+        groups are read again: no offset was committed past the checkpoint."""
+        p = state.progress
+        highest = max((e.version for e in latest if isinstance(e, WeightsEvent)), default=-1)
+        if highest <= p.version:
+            return
+        log.warning("the checkpoint is at version %d but version %d is on %s (published, then "
+                    "lost before a checkpoint): publishing the checkpoint's weights as version %d",
+                    p.version, highest, "weights.v1", highest + 1)
+        new = state.draft()
+        new.progress.version = highest + 1
+        new.progress.rollbacks += highest + 1 - p.version
+        new.progress.last_group_ids = []
+        weights = self._write_version(state, new, [], f"resuming above version {highest}",
+                                      checkpoint=True, regate=True)
+        weights.rollback_of = p.version
+        state.pending.append(weights)  # published on the first tick (or with the first step)
+        state.done = state.progress.version >= self.cfg.total_train_steps
 
     def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
         p = state.progress
@@ -308,18 +363,21 @@ class Trainer(Role[TrainerState]):
             # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
             raise FatalRoleError(f"training step {v_before + 1} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
-        # Only a finished step consumes the batch (applied, or skipped as not finite).
-        state.buffer = state.buffer[self.cfg.prompts_per_step:]
-        dead = self._dead_letter_skipped(state, batch, result, v_before)
-        if not result.applied_minibatches:
+        # Only a finished step consumes the batch (applied, or skipped as not finite); its
+        # outcome goes into a draft of the state, committed once it is written.
+        step = state.draft()
+        step.buffer = step.buffer[self.cfg.prompts_per_step:]
+        dead = self._dead_letter_skipped(step, batch, result, v_before)
+        if not result.applied_minibatches:  # nothing to write: no new version
+            state.commit(step)
             return dead + [MetricsEvent(source=self.member_id, step=v_before,
                                         policy_version=v_before, metrics={
                                             "trainer/skipped_steps": float(state.skipped_steps),
                                             "trainer/dead_lettered": float(state.dead_lettered)})]
         samples = [s for s in samples if s.group_id not in result.skipped_group_ids]
         for s in samples:
-            state.staleness_hist[v_before - s.min_version] += 1
-        p = state.progress
+            step.staleness_hist[v_before - s.min_version] += 1
+        p = step.progress
         p.version += 1
         if not samples:
             # Some minibatch applied, but every group sat in a skipped one: a version that
@@ -327,13 +385,12 @@ class Trainer(Role[TrainerState]):
             # accounting; only with actor.ppo_n_minibatches > 1).
             p.rollbacks += 1
         group_ids = [s.group_id for s in samples]
-        state.trained.update(group_ids)
+        step.trained.update(group_ids)
         p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
-        state.last_reward = sum(rewards) / max(len(rewards), 1)
-        weights = self._publish_weights(state, group_ids)
-        if p.version % self.cfg.actor.checkpoint_every_steps == 0 or p.version >= self.cfg.total_train_steps:
-            self._checkpoint(state)
+        step.last_reward = sum(rewards) / max(len(rewards), 1)
+        weights = self._write_version(state, step, group_ids, f"training step {p.version}")
+        p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
         lags = [v_before - s.min_version for s in samples]
@@ -361,8 +418,44 @@ class Trainer(Role[TrainerState]):
         # The step's weights event names the rejections so far; more came only if some
         # of this batch was dead-lettered (announced on the next tick).
         state.announce_rejections = bool(state.unannounced)
-        return dead + [weights, MetricsEvent(source=self.member_id, step=p.version,
-                                             policy_version=p.version, metrics=metrics)]
+        return self._take_pending(state) + dead + [
+            weights, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
+                                  metrics=metrics)]
+
+    def _write_version(self, state: TrainerState, new: TrainerState, group_ids: list[str],
+                       what: str, *, checkpoint: bool | None = None,
+                       regate: bool = False) -> WeightsEvent:
+        """Make ``new`` (a draft of ``state`` with the next version) the state: its weights
+        file first, then (when due: ``actor.checkpoint_every_steps``, the last step, or
+        ``checkpoint``) the checkpoint that covers it, and only then the commit of the
+        version, the trained groups, the buffer and the offsets; the weights event goes out
+        after that. A write that fails leaves ``state`` as it was and is fatal: the model in
+        memory took a step no file holds, so the role stops (StorageError, with its
+        one-line reason, for a full or failing disk) instead of being retried, which would
+        see the batch's groups as trained. ``regate``: the tail gate again after the version
+        moved (a rollback)."""
+        v = new.progress.version
+        if checkpoint is None:
+            checkpoint = (v % self.cfg.actor.checkpoint_every_steps == 0
+                          or v >= self.cfg.total_train_steps)
+        try:
+            weights = self._publish_weights(new, group_ids)
+            if regate:
+                self._gate_buffer(new)
+            if checkpoint:
+                self._checkpoint(new)
+        except FatalRoleError:
+            raise
+        except Exception as exc:
+            raise storage_error(exc) or FatalRoleError(
+                f"{what}: writing version {v} failed: {type(exc).__name__}: {exc}") from exc
+        state.commit(new)
+        return weights
+
+    @staticmethod
+    def _take_pending(state: TrainerState) -> list[Event]:
+        taken, state.pending = state.pending, []
+        return taken
 
     def _dead_letter_skipped(self, state: TrainerState, batch: list[tuple[SampleEvent, Source]],
                              result: Any, v_before: int) -> list[DeadLetter]:
@@ -385,20 +478,24 @@ class Trainer(Role[TrainerState]):
         return [DeadLetter(s, error, src) for s, src in bad]
 
     def _checkpoint(self, state: TrainerState) -> None:
-        p = state.progress
-        p.trained_groups = sorted(state.trained)
-        p.rejected_groups = sorted(state.rejected)
-        p.unannounced_rejections = list(state.unannounced)
+        """Save the state's progress with the groups and offsets it covers. The state's
+        progress takes the new offsets, which ``committable`` lets the bus commit, only once
+        the file is saved: an offset is never committed past what a saved checkpoint
+        covers (a save that fails, e.g. on a full disk, raises and changes nothing)."""
         offsets = dict(state.handled_to)
         for _, src in state.buffer:  # buffered groups must be read again after a restart
             key = (src.topic, src.partition)
             offsets[key] = min(offsets.get(key, src.offset), src.offset)
-        p.offsets = {f"{t}:{part}": off for (t, part), off in offsets.items()}
+        p = replace(state.progress, trained_groups=sorted(state.trained),
+                    rejected_groups=sorted(state.rejected),
+                    unannounced_rejections=list(state.unannounced),
+                    offsets={f"{t}:{part}": off for (t, part), off in offsets.items()})
         if self.critic is not None:
             # Before the trainer checkpoint: whichever version it names, its critic file exists.
             path = self._critic_path(p.version)
             save_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
         self.actor.save_checkpoint(self.ckpt_path, p)
+        state.progress = p
         if self.critic is not None:
             for old in path.parent.glob(f"critic_v*{SUFFIX}"):
                 if old != path:
@@ -419,6 +516,9 @@ class Trainer(Role[TrainerState]):
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         self._note_files(state, self.weights_out.poll())
+        if state.pending:  # instead of the announcement at start; it names the rejections so far
+            state.announce_rejections = bool(state.unannounced)
+            return self._take_pending(state)
         if state.announce_rejections or state.files_to_announce:
             state.announce_rejections = False
             return (self._announce(state),)
@@ -490,19 +590,20 @@ class Trainer(Role[TrainerState]):
         # weights back toward them; the rolled-back policy starts them afresh.
         self.actor.optimizer.state.clear()
         critic_note = self._rollback_critic(target, p.version) if self.critic is not None else ""
-        p.version += 1
-        p.rollbacks += 1  # a version that trained no batch: the head gate must not count it
-        p.last_group_ids = []
-        weights = self._publish_weights(state, [])
+        new = state.draft()
+        new.progress.version += 1
+        new.progress.rollbacks += 1  # a version that trained no batch: the head gate must not count it
+        new.progress.last_group_ids = []
+        # The version moves with no step: waiting groups may be over eta now (regate).
+        weights = self._write_version(state, new, [], f"rollback to version {target}",
+                                      checkpoint=True, regate=True)
         weights.rollback_of = target
-        # The version moved with no step: waiting groups may be over eta now.
-        self._gate_buffer(state)
-        self._checkpoint(state)
+        p = state.progress
         # The rollback's version counts like a step, so it can reach the step budget.
         if p.version >= self.cfg.total_train_steps:
             state.done = True
         return (True, f"version {p.version} published with the weights of version {target}"
-                f"{critic_note}", [weights])
+                f"{critic_note}", [*self._take_pending(state), weights])
 
     def _rollback_critic(self, target: int, current: int) -> str:
         """Bring the critic back to ``target`` with the policy: its checkpoint of that
@@ -523,6 +624,9 @@ class Trainer(Role[TrainerState]):
     def describe(self, state: TrainerState) -> dict[str, Any]:
         return {"version": state.progress.version, "buffered": len(state.buffer),
                 "groups_consumed": len(state.trained) + len(state.rejected) + len(state.buffer),
+                # Of this bus run id's log: the launcher's count of what a lost log dropped.
+                "groups_done_on_log": len(state.trained) + len(state.rejected)
+                - state.progress.base_groups,
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 

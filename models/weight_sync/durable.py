@@ -11,7 +11,9 @@ has published the version: one device-to-host copy of the slot (a side CUDA stre
 GPU), then header + bytes to a temporary file with the sha256 computed on the same
 pass, then an atomic rename. If the trainer publishes faster than files can be written,
 the writer keeps only the newest waiting version (older ones get no file; counted in
-``skipped``). A reader verifies the sha256 while reading the file once
+``skipped``). A write that fails because of the disk (full, failing, read-only) leaves no
+temp file and is raised by :meth:`DurableWriter.completed` (the trainer stops on it). A
+reader verifies the sha256 while reading the file once
 (:func:`tapioca.models.weight_files.load_verified`).
 """
 
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..weight_files import saved_versions, weights_file
+from ...schemas.errors import StorageError
+from ..weight_files import atomic_write, saved_versions, weights_file
 from .layout import Layout
 from .slots import SlotBuffer
 
@@ -48,18 +51,16 @@ def write_safetensors(path: Path, layout: Layout, data_u8: torch.Tensor) -> tupl
     """Write ``data_u8[:layout.data_bytes]`` (CPU memory) as a safetensors file,
     atomically (temp file + rename), hashing the bytes as they are written. Returns
     (sha256, file size)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
     header = layout.safetensors_header()
     h = hashlib.sha256(header)
     data = memoryview(data_u8[:layout.data_bytes].numpy())
-    with open(tmp, "wb") as f:
+    # A failed write (a full disk) removes the temp file and raises StorageError.
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
         f.write(header)
         for start in range(0, layout.data_bytes, _CHUNK_BYTES):
             chunk = data[start:start + _CHUNK_BYTES]
             h.update(chunk)  # hashlib and write release the GIL on large buffers
             f.write(chunk)
-    os.replace(tmp, path)
     return h.hexdigest(), len(header) + layout.data_bytes
 
 
@@ -76,6 +77,9 @@ class DurableWriter:
         self._busy = False
         self._done: list[DurableFile] = []
         self._closed = False
+        # A write that failed because of the disk (full, failing, read-only): raised by
+        # completed(), so the trainer stops on it (on_tick), as on the file transport.
+        self.error: StorageError | None = None
         self._host: torch.Tensor | None = None
         self._stream = None
         self._thread = threading.Thread(target=self._run, name="weights-durable-writer",
@@ -100,9 +104,12 @@ class DurableWriter:
         return self._write(version, layout, slots, slot, slots.gen[slot], ready)
 
     def completed(self) -> list[DurableFile]:
-        """Files finished since the last call."""
+        """Files finished since the last call; raises the StorageError of a write that
+        failed because of the disk."""
         with self._cv:
             done, self._done = self._done, []
+        if self.error is not None:
+            raise self.error
         return done
 
     def flush(self, timeout_s: float = 600.0) -> list[DurableFile]:
@@ -132,7 +139,10 @@ class DurableWriter:
                 if done is not None:
                     with self._cv:
                         self._done.append(done)
-            except Exception:  # a full disk must not stop training; the fast path goes on
+            except StorageError as exc:
+                log.error("durable write of version %d failed: %s", job[0], exc)
+                self.error = self.error or exc
+            except Exception:  # a fault of this one file: the fast path goes on
                 log.exception("durable write of version %d failed", job[0])
             finally:
                 with self._cv:

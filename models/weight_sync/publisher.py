@@ -21,6 +21,10 @@ models/weight_sync/slots.py; one copy kernel per tensor on the trainer's device)
 
 With ``ipc`` / ``nccl`` every ``file_every_versions``-th version is also written as a
 file, in the background, after its event is out (:meth:`poll` starts the write).
+
+A write that fails because of the disk (full, failing, read-only) raises StorageError
+(from :meth:`publish` on ``file``, from :meth:`poll` / :meth:`finish` for a background
+file) and leaves no temp file; a version is re-announced only with its own file.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from ...schemas.errors import ConfigError
+from ..weight_files import weights_file
 from .durable import DurableFile, DurableWriter
 from .layout import Layout, bucket_checksums
 from .slots import SlotBuffer
@@ -123,8 +128,12 @@ class WeightPublisher:
     def announcement(self, version: int, path: str = "", sha256: str = "") -> dict[str, Any] | None:
         """The transport fields to re-announce ``version`` with (its file ``path`` /
         ``sha256`` when written), or None when it must be published again (a restarted
-        trainer: nothing in the buffers; file: the file is gone)."""
-        has_file = bool(path) and bool(sha256) and Path(path).exists()
+        trainer: nothing in the buffers; file: the file is gone, or ``path`` is not this
+        version's file). A file is written only for a version not yet committed, so the
+        file named for ``version`` holds its bytes; any other path (say the last file that
+        was written before a write failed) would announce another version's weights."""
+        own = bool(path) and Path(path).resolve() == weights_file(self.directory, version).resolve()
+        has_file = own and bool(sha256) and Path(path).exists()
         if self.transport == "file":
             return {"transport": "file", "path": path, "sha256": sha256} if has_file else None
         fields = self._last.get(version)
