@@ -601,6 +601,11 @@ class AgentConfig:
     base_url: str = ""
     tool_timeout_s: float = 5.0
     tool_memory_mb: int = 512
+    # Processes and threads one Python tool call may run, itself included.
+    tool_max_processes: int = 32
+    # namespace: the tool's code sees only the interpreter and its own temporary
+    # directory, or the runner refuses to start (docs/security.md); none: no isolation.
+    tool_sandbox: str = "namespace"
     system_prompt: str = ""
     command: str = ""
     command_timeout_s: float = 600.0
@@ -621,6 +626,10 @@ class AgentConfig:
         _require(self.request_timeout_s > 0, "agent.request_timeout_s must be > 0")
         _require(self.tool_timeout_s > 0, "agent.tool_timeout_s must be > 0")
         _require(self.tool_memory_mb >= 64, "agent.tool_memory_mb must be >= 64")
+        _require(self.tool_max_processes >= 1, "agent.tool_max_processes must be >= 1 (the program itself)")
+        _require(self.tool_sandbox in ("namespace", "none"),
+                 f"agent.tool_sandbox={self.tool_sandbox!r}: use namespace (isolate the model's code) "
+                 "or none (run it without isolation)")
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")
