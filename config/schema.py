@@ -518,8 +518,19 @@ class ProxyConfig:
     end_mode: str = "concat"
     turn_discount: float = 1.0
     max_sessions: int = 4096
+    # HTTP: a connection whose request line and headers are not complete this long
+    # after it opened (or after a request's first byte) gets 408 and is closed; an idle
+    # kept-alive connection is closed after keep_alive_timeout_s (uvicorn's
+    # timeout_keep_alive); past max_connections open connections or requests in
+    # flight, a request gets 503 (uvicorn's limit_concurrency).
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 30.0
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
+        _require(self.header_timeout_s > 0, "proxy.header_timeout_s must be > 0")
+        _require(self.keep_alive_timeout_s > 0, "proxy.keep_alive_timeout_s must be > 0")
+        _require(self.max_connections >= 1, "proxy.max_connections must be >= 1")
         _require(0 <= self.port <= 65535, "proxy.port must be in [0, 65535] (0 = any free port)")
         _require(self.max_tokens_per_request >= 1, "proxy.max_tokens_per_request must be >= 1")
         _require(self.max_tokens_per_session >= 1, "proxy.max_tokens_per_session must be >= 1")
