@@ -26,9 +26,11 @@ import subprocess
 
 from ..schemas.errors import ConfigError
 
-# The ids the program runs as when the agent is root: the conventional overflow ids
-# (nobody / nogroup), which own no file the sandbox shows.
-SANDBOX_UID = SANDBOX_GID = 65534
+# The ids the program runs as when the agent is root: dedicated ones, which own no
+# file and run no process on the host (not nobody's 65534: a host daemon running as
+# nobody could otherwise reach a call's directory). Below 2**31, which some tools read
+# as signed, and above the ranges distributions, sssd and container tools hand out.
+SANDBOX_UID = SANDBOX_GID = 2**31 - 3
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                 "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d")
 # Recreated as the same symbolic link (its target is under /usr).

@@ -26,7 +26,7 @@ Steps (no daemon, no setuid helper; Linux system calls through ctypes):
 4. As root, ``C`` drops to ``uid:gid`` (no groups, no capabilities).
 5. ``C`` unshares one more user namespace that owns none of the others (so the
    program, root in it, cannot remount or unmount anything) and maps its root to the
-   current uid: ``uid`` (65534) when the launcher was root, the agent's own uid
+   current uid: ``uid`` when the launcher was root, the agent's own uid
    otherwise. ``RLIMIT_NPROC`` is charged per (user namespace, uid) since Linux 5.14,
    and is not enforced for the host's root only: the program's limit counts the
    processes of this call alone, whatever uid the agent runs as.
@@ -96,12 +96,13 @@ def _map_self(uid: int, gid: int) -> None:
     _write("/proc/self/gid_map", f"0 {gid} 1")
 
 
-def _maps(uid: int) -> bool:
-    """Whether ``uid`` is mapped in this process's user namespace (root can setuid to it)."""
-    with open("/proc/self/uid_map") as f:
+def _maps(kind: str, value: int) -> bool:
+    """Whether ``value`` is mapped in this process's user namespace's ``kind``_map
+    ("uid" or "gid"): root can switch to it."""
+    with open(f"/proc/self/{kind}_map") as f:
         for line in f:
             inner, _, count = (int(v) for v in line.split())
-            if inner <= uid < inner + count:
+            if inner <= value < inner + count:
                 return True
     return False
 
@@ -188,7 +189,7 @@ def child(plan: dict, as_root: bool) -> None:
 def main() -> int:
     plan = json.loads(sys.argv[1])
     try:
-        as_root = os.geteuid() == 0 and _maps(plan["uid"]) and _maps(plan["gid"]) or False
+        as_root = os.geteuid() == 0 and _maps("uid", plan["uid"]) and _maps("gid", plan["gid"])
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
         if as_root:
             # The program writes its directory as uid:gid (main.py may be 0600 under

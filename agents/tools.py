@@ -17,8 +17,8 @@ stopped after ``4 * max_output_chars`` bytes (the tool message is truncated to
 
 Sandbox (``sandbox="namespace"``, the default; :mod:`tapioca.agents.sandbox_setup`):
 the program runs in its own mount, PID, network and IPC namespaces, as root of a user
-namespace mapped to an unprivileged uid (65534 when the agent is root, the agent's own
-uid otherwise) that owns none of them. Its file system is a read-only private tmpfs
+namespace mapped to an unprivileged uid (a dedicated one, ``sandbox.SANDBOX_UID``, when
+the agent is root, the agent's own uid otherwise) that owns none of them. Its file system is a read-only private tmpfs
 holding only the system's libraries and the interpreter's installation, read-only
 (:mod:`tapioca.agents.sandbox` lists them), and its temporary directory, the only
 writable path: the run directory, the home directory and the host's other files do not
@@ -137,8 +137,9 @@ class PythonExecutor:
                     f"code here ({reason}); it needs Linux user, mount and PID namespaces: run the "
                     "agent as root or allow unprivileged user namespaces (sysctl "
                     "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, on Ubuntu "
-                    "kernel.apparmor_restrict_unprivileged_userns=0), or set agent.tool_sandbox: "
-                    "none to run it without isolation")
+                    "kernel.apparmor_restrict_unprivileged_userns=0; in a Docker container, a seccomp "
+                    "profile that allows unshare, e.g. --security-opt seccomp=unconfined), or set "
+                    "agent.tool_sandbox: none to run it without isolation")
 
     def spec(self) -> dict[str, Any]:
         return {"type": "function", "function": {

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from tapioca.agents.sandbox import bind_paths
+from tapioca.agents.sandbox import SANDBOX_UID, bind_paths
 from tapioca.agents.tools import PythonExecutor
 from tapioca.bus.signing import create_key_file, key_path_of_run, write_secret_file
 from tapioca.schemas.errors import ConfigError
@@ -149,6 +149,15 @@ def test_it_cannot_remount_or_unmount_its_file_system(box):
     assert lines[0] == "remount / Operation not permitted" and lines[1] == "umount /proc Operation not permitted"
     if lines[2] == "own mount ns ok":  # allowed, but the mounts it copies are locked
         assert not lines[3].endswith(" ok") and not lines[4].endswith(" ok"), lines
+
+
+def test_it_is_root_of_a_namespace_mapped_to_an_unprivileged_uid(box):
+    """Root inside, a dedicated uid outside when the agent is root (else the agent's own
+    uid: the launcher's namespace maps its root to it, so the program's map reads 0 0 1)."""
+    r = box.run("import os\nprint(os.getuid(), open('/proc/self/uid_map').read().split())")
+    outer = SANDBOX_UID if os.geteuid() == 0 else 0
+    assert r.output == f"0 {['0', str(outer), '1']}", r.output
+    assert SANDBOX_UID != 0 and SANDBOX_UID != os.geteuid()
 
 
 def _fork_loop(limit: int) -> str:
