@@ -61,7 +61,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class SetupError(Exception):
-    pass
+    """A step failed. Never leaves this script (it prints the one line and exits 125),
+    which cannot import the package's TapiocaError: it runs before any path is set up."""
 
 
 def _check(ret: int, step: str) -> None:

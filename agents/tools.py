@@ -17,21 +17,22 @@ stopped after ``4 * max_output_chars`` bytes (the tool message is truncated to
 
 Sandbox (``sandbox="namespace"``, the default; :mod:`tapioca.agents.sandbox_setup`):
 the program runs in its own mount, PID, network and IPC namespaces, as root of a user
-namespace mapped to an unprivileged uid (a dedicated one, ``sandbox.SANDBOX_UID``, when
-the agent is root, the agent's own uid otherwise) that owns none of them. Its file system is a read-only private tmpfs
-holding only the system's libraries and the interpreter's installation, read-only
-(:mod:`tapioca.agents.sandbox` lists them), and its temporary directory, the only
-writable path: the run directory, the home directory and the host's other files do not
-exist there. It sees only its own processes, has no network (a down loopback), and at
-most ``max_processes`` processes and threads, itself included, counted for this call
-alone (``RLIMIT_NPROC`` in its own user namespace, enforced because its uid is not the
-host's root). When the executor stops it, the kernel kills everything it forked.
-The executor checks the sandbox once when it is made and refuses to start
-(:class:`~tapioca.schemas.errors.ConfigError`, saying why) where it does not work: no
-silent fallback. ``sandbox="none"`` (config ``agent.tool_sandbox: none``) runs the code
-with the limits above only: it can then read and write whatever the agent's user can,
-open sockets and signal the user's processes, and as root ``RLIMIT_NPROC`` is not set
-(the kernel would ignore it). Not filtered in either mode: system calls (no seccomp).
+namespace that owns none of them, mapped to an unprivileged uid (a dedicated one,
+``sandbox.SANDBOX_UID``, when the agent is root; the agent's own uid otherwise). Its
+file system is a read-only private tmpfs holding only the system's libraries and the
+interpreter's installation, read-only (:mod:`tapioca.agents.sandbox` lists them), and
+its temporary directory, the only writable path: the run directory, the home directory
+and the host's other files do not exist there. It sees only its own processes, has no
+network (a down loopback), and at most ``max_processes`` processes and threads, itself
+included, counted for this call alone (``RLIMIT_NPROC`` in its own user namespace,
+enforced because its uid is not the host's root). When the executor stops it, the
+kernel kills everything it forked. The executor checks the sandbox once when it is
+made and refuses to start (:class:`~tapioca.schemas.errors.ConfigError`, saying why)
+where it does not work: no silent fallback. ``sandbox="none"`` (config
+``agent.tool_sandbox: none``) runs the code with the limits above only: it can then
+read and write whatever the agent's user can, open sockets and signal the user's
+processes, and as root ``RLIMIT_NPROC`` is not set (the kernel would ignore it). Not
+filtered in either mode: system calls (no seccomp).
 
 Calculator: parses an arithmetic expression with :mod:`ast` and evaluates only numbers,
 ``+ - * / // % **``, unary signs and a fixed set of math functions and constants. No
@@ -41,6 +42,7 @@ Calculator: parses an arithmetic expression with :mod:`ast` and evaluates only n
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import json
 import logging
@@ -184,10 +186,11 @@ class PythonExecutor:
         cap = 4 * self.max_output_chars  # bytes read before the program is stopped
         sandboxed = self.sandbox == "namespace"
         with tempfile.TemporaryDirectory(prefix="tapioca-py-") as cwd, \
-                tempfile.TemporaryDirectory(prefix="tapioca-root-") as root:
+                (tempfile.TemporaryDirectory(prefix="tapioca-root-") if sandboxed
+                 else contextlib.nullcontext(None)) as root:
             with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
-            argv, env = self._command(cwd, root if sandboxed else None)
+            argv, env = self._command(cwd, root)
             # No preexec_fn (not safe when the agent calls tools from threads): the
             # limits are set by the bootstrap inside the child; start_new_session is
             # done by Popen itself, so a timeout can kill every process it forked.
