@@ -518,8 +518,19 @@ class ProxyConfig:
     end_mode: str = "concat"
     turn_discount: float = 1.0
     max_sessions: int = 4096
+    # HTTP: a connection whose request line and headers are not complete this long
+    # after it opened (or after a request's first byte) gets 408 and is closed; an idle
+    # kept-alive connection is closed after keep_alive_timeout_s (uvicorn's
+    # timeout_keep_alive); past max_connections open connections or requests in
+    # flight, a request gets 503 (uvicorn's limit_concurrency).
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 30.0
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
+        _require(self.header_timeout_s > 0, "proxy.header_timeout_s must be > 0")
+        _require(self.keep_alive_timeout_s > 0, "proxy.keep_alive_timeout_s must be > 0")
+        _require(self.max_connections >= 1, "proxy.max_connections must be >= 1")
         _require(0 <= self.port <= 65535, "proxy.port must be in [0, 65535] (0 = any free port)")
         _require(self.max_tokens_per_request >= 1, "proxy.max_tokens_per_request must be >= 1")
         _require(self.max_tokens_per_session >= 1, "proxy.max_tokens_per_session must be >= 1")
@@ -601,6 +612,11 @@ class AgentConfig:
     base_url: str = ""
     tool_timeout_s: float = 5.0
     tool_memory_mb: int = 512
+    # Processes and threads one Python tool call may run, itself included.
+    tool_max_processes: int = 32
+    # namespace: the tool's code sees only the interpreter and its own temporary
+    # directory, or the runner refuses to start (docs/security.md); none: no isolation.
+    tool_sandbox: str = "namespace"
     system_prompt: str = ""
     command: str = ""
     command_timeout_s: float = 600.0
@@ -621,6 +637,10 @@ class AgentConfig:
         _require(self.request_timeout_s > 0, "agent.request_timeout_s must be > 0")
         _require(self.tool_timeout_s > 0, "agent.tool_timeout_s must be > 0")
         _require(self.tool_memory_mb >= 64, "agent.tool_memory_mb must be >= 64")
+        _require(self.tool_max_processes >= 1, "agent.tool_max_processes must be >= 1 (the program itself)")
+        _require(self.tool_sandbox in ("namespace", "none"),
+                 f"agent.tool_sandbox={self.tool_sandbox!r}: use namespace (isolate the model's code) "
+                 "or none (run it without isolation)")
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")

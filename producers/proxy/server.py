@@ -42,7 +42,13 @@ HTTP API (errors: ``{"error": {"message", "type", "param", "code"}}``)
     key on completions), 404 unknown session or completion, 409 group full / finished,
     session already ended (also for a reward, or for a call whose session ended while
     it generated), 413 body over ``proxy.max_request_bytes``, 429 ``proxy.max_sessions``
-    open, 503 shutting down.
+    open, 503 shutting down (or, plain text from uvicorn, ``proxy.max_connections``
+    reached); 408 and a close when a request line and headers are not complete within
+    ``proxy.header_timeout_s`` (:mod:`tapioca.producers.proxy.http_timeouts`); an idle
+    kept-alive connection is closed after ``proxy.keep_alive_timeout_s``.
+    ``logprobs: true`` returns each token's logprob (``top_logprobs`` must be 0: the
+    engines give no alternatives, > 0 is a 400 saying so; legacy ``logprobs`` 0 alike);
+    a stream carries them on each choice's last chunk.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engines.base import GenResult
 from ...schemas.errors import ConfigError, TapiocaError
+from .http_timeouts import with_header_timeout
 from .openai_errors import ApiError, bad_request, error_body
 from .responses import build_chat_choices, build_text_choices
 from .service import ProxyService, float_field, int_field
@@ -251,7 +258,7 @@ def create_app(svc: ProxyService) -> FastAPI:
         tools = validate_tools(tools) if tools else None
         tool_choice = validate_tool_choice(body.get("tool_choice"))
         stream, include_usage = _stream_fields(body)
-        want_logprobs = _bool_field(body, "logprobs")
+        want_logprobs = _chat_logprobs_fields(body)
         sampling, n = svc.sampling_from(body)
         # Rendering (a Jinja template + tokenising a long conversation) and decoding
         # are CPU work: worker threads, so the event loop keeps serving other sessions.
@@ -287,8 +294,9 @@ def create_app(svc: ProxyService) -> FastAPI:
                 for j, call in enumerate(msg.get("tool_calls", [])):
                     yield _sse({**base, "choices": [{"index": i, "delta": {"tool_calls": [{"index": j, **call}]},
                                                      "finish_reason": None, "logprobs": None}]})
+                # The tokens' logprobs (the whole choice's) ride on its last chunk.
                 yield _sse({**base, "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"],
-                                                 "logprobs": None}]})
+                                                 "logprobs": choice["logprobs"]}]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
@@ -305,6 +313,7 @@ def create_app(svc: ProxyService) -> FastAPI:
         if body.get("echo"):
             raise bad_request("echo is not supported", "echo")
         stream, include_usage = _stream_fields(body)
+        want_logprobs = _text_logprobs_field(body)
         sampling, n = svc.sampling_from(body)
         if isinstance(prompt, str) and prompt:
             prompt_ids = await asyncio.to_thread(
@@ -317,7 +326,7 @@ def create_app(svc: ProxyService) -> FastAPI:
         call_id = f"cmpl-{secrets.token_hex(12)}"
         results = await svc.generate(session, call_id, prompt_ids, sampling, n)
         built = await asyncio.to_thread(build_text_choices, svc.text, call_id, prompt_ids, results,
-                                        sampling.stop_strings, stream=stream)
+                                        sampling.stop_strings, stream=stream, logprobs=want_logprobs)
         svc.store.record(session, built.completions, built.raws, built.contents, built.tool_call_ids)
         usage = _usage(prompt_ids, results)
         created = int(time.time())
@@ -335,7 +344,8 @@ def create_app(svc: ProxyService) -> FastAPI:
                     yield _sse({**base, "choices": [{"index": choice["index"], "text": piece,
                                                      "finish_reason": None, "logprobs": None}]})
                 yield _sse({**base, "choices": [{"index": choice["index"], "text": "",
-                                                 "finish_reason": choice["finish_reason"], "logprobs": None}]})
+                                                 "finish_reason": choice["finish_reason"],
+                                                 "logprobs": choice["logprobs"]}]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
@@ -364,6 +374,40 @@ def _bool_field(body: dict[str, Any], key: str) -> bool:
     if v is not None and not isinstance(v, bool):
         raise bad_request(f"{key} must be true, false or null", key)
     return bool(v)
+
+
+# OpenAI's bounds: chat top_logprobs in [0, 20], legacy completions logprobs in [0, 5].
+MAX_TOP_LOGPROBS = 20
+MAX_TEXT_LOGPROBS = 5
+_NO_ALTERNATIVES = ("the proxy's engines return the sampled token's logprob only, not the most likely "
+                    "alternatives")
+
+
+def _chat_logprobs_fields(body: dict[str, Any]) -> bool:
+    """``logprobs`` (whether to return each token's logprob) after checking
+    ``top_logprobs``: an integer in [0, 20] that needs ``logprobs: true`` when > 0 (as
+    OpenAI and vLLM answer); > 0 is refused, since no engine gives alternatives."""
+    want = _bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not want:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if top:
+        raise bad_request(f"top_logprobs={top} is not supported: {_NO_ALTERNATIVES}; send top_logprobs 0 "
+                          "or leave it out (logprobs: true still returns each token's logprob)",
+                          "top_logprobs", code="unsupported_value")
+    return want
+
+
+def _text_logprobs_field(body: dict[str, Any]) -> bool:
+    """Legacy completions ``logprobs``: null (none) or 0 (each token's logprob);
+    1 to 5 alternatives are refused, as for chat's ``top_logprobs``."""
+    if body.get("logprobs") is None:
+        return False
+    k = int_field(body, "logprobs", 0, 0, MAX_TEXT_LOGPROBS)
+    if k:
+        raise bad_request(f"logprobs={k} is not supported: {_NO_ALTERNATIVES}; send logprobs 0 for each "
+                          "token's logprob, or leave it out", "logprobs", code="unsupported_value")
+    return True
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -400,11 +444,14 @@ class ProxyServer:
                               "(0 = any free port)") from None
         self.host = host
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                    lifespan="off", timeout_keep_alive=30,
-                                                    # requests still waiting (a session
-                                                    # held by the gate) are cancelled then
-                                                    timeout_graceful_shutdown=5))
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off",
+            http=with_header_timeout(AutoHTTPProtocol, svc.header_timeout_s),
+            timeout_keep_alive=svc.keep_alive_timeout_s, limit_concurrency=svc.max_connections,
+            # requests still waiting (a session held by the gate) are cancelled then
+            timeout_graceful_shutdown=5))
         self._thread: threading.Thread | None = None
         self._stopped = False
         svc.on_fatal = self._exit

@@ -69,6 +69,9 @@ class ProxyService:
         self.default_group_size = g.n_samples
         self.max_tokens_per_request = p.max_tokens_per_request
         self.max_request_bytes = p.max_request_bytes
+        self.header_timeout_s = p.header_timeout_s
+        self.keep_alive_timeout_s = p.keep_alive_timeout_s
+        self.max_connections = p.max_connections
         self.session_ttl_s = p.session_ttl_s
         self.max_context_tokens = max_context_tokens
         self.text = ResponseText(tokenizer)

@@ -402,6 +402,139 @@ def test_malformed_requests_and_token_limits(proxy):
     client.chat.completions.create(model="tapioca", messages=[{"role": "user", "content": "1"}], max_tokens=2)
 
 
+def test_top_logprobs_is_checked_never_silently_empty(proxy):
+    """top_logprobs: an integer in [0, 20] (OpenAI's range), > 0 only with logprobs;
+    the engines give no alternatives, so > 0 is a 400 that says so, never 200 with [].
+    Legacy completions' logprobs (OpenAI: [0, 5]) likewise; 0 returns each token's
+    logprob. Streams carry the logprobs they were asked for on each choice's last chunk."""
+    server, _ = proxy
+    key = _session(server, group_size=1)["api_key"]
+    ask = {"messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}
+    for bad in (1e9, -3, 21, "2", True, 2.5):
+        status, body = _post(server.base_url, "/chat/completions", {**ask, "logprobs": True, "top_logprobs": bad}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["param"] == "top_logprobs" and "[0, 20]" in body["error"]["message"], body
+    status, body = _post(server.base_url, "/chat/completions", {**ask, "top_logprobs": 2}, key)
+    _assert_openai_error(status, body, 400)
+    assert "logprobs: true" in body["error"]["message"]
+    for k in (1, 5, 20):
+        status, body = _post(server.base_url, "/chat/completions", {**ask, "logprobs": True, "top_logprobs": k}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["code"] == "unsupported_value" and "not supported" in body["error"]["message"]
+
+    client = _client(server, _session(server, group_size=1))
+    out = client.chat.completions.create(model="tapioca", logprobs=True, top_logprobs=0, **ask)
+    tokens = out.choices[0].logprobs.content
+    assert len(tokens) == out.usage.completion_tokens and all(t.top_logprobs == [] and t.logprob < 0 for t in tokens)
+    chunks = list(client.chat.completions.create(model="tapioca", logprobs=True, stream=True, **ask))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert 1 <= len(streamed) <= 3 and all(t.logprob < 0 for t in streamed)
+
+    for bad in (6, -1, 1e9, 3):
+        status, body = _post(server.base_url, "/completions", {"prompt": "2+2=", "max_tokens": 3, "logprobs": bad}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["param"] == "logprobs", body
+    text = client.completions.create(model="tapioca", prompt="2+2=", max_tokens=3, logprobs=0)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == text.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(x < 0 for x in lp.token_logprobs)
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
+
+
+HEADER_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def http_proxy(start_proxy, model_dir):
+    # Short HTTP timeouts and a cap of 3 connections (this module's other proxy keeps
+    # the defaults).
+    server, _ = start_proxy(model_dir, api_key=ADMIN, run_id="proxytest.http",
+                            proxy__header_timeout_s=HEADER_TIMEOUT_S, proxy__keep_alive_timeout_s=2.0,
+                            proxy__max_connections=3)
+    return server
+
+
+def _until_closed(sock, limit_s: float = 60.0) -> tuple[bytes, float]:
+    """Read ``sock`` until the server closes it; (what it sent, time.monotonic() then)."""
+    sock.settimeout(limit_s)
+    data = b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data, time.monotonic()
+        data += chunk
+
+
+def _connect(server):
+    import socket
+
+    return socket.create_connection((server.host, server.port), timeout=30)
+
+
+def test_half_sent_requests_are_closed_after_the_header_timeout(http_proxy):
+    """Half a request line, a request line with unfinished headers, nothing at all, and
+    a half second request on a kept-alive connection: each gets 408 and is closed
+    within proxy.header_timeout_s (never before it; at most the read limit after it on a
+    loaded box). Before the fix they stayed open for good."""
+    first = _connect(http_proxy)
+    first.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    reply = first.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    began = []  # when each one's deadline started, at the latest
+    socks = []
+    for head in (b"POST /v1/chat/compl", b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: appl"):
+        socks.append(_connect(http_proxy))
+        began.append(time.monotonic())
+        socks[-1].sendall(head)
+    first.sendall(b"GET /hea")  # the kept-alive connection starts a second request
+    began.append(time.monotonic())
+    silent = _connect(http_proxy)
+    began.append(time.monotonic())
+    try:
+        for sock, start in zip((*socks, first, silent), began):
+            data, closed = _until_closed(sock)  # (first: the rest of its 200 comes before)
+            assert b"HTTP/1.1 408 Request Timeout\r\n" in data, data
+            assert data.endswith(b"\r\n\r\nthe request line and headers took too long"), data
+            # A lower bound only (the close is seen when read, which may be later).
+            assert closed - start >= HEADER_TIMEOUT_S * 0.9
+    finally:
+        for sock in (*socks, first, silent):
+            sock.close()
+
+
+def test_idle_kept_alive_connections_close_and_the_connection_cap_holds(http_proxy):
+    """proxy.keep_alive_timeout_s closes a connection idle after its response;
+    proxy.max_connections (3) answers 503 while the open connections reach it, and the
+    header timeout frees those slots."""
+    sock = _connect(http_proxy)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    data, _ = _until_closed(sock)  # after proxy.keep_alive_timeout_s (2 s) idle; 60 s read limit
+    assert data.startswith(b"HTTP/1.1 200") and b"408" not in data, data
+    sock.close()
+
+    holders = [_connect(http_proxy) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # the server has accepted them
+        status, _ = _get_health(http_proxy)
+        assert status == 503
+        for h in holders:  # freed by the header timeout
+            _until_closed(h)
+        status, body = _get_health(http_proxy)
+        assert status == 200 and body["ok"], body
+    finally:
+        for h in holders:
+            h.close()
+
+
+def _get_health(server) -> tuple[int, dict]:
+    base = server.base_url.removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
 
 
