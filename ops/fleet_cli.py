@@ -17,9 +17,9 @@ import orjson
 import typer
 from rich.table import Table
 
-from ..schemas.envelope import names_a_run
+from ..schemas.envelope import ANY_RUN, names_a_run
 from ..schemas.errors import TapiocaError
-from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
+from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json, run_dir_run_id
 
 # This module's top-level commands and its two command groups; ops/cli.py adds them to
 # `tapioca`.
@@ -61,14 +61,17 @@ def status(
     cfg = bus_config()
     admin_client(cfg)
     window = None if all_members else max(since_s, TARGETABLE_STALE_S)
-    members = [m for m in read_fleet(cfg, window_s=window) if all_members or m.age_s <= since_s]
+    run_id = run_dir_run_id()  # --run-dir: that run's members only
+    members = [m for m in read_fleet(cfg, window_s=window, run_id=run_id)
+               if all_members or m.age_s <= since_s]
     alarm = stall(members, stall_after_s)
     if output == "json":
         emit_json([m.to_json() for m in members])
         _stall_exit(alarm)
         return
+    run = f", run {run_id}" if names_a_run(run_id) else ""
     table = Table(
-        title=f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and per-partition lag")
+        title=f"fleet ({cfg.topic_prefix}{run}); -o json has hosts, pids and per-partition lag")
     for col in ("member", "role", "status"):
         table.add_column(col, no_wrap=True)
     for col in ("version", "in/out per s", "lag~", "staleness", "DLQ", "idle", "seen"):
@@ -86,6 +89,9 @@ def status(
                       f"{j['age_s']:.0f}s ago")
     table.caption = ("lag~: approximate (broker watermarks); staleness: mean/max versions "
                      "of the trainer's last step")
+    foreign = sum(m.to_json()["foreign"] for m in members)
+    if foreign:  # e.g. an earlier run's weights on the same prefix: skipped, not forgeries
+        table.caption += f"; {foreign} events of other runs skipped"
     if not members:
         table.caption = "no heartbeats on fleet.v1 (are roles running under this --prefix?)"
     console.print(table)
@@ -117,7 +123,10 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
     )
 
     cfg = bus_config()
-    chosen = resolve_target(members if members is not None else read_fleet(cfg), target)
+    # --run-dir: that run's members, and a command only they obey (other runs skip it).
+    run_id = run_id or (rid if names_a_run(rid := run_dir_run_id()) else None)
+    chosen = resolve_target(members if members is not None else read_fleet(
+        cfg, run_id=run_id or ANY_RUN), target)
     check_signing(cfg, chosen)
     expect = [m.event.member_id for m in chosen]
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
