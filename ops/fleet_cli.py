@@ -381,6 +381,26 @@ def _already_retried(cfg, letters: list) -> set[int]:
     return found
 
 
+def _first_letters(letters: list) -> dict[int, int]:
+    """For each dead letter of a record that an earlier one in ``letters`` (lower dlq.v1
+    offset) also dead-lettered -- the same source topic, partition and offset: one
+    letter per consumer group that failed on it -- the earlier one's offset. A record is
+    republished once however many groups dead-lettered it. Letters without a source
+    position (an event found bad in a tick, offset -1) are never merged."""
+    first: dict[tuple[str, int, int], int] = {}
+    duplicate_of: dict[int, int] = {}
+    for r in sorted(letters, key=lambda r: r.source.offset):
+        e = r.event
+        if e.source_offset < 0 or not e.payload_b64 or e.payload_truncated:
+            continue
+        where = (e.source_topic, e.source_partition, e.source_offset)
+        if where in first:
+            duplicate_of[r.source.offset] = first[where]
+        else:
+            first[where] = r.source.offset
+    return duplicate_of
+
+
 @dlq_app.command("retry")
 def dlq_retry(
     source: Optional[str] = typer.Option(None, "--source", help="Only dead letters of this topic."),
@@ -394,7 +414,9 @@ def dlq_retry(
     e.g. after fixing what made their handler fail. Consumers de-duplicate by event
     identity, so a retry of an event that was in fact handled changes nothing. A dead
     letter retried before (its source topic holds a record marked ``tapioca.retry_of``
-    with its offset) is republished again, with a warning listing such letters."""
+    with its offset) is republished again, with a warning listing such letters. A record
+    that several consumer groups dead-lettered (one letter each, the same source topic,
+    partition and offset) is republished once, for the first of its letters."""
     import sys
 
     from ..bus.producer import EventProducer
@@ -417,6 +439,7 @@ def dlq_retry(
             "before (their source topics hold records marked tapioca.retry_of); they are "
             "republished again: consumers de-duplicate, so a handled event changes nothing"
             + (" (dry run: nothing is republished)" if dry_run else "") + "\n")
+    duplicate_of = _first_letters(chosen)
     results = []
     with EventProducer(cfg, f"tapioca-dlq-retry-{cfg.client_id}") as producer:
         for r in chosen:
@@ -424,7 +447,12 @@ def dlq_retry(
             row = {"offset": r.source.offset, "source_topic": e.source_topic,
                    "source_offset": e.source_offset,
                    "retried_before": r.source.offset in before}
-            if e.payload_truncated:
+            if r.source.offset in duplicate_of:
+                first = duplicate_of[r.source.offset]
+                row.update(retried=False, duplicate_of=first,
+                           reason=f"the same record as the dead letter at @{first} (another "
+                                  "consumer group's); republished once")
+            elif e.payload_truncated:
                 row.update(retried=False, reason="payload was truncated in the dead letter; the "
                            f"original is at {e.source_topic}[{e.source_partition}]"
                            f"@{e.source_offset} (while retention keeps it)")
@@ -449,7 +477,8 @@ def dlq_retry(
         if not results:
             table.caption = "nothing matched"
         console.print(table)
-    skipped = [row for row in results if not row["retried"] and not dry_run]
+    skipped = [row for row in results if not row["retried"] and not dry_run
+               and "duplicate_of" not in row]
     if skipped:
         raise TapiocaError(f"{len(skipped)} dead letter(s) could not be retried: "
                            + "; ".join(f"@{row['offset']}: {row['reason']}" for row in skipped))
