@@ -96,7 +96,8 @@ def _run_and_archive(broker, root: Path, run_id: str, *, trainer_steps: int = 0)
         experiment_name=experiment, trial_name=trial, run_dir=str(root / "runs"), bus=bus,
         model=ModelConfig(path=model), train_dataset=DatasetConfig(prompts_per_step=2),
         gconfig=GenerationConfig(n_samples=2, max_new_tokens=3),
-        rollout=RolloutConfig(max_head_offpolicyness=1), total_train_steps=max(trainer_steps, 1),
+        rollout=RolloutConfig(max_head_offpolicyness=1),
+        **({"total_train_steps": trainer_steps} if trainer_steps else {}),
         # Small files: both the size and the time roll happen in a run this short.
         archive=ArchiveConfig(enabled=True, dir=str(archive), roll_bytes=2048,
                               roll_interval_s=0.5))
