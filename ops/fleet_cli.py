@@ -381,7 +381,7 @@ def _already_retried(cfg, letters: list) -> set[int]:
     return found
 
 
-def _first_letters(letters: list) -> dict[int, int]:
+def _duplicate_letters(letters: list) -> dict[int, int]:
     """For each dead letter of a record that an earlier one in ``letters`` (lower dlq.v1
     offset) also dead-lettered -- the same source topic, partition and offset: one
     letter per consumer group that failed on it -- the earlier one's offset. A record is
@@ -439,7 +439,7 @@ def dlq_retry(
             "before (their source topics hold records marked tapioca.retry_of); they are "
             "republished again: consumers de-duplicate, so a handled event changes nothing"
             + (" (dry run: nothing is republished)" if dry_run else "") + "\n")
-    duplicate_of = _first_letters(chosen)
+    duplicate_of = _duplicate_letters(chosen)
     results = []
     with EventProducer(cfg, f"tapioca-dlq-retry-{cfg.client_id}") as producer:
         for r in chosen:
