@@ -80,6 +80,17 @@ def bus_config(**overrides):
     return BusConfig(**section)
 
 
+def run_dir_run_id() -> str:
+    """The bus run id of ``--run-dir``'s run (its config.yaml's ``bus.run_id``, which
+    `tapioca train` writes), or ANY_RUN without one: `status` and the fleet commands
+    narrow the fleet to that run's members (runs before it on the prefix reuse the same
+    member ids), and commands carry it, so other runs' members skip them."""
+    from ..schemas.envelope import ANY_RUN
+
+    run_id = run_bus_section(G.run_dir).get("run_id") if G.run_dir else None
+    return run_id if isinstance(run_id, str) and run_id else ANY_RUN
+
+
 def emit_json(obj) -> None:
     """One JSON document on its own line of stdout (``-o json``), flushed."""
     sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")

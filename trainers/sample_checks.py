@@ -42,10 +42,14 @@ def check_made_for(event: SampleEvent, *, estimator: str, norm_spec: str,
 
 
 def check_trainable(event: SampleEvent, *, vocab_size: int, max_positions: int | None,
-                    version: int) -> int:
+                    version: int, recorded_versions: bool = False) -> int:
     """Refuse a sample no training step could use safely; returns its staleness,
     ``version - min(output_versions)``, from its tokens (not from the field it declares,
-    which must agree)."""
+    which must agree).
+
+    ``recorded_versions``: the sample's versions were counted by another trainer (offline
+    training from a log, trainers/offline.py), so a version ahead of ``version`` is the
+    normal case, not a forged weights event; only their sign is checked then."""
     gid = event.group_id
     if not event.sequences or not any(s.output_ids for s in event.sequences):
         raise BadEventError(f"group {gid} has no output tokens to train; the advantage "
@@ -85,7 +89,7 @@ def check_trainable(event: SampleEvent, *, vocab_size: int, max_positions: int |
         raise BadEventError(
             f"group {gid} declares min_version {event.min_version} but its tokens' oldest "
             f"version is {v_min}")
-    if v_min < 0 or v_min > version:
+    if v_min < 0 or (v_min > version and not recorded_versions):
         raise BadEventError(
             f"group {gid} was made by policy versions {v_min}..{v_max}, but the trainer is at "
             f"version {version}: its staleness would be {version - v_min}. Versions come only "

@@ -18,7 +18,8 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
   the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
   vocabulary, numbers beyond float32-safe bounds, versions newer than the trainer's
-  (negative staleness), a sample made for another advantage config
+  (negative staleness; except offline, with the gate off, where the versions are the
+  online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
   advantages).
@@ -73,6 +74,7 @@ from .checkpoint import (
 )
 from .critic import Critic
 from .metrics_sink import MetricsSink
+from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
 from .sample_checks import check_made_for, check_trainable
@@ -321,8 +323,11 @@ class Trainer(Role[TrainerState]):
             log.error("dead-lettered (%d so far): %s", state.dead_lettered_config, exc)
             raise
         if not event.dropped_reason:
+            # Gate off (offline, trainers/offline.py): the recorded versions count the
+            # online trainer's steps, so one ahead of this trainer's is no forgery.
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
-                            version=state.progress.version)
+                            version=state.progress.version,
+                            recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:

@@ -271,6 +271,37 @@ def test_dlq_list_show_retry_round_trip(cfg, cli, start_runner, wait_until):
     assert rt.state.count("bad-1") >= 1 and rt.runner.stats.dead_lettered == 1
 
 
+def test_dlq_retry_republishes_a_record_once_however_many_groups_dead_lettered_it(
+        cfg, cli, start_runner, wait_until):
+    """Issue 29: two consumer groups dead-lettered the same prompt (two letters with the
+    same source topic, partition and offset), and `dlq retry --source prompts`
+    republished it twice. Now once, for the first letter; the other says whose
+    duplicate it is, and is no failure (exit 0)."""
+    roles = [Flaky(), Flaky()]
+    runners = [start_runner(role, cfg, member_id=f"flaky-{i}", group_id=f"{cfg.topic_prefix}.g{i}")
+               for i, role in enumerate(roles)]
+    publish(cfg, prompt("bad-2"))
+    wait_until(lambda: all(rt.runner.stats.dead_lettered == 1 for rt in runners),
+               what="each group's dead letter")
+    letters = ok_json(cli("dlq", "list", "-o", "json"))
+    assert len(letters) == 2 and len({d["consumer_group"] for d in letters}) == 2
+    assert len({(d["source_topic"], d["source_partition"], d["source_offset"])
+                for d in letters}) == 1
+    for role in roles:
+        role.fixed = True
+    first, second = sorted(d["offset"] for d in letters)
+    rows = ok_json(cli("dlq", "retry", "--source", "prompts", "-o", "json"))
+    assert [(r["offset"], r["retried"], r.get("duplicate_of")) for r in rows] == [
+        (first, True, None), (second, False, first)]
+    wait_until(lambda: all("bad-2" in rt.state for rt in runners),
+               what="the republished prompt handled by both groups")
+    with TopicReader(cfg, "prompts") as reader:
+        records = list(reader.records(idle_s=0.5))
+    retried = [r for r in records if any(k == "tapioca.retry_of" for k, _ in r.headers)]
+    assert len(records) == 2 and len(retried) == 1
+    assert [rt.state.count("bad-2") for rt in runners] == [1, 1]
+
+
 # ---------------------------------------------------------------------- weights
 
 
