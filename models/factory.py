@@ -41,6 +41,7 @@ def build_tiny_model(
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
+    head_dim: int | None = None,
     max_position_embeddings: int = 256,
     seed: int = 0,
     tie_word_embeddings: bool = True,
@@ -56,7 +57,7 @@ def build_tiny_model(
 
     Deterministic in ``seed`` within one library version, and leaves the caller's global
     torch RNG untouched. ``head_dim`` is ``hidden_size // num_heads`` for every arch
-    (Qwen3's config would otherwise default it to 128). ``num_experts``,
+    unless given (Qwen3's config would otherwise default it to 128). ``num_experts``,
     ``num_experts_per_tok``, ``moe_intermediate_size``: MoE families only. ``device``: where the weights
     are created and initialised (a GPU initialises billions of weights in milliseconds).
     """
@@ -64,12 +65,12 @@ def build_tiny_model(
 
     if vocab_size <= 0:
         raise ConfigError(f"vocab_size must be positive, got {vocab_size}")
-    if hidden_size % num_heads:
+    if head_dim is None and hidden_size % num_heads:
         raise ConfigError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
     sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                 num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                 num_key_value_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads,
                  intermediate_size=intermediate_size, num_experts=num_experts,
                  num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size)
     config = tiny_config(

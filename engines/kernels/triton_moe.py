@@ -48,7 +48,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
-                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
@@ -56,19 +56,20 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l,
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(mask, p, -1.0)
-    total = 0.0
-    # Selected values are written now and rescaled below (TOP_K is small: 8 for Qwen3).
+    kk = tl.arange(0, BLOCK_K)
+    picked_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    picked_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    # The k largest by repeated argmax, kept in registers (TOP_K is small: 8 for Qwen3).
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # smallest index on ties
-        tl.store(ids_ptr + row * TOP_K + j, idx.to(tl.int32))
-        tl.store(weights_ptr + row * TOP_K + j, best)
-        total += best
+        picked_w = tl.where(kk == j, best, picked_w)
+        picked_i = tl.where(kk == j, idx, picked_i)
         p = tl.where(offs == idx, -1.0, p)
     if NORM:
-        kk = tl.arange(0, TOP_K)
-        w = tl.load(weights_ptr + row * TOP_K + kk)
-        tl.store(weights_ptr + row * TOP_K + kk, w / total)
+        picked_w = picked_w / tl.sum(tl.where(kk < TOP_K, picked_w, 0.0), axis=0)
+    tl.store(weights_ptr + row * TOP_K + kk, picked_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + kk, picked_i, mask=kk < TOP_K)
 
 
 def moe_route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +81,8 @@ def moe_route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     if tokens:
         _route_kernel[(tokens,)](logits_TE, weights_TK, ids_TK, num_experts, logits_TE.stride(0),
                                  TOP_K=top_k, NORM=bool(norm_topk_prob),
-                                 BLOCK_E=max(16, triton.next_power_of_2(num_experts)), num_warps=1)
+                                 BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
     return weights_TK, ids_TK
 
 
@@ -103,7 +105,7 @@ def _align_kernel(ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
         e = tl.load(ids_ptr + o, mask=m, other=0)
         tl.atomic_add(cursor_ptr + e, 1, mask=m)
     tl.debug_barrier()
-    counts = tl.load(cursor_ptr + offs_e, mask=mask_e, other=0)
+    counts = tl.load(cursor_ptr + offs_e, mask=mask_e, other=0, volatile=True)  # the atomics' results
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(total_ptr, tl.sum(padded, axis=0))

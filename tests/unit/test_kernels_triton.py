@@ -301,7 +301,7 @@ def test_sample_tokens_triton_seed_and_offset_change_the_draw():
 
 # -- MoE: routing, pairs by expert, grouped expert GEMMs -----------------------------------
 
-@pytest.mark.parametrize("num_experts,top_k,norm", [(8, 2, True), (6, 3, False), (128, 8, True)])
+@pytest.mark.parametrize("num_experts,top_k,norm", [(8, 2, True), (6, 3, False), (10, 3, True), (128, 8, True)])
 def test_moe_route_triton_matches_reference(num_experts, top_k, norm):
     logits = torch.randn(9, num_experts, device=DEV) * 3  # E=6: not a power of two
     w, ids = triton_moe.moe_route(logits, top_k, norm)
