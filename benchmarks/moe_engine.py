@@ -15,9 +15,10 @@ kernels' autotuning; then ``--repeats`` timed runs, median), ``hf`` (one batched
 (default a). tokens/s = new tokens / wall seconds, prefill included.
 
 Also, for the paged engine: ms per decode step (end to end, from the engine's counters;
-and one CUDA-graph replay, timed), the decode floor (the bytes one step must read: the
-experts its tokens hit, counted from the routes of a real step, plus the dense weights,
-at ``--hbm-tb-s``), the Triton MoE kernels against the PyTorch reference on layer 0
+and one CUDA-graph replay, timed and profiled: kernels per step, the top kernels), the
+decode floor (the bytes one step must read: the experts the rows' tokens hit, counted by
+routing random activations through the real routers, plus the dense weights, at
+``--hbm-tb-s``), the Triton MoE kernels against the PyTorch reference on layer 0
 (max |diff| of one layer's output, bf16), and the engine's logprobs against the HF
 forward in bf16 (mean / max |diff| over ``--agreement-seqs`` sequences).
 
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
 from engine_generate import (  # noqa: E402
     Workload,
+    decode_step_profile,
     engine_fn,
     env_info,
     hf_fn,
@@ -49,7 +51,6 @@ from engine_generate import (  # noqa: E402
     out_path,
     print_table,
     reset_peak,
-    sync,
     write_json,
 )
 
@@ -70,12 +71,14 @@ TARGETS = {"a": 3000.0, "b": 12000.0}
 
 
 def build(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A random-weight Qwen3-MoE of ``shape`` (seed 0) created on ``device``, sdpa attention
+    (also benchmarks/moe_trainer.py's)."""
     kw = dict(shape)
     vocab = kw.pop("vocab_size")
     model = build_tiny_model(vocab, arch="qwen3_moe", seed=0, dtype=dtype, device=device, tie_word_embeddings=False,
                              max_position_embeddings=4096, **kw)
     model.set_attn_implementation("sdpa")
-    return model.eval()
+    return model
 
 
 def workloads(smoke: bool, names: str, vocab: int, seed: int) -> dict[str, Workload]:
@@ -125,20 +128,6 @@ def decode_floor(model, decoder, rows: int, hbm_tb_s: float, device: str) -> dic
             "floor_tok_s": round(rows / (total / (hbm_tb_s * 1e12)), 1)}
 
 
-def graph_step_ms(engine: PagedEngine, rows: int, device: str, replays: int = 10) -> float | None:
-    keys = [k for k in engine.graphs.keys() if k[0] == engine.graphs.rows_for(rows) and k[2]]
-    if not device.startswith("cuda") or not keys:
-        return None
-    key = max(keys, key=lambda k: k[1])
-    engine.graphs.replay(key)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        engine.graphs.replay(key)
-    sync(device)
-    return round((time.perf_counter() - t0) / replays * 1000, 3)
-
-
 def agreement(model, results, device: str, n_seqs: int) -> dict:
     """|engine logprob - HF forward logprob| (the model's dtype, no autocast) per output token."""
     from tapioca.models.forward import causal_token_logprobs
@@ -176,7 +165,7 @@ def main() -> None:
     dev = args.device
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     t_build = time.perf_counter()
-    model = build(SMOKE if args.smoke else QWEN3_30B_A3B, dtype, dev)
+    model = build(SMOKE if args.smoke else QWEN3_30B_A3B, dtype, dev).eval()
     total = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3-MoE, {total / 1e9:.2f}B params, {dtype}, built in {time.perf_counter() - t_build:.0f} s",
           flush=True)
@@ -202,7 +191,9 @@ def main() -> None:
                     fn = engine_fn(paged, w)
                     res[system] = measure(fn, dev, args.repeats)
                     res[system]["decode_step_ms"] = paged.stats()["decode_only_step_ms"]
-                    res[system]["graph_replay_ms"] = graph_step_ms(paged, w.rows, dev)
+                    profile = decode_step_profile(paged, w.rows, dev, replays=10)
+                    res[system]["graph_replay_ms"] = profile.get("graph_replay_ms")
+                    extras.setdefault("decode_step", {})[w.name] = profile
                     extras.setdefault("decode_floor", {})[w.name] = decode_floor(
                         model, paged.decoder, w.rows, args.hbm_tb_s, dev)
                     if w.name == min(loads):
@@ -235,6 +226,7 @@ def main() -> None:
            if "paged" in res and not args.smoke}
     print("\nspeed-ups of the paged engine:", json.dumps(ratios))
     print("decode floor (bytes a step reads):", json.dumps(extras.get("decode_floor")))
+    print("decode step (CUDA graph replay, kernels):", json.dumps(extras.get("decode_step")))
     print("engine vs HF forward |delta logprob|:", json.dumps(extras.get("agreement")))
     print("targets (a) >= 3k tok/s, (b) >= 12k tok/s; met:", json.dumps(met))
     write_json(out_path(args, "moe_engine"), {

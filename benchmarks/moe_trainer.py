@@ -47,9 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
 from engine_generate import H200_BF16_DENSE_TFLOPS, env_info, out_path, print_table, timed, write_json  # noqa: E402
+from moe_engine import build  # noqa: E402
 from trainer_systems import _grads_after_step, actor_config, actor_step, compare, fixed_batch, hf_plain_step  # noqa: E402
-
-from tapioca.models.factory import build_tiny_model  # noqa: E402
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
              intermediate_size=3072, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024)
@@ -63,15 +62,6 @@ FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", at
 RUNS = {"hf": ("hf", torch.float32, {}), "hf_bf16": ("hf", torch.bfloat16, {}),
         "fast": ("actor", torch.bfloat16, FAST), "fast_mb4k": ("actor", torch.bfloat16, dict(FAST, mb_max_tokens=4096)),
         "fast_mb4k_ac": ("actor", torch.bfloat16, dict(FAST, mb_max_tokens=4096, gradient_checkpointing=True))}
-
-
-def build(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    kw = dict(shape)
-    vocab = kw.pop("vocab_size")
-    model = build_tiny_model(vocab, arch="qwen3_moe", seed=0, dtype=dtype, device=device, tie_word_embeddings=False,
-                             max_position_embeddings=4096, **kw)
-    model.set_attn_implementation("sdpa")
-    return model
 
 
 def active_params(model) -> dict:

@@ -19,10 +19,10 @@ on shapes only):
    same order whatever row of the tile it sits in), so results do not depend on it. The
    layout has a static upper bound ``T * k + E * (BLOCK_M - 1)`` slots; blocks past the
    real total exit at once, padding slots hold the sentinel ``T * k``.
-3. ``_up_kernel``: per (block, column tile) of one expert, ``x @ gate^T`` and ``x @ up^T``
+3. ``_moe_gemm`` (GATED, up): per (block, column tile) of one expert, ``x @ gate^T`` and ``x @ up^T``
    together (the rows of x gathered by token), then ``silu(gate) * up`` in the epilogue:
    ``[T * k, I]`` by pair.
-4. ``_down_kernel``: ``act @ down^T`` times the pair's routing weight: ``[T * k, H]``; the
+4. ``_moe_gemm`` (down): ``act @ down^T`` times the pair's routing weight: ``[T * k, H]``; the
    k pairs of a token are then summed in fp32 (``sum``: deterministic, no atomics).
 
 Decode is bound by the expert bytes read: with 64+ rows nearly every expert is hit, and
@@ -167,54 +167,20 @@ def _configs(small: bool):
 
 
 @triton.jit
-def _up_body(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, N, K, TUNE_BUCKET,
-             stride_xt, stride_we, stride_wn, stride_op,
-             TOP_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < P
-    tok = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + N * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    # HF's rounding: gate and up in the activation dtype, silu(gate) rounded, times up.
-    gate = acc_g.to(dtype).to(tl.float32)
-    up = acc_u.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_op + offs_n[None, :]
-    tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & mask_n[None, :])
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _down_body(a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, N, K,
-               TUNE_BUCKET, stride_ap, stride_we, stride_wn, stride_op,
-               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gemm(a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, N, K, TUNE_BUCKET,
+              stride_ar, stride_we, stride_wn, stride_op,
+              ROW_DIV: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (block of pairs, column tile) of one expert: ``out[pair] = a[pair // ROW_DIV] @ w[e]^T``.
+    GATED (the up projection, ``w`` = [gate; up]): both halves, ``silu(gate) * up`` out;
+    else (down): times the pair's routing weight."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -227,23 +193,30 @@ def _down_body(a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + pair64[:, None] * stride_ap + offs_k[None, :]
+    a_ptrs = a_ptr + (pair64 // ROW_DIV)[:, None] * stride_ar + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows follow the gate rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
+        mask_w = mask_k[:, None] & mask_n[None, :]
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _dot(a, tl.load(w_ptrs, mask=mask_w, other=0.0), acc, IEEE)
+        if GATED:
+            acc_u = _dot(a, tl.load(u_ptrs, mask=mask_w, other=0.0), acc_u, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
-    route_w = tl.load(weights_ptr + pair64, mask=valid, other=0.0)
-    # HF's rounding: the expert's output in the activation dtype, then weighted (once rounded).
-    out = acc.to(dtype).to(tl.float32) * route_w[:, None]
+    if GATED:
+        # HF's rounding: gate and up in the activation dtype, silu(gate) rounded, times up.
+        gate = acc.to(dtype).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_u.to(dtype).to(tl.float32)
+    else:
+        # HF's rounding: the expert's output in the activation dtype, then weighted (once rounded).
+        route_w = tl.load(weights_ptr + pair64, mask=valid, other=0.0)
+        out = acc.to(dtype).to(tl.float32) * route_w[:, None]
     out_ptrs = out_ptr + pair64[:, None] * stride_op + offs_n[None, :]
     tl.store(out_ptrs, out.to(dtype), mask=valid[:, None] & mask_n[None, :])
 
@@ -256,8 +229,9 @@ def _tuned(body, small: bool):
     return triton.autotune(configs=_configs(small), key=["TUNE_BUCKET", "N", "K", "BLOCK_M"])(triton.jit(body.fn))
 
 
-_UP = {small: _tuned(_up_body, small) for small in (True, False)}
-_DOWN = {small: _tuned(_down_body, small) for small in (True, False)}
+# Autotuned per phase: the up and the down GEMMs have their own shapes (and keys).
+_UP = {small: _tuned(_moe_gemm, small) for small in (True, False)}
+_DOWN = {small: _tuned(_moe_gemm, small) for small in (True, False)}
 
 
 def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
@@ -285,11 +259,11 @@ def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
     fixed = _configs(small)[0].kwargs if _INTERPRET else {}
     bucket = triton.next_power_of_2(max(1, pairs // num_experts))
     _UP[small][lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
-        x_TH, w13_E2IH, act_PI, sorted_S, block_expert_B, total_1, pairs, inter, hidden, bucket,
+        x_TH, w13_E2IH, weights_P, act_PI, sorted_S, block_expert_B, total_1, pairs, inter, hidden, bucket,
         x_TH.stride(0), w13_E2IH.stride(0), w13_E2IH.stride(1), act_PI.stride(0),
-        TOP_K=top_k, IEEE=ieee, BLOCK_M=bm, **fixed)
+        ROW_DIV=top_k, GATED=True, IEEE=ieee, BLOCK_M=bm, **fixed)
     _DOWN[small][lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
         act_PI, w2_EHI, weights_P, out_PH, sorted_S, block_expert_B, total_1, pairs, hidden, inter, bucket,
         act_PI.stride(0), w2_EHI.stride(0), w2_EHI.stride(1), out_PH.stride(0),
-        IEEE=ieee, BLOCK_M=bm, **fixed)
+        ROW_DIV=1, GATED=False, IEEE=ieee, BLOCK_M=bm, **fixed)
     return out_PH.view(num_tokens, top_k, hidden).float().sum(1).to(dtype)

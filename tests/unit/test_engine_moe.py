@@ -8,8 +8,6 @@ sampled token's logprob within 1e-4 of HF's no-cache forward of the whole sequen
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import transformers
@@ -94,21 +92,10 @@ def test_graph_bucket_padding_rows_route_but_change_nothing():
         assert_matches_hf(model, r)
 
 
-def test_engine_on_the_triton_kernels_matches_hf(monkeypatch):
+def test_engine_on_the_triton_kernels_matches_hf(triton_interpreter, monkeypatch):
     """The Triton routing and grouped-GEMM kernels (interpreted on CPU) behind the whole
     engine, with the other Triton kernels and graph-bucket padding."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set without a GPU)")
     pytest.importorskip("tapioca.engines.kernels.triton_moe")
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # numpy 2.4 vs Triton 3.6's int() of 1-element arrays (triton#9171)
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
     monkeypatch.setenv("TAPIOCA_KERNELS", "triton")
     model = moe_model()
     with PagedEngine(model, seed=0, kv_block_size_tokens=4) as eng:
