@@ -1,7 +1,7 @@
 """Packed (padding-free) forward of a ``transformers`` Llama-family causal LM.
 
-Consumes a Qwen2 / Qwen3 / Llama / Mistral / Qwen3-MoE ``*ForCausalLM`` (its modules and weights are used as
-they are, nothing is copied) and a packed micro-batch: ``input_ids_N`` (sequences
+Consumes a Qwen2 / Qwen3 / Llama / Mistral / Qwen3-MoE ``*ForCausalLM`` (its modules and
+weights are used as they are, nothing is copied) and a packed micro-batch: ``input_ids_N`` (sequences
 concatenated), ``position_ids_N`` (restarting at 0 for each sequence) and a
 :class:`~tapioca.models.attention.PackedSeqs`; emits ``hidden_NH``, the final-norm
 hidden states of every packed token (the LM head is applied by the caller on the
@@ -192,16 +192,15 @@ class PackedCausalLM(nn.Module):
         forward (Megatron sums the layers' losses); None when both are off or no MoE."""
         if not self.routers or not (aux_coeff or z_coeff):
             return None
-        total = sum(aux_coeff * r.aux_loss + z_coeff * r.z_loss for r in self.routers)
-        return total
+        return sum(aux_coeff * r.aux_loss + z_coeff * r.z_loss for r in self.routers)
 
-    def router_loss_values(self) -> dict[str, torch.Tensor]:
-        """The last forward's unscaled router losses, mean over MoE layers (detached)."""
+    def router_loss_values(self) -> dict[str, float]:
+        """The last forward's unscaled router losses, mean over MoE layers (one host read)."""
         if not self.routers:
             return {}
-        n = len(self.routers)
-        return {"moe_aux_loss": sum(r.aux_loss.detach() for r in self.routers) / n,
-                "moe_z_loss": sum(r.z_loss.detach() for r in self.routers) / n}
+        means = torch.stack([torch.stack([r.aux_loss.detach().float(), r.z_loss.detach().float()])
+                             for r in self.routers]).mean(0).tolist()
+        return {"moe_aux_loss": means[0], "moe_z_loss": means[1]}
 
     def take_router_metrics(self) -> dict[str, float]:
         """Load statistics of the training forwards since the last call

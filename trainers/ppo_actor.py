@@ -355,9 +355,7 @@ class PPOActor:
 
     def _router_values(self) -> dict[str, float]:
         """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
-        if self.packed is None:
-            return {}
-        return {k: float(v) for k, v in self.packed.router_loss_values().items()}
+        return {} if self.packed is None else self.packed.router_loss_values()
 
     def _aux_weight(self, batch: TensorBatch) -> float:
         """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
