@@ -17,9 +17,10 @@ The expert FFN (:class:`_GroupedSwiGLU`): token-expert pairs sorted by expert, t
 grouped GEMMs (``torch.nn.functional.grouped_mm`` on CUDA in bf16; a loop over experts
 elsewhere, which reads the per-expert counts on the host once per layer: free on a CPU,
 one sync per layer on a GPU in fp32), SwiGLU between them. Dropless: every pair is
-computed (no capacity factor). For backward it keeps the layer input and the gate/up
-output only; the sorted copy of the input and ``silu(gate) * up`` are rebuilt there
-(the two largest activations of the layer after the gate/up output).
+computed (no capacity factor). For backward the FFN keeps the layer input and the
+gate/up output only; the sorted copy of the input and ``silu(gate) * up`` are rebuilt
+there. The weighted sum of a token's k expert outputs keeps those outputs (the routing
+weights' gradient needs them).
 
 Router losses, per MoE layer, over every token of the micro-batch (Megatron's
 definitions, whose names AReaL uses): load balancing ``E * sum_e f_e * P_e`` with
