@@ -21,9 +21,11 @@ fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors). Expert weights load under either 
 the fused names of transformers 5 (``mlp.experts.gate_up_proj``) or one tensor per
 expert (``mlp.experts.{e}.gate_proj.weight``: checkpoints on disk, transformers 4),
 each a view into the fused tensors (:func:`tapioca.models.moe.expert_aliases`). With
-``record_routes`` set, every forward leaves the top-k expert ids of each of its tokens
-in each MoE layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer; inside a captured
-graph these are the graph's own buffers, rewritten by every replay).
+``record_routes`` set, every forward that runs Python (prefill; decode without CUDA
+graphs; a graph's capture) leaves the top-k expert ids of each of its tokens in each MoE
+layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer). They are made without host
+reads, so a captured decode graph can return them as outputs; a replay does not update
+``last_routes`` by itself.
 
 The rotary table is built from the HF model's own ``rotary_emb`` (every rope scaling
 type the model supports, at the model's own inv_freq precision) for positions up to
