@@ -355,6 +355,21 @@ class PagedDecoder(torch.nn.Module):
             self.last_routes = routes
         return h_TD, residual_TD
 
+    @torch.inference_mode()
+    def warm_moe_kernels(self, rows: list[int]) -> None:
+        """Run the first MoE layer's kernels once per decode row count on random tokens
+        whose routes spread over the experts (what the kernels tune their tiles on)."""
+        moe = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+        if moe is None:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        num_experts, _, hidden = moe.w13.shape
+        for n in rows:
+            x_TD = torch.randn(n, hidden, device=self.device, generator=gen).to(self.dtype) * 0.1
+            logits_TE = torch.randn(n, num_experts, device=self.device, generator=gen)
+            weights_TK, ids_TK = kernels.moe_route(logits_TE, moe.top_k, moe.norm_topk_prob)
+            kernels.fused_moe(x_TD, moe.w13, moe.w2, weights_TK, ids_TK)
+
     def _moe_block(self, moe: _MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out_TD, ids_TK)``: the experts' output and the top-k expert ids of each token."""
         logits_TE = F.linear(x_TD.float(), moe.router_w)  # fp32 router (see the module docstring)
