@@ -44,12 +44,18 @@ class ModelConfig:
     # A local Hugging Face directory (config + weights + tokenizer). Empty: the
     # launcher creates the tiny built-in model for `tiny_task` under the run dir.
     path: str = ""
+    # The tiny model's family: qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe, olmoe,
+    # gemma3, qwen3_next, qwen3_5, gpt_oss (docs/models.md says which path each takes).
     arch: str = "qwen2"
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
+    # MoE families: experts per MoE layer, experts per token, each expert's FFN width.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
     dtype: str = "float32"
     init_seed: int = 0
     # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
@@ -57,8 +63,11 @@ class ModelConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.arch in ("qwen2", "qwen3", "llama"),
-                 f"model.arch={self.arch!r}: use qwen2, qwen3 or llama")
+        from ..models.families import ARCHS
+
+        _require(self.arch in ARCHS, f"model.arch={self.arch!r}: use one of {', '.join(ARCHS)}")
+        _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                 "model.num_experts_per_tok must be in [1, model.num_experts]")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
@@ -378,6 +387,17 @@ class ActorConfig:
     # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
     # and a 152k vocabulary; saves the LM-head matmul of the recompute).
     logprob_keep_logits: bool = False
+    # --- mixture-of-experts models (Qwen3-MoE on the packed forward; docs/models.md) ---
+    # The router's logits and softmax: fp32 (Megatron / AReaL's recommendation; the paged
+    # engine routes in fp32 too) | fp64 | none (the activation dtype, as HF computes it).
+    moe_router_dtype: str = "fp32"
+    # Load-balancing loss (Megatron's switch loss, 1.0 when balanced) and router z-loss,
+    # each summed over MoE layers and added to the policy loss times its coefficient.
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    # Keep the routers' weights fixed (verl / NeMo-RL's freeze_moe_router): they get no
+    # optimizer updates; the experts and everything else train.
+    freeze_moe_router: bool = False
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
@@ -411,6 +431,11 @@ class ActorConfig:
                  f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
+        _require(self.moe_router_dtype in ("fp32", "float32", "fp64", "float64", "none"),
+                 f"actor.moe_router_dtype={self.moe_router_dtype!r}: use fp32, fp64 or none (the "
+                 "activation dtype)")
+        _require(self.moe_aux_loss_coeff >= 0 and self.moe_z_loss_coeff >= 0,
+                 "actor.moe_aux_loss_coeff and actor.moe_z_loss_coeff must be >= 0 (0 = off)")
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),

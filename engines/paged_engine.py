@@ -138,6 +138,11 @@ class PagedEngine(EngineLoop):
         self._generator.manual_seed(int(seed))
         self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
                                    seed_1=self._seed_1, use_graphs=cuda_graphs)
+        if device.type == "cuda":
+            # MoE kernels tune their tiles at a shape's first call; a decode graph's first
+            # call is its capture's warm-up, on padding rows that all route alike: tune on
+            # spread-out routes first.
+            dec.warm_moe_kernels(self.graphs.buckets)
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None
         self._last_tokens = torch.zeros(1, dtype=torch.int64, device=device)

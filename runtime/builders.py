@@ -67,6 +67,11 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
     from ..engines.model_runner import unsupported_reason
     from ..engines.paged_engine import PagedEngine
     from ..engines.torch_engine import TorchEngine
+    from ..models.families import in_process_reason
+
+    cannot = in_process_reason(hf_model.config)
+    if cannot is not None:
+        raise ConfigError(cannot)
 
     common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
                   interruptible=rollout.interruptible, seed=seed, decode=decode,
@@ -79,7 +84,8 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
                            **common)
-    log.info("TorchEngine instead of the paged engine: %s", reason)
+    log.info("model family %r: TorchEngine instead of the paged engine: %s",
+             getattr(hf_model.config, "model_type", "?"), reason)
     return TorchEngine(hf_model, **common)
 
 

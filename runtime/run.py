@@ -106,9 +106,16 @@ def _prepare(cfg: C) -> C:
         path = create_tiny_checkpoint(
             run_dir / "model", _tiny_task(cfg), arch=m.arch, hidden_size=m.hidden_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed,
-            tie_word_embeddings=m.tie_word_embeddings)
+            intermediate_size=m.intermediate_size, num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
+            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings)
         cfg = replace_path(cfg, "model.path", str(path.resolve()))
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
+        # Fail here, not in a rollout worker's log.
+        from ..models.families import check_in_process
+
+        check_in_process(cfg.model.path)
     return replace_path(cfg, "bus.run_id", cfg.run_id)
 
 

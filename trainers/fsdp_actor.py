@@ -367,6 +367,9 @@ class ShardedActor(PPOActor):
         ok = float(PPOActor._finite(self, values))
         return self.channel.sum([ok])[0] == self.world_size
 
+    def _aux_weight(self, batch: TensorBatch) -> float:
+        return 0.0 if self._grad_scale.get(id(batch)) == 0.0 else 1.0
+
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         lp, ent = self.root(batch, entropy)
         scale = self._grad_scale.get(id(batch))

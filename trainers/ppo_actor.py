@@ -48,6 +48,7 @@ exactly the gradient of the minibatch's aggregated loss.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -62,9 +63,17 @@ from ..algorithms.prox_logp import loglinear_prox_logprobs
 from ..algorithms.rejection_sampling import m2po_keep_flat
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
+from ..schemas.errors import ConfigError
 from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
 from .optim import build_optimizer, clip_grad_norm_
 from .packing import PackedBatch, packed_micro_batches, to_packed
+
+log = logging.getLogger(__name__)
+
+# Switches that act on the packed forward only (config/schema.py refuses them with
+# packed_sequences false; a family the packed forward does not run refuses them here).
+_PACKED_ONLY = ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
+                "moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
 @dataclass
@@ -85,15 +94,35 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
     ``shard`` (the FSDP2 actor, trainers/fsdp_actor.py) wraps the modules whose forward
     runs per layer -- the packed layers, or the HF decoder layers -- before the optimizer
     is built over the (then sharded) parameters."""
-    packed = None
-    if cfg.packed_sequences:
-        from ..models.packed import PackedCausalLM
+    from ..models.moe import router_parameters
+    from ..models.packed import PackedCausalLM, unsupported_reason
 
+    packed = None
+    family = getattr(model.config, "model_type", "?")
+    reason = unsupported_reason(model) if cfg.packed_sequences else "actor.packed_sequences is off"
+    if cfg.packed_sequences and reason is not None:
+        on = [f"actor.{name}" for name in _PACKED_ONLY if getattr(cfg, name)]
+        if on:
+            raise ConfigError(f"model family {family!r}: {reason}, so it trains with the padded HF "
+                              f"forward, where {', '.join(on)} do not apply: unset them")
+        log.warning("model family %r trains with the padded HF forward: %s", family, reason)
+    elif cfg.packed_sequences:
         packed = PackedCausalLM(
             model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
-            recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype)
+            recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,
+            moe_router_dtype=cfg.moe_router_dtype)
+        if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
+            raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
+                              f"{family!r} has no MoE layer: set them to 0")
+    if cfg.freeze_moe_router:
+        routers = router_parameters(model)
+        if not routers:
+            raise ConfigError(f"actor.freeze_moe_router is set but model family {family!r} has no "
+                              "MoE router (no mlp.gate / mlp.router weights): unset it")
+        for p in routers:
+            p.requires_grad_(False)
     if shard is not None:
         shard(list(packed.layers) if packed is not None else list(model.get_decoder().layers))
     return packed, build_optimizer(model, cfg, device)
@@ -219,6 +248,8 @@ class PPOActor:
         # property syncs on every read).
         n_tok = [int(n) for n in torch.stack([mb.mask_BT.sum() for mb in mbs]).tolist()] if mbs else []
         total_tokens = sum(n_tok)
+        # Every token of a micro-batch (prompt too): what the router losses average over.
+        n_all = [mb.seqs.n_tokens if isinstance(mb, PackedBatch) else int(mb.input_ids_BT.numel()) for mb in mbs]
         units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)
         # pi_prox per micro-batch: a tensor when known before training (behaviour
@@ -243,6 +274,7 @@ class PPOActor:
             mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
             mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
+            mb_all = sum(n_all[i] for i in mb_ids) or 1
             # No optimizer step yet in this train_step: the training forward is pi_prox.
             exact_forward = mb_index == 0 and self.prox_from_training_forward
             self.optimizer.zero_grad(set_to_none=True)
@@ -269,7 +301,15 @@ class PPOActor:
                     # No step-wide mask (loglinear): M2PO over this micro-batch.
                     m2_threshold=cfg.m2_threshold if keeps[i] is None else None,
                     entropy_BT=ent if cfg.entropy_coeff > 0 else None, **kwargs)
-                (loss * (units[i] / mb_units)).backward()
+                total = loss * (units[i] / mb_units)
+                router_loss = self._router_loss()
+                if router_loss is not None:
+                    # A mean over the micro-batch's routed tokens: weighted by its share of the
+                    # minibatch's tokens, so the minibatch's router loss is a token mean.
+                    total = total + router_loss * (self._aux_weight(mb) * n_all[i] / mb_all)
+                total.backward()
+                for k, v in self._router_values().items():
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
                 for k, v in stats.items():
                     mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
@@ -300,10 +340,27 @@ class PPOActor:
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
         metrics["actor/skipped_minibatches"] = float(len(skipped))
+        if self.packed is not None:
+            metrics.update(self.packed.take_router_metrics())  # one host read (MoE models)
         bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
                           applied_minibatches=len(minibatches) - len(skipped),
                           skipped_group_ids=bad)
+
+    def _router_loss(self) -> torch.Tensor | None:
+        """The last training forward's router losses times their coefficients (None: off)."""
+        if self.packed is None:
+            return None
+        return self.packed.router_loss(self.cfg.moe_aux_loss_coeff, self.cfg.moe_z_loss_coeff)
+
+    def _router_values(self) -> dict[str, float]:
+        """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
+        return {} if self.packed is None else self.packed.router_loss_values()
+
+    def _aux_weight(self, batch: TensorBatch) -> float:
+        """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
+        dummies)."""
+        return 1.0
 
     def _finite(self, values: list[float]) -> bool:
         """Whether a minibatch's loss, stats and gradient norm are finite: its optimizer

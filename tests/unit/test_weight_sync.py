@@ -441,6 +441,30 @@ def test_engine_switches_versions_mid_generation_from_the_transport_buffer(tmp_p
         engine.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["file", "ipc", "nccl"])
+def test_moe_expert_tensors_move_over_every_transport_into_the_paged_engine(tmp_path, publishers, transport):
+    """Qwen3-MoE's fused 3-D expert tensors and its router travel like any tensor: the
+    paged engine holds the trainer's bytes after the load (its router as an fp32 copy)."""
+    from tapioca.engines.paged_engine import PagedEngine
+
+    def moe(seed):
+        return build_tiny_model(VOCAB, arch="qwen3_moe", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                intermediate_size=64, num_experts=4, moe_intermediate_size=16,
+                                max_position_embeddings=64, seed=seed)
+
+    trainer_model = moe(1)
+    shapes = {k: tuple(v.shape) for k, v in trainer_model.state_dict().items() if ".experts." in k}
+    assert shapes == {"model.layers.0.mlp.experts.gate_up_proj": (4, 32, 32),
+                      "model.layers.0.mlp.experts.down_proj": (4, 32, 16)}
+    pub = publishers(transport, tmp_path, **({"transfer_timeout_s": 20} if transport == "nccl" else {}))
+    with PagedEngine(moe(0), kv_block_size_tokens=4) as engine:
+        load = make_weight_loader(engine, "cpu")
+        load(event(pub.publish(trainer_model.state_dict(), 1), 1))
+        assert engine.version == 1
+        assert_same(engine.decoder.hf_state_dict(), trainer_model)
+        load.receiver.close()
+
+
 # ---------------------------------------------------------------------- CUDA
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
