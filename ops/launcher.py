@@ -15,7 +15,9 @@ Supervision (``launcher`` config section):
   resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
-  process group, which the launcher signals when it stops.
+  process group, which the launcher signals when it stops. Members of the run that the
+  launcher did not start (`tapioca role NAME --config RUN/config.yaml`) are drained over
+  control.v1 when the run ends (ops/run_end.py).
 - the broker is watched every ``launcher.topic_check_interval_s``: when the embedded
   broker died it is started again on its port; when topics are missing or have the
   wrong partition count (a broker that lost its data; clients may auto-create them
@@ -59,6 +61,7 @@ from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
 from ..schemas.errors import BusError, TapiocaError
 from .parent_death import guarded
+from .run_end import end_members, outside_members
 
 # The launcher's parts, re-exported: callers and tests import them from here.
 from .run_setup import last_member_warning, role_command, role_counts  # noqa: F401
@@ -178,6 +181,7 @@ class Launcher:
         self._last_report = time.monotonic()
         self._reported = False
         self._reader = None
+        self._spawned_pids: set[int] = set()  # every child process started, for run_end
 
     # ------------------------------------------------------------------ start
 
@@ -250,6 +254,7 @@ class Launcher:
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child = Child(role, member, proc, log_path)
         self.children.append(child)
+        self._spawned_pids.add(proc.pid)
         return child
 
     # ------------------------------------------------------------------ supervision
@@ -490,17 +495,31 @@ class Launcher:
         self.pending.clear()
         self._close_reader()
         archivers = [c for c in self.children if c.role == "archiver"]
+        # Members of the run that this launcher did not start (a `tapioca role` a user
+        # started, e.g. after the drain warning) end with the run too (ops/run_end.py).
+        outside = self._outside_members()
         # Agent runners before the proxy they talk to (else every open episode logs a
         # connection error on the way down).
         self._stop_children([c for c in self.children if c.role == "agent"], timeout_s)
         self._stop_children([c for c in self.children if c.role not in ("archiver", "agent")],
                             timeout_s)
-        if any(c.proc.poll() is None for c in archivers):
+        end_members(self.cfg.bus, [m for m in outside if m.event.role != "archiver"])
+        if any(c.proc.poll() is None for c in archivers) or outside:
             time.sleep(ARCHIVER_CATCH_UP_S)
+        end_members(self.cfg.bus, [m for m in outside if m.event.role == "archiver"])
         self._stop_children(archivers, timeout_s)
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+
+    def _outside_members(self) -> list:
+        """This run's live members that are not this launcher's children (none when its
+        own broker is down: nothing could reach them)."""
+        if self.broker is not None and (self.broker.proc is None
+                                        or self.broker.proc.poll() is not None):
+            return []
+        own = self._spawned_pids | {c.proc.pid for c in self.children}
+        return outside_members(self.cfg.bus, own)
 
     def _stop_children(self, children: list[Child], timeout_s: float) -> None:
         for child in children:

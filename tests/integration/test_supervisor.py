@@ -144,6 +144,51 @@ def test_a_config_error_is_not_retried(tmp_path, standin, broker):
     assert starts(launcher, "advantage-0") == 1
 
 
+def test_a_role_the_user_started_ends_with_the_run(tmp_path, standin, broker):
+    """The drain warning tells the user to start `tapioca role NAME --config RUN/config.yaml`
+    (a real process here, the feeder); when the run ends, that member is drained over
+    control.v1 and exits 0, instead of running on after the run (issue 29, item 5)."""
+    from tapioca.bus import read_events
+    from tapioca.bus.fleet import read_fleet
+    from tapioca.runtime.run import create_tiny_checkpoint
+    from tapioca.schemas.events import ControlAckEvent
+
+    create_tiny_checkpoint(tmp_path / "model")
+    launcher = make_launcher(tmp_path, standin, {"trainer": "done-when-file:go"},
+                             bootstrap=broker.bootstrap)
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    outsider = None
+    launcher.start()
+    try:
+        with open(tmp_path / "outsider.log", "wb") as out:
+            outsider = subprocess.Popen(
+                [TAPIOCA, "role", "feeder", "--config", str(launcher.config_path), "--member", "1"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not any(m.live and m.event.member_id == "feeder-1" and m.event.pid == outsider.pid
+                      for m in read_fleet(launcher.cfg.bus, window_s=60)):
+            assert outsider.poll() is None, (tmp_path / "outsider.log").read_text()
+            assert time.monotonic() < deadline, "the outside feeder never sent a heartbeat"
+            time.sleep(0.5)
+        (Path(launcher.cfg.run_path) / "standin" / "go").touch()  # the trainer finishes
+        launcher.wait(timeout_s=60)
+    finally:
+        launcher.stop()
+        try:
+            # Before: it ran on, heartbeating into a finished run.
+            assert outsider is not None and outsider.wait(60) == 0, \
+                (tmp_path / "outsider.log").read_text()[-3000:]
+        finally:
+            if outsider is not None and outsider.poll() is None:
+                os.killpg(outsider.pid, signal.SIGKILL)
+    acks = [e for e in read_events(launcher.cfg.bus, "control")
+            if isinstance(e, ControlAckEvent) and e.member_id == "feeder-1"]
+    assert [a.ok for a in acks] == [True] and acks[0].message.startswith("draining")
+    last = {m.event.member_id: m for m in read_fleet(launcher.cfg.bus, window_s=300)}
+    assert last["feeder-1"].event.status == "stopped"
+
+
 def _wrong_partitions(cfg: BusConfig) -> None:
     """What a broker restart plus an auto-creating client leave: control.v1 and dlq.v1
     gone, weights.v1 back with the broker's default of 4 partitions."""
