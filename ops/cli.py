@@ -9,7 +9,8 @@ Global options: ``--bootstrap-server`` (or ``$TAPIOCA_BOOTSTRAP``; else the brok
 ``--run-dir`` (a run's directory: its config.yaml gives the broker, prefix and security
 settings unless the flags do, and its ``secrets/bus.key`` signs commands) or
 ``--key-file`` (the signing key alone; or ``$TAPIOCA_SIGNING_KEY_FILE``). Errors are one
-line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
+line on stderr and a non-zero exit (78 for a config or usage error, else 1), never a
+stack trace (``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def main() -> None:
         if G.debug:
             raise
         sys.stderr.write(f"error: {exc}\n")
-        sys.exit(1)
+        # 78 (EXIT_CONFIG) for a config or usage error: `tapioca proxy` as a role of
+        # `tapioca train` is then not restarted, and its line is what the launcher says.
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

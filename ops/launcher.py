@@ -11,7 +11,8 @@ Supervision (``launcher`` config section):
 - a role that crashes (non-zero exit) is restarted after a backoff that doubles per
   restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
   the run stops with an error naming the role and its log. Exit code 78 (a config or
-  file problem, ``EXIT_NO_RESTART``) is never retried. Restarting is safe: every role
+  file problem, ``EXIT_NO_RESTART``) is never retried: the run stops at once with the
+  role's one-line reason (its log's last ``error:`` line). Restarting is safe: every role
   resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
@@ -59,7 +60,7 @@ from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
-from ..schemas.errors import BusError, TapiocaError
+from ..schemas.errors import EXIT_CONFIG, BusError, TapiocaError
 from .parent_death import guarded
 from .run_end import end_members, outside_members
 
@@ -75,8 +76,9 @@ ARCHIVER_CATCH_UP_S = 2.0
 
 
 # A role exits with this code for an error no restart can fix (a bad config, a missing
-# key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
-EXIT_NO_RESTART = 78
+# key file, an old checkpoint format, a port taken): the supervisor does not retry it and
+# says the role's last "error: " line (schemas/errors.py EXIT_CONFIG, EX_CONFIG).
+EXIT_NO_RESTART = EXIT_CONFIG
 
 
 class RoleFailedError(TapiocaError):
@@ -94,6 +96,14 @@ class Child:
     @property
     def label(self) -> str:
         return f"{self.role}-{self.member}"
+
+    def error_line(self) -> str | None:
+        """The role's reason for a config or usage error: the last ``error: ...`` line of
+        its log (role_main, `tapioca proxy` and the agent runner end with one)."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            if line.startswith("error: "):
+                return line[len("error: "):].strip()
+        return None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -335,6 +345,9 @@ class Launcher:
         recent = record.recent(now, lc.restart_window_s)
         tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
         if code == EXIT_NO_RESTART:
+            reason = child.error_line()
+            if reason:  # one line, as the role said it (not restarted, so no alarm either)
+                raise RoleFailedError(f"{child.label}: {reason} (log: {child.log_path})")
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
         if recent >= lc.max_restarts:

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..bus.settings import BOOTSTRAP_ENV
 from ..schemas.errors import ConfigError
-from .launcher import Child, Launcher, role_command
+from .launcher import EXIT_NO_RESTART, Child, Launcher, role_command
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class _RoleActorImpl:
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                          preexec_fn=_parent_death_only)
         code = self.proc.wait()
-        if code != 0 and not self.stopping:
-            # End the actor: Ray restarts it (max_restarts) and retries run() there.
+        if code not in (0, EXIT_NO_RESTART) and not self.stopping:
+            # End the actor: Ray restarts it (max_restarts) and retries run() there. A
+            # config error is returned instead: no restart fixes it, the launcher says it.
             os._exit(code if 0 < code < 256 else 1)
         return code
 

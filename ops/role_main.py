@@ -14,8 +14,6 @@ from ..config.schema import TrainConfig
 from ..runtime.builders import ROLES, build_role
 from ..runtime.run import resolve_run
 from ..schemas.errors import ConfigError, TapiocaError
-from ..trainers.checkpoint import CheckpointFormatError
-from .launcher import EXIT_NO_RESTART
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
@@ -40,15 +38,12 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         runner.run()
         logging.info("stopped cleanly: %s", runner.stats)
         return 0
-    except (ConfigError, CheckpointFormatError) as exc:
-        # No restart can fix these (the launcher does not retry EXIT_NO_RESTART).
-        traceback.print_exc()
-        sys.stderr.write(f"error: {exc}\n")
-        return EXIT_NO_RESTART
     except TapiocaError as exc:
+        # ConfigError, CheckpointFormatError, ...: EXIT_CONFIG, which the launcher does not
+        # retry and reports by this last "error:" line (schemas/errors.py).
         traceback.print_exc()
         sys.stderr.write(f"error: {exc}\n")
-        return 1
+        return exc.exit_code
     except Exception:
         traceback.print_exc()
         return 1

@@ -1,15 +1,26 @@
 """The one exception hierarchy of Tapioca.
 
 Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
+A process that ends with one exits with its ``exit_code``: 1, or :data:`EXIT_CONFIG` for an
+error no restart can fix (a bad config or usage, a missing key file, a port taken), which
+the launcher does not retry and reports as that error's one line.
 """
+
+# sysexits.h EX_CONFIG: a config or usage error. `tapioca` exits with it for such errors,
+# and `tapioca train`'s supervisor never restarts a role that did (ops/launcher.py).
+EXIT_CONFIG = 78
 
 
 class TapiocaError(Exception):
     """Base of every Tapioca error."""
 
+    exit_code = 1
+
 
 class ConfigError(TapiocaError):
     """A configuration value is missing or invalid."""
+
+    exit_code = EXIT_CONFIG
 
 
 class SchemaError(TapiocaError):

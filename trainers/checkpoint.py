@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..schemas.errors import TapiocaError
+from ..schemas.errors import EXIT_CONFIG, TapiocaError
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"
@@ -42,6 +42,8 @@ LEGACY_SUFFIX = ".pt"
 
 class CheckpointFormatError(TapiocaError):
     """A checkpoint is in a format Tapioca will not load (an old pickle) or is damaged."""
+
+    exit_code = EXIT_CONFIG  # no restart can fix it
 
 
 def fsync_path(path: Path) -> None:
