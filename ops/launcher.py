@@ -527,9 +527,9 @@ class Launcher:
 
     def _outside_members(self) -> list:
         """This run's live members that are not this launcher's children (none when its
-        own broker is down: nothing could reach them)."""
-        if self.broker is not None and (self.broker.proc is None
-                                        or self.broker.proc.poll() is not None):
+        own broker is down, or the run never reached a broker: nothing could reach them)."""
+        if not self.expected_topics or (self.broker is not None and (
+                self.broker.proc is None or self.broker.proc.poll() is not None)):
             return []
         own = self._spawned_pids | {c.proc.pid for c in self.children}
         return outside_members(self.cfg.bus, own)
