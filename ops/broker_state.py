@@ -75,6 +75,16 @@ def resolve_bootstrap(flag: str | None, configured: str | None = None) -> str:
     )
 
 
+def broker_up_bootstrap() -> str | None:
+    """The address of the broker `tapioca broker up` started, if it runs and answers
+    (`tapioca train` then uses it rather than starting a private one)."""
+    state = read_state()
+    if not state:
+        return None
+    host, port = state["bootstrap"].rsplit(":", 1)
+    return state["bootstrap"] if port_open(host, int(port)) else None
+
+
 def broker_up(port: int, storage: str) -> dict:
     existing = read_state()
     if existing:

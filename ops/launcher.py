@@ -61,6 +61,7 @@ from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
 from ..schemas.errors import EXIT_CONFIG, BusError, TapiocaError
+from . import run_record
 from .parent_death import guarded
 from .run_end import end_members, outside_members
 
@@ -192,6 +193,7 @@ class Launcher:
         self._reported = False
         self._reader = None
         self._spawned_pids: set[int] = set()  # every child process started, for run_end
+        self._outcome = "stopped"  # how the run ended, for the run record
 
     # ------------------------------------------------------------------ start
 
@@ -214,6 +216,9 @@ class Launcher:
                                proxy_endpoint=self.cfg.agent.enabled)
         self.summary.bus_run_id = self.cfg.bus.run_id
         self._write_config()
+        # For `tapioca runs` and `tapioca train --resume` (ops/run_record.py).
+        run_record.write_start(run_dir, bootstrap=self.cfg.bus.bootstrap_servers,
+                               own_broker=self.broker is not None, bus_run_id=self.cfg.bus.run_id)
         self._spawn_all()
         self._progress = (None, time.monotonic())
         self._last_report = time.monotonic()
@@ -283,6 +288,7 @@ class Launcher:
                 if self._check_children(now):
                     # Its last step's metrics may still be in flight: read to the end.
                     self._read_metrics(idle_s=0.5, timeout_s=3.0)
+                    self._outcome = "finished"
                     return self.summary
                 self._start_due(now)
                 self._check_stall(now)
@@ -290,6 +296,12 @@ class Launcher:
                     self.on_tick()
                 if timeout_s is not None and now - start > timeout_s:
                     raise RoleFailedError(f"the run did not finish within {timeout_s:.0f} s")
+        except KeyboardInterrupt:
+            self._outcome = "interrupted"
+            raise
+        except BaseException:
+            self._outcome = "failed"
+            raise
         finally:
             self._close_reader()
 
@@ -524,6 +536,8 @@ class Launcher:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        if self.summary is not None:
+            run_record.write_end(self.summary.run_dir, self._outcome)
 
     def _outside_members(self) -> list:
         """This run's live members that are not this launcher's children (none when its

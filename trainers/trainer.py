@@ -33,6 +33,8 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 - Checkpoints are safetensors + JSON (trainers/checkpoint.py): nothing is unpickled.
   Each records the bus run id whose log its offsets belong to; resumed on another log
   (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
+- A finished run (``total_train_steps`` or ``stop_at_reward``) leaves ``final/``, a
+  Hugging Face directory of the trained policy (trainers/final_model.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from .checkpoint import (
     save_state,
 )
 from .critic import Critic
+from .final_model import FINAL_DIR, write_final_model
 from .metrics_sink import MetricsSink
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
@@ -442,6 +445,10 @@ class Trainer(Role[TrainerState]):
         # transport, where the publish itself wrote them.
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
+        if state.done and state.progress.version > 0 and self.cfg.model.path:
+            # The run's result as a Hugging Face directory (trainers/final_model.py).
+            write_final_model(self.cfg.model.path, self.actor.full_state_dict(),
+                              self.run_dir / FINAL_DIR, dtype=getattr(torch, self.cfg.model.dtype))
         try:
             # The final version gets its durable file (offline use) before the last event.
             self._note_files(state, self.weights_out.finish(state.progress.version))
