@@ -39,6 +39,7 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -124,7 +125,8 @@ class Trainer(Role[TrainerState]):
                                          device=actor.device, critic=critic,
                                          reference=reference, teacher=teacher)
         self.critic = critic
-        self.sink = MetricsSink(self.run_dir / "metrics")
+        self.sink = MetricsSink(self.run_dir / "metrics", section.stats_logger,
+                                config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
         # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
