@@ -74,40 +74,6 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
     return table
 
 
-def _resume(run_dir: str, config: Optional[str], overrides: list[str]) -> tuple[str, dict]:
-    """`--resume RUN_DIR`: the run's own config.yaml and the values that put the run back
-    where it was (its directory; no broker address when its broker was the launcher's
-    own embedded one, which stopped with it), after saying from which step it goes on."""
-    from ..schemas.errors import ConfigError
-    from ..trainers.checkpoint import SUFFIX, read_progress
-    from . import run_record
-
-    if config:
-        raise ConfigError("--resume RUN_DIR trains with the run's own RUN_DIR/config.yaml: drop "
-                          "--config (key=value overrides still apply on top)")
-    run = Path(run_dir).resolve()
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"--resume {run_dir}: no config.yaml there; a run directory is "
-                          "runs/EXPERIMENT/TRIAL, as `tapioca runs` lists them")
-    record = run_record.read_record(run)
-    if run_record.running(record):
-        raise ConfigError(f"--resume {run_dir}: that trial is running (launcher pid "
-                          f"{record['pid']}); stop it first, or watch it with "
-                          f"`tapioca --run-dir {run_dir} status`")
-    values = {"run_dir": str(run.parent.parent), "experiment_name": run.parent.name,
-              "trial_name": run.name}
-    own_broker = record.get("own_broker") if record else (run / "logs" / "broker.log").exists()
-    if own_broker and not any(o.startswith("bus.bootstrap_servers=") for o in overrides):
-        values["bus.bootstrap_servers"] = ""
-    progress = read_progress(run / "checkpoints" / f"trainer{SUFFIX}")
-    if progress is None or progress.version == 0:
-        console.print(f"no checkpoint in {run}: trial {run.name} starts from step 0")
-    else:
-        console.print(f"resuming trial {run.name} from step {progress.version} "
-                      f"({run / 'checkpoints'})")
-    return str(run / "config.yaml"), values
-
-
 def run_training(config: Optional[str], overrides: list[str], *, live: bool = True,
                  resume: Optional[str] = None) -> None:
     from transformers.utils import logging as hf_logging
@@ -115,26 +81,25 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
     from ..config.loader import load_config
     from ..config.schema import TrainConfig
     from ..runtime.run import resolve_run
+    from .broker_state import train_bootstrap
     from .launcher import Launcher
+    from .run_cli import resume_config
 
     hf_logging.disable_progress_bar()
     values: dict = {}
-    if resume:
-        config, values = _resume(resume, config, overrides)
+    if resume:  # the run's own config.yaml, back where it was (ops/run_cli.py)
+        config, values, note = resume_config(resume, config, overrides)
+        console.print(note)
     cfg = load_config(TrainConfig, config, overrides)
     if values:
         cfg = resolve_run(cfg, values=values)
     # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if not cfg.bus.bootstrap_servers:
-        from .broker_state import broker_up_bootstrap
-
-        # --bootstrap-server / $TAPIOCA_BOOTSTRAP, else the broker of `tapioca broker up`
-        # (so `tail`, `lag`, `status` see the run), else the launcher starts its own.
-        bootstrap = G.bootstrap or broker_up_bootstrap()
-        if bootstrap and not G.bootstrap:
-            console.print(f"using the broker of `tapioca broker up` at {bootstrap} (`tapioca "
-                          "broker down` first for a broker of the run's own)")
+        # The flag / $TAPIOCA_BOOTSTRAP, else `tapioca broker up`'s, else the launcher's own.
+        bootstrap, note = train_bootstrap(G.bootstrap)
+        if note:
+            console.print(note)
         if bootstrap:
             cfg = resolve_run(cfg, bootstrap=bootstrap)
     latest: dict[str, dict] = {}  # role -> its latest step metrics

@@ -1,6 +1,7 @@
 """Runs on disk, without a broker: `tapioca runs` (every trial under a run root, with its
-state, step and last reward) and `tapioca config show` (a config as a run would get it:
-defaults, the YAML file, the dotted overrides, validated; nothing is started or created).
+state, step and last reward), `tapioca config show` (a config as a run would get it:
+defaults, the YAML file, the dotted overrides, validated; nothing is started or created)
+and what `tapioca train --resume RUN_DIR` resumes from (:func:`resume_config`).
 
 Reads ``<root>/<experiment>/<trial>/``: ``config.yaml`` (what the run was started with),
 ``launcher.json`` (ops/run_record.py: is its launcher alive, how did it end),
@@ -168,3 +169,41 @@ def runs(
         reward = f"{i['last_reward']:.3f}" if i["last_reward"] is not None else "-"
         table.add_row(i["run"], i["kind"], i["state"], step, reward, _ago(i["updated_at"]))
     console.print(table)
+
+
+# ---------------------------------------------------------------------- resume
+
+
+def resume_config(run_dir: str, config: Optional[str], overrides: list[str]
+                  ) -> tuple[str, dict[str, Any], str]:
+    """`tapioca train --resume RUN_DIR`: the run's own config.yaml, the values that put
+    the run back where it was (its directory; no broker address when its broker was the
+    launcher's own embedded one, which stopped with it), and a line saying from which step
+    it goes on."""
+    from ..schemas.errors import ConfigError
+    from ..trainers.checkpoint import SUFFIX, read_progress
+    from . import run_record
+
+    if config:
+        raise ConfigError("--resume RUN_DIR trains with the run's own RUN_DIR/config.yaml: drop "
+                          "--config (key=value overrides still apply on top)")
+    run = Path(run_dir).resolve()
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; a run directory is "
+                          "runs/EXPERIMENT/TRIAL, as `tapioca runs` lists them")
+    record = run_record.read_record(run)
+    if run_record.running(record):
+        raise ConfigError(f"--resume {run_dir}: that trial is running (launcher pid "
+                          f"{record['pid']}); stop it first, or watch it with "
+                          f"`tapioca --run-dir {run_dir} status`")
+    values = {"run_dir": str(run.parent.parent), "experiment_name": run.parent.name,
+              "trial_name": run.name}
+    own_broker = record.get("own_broker") if record else (run / "logs" / "broker.log").exists()
+    if own_broker and not any(o.startswith("bus.bootstrap_servers=") for o in overrides):
+        values["bus.bootstrap_servers"] = ""
+    progress = read_progress(run / "checkpoints" / f"trainer{SUFFIX}")
+    if progress is None or progress.version == 0:
+        note = f"no checkpoint in {run}: trial {run.name} starts from step 0"
+    else:
+        note = f"resuming trial {run.name} from step {progress.version} ({run / 'checkpoints'})"
+    return str(run / "config.yaml"), values, note
