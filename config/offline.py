@@ -19,6 +19,7 @@ from typing import Any, Optional
 from ..bus.settings import BusConfig
 from ..schemas.errors import require_config as _require
 from .schema import ModelConfig
+from .stats_logger import StatsLoggerConfig
 
 DATA_SOURCES = ("file", "synthetic", "topics", "archive")
 
@@ -126,6 +127,8 @@ class OfflineTrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: OfflineActorConfig = field(default_factory=OfflineActorConfig)
     train_dataset: OfflineDatasetConfig = field(default_factory=OfflineDatasetConfig)
+    # Metrics to Weights & Biases / MLflow too (off by default; config/stats_logger.py).
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")

@@ -37,6 +37,7 @@ from .algorithms import (  # noqa: F401
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
 from .servers import ENGINES, InferenceServerConfig
+from .stats_logger import StatsLoggerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -756,6 +757,8 @@ class TrainConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Metrics to Weights & Biases / MLflow too (off by default; config/stats_logger.py).
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")

@@ -49,4 +49,4 @@ def last_member_warning(role: str, config_path: Path) -> str:
     else:
         start = f"tapioca role {role} --config {config_path}"
     return (f"warning: no {role} member left: the run cannot progress; start one with "
-            f"`{start}` or stop the run (Ctrl-C)\n")
+            f"`{start}` (it stops when the run ends) or stop the run (Ctrl-C)\n")

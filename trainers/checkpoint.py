@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..models.weight_files import atomic_write
-from ..schemas.errors import TapiocaError
+from ..schemas.errors import EXIT_CONFIG, TapiocaError
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"
@@ -43,6 +43,8 @@ LEGACY_SUFFIX = ".pt"
 
 class CheckpointFormatError(TapiocaError):
     """A checkpoint is in a format Tapioca will not load (an old pickle) or is damaged."""
+
+    exit_code = EXIT_CONFIG  # no restart can fix it
 
 
 def fsync_path(path: Path) -> None:

@@ -19,6 +19,7 @@ function of (seed, epoch), so step s always trains the same examples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -193,7 +194,8 @@ class OfflineTrainerBase(Generic[E]):
         t_start = time.perf_counter()
         final = self.run_dir / "final"
         complete = self.progress.version >= self.total_steps
-        sink = MetricsSink(self.run_dir / "metrics")
+        sink = MetricsSink(self.run_dir / "metrics", self.cfg.stats_logger,
+                           config=dataclasses.asdict(self.cfg))
         history: list[dict[str, float]] = []
         try:
             while self.progress.version < self.total_steps:

@@ -42,10 +42,13 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   re-announced only with its own file (models/weight_sync/publisher.py).
 - At start the trainer reads the highest version on ``weights.v1``: a checkpoint below
   it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
+- A finished run (``total_train_steps`` or ``stop_at_reward``) leaves ``final/``, a
+  Hugging Face directory of the trained policy (trainers/final_model.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -73,6 +76,7 @@ from .checkpoint import (
     save_state,
 )
 from .critic import Critic
+from .final_model import FINAL_DIR, write_final_model
 from .metrics_sink import MetricsSink
 from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
@@ -149,7 +153,8 @@ class Trainer(Role[TrainerState]):
                                          device=actor.device, critic=critic,
                                          reference=reference, teacher=teacher)
         self.critic = critic
-        self.sink = MetricsSink(self.run_dir / "metrics")
+        self.sink = MetricsSink(self.run_dir / "metrics", section.stats_logger,
+                                config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
         # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
@@ -547,6 +552,10 @@ class Trainer(Role[TrainerState]):
         # transport, where the publish itself wrote them.
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
+        if state.done and state.progress.version > 0 and self.cfg.model.path:
+            # The run's result as a Hugging Face directory (trainers/final_model.py).
+            write_final_model(self.cfg.model.path, self.actor.full_state_dict(),
+                              self.run_dir / FINAL_DIR, dtype=getattr(torch, self.cfg.model.dtype))
         try:
             # The final version gets its durable file (offline use) before the last event.
             self._note_files(state, self.weights_out.finish(state.progress.version))

@@ -100,3 +100,27 @@ def test_killed_trainer_actor_is_restarted_and_reported(ray_run):
     assert all(len(v) == 1 for v in sets.values()), "a version was trained twice"
     trained = [g for v in sets.values() for g in next(iter(v))]
     assert len(trained) == len(set(trained)) == STEPS * B
+
+
+def test_a_ray_node_that_fails_to_start_is_one_line_naming_the_local_launcher(tmp_path):
+    """Ray's own exception (here its node's temp dir is a file, so the node cannot start)
+    is said in one line: what failed, why, where Ray's logs are, and the local launcher
+    (before: a 60-line traceback; issue 29, item 7)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "RAY_TMPDIR": str(not_a_dir)}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    done = subprocess.run([str(Path(sys.executable).parent / "tapioca"), "train", "--launcher",
+                           "ray", f"run_dir={tmp_path / 'runs'}"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Ray could not start its local node"), \
+        done.stderr
+    assert "NotADirectoryError" in lines[0] and "drop --launcher ray" in lines[0]
