@@ -187,7 +187,7 @@ class WeightsEvent(Event):
     ``nccl``: pulled from the trainer over a process group (nccl, or gloo on CPU) whose
     rendezvous is ``transport_info["store"]``. Fast transports carry the buffer's
     ``tensors``, ``data_bytes`` and one checksum per ``bucket_bytes`` of it
-    (models/weight_sync/layout.py); their ``path``/``sha256`` are empty until the
+    (weights/layout.py); their ``path``/``sha256`` are empty until the
     background writer has written this version's file (then a later event lists it in
     ``files``)."""
 

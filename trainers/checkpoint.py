@@ -33,8 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..models.weight_files import atomic_write
 from ..schemas.errors import TapiocaError
+from ..weights.files import atomic_write
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"
@@ -62,7 +62,7 @@ def durable_replace(tmp: Path, path: Path) -> None:
     fsync_path(Path(path).parent)
 
 
-# safetensors' dtype names (the inverse of models/weight_files.py's reader table).
+# safetensors' dtype names (the inverse of weights/files.py's reader table).
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}

@@ -31,10 +31,10 @@ import torch
 from ..config.loader import to_yaml
 from ..config.offline import OfflineTrainConfig
 from ..models.forward import autocast_context, causal_token_logprobs
-from ..models.weight_files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
 from ..schemas.envelope import names_a_run
 from ..schemas.errors import ConfigError, FatalRoleError
 from ..schemas.events import MetricsEvent, WeightsEvent
+from ..weights.files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
 from .checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
 from .metrics_sink import MetricsSink
 

@@ -38,7 +38,7 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   the weights event (:meth:`Trainer._write_version`). A write that fails (a full disk:
   ``StorageError``, ``No space left on device writing <path>``) changes none of them and
   stops the trainer (not retried); the launcher prints the reason. A version is
-  re-announced only with its own file (models/weight_sync/publisher.py).
+  re-announced only with its own file (weights/publisher.py).
 - At start the trainer reads the highest version on ``weights.v1``: a checkpoint below
   it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
 """
@@ -58,11 +58,11 @@ import torch
 from ..bus.role import DeadLetter, Role, Source
 from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
-from ..models.weight_files import WEIGHTS_DIR, weights_file
-from ..models.weight_sync import WeightPublisher
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, FatalRoleError, storage_error
 from ..schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..weights import WeightPublisher
+from ..weights.files import WEIGHTS_DIR, weights_file
 from .batching import flatten_groups
 from .checkpoint import (
     SUFFIX,
@@ -561,7 +561,7 @@ class Trainer(Role[TrainerState]):
         The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
         of that version when one exists, else keeps its weights with a fresh optimizer
         state (a warning says so; see :meth:`_rollback_critic`)."""
-        from ..models.weight_files import load_verified
+        from ..weights.files import load_verified
 
         if command.command != "rollback":
             return super().on_control(command, state)

@@ -4,7 +4,7 @@ Consumes ``weights.v1`` (broadcast, through a :class:`~tapioca.bus.runner.RoleRu
 in a background thread): each new version is loaded into the proxy's engine and its
 ``version`` / ``groups_rejected`` move the gate once loaded. Which weights event is
 loaded, refused or dead-lettered is the rule the rollout workers follow too
-(producers/weights_follow.py): versions only go forward, another claim of the loaded
+(weights/follow.py): versions only go forward, another claim of the loaded
 version is refused, one that fails to load is retried, then dead-lettered, and the
 proxy keeps its version. Emits nothing but dead letters and the runner's status metrics.
 
@@ -34,7 +34,7 @@ from ...bus.settings import BusConfig
 from ...schemas.envelope import Event, run_reads
 from ...schemas.errors import BadEventError
 from ...schemas.events import TrajectoryEvent, WeightsEvent
-from ..weights_follow import WeightsFollow
+from ...weights.follow import WeightsFollow
 
 PROXY_PRODUCER_PREFIX = "proxy"
 

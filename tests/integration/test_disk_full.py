@@ -33,12 +33,12 @@ from tapioca.config.schema import (
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.models.weight_files import sha256_file, weights_file
 from tapioca.ops.launcher import Launcher, RoleFailedError
 from tapioca.ops.run_setup import role_command
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import SampleEvent, SampleSequence, WeightsEvent
 from tapioca.trainers.checkpoint import read_progress
+from tapioca.weights.files import sha256_file, weights_file
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit is Linux")]

@@ -14,10 +14,10 @@ from tapioca.bus.reader import TopicReader, read_events
 from tapioca.config.loader import load_config
 from tapioca.config.offline import DPOConfig, OfflineDatasetConfig, SFTConfig
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.events import MetricsEvent, RewardEvent, TrajectoryEvent, WeightsEvent
 from tapioca.trainers.offline_data import load_pair_examples, load_sft_examples
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
 

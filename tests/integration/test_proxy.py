@@ -29,10 +29,10 @@ from tapioca.config.schema import GenerationConfig, ProxyConfig
 from tapioca.config.sections import ProxySection
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine
 from tapioca.models.tokenizer import load_tokenizer
-from tapioca.models.weight_files import save_weights
 from tapioca.producers.proxy import ProxyServer, ProxyService
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent, WeightsEvent
+from tapioca.weights.files import save_weights
 
 pytestmark = pytest.mark.integration
 

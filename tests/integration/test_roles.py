@@ -22,7 +22,6 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
@@ -37,6 +36,7 @@ from tapioca.schemas import (
     topic,
 )
 from tapioca.schemas.envelope import decode_event
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,6 @@ from tapioca.config.offline import (
     SFTConfig,
 )
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.errors import ConfigError, TapiocaError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
@@ -34,6 +33,7 @@ from tapioca.trainers.offline_data import (
     sft_examples_from_groups,
 )
 from tapioca.trainers.offline_loop import setup_offline
+from tapioca.weights.files import sha256_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

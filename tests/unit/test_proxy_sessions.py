@@ -265,14 +265,14 @@ def test_proxy_weights_follower_versions_only_go_forward():
 
 
 def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_loaded():
-    """The rollout workers' rule (producers/weights_follow.py): a load that fails keeps the
+    """The rollout workers' rule (weights/follow.py): a load that fails keeps the
     gate and, once dead-lettered, lets the next claim of the version load; another claim
     of the loaded version is refused; a version a fast transport no longer holds is dropped."""
     from tapioca.bus.role import Source
-    from tapioca.models.weight_files import WeightsUnavailableError
     from tapioca.producers.proxy.gate import WeightsFollower
     from tapioca.schemas.errors import BadEventError
     from tapioca.schemas.events import WeightsEvent
+    from tapioca.weights.files import WeightsUnavailableError
 
     gate = HeadGate(eta=0, prompts_per_step=4)
     loaded: list[str] = []

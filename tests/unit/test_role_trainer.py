@@ -21,13 +21,13 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import build_tiny_model
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.builders import build_token_models
 from tapioca.schemas.errors import BadEventError, ConfigError
 from tapioca.schemas.events import MetricsEvent, SampleEvent, SampleSequence, WeightsEvent
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.ppo_actor import PPOActor
 from tapioca.trainers.trainer import Trainer
+from tapioca.weights.files import sha256_file
 
 VOCAB = 16
 TOPIC = "t.samples.v1"
@@ -606,7 +606,7 @@ def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30
 
 
 def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
-    from tapioca.models.weight_files import load_verified
+    from tapioca.weights.files import load_verified
 
     t = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
     state = t.init_state()

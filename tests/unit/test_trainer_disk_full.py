@@ -21,15 +21,15 @@ import torch
 from tapioca.bus.role import Role, Source
 from tapioca.bus.runner import RoleRunner
 from tapioca.bus.settings import BusConfig
-from tapioca.models import weight_files
-from tapioca.models.weight_files import load_verified, sha256_file, weights_file
-from tapioca.models.weight_sync import durable
-from tapioca.models.weight_sync.publisher import WeightPublisher
 from tapioca.schemas.errors import FatalRoleError, StorageError
 from tapioca.schemas.events import WeightsEvent
 from tapioca.trainers import checkpoint
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import read_progress
+from tapioca.weights import durable
+from tapioca.weights import files as weight_files
+from tapioca.weights.files import load_verified, sha256_file, weights_file
+from tapioca.weights.publisher import WeightPublisher
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_role_trainer import TOPIC, make_trainer, sample, src, start  # noqa: E402

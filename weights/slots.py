@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ...schemas.errors import TapiocaError
-from ..weight_files import WeightsUnavailableError
+from ..schemas.errors import TapiocaError
+from .files import WeightsUnavailableError
 from .layout import ALIGN_BYTES
 
 # The first 4 KiB hold the tags (int64 per slot), so slots start 4 KiB aligned.

@@ -4,7 +4,7 @@ Consumes the weights events a role reads (the newest recovered at start, then th
 replayed broadcast topic) and the outcome of its loads. Decides, and loads nothing by
 itself (the role passes its loader to :meth:`WeightsFollow.load_head`, on its tick):
 
-- Versions only go forward (algorithms/versions.py): an event older than the loaded
+- Versions only go forward (weights/versions.py): an event older than the loaded
   version is refused (BadEventError, dead-lettered by the bus).
 - The same version is a re-announcement where its checksums agree with the loaded ones,
   else a conflict, refused (a version names one set of weights).
@@ -29,12 +29,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..algorithms.versions import is_newer
 from ..bus.role import DeadLetter, Source
-from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError
 from ..schemas.events import WeightsEvent
+from .files import WeightsUnavailableError
+from .versions import is_newer
 
 # Weights events kept as candidates at most (the lowest versions are dropped first).
 MAX_WEIGHTS_CANDIDATES = 16

@@ -8,8 +8,8 @@ durable files the background writer finished (:meth:`WeightPublisher.poll`), whi
 trainer lists in its next event (``files``). Keyed by version.
 
 Every transport starts the same way: the tensors are cast to the publish dtype and
-packed into a slot of one flat buffer (models/weight_sync/layout.py,
-models/weight_sync/slots.py; one copy kernel per tensor on the trainer's device); then
+packed into a slot of one flat buffer (weights/layout.py,
+weights/slots.py; one copy kernel per tensor on the trainer's device); then
 
 - ``file``: that buffer is written as a safetensors file, sha256 computed while
   writing, before the event (as before; now from one device-to-host copy);
@@ -17,7 +17,7 @@ models/weight_sync/slots.py; one copy kernel per tensor on the trainer's device)
   publish) and the event names the slot of a buffer the engines have mapped (a CUDA IPC
   handle created once, or a /dev/shm file on CPU);
 - ``nccl``: the same checksums; rollout workers pull the slot over their process group
-  (models/weight_sync/nccl.py).
+  (weights/nccl.py).
 
 With ``ipc`` / ``nccl`` every ``file_every_versions``-th version is also written as a
 file, in the background, after its event is out (:meth:`poll` starts the write).
@@ -35,9 +35,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ...schemas.errors import ConfigError
-from ..weight_files import weights_file
+from ..schemas.errors import ConfigError
 from .durable import DurableFile, DurableWriter
+from .files import weights_file
 from .layout import Layout, bucket_checksums
 from .slots import SlotBuffer
 
