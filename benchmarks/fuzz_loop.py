@@ -402,7 +402,7 @@ def build_config(run_dir: str, steps: int, *, bootstrap: str = "", prefix: str =
         # Copy the first operand: the synthetic op a tiny model learns fastest.
         "train_dataset.task_options.op=copy", "train_dataset.prompts_per_step=32",
         "gconfig.n_samples=8", "gconfig.max_new_tokens=3", "rollout.max_head_offpolicyness=1",
-        "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        "actor.optimizer.lr=3e-3", "actor.checkpoint_every_steps=1",
         # Fast retries; fake reward fragments dropped within the run.
         "bus.handler_backoff_s=0.05", "advantage.group_timeout_s=15",
     ]

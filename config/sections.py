@@ -31,6 +31,7 @@ from .schema import (
     RolloutConfig,
     TrainConfig,
 )
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,8 @@ class TrainerSection:
     bus_run_id: str = ""
     # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # How the trainer publishes its versions (weights/publisher.py).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +158,8 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           total_train_steps=cfg.total_train_steps, temperature=temperature,
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
+                          weights=cfg.weights)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:

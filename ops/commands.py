@@ -106,7 +106,7 @@ def train(
         "the same as scheduler.type=..."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
-    arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
+    arguments are dotted overrides, e.g. actor.optimizer.lr=1e-3 gconfig.n_samples=8."""
     run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
 
 

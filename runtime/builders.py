@@ -206,7 +206,8 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
-                    pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)
+                    pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
+                    total_train_steps=sec.total_train_steps)
 
 
 # ---------------------------------------------------------------- the roles

@@ -150,9 +150,10 @@ class Trainer(Role[TrainerState]):
         self.sink = MetricsSink(self.run_dir / "metrics")
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
-        # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
+        # How versions reach the engines (the weights section; docs/weight-sync.md).
         self.weights_out = WeightPublisher.from_config(
-            section.actor, self.weights_dir, publish_dtype=getattr(torch, section.model.dtype),
+            section.weights, self.weights_dir, device=section.actor.device,
+            publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
         # The facts a sample is checked against (sample_checks.py).

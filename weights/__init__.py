@@ -7,7 +7,7 @@ between the roles (``producers/``, ``trainers/``, which import it) and ``schemas
 
 - Files and checksums (:mod:`.files`): safetensors files written atomically with their
   sha256, verified reads, the weight-transfer errors.
-- One interface, three transports (``actor.weight_transport``; docs/weight-sync.md):
+- One interface, three transports (``weights.transport``; docs/weight-sync.md):
   :class:`WeightPublisher` (the trainer: ``publish(state_dict, version)`` returns the
   transport fields of the version's ``WeightsEvent``; ``poll()`` returns the durable
   files its background writer finished; ``close()``) and :class:`WeightReceiver` (a

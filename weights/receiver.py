@@ -207,7 +207,7 @@ def make_server_weight_loader(engine, engine_name: str) -> Callable[[WeightsEven
             raise ConfigError(
                 f"weights version {event.version} comes over {event.transport!r}; the "
                 f"{engine_name} adapter reloads safetensors files only (device-to-device "
-                "updates to servers are not wired yet): set actor.weight_transport=file")
+                "updates to servers are not wired yet): set weights.transport=file")
         check_weights_file(event.path, event.sha256)
         engine.update_weights(event.path, event.version)
 

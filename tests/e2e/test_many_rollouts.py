@@ -46,7 +46,7 @@ def run(broker, tmp_path_factory):
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", f"gconfig.n_samples={N}", "gconfig.max_new_tokens=2",
         f"rollout.max_head_offpolicyness={ETA}", f"rollout.workers={WORKERS}",
-        "actor.lr=3e-3", "fsdp.world_size=2", "fsdp.param_dtype=float32",
+        "actor.optimizer.lr=3e-3", "fsdp.world_size=2", "fsdp.param_dtype=float32",
     ])
     launcher = Launcher(cfg)
     started = time.monotonic()

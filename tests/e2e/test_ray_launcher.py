@@ -44,7 +44,7 @@ def ray_run(broker, tmp_path_factory):
         # Copy the first of two operands 0..3, one new token: learnt in ~40 steps.
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=1",
-        "rollout.max_head_offpolicyness=2", "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=3e-3", "actor.checkpoint_every_steps=1",
         "scheduler.type=ray", "scheduler.max_restarts=3",
     ])
     launcher = RayLauncher(cfg)

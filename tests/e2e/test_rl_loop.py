@@ -38,7 +38,7 @@ def run(broker, tmp_path_factory):
         # copy-the-first-operand: the synthetic op a tiny model learns fastest
         "train_dataset.task_options.op=copy",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=3",
-        f"rollout.max_head_offpolicyness={ETA}", "actor.lr=1e-3", "actor.checkpoint_every_steps=1",
+        f"rollout.max_head_offpolicyness={ETA}", "actor.optimizer.lr=1e-3", "actor.checkpoint_every_steps=1",
     ])
     launcher = Launcher(cfg)
     launcher.start()

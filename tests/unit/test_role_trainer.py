@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tapioca.bus.role import Source
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import (
     ActorConfig,
     AdvantageConfig,
@@ -20,6 +21,7 @@ from tapioca.config.schema import (
     ModelConfig,
 )
 from tapioca.config.sections import TrainerSection
+from tapioca.config.weights import WeightsConfig
 from tapioca.models.factory import build_tiny_model
 from tapioca.runtime.builders import build_token_models
 from tapioca.schemas.errors import BadEventError, ConfigError
@@ -38,7 +40,7 @@ ETA = 1
 def make_trainer(run_dir: Path, seed: int = 0, **actor_kw) -> Trainer:
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=seed)
-    actor_cfg = ActorConfig(lr=1e-2, **actor_kw)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **actor_kw)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
@@ -283,7 +285,7 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermedi
 def make_token_trainer(run_dir: Path, seed: int = 0, *, actor: dict | None = None,
                        **section_kwargs) -> Trainer:
     model = build_tiny_model(VOCAB, seed=seed, **TINY)
-    actor_cfg = ActorConfig(lr=1e-2, **(actor or {}))
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **(actor or {}))
     ppo = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
@@ -608,7 +610,7 @@ def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30
 def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
     from tapioca.weights.files import load_verified
 
-    t = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    t = make_token_trainer(tmp_path, weights=WeightsConfig(transport="ipc"))
     state = t.init_state()
     (hello,) = t.on_tick(state, 0.0)
     assert hello.transport == "ipc" and hello.version == 0 and hello.path == "" and hello.tensors
@@ -640,7 +642,7 @@ def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
     assert all(torch.equal(own[k], v) for k, v in at_v1.items())
     # A restarted trainer has no buffers: it publishes its version again at start.
     t.on_stop(state)
-    t2 = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    t2 = make_token_trainer(tmp_path, weights=WeightsConfig(transport="ipc"))
     s2 = t2.init_state()
     (again,) = t2.on_tick(s2, 0.0)
     assert again.version == 3 and again.transport == "ipc" and again.rollbacks == 1
@@ -787,7 +789,7 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=0)
     # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.
-    actor_cfg = ActorConfig(lr=1e-2, ppo_n_minibatches=2, mb_max_tokens=16)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), ppo_n_minibatches=2, mb_max_tokens=16)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     t = Trainer(TrainerSection(actor=actor_cfg, model=ModelConfig(),
                                max_head_offpolicyness=ETA, prompts_per_step=B,
