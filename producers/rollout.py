@@ -1,7 +1,8 @@
 """The rollout worker: prompt groups in, one trajectory per completion out.
 
 Consumes ``prompts.v1`` (consumer group: each group goes to one worker) and
-``weights.v1`` (broadcast: every worker follows every version).
+``weights.v1`` (broadcast: every worker follows every version; the trainer's counts are
+on ``progress.v1``, which a worker does not read).
 Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
 ``traj_id`` is ``{group_id}:{sample_index}``, so a redelivered prompt produces the
 same identities and downstream de-duplication absorbs it.

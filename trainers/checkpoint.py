@@ -105,17 +105,17 @@ class TrainerProgress:
     weights_sha256: str = ""
     # Groups of the step that made `version`, re-announced after a restart.
     last_group_ids: list[str] = field(default_factory=list)
-    # Rejected groups named on the latest step's weights event, and those not yet named
+    # Rejected groups named on the latest step's progress event, and those not yet named
     # on any: both are announced again after a restart (the event may not have made it).
     last_rejected_ids: list[str] = field(default_factory=list)
     unannounced_rejections: list[str] = field(default_factory=list)
-    # Versions that were rollbacks (WeightsEvent.rollbacks).
+    # Versions that were rollbacks (ProgressEvent.rollbacks).
     rollbacks: int = 0
     # The bus run id (one per broker lifetime, ops/launcher.py) the offsets above belong
     # to; "" for checkpoints written before it was recorded.
     bus_run_id: str = ""
     # Trained steps and rejected groups when this bus run id's log began: the head gate
-    # counts only what happened on this log (WeightsEvent.base_steps / base_rejected).
+    # counts only what happened on this log (ProgressEvent.base_steps / base_rejected).
     base_steps: int = 0
     base_rejected: int = 0
     # Groups trained or rejected when this log began: the launcher counts the groups a

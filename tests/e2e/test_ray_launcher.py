@@ -93,7 +93,7 @@ def test_killed_trainer_actor_is_restarted_and_reported(ray_run):
     assert any("trainer-0 restarted by Ray" in n for n in launcher.notices)
     # Every version 1..STEPS published, none trained twice, no group in two versions.
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
     assert sorted(sets) == list(range(1, STEPS + 1))
