@@ -76,6 +76,7 @@ from .checkpoint import (
 )
 from .critic import Critic
 from .metrics_sink import MetricsSink
+from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
 from .sample_checks import check_made_for, check_trainable
@@ -332,8 +333,11 @@ class Trainer(Role[TrainerState]):
             log.error("dead-lettered (%d so far): %s", state.dead_lettered_config, exc)
             raise
         if not event.dropped_reason:
+            # Offline (no gate) the sample's versions count the online run's steps, not
+            # this trainer's: a version above its own is no sign of a forged weights event.
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
-                            version=state.progress.version)
+                            version=None if self.cfg.max_head_offpolicyness >= OFFLINE_ETA
+                            else state.progress.version)
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:

@@ -834,3 +834,22 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
         assert all(torch.isfinite(v).all() for v in params(t).values())
     finally:
         t.sink.close()
+
+
+def test_offline_a_sample_made_at_later_versions_of_the_online_run_trains(tmp_path):
+    """Offline (trainers/offline.py: the gate off) the versions of a logged sample count
+    the online run's steps, not this trainer's: one above its own version is trained, not
+    refused as "negative staleness" (which stopped `tapioca train-offline` at the first
+    sample an online run made after its first step). Online it is refused
+    (test_bad_sample_is_dead_lettered_and_the_trainer_goes_on)."""
+    from dataclasses import replace
+
+    from tapioca.trainers.offline import OFFLINE_ETA
+
+    t = make_trainer(tmp_path)
+    t.cfg = replace(t.cfg, max_head_offpolicyness=OFFLINE_ETA)
+    state = start(t)
+    assert list(t.handle(sample("g0", min_version=5), state, src(0))) == []
+    (p,) = progress_of(t.handle(sample("g1", min_version=7), state, src(1)))
+    assert p.version == 1 and p.group_ids == ["g0", "g1"] and state.dead_lettered == 0
+    t.sink.close()
