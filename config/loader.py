@@ -59,13 +59,13 @@ def load_config(cls: type[T], path: str | Path | None = None,
             if not p.exists():
                 raise ConfigError(f"config file {p} does not exist")
             raw = yaml.safe_load(p.read_text()) or {}
-            layers.append(OmegaConf.create(_renamed(raw, base, str(p), warned)))
+            layers.append(OmegaConf.create(_renamed(raw, base, f"in {p}", warned)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad}")
         if overrides:
             dotted = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=False)
-            layers.append(OmegaConf.create(_renamed(dotted, base, "the command line", warned)))
+            layers.append(OmegaConf.create(_renamed(dotted, base, "on the command line", warned)))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -103,10 +103,11 @@ def _renamed(layer: Any, base, where: str, warned: set[str]) -> Any:
             continue
         both = [n for n in news if _get(layer, n) is not _ABSENT]
         if both:
-            raise ConfigError(f"{where} sets both {old} (deprecated) and {both[0]}: remove {old}")
+            raise ConfigError(f"the config {where} sets both {old} (deprecated) and {both[0]}: "
+                              f"remove {old}")
         if len(news) > 1:
             if not isinstance(value, (list, tuple)) or len(value) != len(news):
-                raise ConfigError(f"{old} (in {where}) must be a list of {len(news)} values "
+                raise ConfigError(f"{old} ({where}) must be a list of {len(news)} values "
                                   f"({', '.join(news)}); better, set {' and '.join(news)}")
             for key, item in zip(news, value):
                 _set(layer, key, item)
@@ -116,7 +117,7 @@ def _renamed(layer: Any, base, where: str, warned: set[str]) -> Any:
         del _get(layer, parent)[leaf]
         if old not in warned:
             warned.add(old)
-            log.warning("config key %s (in %s) is deprecated and goes after this release: use %s",
+            log.warning("config key %s (%s) is deprecated and goes after this release: use %s",
                         old, where, " and ".join(news))
     return layer
 

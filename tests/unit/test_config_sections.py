@@ -97,7 +97,8 @@ def test_new_names_warn_nothing_and_the_new_key_of_another_layer_is_overridden(t
 
 
 def test_both_names_in_one_layer_and_bad_values_are_refused():
-    with pytest.raises(ConfigError, match="sets both actor.lr .* and actor.optimizer.lr: remove actor.lr"):
+    both = "on the command line sets both actor.lr .* and actor.optimizer.lr: remove actor.lr"
+    with pytest.raises(ConfigError, match=both):
         load_config(TrainConfig, None, ["actor.lr=1e-3", "actor.optimizer.lr=2e-3"])
     with pytest.raises(ConfigError, match="actor.adam_betas .* must be a list of 2 values"):
         load_config(TrainConfig, None, ["actor.adam_betas=0.9"])
