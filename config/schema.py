@@ -13,7 +13,8 @@ returns a new config (``dataclasses.replace``). Each role process is
 handed only the sections it needs (see :mod:`tapioca.config.sections`). The
 algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
 ``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
-re-exported here.
+re-exported here; the ``actor.optimizer`` section in :mod:`tapioca.config.optimizer`, the
+``weights`` section in :mod:`tapioca.config.weights`.
 """
 
 from __future__ import annotations
