@@ -42,12 +42,14 @@ def check_made_for(event: SampleEvent, *, estimator: str, norm_spec: str,
 
 
 def check_trainable(event: SampleEvent, *, vocab_size: int, max_positions: int | None,
-                    version: int | None) -> int:
+                    version: int, recorded_versions: bool = False) -> int:
     """Refuse a sample no training step could use safely; returns its staleness,
     ``version - min(output_versions)``, from its tokens (not from the field it declares,
-    which must agree). ``version`` None: the sample's versions are another trainer's
-    (offline RL: the online run's, trainers/offline.py), so none is "newer than this
-    trainer"; staleness 0."""
+    which must agree).
+
+    ``recorded_versions``: the sample's versions were counted by another trainer (offline
+    training from a log, trainers/offline.py), so a version ahead of ``version`` is the
+    normal case, not a forged weights event; only their sign is checked then."""
     gid = event.group_id
     if not event.sequences or not any(s.output_ids for s in event.sequences):
         raise BadEventError(f"group {gid} has no output tokens to train; the advantage "
@@ -87,12 +89,12 @@ def check_trainable(event: SampleEvent, *, vocab_size: int, max_positions: int |
         raise BadEventError(
             f"group {gid} declares min_version {event.min_version} but its tokens' oldest "
             f"version is {v_min}")
-    if v_min < 0 or (version is not None and v_min > version):
+    if v_min < 0 or (v_min > version and not recorded_versions):
         raise BadEventError(
             f"group {gid} was made by policy versions {v_min}..{v_max}, but the trainer is at "
             f"version {version}: its staleness would be {version - v_min}. Versions come only "
             "from this trainer's weights events; was a foreign or forged weights event loaded?")
-    return 0 if version is None else version - v_min
+    return version - v_min
 
 
 def _check_ids(gid: str, what: str, ids: list[int], vocab_size: int) -> None:

@@ -21,7 +21,8 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
   the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
   vocabulary, numbers beyond float32-safe bounds, versions newer than the trainer's
-  (negative staleness), a sample made for another advantage config
+  (negative staleness; except offline, with the gate off, where the versions are the
+  online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
   advantages).
@@ -333,11 +334,11 @@ class Trainer(Role[TrainerState]):
             log.error("dead-lettered (%d so far): %s", state.dead_lettered_config, exc)
             raise
         if not event.dropped_reason:
-            # Offline (no gate) the sample's versions count the online run's steps, not
-            # this trainer's: a version above its own is no sign of a forged weights event.
+            # Gate off (offline, trainers/offline.py): the recorded versions count the
+            # online trainer's steps, so one ahead of this trainer's is no forgery.
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
-                            version=None if self.cfg.max_head_offpolicyness >= OFFLINE_ETA
-                            else state.progress.version)
+                            version=state.progress.version,
+                            recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:

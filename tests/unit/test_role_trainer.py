@@ -44,12 +44,12 @@ B = 2
 ETA = 1
 
 
-def make_trainer(run_dir: Path, seed: int = 0, **actor_kw) -> Trainer:
+def make_trainer(run_dir: Path, seed: int = 0, eta: int = ETA, **actor_kw) -> Trainer:
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=seed)
     actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **actor_kw)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
-    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
+    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=eta,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
                              run_dir=str(run_dir), seed=0, stop_at_reward=None)
     return Trainer(section, actor=actor)
@@ -723,6 +723,26 @@ def test_bad_sample_is_dead_lettered_and_the_trainer_goes_on(trainer, changes, m
     assert all(torch.isfinite(v).all() for v in params(trainer).values())
 
 
+def test_offline_trainer_trains_groups_made_at_versions_ahead_of_its_own(tmp_path):
+    """Issue 29: offline (gate off, OFFLINE_ETA) the recorded versions are the online
+    trainer's, so a group made at version 3 reaches a trainer at version 0 normally; the
+    live trainer above dead-letters that same group as a forged version. A negative
+    version is still refused."""
+    from tapioca.trainers.offline import OFFLINE_ETA
+
+    t = make_trainer(tmp_path, eta=OFFLINE_ETA)
+    try:
+        state = start(t)
+        t.handle(_bad("late", made_at=3), state, src(0))
+        out = list(t.handle(sample("g0"), state, src(1)))
+        (w,) = progress_of(out)
+        assert w.version == 1 and w.group_ids == ["late", "g0"] and state.dead_lettered == 0
+        with pytest.raises(BadEventError, match="made by policy versions -1..0"):
+            t.handle(_bad("negative", made_at=-1), state, src(2))
+    finally:
+        t.sink.close()
+
+
 def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkeypatch):
     """An advantage of 1e20 (past the arrival checks, switched off here to reach the step)
     gives an infinite gradient norm (its square overflows float32): the optimizer step is
@@ -835,21 +855,3 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
     finally:
         t.sink.close()
 
-
-def test_offline_a_sample_made_at_later_versions_of_the_online_run_trains(tmp_path):
-    """Offline (trainers/offline.py: the gate off) the versions of a logged sample count
-    the online run's steps, not this trainer's: one above its own version is trained, not
-    refused as "negative staleness" (which stopped `tapioca train-offline` at the first
-    sample an online run made after its first step). Online it is refused
-    (test_bad_sample_is_dead_lettered_and_the_trainer_goes_on)."""
-    from dataclasses import replace
-
-    from tapioca.trainers.offline import OFFLINE_ETA
-
-    t = make_trainer(tmp_path)
-    t.cfg = replace(t.cfg, max_head_offpolicyness=OFFLINE_ETA)
-    state = start(t)
-    assert list(t.handle(sample("g0", min_version=5), state, src(0))) == []
-    (p,) = progress_of(t.handle(sample("g1", min_version=7), state, src(1)))
-    assert p.version == 1 and p.group_ids == ["g0", "g1"] and state.dead_lettered == 0
-    t.sink.close()
