@@ -52,10 +52,10 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
         f"gconfig.max_new_tokens={args.new_tokens}", f"total_train_steps={args.steps}",
         f"rollout.max_head_offpolicyness={eta}", f"rollout.device={args.device}",
         f"rollout.max_batch_size={args.prompts * args.samples}",
-        f"actor.device={args.device}", "actor.lr=1e-6",
+        f"actor.device={args.device}", "actor.optimizer.lr=1e-6",
         f"actor.mb_max_tokens={args.mb_tokens}", "actor.checkpoint_every_steps=1000",
         f"run_dir={run_root}", "experiment_name=gpu", f"trial_name={trial}",
-        f"actor.weight_transport={args.weight_transport}",
+        f"weights.transport={args.weight_transport}",
     ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train",
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-transport", default="file", choices=["file", "ipc", "nccl"],
-                    help="actor.weight_transport of the runs")
+                    help="weights.transport of the runs")
     args = ap.parse_args()
     work = Path(args.workdir)
     model_path = work / "qwen2-0.5b-shape"

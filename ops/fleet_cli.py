@@ -257,7 +257,7 @@ def weights_list(
                   caption=(f"{len(rows)} of {len(every)} versions: the newest {last} and those "
                            "on disk here; --all shows every one. " if hidden else "")
                   + "The trainer keeps only the last keep_weight_versions files "
-                    "(ipc / nccl: every actor.weight_file_every_versions-th version has "
+                    "(ipc / nccl: every weights.file_every_versions-th version has "
                     "one); -o json has full paths")
     for r in rows:
         table.add_row(str(r["version"]), _when(r["time"]),
@@ -287,7 +287,7 @@ def weights_rollback(
     target = versions[version]
     if not target["sha256"]:
         raise TapiocaError(f"version {version} of run {run_id} has no durable weights file on "
-                           "the log (ipc / nccl write one every actor.weight_file_every_versions "
+                           "the log (ipc / nccl write one every weights.file_every_versions "
                            "versions, in the background); roll back to a version that has one "
                            "(`tapioca weights list`)")
     _command("rollback", "trainer", args={"version": version, "sha256": target["sha256"]},

@@ -1,6 +1,6 @@
 """Offline trainers on the RL run's backbone: `tapioca sft|dpo|rm|distill`.
 
-Each takes ``--config X.yaml`` plus dotted overrides (``actor.lr=1e-4 beta=0.2``),
+Each takes ``--config X.yaml`` plus dotted overrides (``actor.optimizer.lr=1e-4 beta=0.2``),
 trains in this process, and prints where the run directory, metrics and final model
 are. With ``--bootstrap-server`` (or ``bus.bootstrap_servers`` / ``$TAPIOCA_BOOTSTRAP``)
 it also publishes ``WeightsEvent``s and ``MetricsEvent``s, and can read a run's logged

@@ -1,17 +1,18 @@
 """The rollout worker: prompt groups in, one trajectory per completion out.
 
 Consumes ``prompts.v1`` (consumer group: each group goes to one worker) and
-``weights.v1`` (broadcast: every worker follows every version).
+``weights.v1`` (broadcast: every worker follows every version; the trainer's counts are
+on ``progress.v1``, which a worker does not read).
 Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
 ``traj_id`` is ``{group_id}:{sample_index}``, so a redelivered prompt produces the
 same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
-(models/weight_sync/) and loaded between decode steps: in-flight sequences continue and
+(weights/) and loaded between decode steps: in-flight sequences continue and
 their later tokens carry the new version. Which weights event is loaded, refused or
-dead-lettered is decided in producers/weights_follow.py (shared with the agent proxy):
-versions only go forward (algorithms/versions.py), so an event older than the loaded
+dead-lettered is decided in weights/follow.py (shared with the agent proxy):
+versions only go forward (weights/versions.py), so an event older than the loaded
 version is dead-lettered, never loaded, and so is another claim of the loaded version.
 Newer events are candidates, the highest loaded first: one that cannot be loaded (file
 missing, checksum wrong) is retried with backoff by the bus, then dead-lettered, and the
@@ -43,7 +44,7 @@ from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParam
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
-from .weights_follow import WeightsFollow
+from ..weights.follow import WeightsFollow
 
 LoadWeights = Callable[[WeightsEvent], Any]
 
@@ -59,7 +60,7 @@ class _Group:
 
 @dataclass
 class RolloutState:
-    # The following of weights.v1 (producers/weights_follow.py): the loaded version and
+    # The following of weights.v1 (weights/follow.py): the loaded version and
     # the candidates, the first loaded on the next tick.
     weights: WeightsFollow
     inflight: dict[str, _Group] = field(default_factory=dict)

@@ -104,8 +104,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
                  name: str = "rollout") -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
-    models/weight_sync, or a vLLM / SGLang server adapter (launching the server when
-    ``rollout.server.urls`` is empty) that reloads verified files. Shared by the rollout
+    weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
+    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared by the rollout
     workers and the proxy."""
 
     def decode(ids: list[int]) -> str:
@@ -114,7 +114,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
     eos = tokenizer.eos_token_id
     if rollout.engine == "torch":
         from ..models.factory import load_model_and_tokenizer
-        from ..models.weight_sync import make_weight_loader
+        from ..weights import make_weight_loader
 
         set_torch_threads(rollout.torch_threads)
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
@@ -128,7 +128,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
     from ..engines.server_launch import launch_server
     from ..engines.sglang_engine import SGLangEngine
     from ..engines.vllm_engine import VLLMEngine
-    from ..models.weight_files import check_weights_file
+    from ..weights import make_server_weight_loader
 
     if not rollout.interruptible:
         raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
@@ -152,18 +152,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         for server in launched:
             server.stop()
         raise
-
-    def load_server_weights(event) -> None:
-        if event.transport != "file" or not event.path:
-            raise ConfigError(
-                f"weights version {event.version} comes over {event.transport!r}; the "
-                f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
-                "updates to servers are not wired yet): set actor.weight_transport=file")
-        # The server reads the file itself; it is checked here first, as the torch path does.
-        check_weights_file(event.path, event.sha256)
-        engine.update_weights(event.path, event.version)
-
-    return EngineBundle(engine, load_server_weights, engine.max_context_tokens)
+    return EngineBundle(engine, make_server_weight_loader(engine, rollout.engine),
+                        engine.max_context_tokens)
 
 
 # ---------------------------------------------------------------- the trainer's models
@@ -222,7 +212,8 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
-                    pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device)
+                    pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
+                    total_train_steps=sec.total_train_steps)
 
 
 # ---------------------------------------------------------------- the roles

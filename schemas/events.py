@@ -41,9 +41,12 @@ class PromptEvent(Event):
     admitted_at_version: int = 0
     # The feeder's own bookkeeping, recovered from its last prompt event at a restart:
     # how many of its groups the trainer had rejected (freeing head-gate slots), counted
-    # from weights.v1 up to offset ``weights_offset`` (-1: none).
+    # from progress.v1 up to offset ``progress_offset`` (-1: none).
     freed_groups: int = 0
+    # Deprecated: the weights.v1 offset older feeders counted rejections through (they
+    # read them from weights events); no longer written (-1), read as -1 by this feeder.
     weights_offset: int = -1
+    progress_offset: int = -1
 
 
 @dataclass(kw_only=True)
@@ -179,17 +182,27 @@ class WeightsFile:
 
 @dataclass(kw_only=True)
 class WeightsEvent(Event):
-    """Policy version ``version`` is ready; ``transport`` says how its bytes reach an
-    engine. Keyed by ``run_id`` on one partition, so versions are read in order.
+    """The bytes of policy version ``version``: where they are and how to check them.
+    Keyed by ``run_id`` on one partition, so versions are read in order.
 
-    ``file``: the safetensors file ``path`` (``sha256`` of the file); ``ipc``:
-    a shared buffer on this host (CUDA IPC or a shared-memory file, ``transport_info``);
-    ``nccl``: pulled from the trainer over a process group (nccl, or gloo on CPU) whose
-    rendezvous is ``transport_info["store"]``. Fast transports carry the buffer's
-    ``tensors``, ``data_bytes`` and one checksum per ``bucket_bytes`` of it
-    (models/weight_sync/layout.py); their ``path``/``sha256`` are empty until the
-    background writer has written this version's file (then a later event lists it in
-    ``files``)."""
+    ``transport`` says how the bytes reach an engine. ``file``: the safetensors file
+    ``path`` (``sha256`` of the file); ``ipc``: a shared buffer on this host (CUDA IPC or
+    a shared-memory file, ``transport_info``); ``nccl``: pulled from the trainer over a
+    process group (nccl, or gloo on CPU) whose rendezvous is ``transport_info["store"]``.
+    Fast transports carry the buffer's ``tensors``, ``data_bytes`` and one checksum per
+    ``bucket_bytes`` of it (weights/layout.py); their ``path``/``sha256`` are empty until
+    the background writer has written this version's file (then a later event lists it
+    in ``files``).
+
+    The trainer publishes one per new version and, for a version already published,
+    again only to say "a durable file for this version is ready" (``files``, or its
+    ``path`` once written) or, at its start, to name its current version's bytes; a
+    repeat carries no other news. What the trainer made of the groups it read (trained,
+    rejected) and the counts of the head gate are on ``progress.v1``
+    (:class:`ProgressEvent`). The fields that carried them here (``group_ids``,
+    ``groups_rejected``, ``rejected_group_ids``, ``rollbacks``, ``base_steps``,
+    ``base_rejected``) are deprecated: still decoded (an archive from before keeps them),
+    no longer written (left at their defaults)."""
 
     TYPE: ClassVar[str] = "weights"
 
@@ -203,24 +216,14 @@ class WeightsEvent(Event):
     # (0): it is filled in from ``version``, so it stays on the wire for readers of the
     # older schema, and a value read from an older event is kept as it was.
     step: int = 0
-    # Set when an operator republishes an older version as current.
+    # Set when an operator republishes an older version as current: this version's
+    # bytes are those of version ``rollback_of``.
     rollback_of: Optional[int] = None
-    # Groups trained to make this version (audit: no group is trained twice).
+    # --- deprecated: on progress.v1 now (ProgressEvent); not written, still decoded ---
     group_ids: list[str] = field(default_factory=list)
-    # Groups the trainer has rejected so far in this run (over-stale or filtered). The
-    # feeder's head gate frees their slots; the trainer re-announces its current version
-    # when this count changes, so the gate never waits on groups that will not come.
     groups_rejected: int = 0
-    # The groups rejected since the trainer's previous weights event: with group_ids,
-    # every group the trainer read has its fate on the log.
     rejected_group_ids: list[str] = field(default_factory=list)
-    # Versions so far (this one included) that were rollbacks, not training steps: the
-    # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
     rollbacks: int = 0
-    # Trained steps (version - rollbacks) and rejected groups of this run made before
-    # this run id's log began: a run resumed on a broker that lost its log gets a new
-    # run id (ops/launcher.py), its producers number groups from 0 again, and the head
-    # gate counts only what happened on this log (algorithms/head_gate.py).
     base_steps: int = 0
     base_rejected: int = 0
     # --- weight transports (docs/weight-sync.md) ---
@@ -241,6 +244,42 @@ class WeightsEvent(Event):
         super().__post_init__()
         if self.step == 0:  # the deprecated field (see ``step``)
             self.step = self.version
+
+
+@dataclass(kw_only=True)
+class ProgressEvent(Event):
+    """The trainer's progress: its version and what it made of every group it read.
+
+    Keyed by ``run_id`` on ``progress.v1`` (one partition, so it is read in order). The
+    trainer publishes one with every new version (a training step, a rollback, a resume
+    above the log), one whenever the groups it rejected change, and one at its start.
+    The head gates (the prompt feeder, the agent proxy) read this topic only, and the
+    feeder recovers its count of freed slots by offset on it (algorithms/head_gate.py,
+    producers/feeder.py). Where the version's bytes are is on ``weights.v1``.
+    """
+
+    TYPE: ClassVar[str] = "progress"
+
+    version: int
+    # The groups trained to make ``version`` (every progress event of a version names
+    # them; a rollback's version trained none). With ``rejected_group_ids``, every group
+    # the trainer read has its fate on the log (audit: no group is trained twice).
+    group_ids: list[str] = field(default_factory=list)
+    # Groups the trainer has rejected so far in this run (over-stale, filtered,
+    # dead-lettered): shown, not trusted, by the feeder, which frees slots by name.
+    groups_rejected: int = 0
+    # The groups rejected since the trainer's previous progress event (a restarted
+    # trainer names its last ones again; readers de-duplicate by id).
+    rejected_group_ids: list[str] = field(default_factory=list)
+    # Versions so far (this one included) that were rollbacks, not training steps: the
+    # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
+    rollbacks: int = 0
+    # Trained steps (version - rollbacks) and rejected groups of this run made before
+    # this run id's log began: a run resumed on a broker that lost its log gets a new
+    # run id (ops/launcher.py), its producers number groups from 0 again, and the head
+    # gate counts only what happened on this log (algorithms/head_gate.py).
+    base_steps: int = 0
+    base_rejected: int = 0
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.weight_files import save_weights
+from ..weights.files import save_weights
 
 FINAL_DIR = "final"
 # Files of the start model that its trained weights replace (a sharded checkpoint's index

@@ -32,12 +32,13 @@ import torch
 from ..config.loader import to_yaml
 from ..config.offline import OfflineTrainConfig
 from ..models.forward import autocast_context, causal_token_logprobs
-from ..models.weight_files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
 from ..schemas.envelope import names_a_run
 from ..schemas.errors import ConfigError, FatalRoleError
 from ..schemas.events import MetricsEvent, WeightsEvent
+from ..weights.files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
 from .checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
 from .metrics_sink import MetricsSink
+from .optim import lr_factor, set_lr
 
 E = TypeVar("E")
 # ``progress(step, total_steps, metrics)``, called after each step (a CLI's progress bar).
@@ -139,9 +140,9 @@ class OfflineTrainerBase(Generic[E]):
         self._order_cache: tuple[int, list[int]] | None = None
         self.data_metrics = dict(data_metrics or {})
         self.run_dir = Path(cfg.run_path)
-        a = cfg.actor
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
-                                           betas=tuple(a.adam_betas))
+        opt = cfg.actor.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr,
+                                           weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
         self.ckpt_path = self.run_dir / "checkpoints" / f"{self.kind}{SUFFIX}"
         self.progress = load_checkpoint(self.ckpt_path, self.model, self.optimizer) or TrainerProgress()
         self.producer = None
@@ -216,11 +217,14 @@ class OfflineTrainerBase(Generic[E]):
         step = self.progress.version  # 0-based index of the step being taken
         batch, epoch = self.batch_for_step(step)
         t0 = time.perf_counter()
+        opt = self.cfg.actor.optimizer
+        lr = opt.lr * lr_factor(step, self.total_steps, opt)  # actor.optimizer's schedule
+        set_lr(self.optimizer, lr)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         try:
             metrics = self.accumulate(batch)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.actor.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.gradient_clipping)
             self.optimizer.step()
         except Exception as exc:
             raise FatalRoleError(f"{self.kind} step {step + 1} failed: {type(exc).__name__}: {exc}") from exc
@@ -228,7 +232,7 @@ class OfflineTrainerBase(Generic[E]):
         self.progress.version += 1
         v = self.progress.version
         elapsed = time.perf_counter() - t0
-        metrics.update({"actor/grad_norm": float(grad_norm), "actor/lr": self.cfg.actor.lr,
+        metrics.update({"actor/grad_norm": float(grad_norm), "actor/lr": lr,
                         f"{self.kind}/epoch": float(epoch), f"{self.kind}/step_time_s": elapsed})
         if step == 0:
             metrics.update(self.data_metrics)

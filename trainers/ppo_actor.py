@@ -65,7 +65,7 @@ from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from ..schemas.errors import ConfigError
 from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
-from .optim import build_optimizer, clip_grad_norm_
+from .optim import build_optimizer, clip_grad_norm_, lr_factor, set_lr
 from .packing import PackedBatch, packed_micro_batches, to_packed
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,13 @@ class PPOActor:
     prox_from_training_forward: bool = True
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
-                 pad_token_id: int, device: str = "cpu",
+                 pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
                  shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
+        """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
+        0: ``lr`` as it is, no schedule (refused by a train step when one is configured)."""
         self.model = model.to(device)
         self.cfg = cfg
+        self.total_train_steps = total_train_steps
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
@@ -243,6 +246,7 @@ class PPOActor:
             raise AlgorithmInputError(
                 f"PPOActor.train_step: actor.prox_logp_method={method} needs "
                 "policy_version= (the version of the weights before this update).")
+        lr = self._scheduled_lr(policy_version)
         self.model.train()
         # Real tokens per micro-batch, read once (one host sync for all of them; the
         # property syncs on every read).
@@ -317,7 +321,7 @@ class PPOActor:
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
                 mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
-            grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.max_grad_norm)
+            grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.optimizer.gradient_clipping)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
             if not self._finite(list(mb_sums.values())):
@@ -337,6 +341,8 @@ class PPOActor:
             if f"actor/{k}" in metrics:  # a max does not average; report the mean of maxima
                 metrics[f"actor/{k}_mean"] = metrics.pop(f"actor/{k}")
         metrics["actor/entropy"] = entropy_sum / denom
+        # The lr this step used (scheduled, or the optimizer's own without a version).
+        metrics["actor/lr"] = lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
         metrics["actor/skipped_minibatches"] = float(len(skipped))
@@ -361,6 +367,22 @@ class PPOActor:
         """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
         dummies)."""
         return 1.0
+
+    def _scheduled_lr(self, policy_version: int | None) -> float | None:
+        """Set the learning rate of the step after ``policy_version`` steps (the schedule of
+        ``actor.optimizer``, trainers/optim.py); None when the version is not known (a
+        direct ``train_step`` call: the optimizer keeps its lr)."""
+        opt = self.cfg.optimizer
+        scheduled = opt.lr_scheduler_type != "constant" or opt.warmup_steps_proportion > 0
+        if policy_version is None:
+            return None
+        if scheduled and self.total_train_steps < 1:
+            raise AlgorithmInputError(
+                f"PPOActor: actor.optimizer.lr_scheduler_type={opt.lr_scheduler_type} (warm-up "
+                f"{opt.warmup_steps_proportion}) needs total_train_steps= (the schedule's length)")
+        lr = opt.lr * (lr_factor(policy_version, self.total_train_steps, opt) if scheduled else 1.0)
+        set_lr(self.optimizer, lr)
+        return lr
 
     def _finite(self, values: list[float]) -> bool:
         """Whether a minibatch's loss, stats and gradient norm are finite: its optimizer

@@ -1,14 +1,17 @@
 """The trainer: training samples in, new policy versions out.
 
-Consumes ``samples.v1`` (consumer group; one trainer member). Emits ``WeightsEvent``
-on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` on
+Consumes ``samples.v1`` (consumer group; one trainer member). Emits, keyed by ``run_id``:
+``WeightsEvent`` on ``weights.v1`` (the bytes of each new version, and again only when a
+durable file for a version is ready, or at start), ``ProgressEvent`` on ``progress.v1``
+(the version, the trained and rejected groups, the head gate's counts: with every new
+version, whenever the rejected groups change, and at start), and ``MetricsEvent`` on
 ``metrics.v1``.
 
 - B groups (``train_dataset.prompts_per_step``) make one step; version v = steps done.
 - Tail gate: a group whose staleness ``v - min(output_versions)`` exceeds eta
   (``rollout.max_head_offpolicyness``) is not trained. It stays in the log, is counted
-  (``trainer/rejected_stale``), and its slot is freed at the feeder by re-announcing
-  the current version with the new ``groups_rejected`` count.
+  (``trainer/rejected_stale``), and its slot is freed at the feeder by the next progress
+  event, which names it (``rejected_group_ids``).
 - De-duplication by ``group_id`` against the groups trained or rejected so far, which
   the checkpoint records; offsets are committed only up to what the last checkpoint
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
@@ -36,10 +39,10 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
 - A step computes, writes the version's weights file, writes the checkpoint, and only
   then commits the version, the trained groups, the buffer and the offsets, and sends
-  the weights event (:meth:`Trainer._write_version`). A write that fails (a full disk:
+  the weights and progress events (:meth:`Trainer._write_version`). A write that fails (a full disk:
   ``StorageError``, ``No space left on device writing <path>``) changes none of them and
   stops the trainer (not retried); the launcher prints the reason. A version is
-  re-announced only with its own file (models/weight_sync/publisher.py).
+  re-announced only with its own file (weights/publisher.py).
 - At start the trainer reads the highest version on ``weights.v1``: a checkpoint below
   it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
 - A finished run (``total_train_steps`` or ``stop_at_reward``) leaves ``final/``, a
@@ -62,11 +65,11 @@ import torch
 from ..bus.role import DeadLetter, Role, Source
 from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
-from ..models.weight_files import WEIGHTS_DIR, weights_file
-from ..models.weight_sync import WeightPublisher
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, FatalRoleError, storage_error
-from ..schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..schemas.events import MetricsEvent, ProgressEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..weights import WeightPublisher
+from ..weights.files import WEIGHTS_DIR, weights_file
 from .batching import flatten_groups
 from .checkpoint import (
     SUFFIX,
@@ -104,7 +107,10 @@ class TrainerState:
     dead_lettered: int = 0
     dead_lettered_config: int = 0
     skipped_steps: int = 0
-    announce_rejections: bool = False
+    # Due on the next tick: a progress event (at start; the rejected groups changed) and
+    # the current version's weights event (at start).
+    announce_progress: bool = False
+    announce_weights: bool = False
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
@@ -157,9 +163,10 @@ class Trainer(Role[TrainerState]):
                                 config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
-        # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
+        # How versions reach the engines (the weights section; docs/weight-sync.md).
         self.weights_out = WeightPublisher.from_config(
-            section.actor, self.weights_dir, publish_dtype=getattr(torch, section.model.dtype),
+            section.weights, self.weights_dir, device=section.actor.device,
+            publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
         # The facts a sample is checked against (sample_checks.py).
@@ -186,7 +193,9 @@ class Trainer(Role[TrainerState]):
             state.handled_to[(topic, int(part))] = off
         state.unannounced = list(dict.fromkeys(progress.last_rejected_ids
                                                + progress.unannounced_rejections))
-        state.announce_rejections = True  # announce the current version at start
+        # At start: the current version's bytes and progress (a restart names its last
+        # rejections again, and the log may have lost the events of its last step).
+        state.announce_progress = state.announce_weights = True
         state.done = progress.version >= self.cfg.total_train_steps
         self._resumed = resumed
         return state
@@ -195,7 +204,7 @@ class Trainer(Role[TrainerState]):
         """A checkpoint made on another log (its bus run id differs: the broker lost the
         run's log and the launcher gave the run a new id, config/schema.py) resumes its
         model, optimizer and version, but its offsets belong to the old log's partitions:
-        they are dropped, and the head gate counts from here (WeightsEvent.base_*)."""
+        they are dropped, and the head gate counts from here (ProgressEvent.base_*)."""
         own = self.cfg.bus_run_id
         if not own:
             return
@@ -234,36 +243,38 @@ class Trainer(Role[TrainerState]):
         new.progress.version = highest + 1
         new.progress.rollbacks += highest + 1 - p.version
         new.progress.last_group_ids = []
-        weights = self._write_version(state, new, [], f"resuming above version {highest}",
-                                      checkpoint=True, regate=True)
+        weights, progress = self._write_version(state, new, f"resuming above version {highest}",
+                                                checkpoint=True, regate=True)
         weights.rollback_of = p.version
-        state.pending.append(weights)  # published on the first tick (or with the first step)
+        state.pending += [weights, progress]  # published on the first tick (or with the first step)
         state.done = state.progress.version >= self.cfg.total_train_steps
 
-    def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
+    def _publish_weights(self, state: TrainerState) -> WeightsEvent:
+        """The bytes of the state's version, published over the transport."""
         p = state.progress
         # file: written (sha256) before the event; ipc / nccl: the file, if this version
         # gets one, is written in the background after the event (on_tick polls for it).
         fields = self.weights_out.publish(self.actor.full_state_dict(), p.version)
         path = weights_file(self.weights_dir, p.version)
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
-        return WeightsEvent(version=p.version, **fields, group_ids=group_ids,
-                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected,
-                            files=self._take_files(state))
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
+        """The current version's bytes again (at start; with the durable files finished)."""
         p = state.progress
         fields = self.weights_out.announcement(p.version, p.weights_path, p.weights_sha256)
         if fields is None:  # its file is gone, or a restarted trainer's buffers are empty
-            return self._publish_weights(state, [])
-        return WeightsEvent(version=p.version, **fields,
-                            group_ids=list(p.last_group_ids),
-                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected,
-                            files=self._take_files(state))
+            return self._publish_weights(state)
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
+
+    def _progress(self, state: TrainerState) -> ProgressEvent:
+        """The state's version, the groups that made it, the rejections not yet named,
+        and the head gate's counts."""
+        p = state.progress
+        return ProgressEvent(version=p.version, group_ids=list(p.last_group_ids),
+                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
+                             rejected_group_ids=self._take_unannounced(state, p),
+                             base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     @staticmethod
     def _take_files(state: TrainerState) -> list[WeightsFile]:
@@ -338,7 +349,7 @@ class Trainer(Role[TrainerState]):
     def _reject(state: TrainerState, gid: str) -> None:
         state.rejected.add(gid)
         state.unannounced.append(gid)
-        state.announce_rejections = True
+        state.announce_progress = True
 
     def _gate_buffer(self, state: TrainerState) -> None:
         """The tail gate over the groups waiting in the buffer, at the current version:
@@ -399,7 +410,7 @@ class Trainer(Role[TrainerState]):
         p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
         step.last_reward = sum(rewards) / max(len(rewards), 1)
-        weights = self._write_version(state, step, group_ids, f"training step {p.version}")
+        weights, progress = self._write_version(state, step, f"training step {p.version}")
         p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
@@ -425,21 +436,23 @@ class Trainer(Role[TrainerState]):
         if p.version >= self.cfg.total_train_steps or (
                 self.cfg.stop_at_reward is not None and state.last_reward >= self.cfg.stop_at_reward):
             state.done = True
-        # The step's weights event names the rejections so far; more came only if some
+        # The step's progress event names the rejections so far; more came only if some
         # of this batch was dead-lettered (announced on the next tick).
-        state.announce_rejections = bool(state.unannounced)
+        state.announce_progress = bool(state.unannounced)
         return self._take_pending(state) + dead + [
-            weights, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
+            weights, progress, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
                                   metrics=metrics)]
 
-    def _write_version(self, state: TrainerState, new: TrainerState, group_ids: list[str],
-                       what: str, *, checkpoint: bool | None = None,
-                       regate: bool = False) -> WeightsEvent:
-        """Make ``new`` (a draft of ``state`` with the next version) the state: its weights
-        file first, then (when due: ``actor.checkpoint_every_steps``, the last step, or
-        ``checkpoint``) the checkpoint that covers it, and only then the commit of the
-        version, the trained groups, the buffer and the offsets; the weights event goes out
-        after that. A write that fails leaves ``state`` as it was and is fatal: the model in
+    def _write_version(self, state: TrainerState, new: TrainerState, what: str, *,
+                       checkpoint: bool | None = None,
+                       regate: bool = False) -> tuple[WeightsEvent, ProgressEvent]:
+        """Make ``new`` (a draft of ``state`` with the next version, its
+        ``last_group_ids`` set) the state: its weights file first, then (when due:
+        ``actor.checkpoint_every_steps``, the last step, or ``checkpoint``) the checkpoint
+        that covers it, and only then the commit of the version, the trained groups, the
+        buffer and the offsets; the weights and progress events go out after that (the
+        checkpoint records the rejections the progress event names, which a restart names
+        again). A write that fails leaves ``state`` as it was and is fatal: the model in
         memory took a step no file holds, so the role stops (StorageError, with its
         one-line reason, for a full or failing disk) instead of being retried, which would
         see the batch's groups as trained. ``regate``: the tail gate again after the version
@@ -449,8 +462,9 @@ class Trainer(Role[TrainerState]):
             checkpoint = (v % self.cfg.actor.checkpoint_every_steps == 0
                           or v >= self.cfg.total_train_steps)
         try:
-            weights = self._publish_weights(new, group_ids)
-            if regate:
+            weights = self._publish_weights(new)
+            progress = self._progress(new)
+            if regate:  # its rejections are named by the next progress event
                 self._gate_buffer(new)
             if checkpoint:
                 self._checkpoint(new)
@@ -460,7 +474,7 @@ class Trainer(Role[TrainerState]):
             raise storage_error(exc) or FatalRoleError(
                 f"{what}: writing version {v} failed: {type(exc).__name__}: {exc}") from exc
         state.commit(new)
-        return weights
+        return weights, progress
 
     @staticmethod
     def _take_pending(state: TrainerState) -> list[Event]:
@@ -526,13 +540,20 @@ class Trainer(Role[TrainerState]):
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         self._note_files(state, self.weights_out.poll())
-        if state.pending:  # instead of the announcement at start; it names the rejections so far
-            state.announce_rejections = bool(state.unannounced)
+        if state.pending:  # instead of the announcements at start; they name the rejections so far
+            state.announce_weights = False
+            state.announce_progress = bool(state.unannounced)
             return self._take_pending(state)
-        if state.announce_rejections or state.files_to_announce:
-            state.announce_rejections = False
-            return (self._announce(state),)
-        return ()
+        out: list[Event] = []
+        # weights.v1 hears of a version already published only at start or when one of
+        # its durable files is ready; progress.v1 of every change in the rejections.
+        if state.announce_weights or state.files_to_announce:
+            state.announce_weights = False
+            out.append(self._announce(state))
+        if state.announce_progress:
+            state.announce_progress = False
+            out.append(self._progress(state))
+        return out
 
     def committable(self, state: TrainerState, topic: str, partition: int, next_offset: int) -> int:
         # Both bounds: what the last checkpoint covers (a restart resumes from there), and
@@ -559,7 +580,8 @@ class Trainer(Role[TrainerState]):
         try:
             # The final version gets its durable file (offline use) before the last event.
             self._note_files(state, self.weights_out.finish(state.progress.version))
-            return [self._announce(state)] if state.unannounced or state.files_to_announce else []
+            out: list[Event] = [self._announce(state)] if state.files_to_announce else []
+            return out + ([self._progress(state)] if state.unannounced else [])
         finally:
             try:
                 self.weights_out.close()
@@ -575,7 +597,7 @@ class Trainer(Role[TrainerState]):
         The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
         of that version when one exists, else keeps its weights with a fresh optimizer
         state (a warning says so; see :meth:`_rollback_critic`)."""
-        from ..models.weight_files import load_verified
+        from ..weights.files import load_verified
 
         if command.command != "rollback":
             return super().on_control(command, state)
@@ -609,15 +631,15 @@ class Trainer(Role[TrainerState]):
         new.progress.rollbacks += 1  # a version that trained no batch: the head gate must not count it
         new.progress.last_group_ids = []
         # The version moves with no step: waiting groups may be over eta now (regate).
-        weights = self._write_version(state, new, [], f"rollback to version {target}",
-                                      checkpoint=True, regate=True)
+        weights, progress = self._write_version(state, new, f"rollback to version {target}",
+                                                checkpoint=True, regate=True)
         weights.rollback_of = target
         p = state.progress
         # The rollback's version counts like a step, so it can reach the step budget.
         if p.version >= self.cfg.total_train_steps:
             state.done = True
         return (True, f"version {p.version} published with the weights of version {target}"
-                f"{critic_note}", [*self._take_pending(state), weights])
+                f"{critic_note}", [*self._take_pending(state), weights, progress])
 
     def _rollback_critic(self, target: int, current: int) -> str:
         """Bring the critic back to ``target`` with the policy: its checkpoint of that

@@ -1,8 +1,8 @@
 """The OpenAI-compatible agent proxy: HTTP in, engine calls, trajectories out.
 
 Consumes HTTP requests of agents (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``) and of their harness (``/v1/sessions`` ...), and ``weights.v1``
-(through :class:`~tapioca.producers.proxy.gate.WeightsFollower`). Emits
+``/v1/models``) and of their harness (``/v1/sessions`` ...), and ``weights.v1`` /
+``progress.v1`` (through :class:`~tapioca.producers.proxy.gate.WeightsFollower`). Emits
 ``TrajectoryEvent`` and ``RewardEvent`` (scorer ``"session"``) on ``trajectories.v1`` /
 ``rewards.v1``, keyed by ``group_id``, when a session group is over
 (:mod:`tapioca.producers.proxy.sessions`).

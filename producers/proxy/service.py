@@ -1,7 +1,7 @@
 """What the agent proxy's routes call: engine, tokenizer, sessions, head gate, bus.
 
-Consumes ``weights.v1`` (through :class:`~tapioca.producers.proxy.gate.WeightsFollower`
-in a background thread) and the requests the routes of
+Consumes ``weights.v1`` and ``progress.v1`` (through
+:class:`~tapioca.producers.proxy.gate.WeightsFollower` in a background thread) and the requests the routes of
 :mod:`tapioca.producers.proxy.server` hand over; emits the ``TrajectoryEvent`` and
 ``RewardEvent`` batches of finished session groups (keyed by ``group_id``) with an
 :class:`~tapioca.bus.producer.EventProducer`, retrying a batch the broker did not

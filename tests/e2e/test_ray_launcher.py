@@ -44,7 +44,7 @@ def ray_run(broker, tmp_path_factory):
         # Copy the first of two operands 0..3, one new token: learnt in ~40 steps.
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=1",
-        "rollout.max_head_offpolicyness=2", "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=3e-3", "actor.checkpoint_every_steps=1",
         "scheduler.type=ray", "scheduler.max_restarts=3",
     ])
     launcher = RayLauncher(cfg)
@@ -93,7 +93,7 @@ def test_killed_trainer_actor_is_restarted_and_reported(ray_run):
     assert any("trainer-0 restarted by Ray" in n for n in launcher.notices)
     # Every version 1..STEPS published, none trained twice, no group in two versions.
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
     assert sorted(sets) == list(range(1, STEPS + 1))

@@ -40,7 +40,7 @@ def test_tapioca_train_rollout_through_vllm(broker, vllm_server, tmp_path):
         f"bus.topic_prefix=v{uuid.uuid4().hex[:8]}",
         f"model.path={vllm_server.model_dir}",
         "train_dataset.prompts_per_step=4", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-        "rollout.max_head_offpolicyness=0", "actor.lr=1e-3",
+        "rollout.max_head_offpolicyness=0", "actor.optimizer.lr=1e-3",
         "rollout.engine=vllm", f"rollout.server.urls=[{vllm_server.url}]",
         "rollout.server.health_interval_s=1.0",
     ])

@@ -35,12 +35,12 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.models.weight_files import sha256_file
 from tapioca.ops.cli import app
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import SampleEvent, topic
 from tapioca.schemas.errors import ConfigError
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
 

@@ -29,6 +29,7 @@ from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
     FleetEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
@@ -336,6 +337,9 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     def versions() -> dict[int, WeightsEvent]:
         return {e.version: e for e in read_events(cfg, "weights", idle_s=0.2)}
 
+    def progress() -> dict[int, ProgressEvent]:
+        return {e.version: e for e in read_events(cfg, "progress", idle_s=0.2)}
+
     publish(cfg, sample("ga"), sample("gb"))
     wait_until(lambda: 2 in versions(), timeout_s=40, what="versions 0..2")
     listed = ok_json(cli("weights", "list", "-o", "json"))
@@ -348,7 +352,8 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     assert report["acks"][0]["ok"], report
     assert "version 3" in report["acks"][0]["message"]
     v3 = versions()[3]
-    assert v3.rollback_of == 1 and v3.group_ids == []
+    wait_until(lambda: 3 in progress(), timeout_s=20, what="progress of version 3")
+    assert v3.rollback_of == 1 and progress()[3].group_ids == []
     # The same tensors as version 1, so the same bytes and checksum.
     assert v3.sha256 == v1.sha256 and Path(v3.path).name == "v000003.safetensors"
     listed = ok_json(cli("weights", "list", "-o", "json"))
@@ -360,10 +365,11 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
 
     # Training goes on from the rolled-back weights as version 4 (staleness counts from 3).
     publish(cfg, sample("gc", version=3))
-    wait_until(lambda: 4 in versions(), timeout_s=40, what="version 4 after the rollback")
-    assert versions()[4].group_ids == ["gc"]
+    wait_until(lambda: 4 in versions() and 4 in progress(), timeout_s=40,
+               what="version 4 after the rollback")
+    assert progress()[4].group_ids == ["gc"]
     # The gate counts trained steps: every version from the rollback on says it had one.
-    assert [versions()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
+    assert [progress()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
 
     # Weights files older than keep_weight_versions are deleted: rollback says so.
     Path(versions()[0].path).unlink()

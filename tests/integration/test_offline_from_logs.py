@@ -14,10 +14,10 @@ from tapioca.bus.reader import TopicReader, read_events
 from tapioca.config.loader import load_config
 from tapioca.config.offline import DPOConfig, OfflineDatasetConfig, SFTConfig
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.events import MetricsEvent, RewardEvent, TrajectoryEvent, WeightsEvent
 from tapioca.trainers.offline_data import load_pair_examples, load_sft_examples
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
 
@@ -76,14 +76,14 @@ def test_sft_and_dpo_from_a_runs_topics_publish_weights_and_metrics(bus_cfg, tin
     right = _log_a_run(bus_cfg, tokenizer)
 
     sft = train_sft(_cfg(SFTConfig, tiny, tmp_path, bus_cfg, "total_train_steps=30", "save_every_steps=10",
-                         "actor.lr=2e-3", "train_dataset.batch_size=8", "train_dataset.min_reward=1.0"))
+                         "actor.optimizer.lr=2e-3", "train_dataset.batch_size=8", "train_dataset.min_reward=1.0"))
     # Rejection sampling: exactly the right answers of this run became examples.
     assert sft.data["data/examples"] == right and sft.data["data/skipped_below_min_reward"] == 96 - right
     losses = [h["sft/loss"] for h in sft.history]
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
 
     dpo = train_dpo(_cfg(DPOConfig, tiny, tmp_path, bus_cfg, "total_train_steps=20", "save_every_steps=20",
-                         "actor.lr=1e-3", "train_dataset.batch_size=8"))
+                         "actor.optimizer.lr=1e-3", "train_dataset.batch_size=8"))
     assert dpo.data["data/examples"] >= 20  # groups with one right and some wrong answers
     assert dpo.history[-1]["dpo/margin"] > dpo.history[0]["dpo/margin"]
 

@@ -29,10 +29,10 @@ from tapioca.config.schema import GenerationConfig, ProxyConfig
 from tapioca.config.sections import ProxySection
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine
 from tapioca.models.tokenizer import load_tokenizer
-from tapioca.models.weight_files import save_weights
 from tapioca.producers.proxy import ProxyServer, ProxyService
 from tapioca.runtime.run import create_tiny_checkpoint
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent, WeightsEvent
+from tapioca.schemas.events import ProgressEvent, RewardEvent, TrajectoryEvent, WeightsEvent
+from tapioca.weights.files import save_weights
 
 pytestmark = pytest.mark.integration
 
@@ -311,7 +311,8 @@ def test_head_gate_holds_a_session_until_weights_free_a_slot(start_proxy, model_
         waiter.start()
         time.sleep(1.0)
         assert waiter.is_alive(), "the second group was admitted past the head gate"
-        # Requests keep being served while a new version is loaded; the gate opens.
+        # Requests keep being served while a new version is loaded; the gate opens (the
+        # trainer's version 1: its bytes on weights.v1, its counts on progress.v1).
         engine = server.svc.engine
         model_weights = (engine.decoder.hf_state_dict() if hasattr(engine, "decoder")
                          else engine.model.state_dict())
@@ -319,6 +320,7 @@ def test_head_gate_holds_a_session_until_weights_free_a_slot(start_proxy, model_
         with EventProducer(bus) as producer:
             producer.publish(WeightsEvent(version=1, path=str(tmp_path / "v1.safetensors"), sha256=sha,
                                           num_bytes=size))
+            producer.publish(ProgressEvent(version=1))
         out = client.chat.completions.create(model="tapioca", messages=[{"role": "user", "content": "5="}],
                                              max_tokens=3)
         assert out.choices[0].finish_reason in ("stop", "length")

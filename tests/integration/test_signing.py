@@ -53,7 +53,7 @@ def other_key(cfg, tmp_path):
 
 
 class Follower(Role):
-    """Follows weights.v1 (as the rollout workers, the feeder and the proxy do)."""
+    """Follows weights.v1 (as the rollout workers and the proxy do)."""
 
     name = "follower"
     broadcast_inputs = ("weights",)

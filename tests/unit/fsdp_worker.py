@@ -29,10 +29,11 @@ def make_model() -> torch.nn.Module:
 
 
 def make_cfg(**overrides):
+    # A budget of 40 tokens gives several micro-batches; no clipping, to compare raw gradients.
+    from tapioca.config.optimizer import OptimizerConfig
     from tapioca.config.schema import ActorConfig
 
-    # A budget of 40 tokens gives several micro-batches; no clipping, to compare raw gradients.
-    kw = dict(lr=1e-2, mb_max_tokens=40, max_grad_norm=1e9)
+    kw = dict(optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=1e9), mb_max_tokens=40)
     kw.update(overrides)
     return ActorConfig(**kw)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
 from tapioca.models.attention import packed_seqs, position_ids
 from tapioca.models.factory import build_tiny_model
@@ -58,8 +59,8 @@ def items(seed: int = 0, n: int = 6) -> list[SeqItem]:
     return out
 
 
-def actor(model=None, **cfg) -> PPOActor:
-    cfg.setdefault("lr", 1e-2)
+def actor(model=None, *, lr: float = 1e-2, max_grad_norm: float = 1.0, **cfg) -> PPOActor:
+    cfg["optimizer"] = OptimizerConfig(lr=lr, gradient_clipping=max_grad_norm)
     return PPOActor(model if model is not None else moe_model(), ActorConfig(**cfg), temperature=1.0,
                     pad_token_id=0)
 

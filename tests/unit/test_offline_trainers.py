@@ -20,7 +20,6 @@ from tapioca.config.offline import (
     SFTConfig,
 )
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.errors import ConfigError, TapiocaError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
@@ -34,6 +33,7 @@ from tapioca.trainers.offline_data import (
     sft_examples_from_groups,
 )
 from tapioca.trainers.offline_loop import setup_offline
+from tapioca.weights.files import sha256_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -294,7 +294,7 @@ def _greedy_accuracy(model, examples) -> float:
 def test_sft_loss_falls_and_the_model_learns_the_task(tiny, tmp_path):
     from tapioca.trainers.sft import SFTTrainer
 
-    cfg = _cfg(SFTConfig, tiny, tmp_path, "total_train_steps=80", "actor.lr=2e-3",
+    cfg = _cfg(SFTConfig, tiny, tmp_path, "total_train_steps=80", "actor.optimizer.lr=2e-3",
                "train_dataset.batch_size=16", "save_every_steps=40")
     model, tok = setup_offline(cfg)
     examples, stats = load_sft_examples(cfg.train_dataset, tok, seed=cfg.seed)
@@ -321,7 +321,7 @@ def test_sft_loss_falls_and_the_model_learns_the_task(tiny, tmp_path):
 def test_sft_resume_continues_exactly(tiny, tmp_path):
     from tapioca.trainers.sft import train_sft
 
-    common = ["train_dataset.batch_size=8", "save_every_steps=3", "actor.lr=1e-3"]
+    common = ["train_dataset.batch_size=8", "save_every_steps=3", "actor.optimizer.lr=1e-3"]
     straight = train_sft(_cfg(SFTConfig, tiny, tmp_path / "a", "total_train_steps=6", *common))
     train_sft(_cfg(SFTConfig, tiny, tmp_path / "b", "total_train_steps=3", *common))
     resumed = train_sft(_cfg(SFTConfig, tiny, tmp_path / "b", "total_train_steps=6", *common))
@@ -340,7 +340,7 @@ def test_dpo_raises_the_chosen_vs_rejected_margin(tiny, tmp_path, loss_type):
     from tapioca.trainers.dpo import DPOTrainer
 
     cfg = _cfg(DPOConfig, tiny, tmp_path, f"loss_type={loss_type}", "total_train_steps=40",
-               "actor.lr=1e-3", "train_dataset.batch_size=16", "save_every_steps=40")
+               "actor.optimizer.lr=1e-3", "train_dataset.batch_size=16", "save_every_steps=40")
     model, tok = setup_offline(cfg)
     pairs, _ = load_pair_examples(cfg.train_dataset, tok, seed=cfg.seed)
     trainer = DPOTrainer(cfg, model, tok, pairs)
@@ -362,7 +362,7 @@ def test_dpo_raises_the_chosen_vs_rejected_margin(tiny, tmp_path, loss_type):
 def test_reward_model_accuracy_rises_above_chance(tiny, tmp_path):
     from tapioca.trainers.reward_model import RewardModelTrainer, load_reward_model
 
-    cfg = _cfg(RewardModelConfig, tiny, tmp_path, "total_train_steps=100", "actor.lr=1e-3",
+    cfg = _cfg(RewardModelConfig, tiny, tmp_path, "total_train_steps=100", "actor.optimizer.lr=1e-3",
                "train_dataset.batch_size=16", "save_every_steps=100")
     setup_offline(cfg, load_policy=False)
     model, tok = load_reward_model(cfg.model.path)
@@ -386,7 +386,7 @@ def test_distillation_lowers_the_students_kl_to_the_teacher(tiny, tmp_path):
 
     teacher_dir = create_tiny_checkpoint(tmp_path / "teacher", seed=7, hidden_size=48, num_heads=4)
     cfg = _cfg(DistillConfig, tiny, tmp_path, f"teacher_path={teacher_dir}", "total_train_steps=60",
-               "actor.lr=2e-3", "train_dataset.batch_size=16", "save_every_steps=60", "nll_coef=0.0",
+               "actor.optimizer.lr=2e-3", "train_dataset.batch_size=16", "save_every_steps=60", "nll_coef=0.0",
                "actor.logprob_chunk_tokens=16")
     model, tok = setup_offline(cfg)
     teacher, _ = load_model_and_tokenizer(teacher_dir)
@@ -405,7 +405,7 @@ def test_distillation_with_nll_weight_also_fits_the_data(tiny, tmp_path):
 
     teacher_dir = create_tiny_checkpoint(tmp_path / "teacher", seed=7)
     summary = train_distill(_cfg(DistillConfig, tiny, tmp_path, f"teacher_path={teacher_dir}",
-                                 "total_train_steps=20", "actor.lr=2e-3", "kd_coef=0.5", "nll_coef=1.0"))
+                                 "total_train_steps=20", "actor.optimizer.lr=2e-3", "kd_coef=0.5", "nll_coef=1.0"))
     first, last = summary.history[0], summary.history[-1]
     assert first["distill/loss"] == pytest.approx(0.5 * first["distill/kl"] + first["distill/nll"], rel=1e-6)
     assert last["distill/nll"] < first["distill/nll"]

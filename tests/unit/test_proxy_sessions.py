@@ -237,7 +237,7 @@ def test_proxy_weights_follower_versions_only_go_forward():
     from tapioca.bus.role import Source
     from tapioca.producers.proxy.gate import WeightsFollower
     from tapioca.schemas.errors import BadEventError
-    from tapioca.schemas.events import WeightsEvent
+    from tapioca.schemas.events import ProgressEvent, WeightsEvent
 
     gate = HeadGate(eta=0, prompts_per_step=4)
     loaded: list[int] = []
@@ -247,32 +247,37 @@ def test_proxy_weights_follower_versions_only_go_forward():
     replay = WeightsEvent(version=1, path="/w1", sha256="00" * 32)
     history = [WeightsEvent(version=v, path=f"/w{v}", sha256="00" * 32) for v in (1, 2, 3)]
     replay.produced_at = history[-1].produced_at + 1  # re-published after version 3
-    follower.recover(state, history + [replay])
+    progress = [ProgressEvent(version=v) for v in (1, 2, 3)]
+    follower.recover(state, history + progress + [replay])
     assert loaded == [3] and gate.version == 3 and gate.ready.is_set()
     src = Source(topic="t.weights.v1", partition=0, offset=9, broadcast=True)
-    state.skip_until = ""
+    psrc = Source(topic="t.progress.v1", partition=0, offset=9, broadcast=True)
+    state.skip_until = state.progress_skip_until = ""
     with pytest.raises(BadEventError, match="weights version 2 is older than version 3"):
         follower.handle(WeightsEvent(version=2, path="/w2", sha256="00" * 32), state, src)
     assert loaded == [3] and gate.version == 3
-    follower.handle(WeightsEvent(version=3, path="/w3", sha256="00" * 32, groups_rejected=1),
-                    state, src)  # a re-announcement: no load, the gate's counts move
-    assert loaded == [3] and gate.rejected == 1
-    follower.handle(WeightsEvent(version=4, path="/w1", sha256="00" * 32, rollback_of=1,
-                                 rollbacks=1), state, src)
+    follower.handle(WeightsEvent(version=3, path="/w3", sha256="00" * 32), state, src)
+    follower.handle(ProgressEvent(version=3, groups_rejected=1), state, psrc)
+    assert loaded == [3] and gate.rejected == 1  # the loaded version's progress: the counts move
+    follower.handle(WeightsEvent(version=4, path="/w1", sha256="00" * 32, rollback_of=1), state, src)
+    follower.handle(ProgressEvent(version=4, groups_rejected=1, rollbacks=1), state, psrc)
     assert loaded == [3] and gate.version == 3  # loaded on the tick, then the gate moves
     follower.on_tick(state, 0.0)
     assert loaded == [3, 4] and (gate.version, gate.rollbacks) == (4, 1)
+    # An older progress event (re-published) moves nothing back.
+    follower.handle(ProgressEvent(version=2), state, psrc)
+    assert (gate.version, gate.rollbacks, gate.rejected) == (4, 1, 1)
 
 
 def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_loaded():
-    """The rollout workers' rule (producers/weights_follow.py): a load that fails keeps the
+    """The rollout workers' rule (weights/follow.py): a load that fails keeps the
     gate and, once dead-lettered, lets the next claim of the version load; another claim
     of the loaded version is refused; a version a fast transport no longer holds is dropped."""
     from tapioca.bus.role import Source
-    from tapioca.models.weight_files import WeightsUnavailableError
     from tapioca.producers.proxy.gate import WeightsFollower
     from tapioca.schemas.errors import BadEventError
-    from tapioca.schemas.events import WeightsEvent
+    from tapioca.schemas.events import ProgressEvent, WeightsEvent
+    from tapioca.weights.files import WeightsUnavailableError
 
     gate = HeadGate(eta=0, prompts_per_step=4)
     loaded: list[str] = []
@@ -290,6 +295,8 @@ def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_l
     src = Source(topic="t.weights.v1", partition=0, offset=0, broadcast=True)
     forged, genuine = (WeightsEvent(version=1, path=p, sha256=c * 64) for p, c in (("/missing", "a"), ("/w1", "b")))
     follower.handle(forged, state, src)
+    # The trainer's progress of version 1: the gate waits for the version to load.
+    follower.handle(ProgressEvent(version=1), state, Source("t.progress.v1", 0, 0, broadcast=True))
     with pytest.raises(BadEventError, match="cannot be loaded.*the agent proxy stays on version 0") as info:
         follower.on_tick(state, 0.0)
     assert info.value.retryable and gate.version == 0 and loaded == []

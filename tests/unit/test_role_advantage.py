@@ -758,6 +758,7 @@ def test_areal_style_reward_norm_yaml_loads(tmp_path):
 
 
 def _tiny_trainer(run_dir, advantage, **actor_kw):
+    from tapioca.config.optimizer import OptimizerConfig
     from tapioca.config.schema import ActorConfig, ModelConfig
     from tapioca.config.sections import TrainerSection
     from tapioca.models.factory import build_tiny_model
@@ -767,7 +768,7 @@ def _tiny_trainer(run_dir, advantage, **actor_kw):
 
     model = build_tiny_model(16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=0)
-    actor_cfg = ActorConfig(lr=1e-2, **actor_kw)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **actor_kw)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=1,
                              prompts_per_step=2, total_train_steps=100, temperature=1.0,

@@ -29,7 +29,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_config_show_prints_the_resolved_config_and_runs_nothing(tmp_path):
-    done = cli("config", "show", "--config", str(EXAMPLES / "demo_cpu.yaml"), "actor.lr=1e-3",
+    done = cli("config", "show", "--config", str(EXAMPLES / "demo_cpu.yaml"), "actor.optimizer.lr=1e-3",
                f"run_dir={tmp_path / 'runs'}")
     assert done.returncode == 0, done.stderr
     shown = yaml.safe_load(done.stdout)
@@ -38,7 +38,7 @@ def test_config_show_prints_the_resolved_config_and_runs_nothing(tmp_path):
     assert shown["actor"]["eps_clip"] == 0.2 and shown["launcher"]["max_restarts"] == 5  # defaults
     # The same config the loader gives a run, and nothing was created.
     expected = load_config(TrainConfig, EXAMPLES / "demo_cpu.yaml",
-                           ["actor.lr=1e-3", f"run_dir={tmp_path / 'runs'}"])
+                           ["actor.optimizer.lr=1e-3", f"run_dir={tmp_path / 'runs'}"])
     assert {k: v for k, v in shown.items() if k != "bus"} == \
         {k: v for k, v in yaml.safe_load(to_yaml(expected)).items() if k != "bus"}
     assert not (tmp_path / "runs").exists()

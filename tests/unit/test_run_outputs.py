@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tapioca.bus.role import Source
 from tapioca.config.loader import load_config, to_yaml
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig, ModelConfig, TrainConfig
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import load_model_and_tokenizer
@@ -39,7 +40,7 @@ def _sample(gid: str) -> SampleEvent:
 def _trainer(tmp_path: Path, total_steps: int, run_dir: Path | None = None) -> Trainer:
     model_dir = create_tiny_checkpoint(tmp_path / "model", "synthetic")
     model, _ = load_model_and_tokenizer(model_dir)
-    actor_cfg = ActorConfig(lr=1e-2)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2))
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(path=str(model_dir)),
                              max_head_offpolicyness=1, prompts_per_step=2,
                              total_train_steps=total_steps, temperature=1.0,

@@ -1,4 +1,4 @@
-"""The weight transports' protocols on CPU (models/weight_sync/): the flat layout and its
+"""The weight transports' protocols on CPU (weights/): the flat layout and its
 checksum (golden values from plain modular arithmetic), file, ipc over /dev/shm (in this
 process and from another one), nccl over gloo with readers in threads (late join, a
 version the trainer no longer holds, a slow worker dropped without blocking publish),
@@ -23,19 +23,19 @@ from tapioca.config.sections import RolloutSection
 from tapioca.engines.base import GenRequest, SamplingParams
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.models.factory import build_tiny_model
-from tapioca.models.weight_files import (
+from tapioca.producers.rollout import RolloutWorker
+from tapioca.schemas.envelope import decode_event, encode_event
+from tapioca.schemas.errors import BadEventError
+from tapioca.schemas.events import DlqRecord, WeightsEvent
+from tapioca.weights import WeightPublisher, WeightReceiver, make_weight_loader
+from tapioca.weights.files import (
     WeightsTransferError,
     WeightsUnavailableError,
     load_verified,
     sha256_file,
 )
-from tapioca.models.weight_sync import WeightPublisher, WeightReceiver, make_weight_loader
-from tapioca.models.weight_sync.layout import ALIGN_BYTES, Layout, bucket_checksums
-from tapioca.models.weight_sync.slots import SlotBuffer
-from tapioca.producers.rollout import RolloutWorker
-from tapioca.schemas.envelope import decode_event, encode_event
-from tapioca.schemas.errors import BadEventError
-from tapioca.schemas.events import DlqRecord, WeightsEvent
+from tapioca.weights.layout import ALIGN_BYTES, Layout, bucket_checksums
+from tapioca.weights.slots import SlotBuffer
 
 VOCAB = 16
 BUCKET = 8192  # several buckets even for the tiny model
@@ -310,7 +310,7 @@ def test_nccl_version_no_longer_held_is_unavailable(tmp_path, publishers):
 def test_nccl_slow_worker_is_dropped_without_blocking_the_trainer(tmp_path, publishers):
     from torch.distributed import PrefixStore, TCPStore
 
-    from tapioca.models.weight_sync.nccl import make_group
+    from tapioca.weights.nccl import make_group
 
     model = tiny()
     # The slow worker is dropped when the send to it times out: 5 s after its request, long
@@ -348,7 +348,7 @@ def test_nccl_slow_worker_is_dropped_without_blocking_the_trainer(tmp_path, publ
 # ---------------------------------------------------------------------- durable writer
 
 def test_durable_writer_skips_a_torn_slot_and_writes_every_kth_version(tmp_path, publishers):
-    from tapioca.models.weight_sync.durable import DurableWriter
+    from tapioca.weights.durable import DurableWriter
 
     model = tiny()
     layout, sources = Layout.from_state_dict(model.state_dict(), torch.float32)

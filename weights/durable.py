@@ -1,7 +1,7 @@
 """The durable copy: a flat weights buffer written as a safetensors file, hashed once
 (sha256) while it is written, and read back verified.
 
-Consumes a slot of the trainer's send buffer (models/weight_sync/slots.py) and its
+Consumes a slot of the trainer's send buffer (weights/slots.py) and its
 layout; emits ``weights/vNNNNNN.safetensors`` files and :class:`DurableFile` records
 (version, path, sha256, bytes), which the trainer announces on ``weights.v1``
 (``WeightsEvent.files``). Keyed by version.
@@ -14,7 +14,7 @@ the writer keeps only the newest waiting version (older ones get no file; counte
 ``skipped``). A write that fails because of the disk (full, failing, read-only) leaves no
 temp file and is raised by :meth:`DurableWriter.completed` (the trainer stops on it). A
 reader verifies the sha256 while reading the file once
-(:func:`tapioca.models.weight_files.load_verified`).
+(:func:`tapioca.weights.files.load_verified`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ...schemas.errors import StorageError
-from ..weight_files import atomic_write, saved_versions, weights_file
+from ..schemas.errors import StorageError
+from .files import atomic_write, saved_versions, weights_file
 from .layout import Layout
 from .slots import SlotBuffer
 

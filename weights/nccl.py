@@ -2,7 +2,7 @@
 trainer over one 2-rank process group per worker (nccl between GPUs, gloo on CPU; the
 same code).
 
-Consumes the trainer's send buffer (models/weight_sync/slots.py); emits nothing on the
+Consumes the trainer's send buffer (weights/slots.py); emits nothing on the
 bus itself: the trainer announces the rendezvous (``transport_info["store"]``, a
 TCPStore the trainer hosts) in every weights event. Keyed by worker index (the order
 workers joined).
@@ -17,7 +17,7 @@ as broadcasts from rank 0: a header ``[version or -1, buffer bytes, bucket bytes
 (-1: the trainer no longer holds that version), the buffer bucket by bucket, and a
 trailer ``[1]`` if the slot was not rewritten during the send (else ``[0]``: the worker
 treats the bytes as superseded, not corrupt). The worker then checks its bytes against
-the event's checksums (models/weight_sync/receiver.py).
+the event's checksums (weights/receiver.py).
 
 A dead or slow worker never blocks the trainer: sends run in the worker's own sender
 thread, every wait has the transfer timeout, a failed sender drops its group (the worker
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..weight_files import WeightsUnavailableError
+from .files import WeightsUnavailableError
 from .slots import SlotBuffer
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ durable files the background writer finished (:meth:`WeightPublisher.poll`), whi
 trainer lists in its next event (``files``). Keyed by version.
 
 Every transport starts the same way: the tensors are cast to the publish dtype and
-packed into a slot of one flat buffer (models/weight_sync/layout.py,
-models/weight_sync/slots.py; one copy kernel per tensor on the trainer's device); then
+packed into a slot of one flat buffer (weights/layout.py,
+weights/slots.py; one copy kernel per tensor on the trainer's device); then
 
 - ``file``: that buffer is written as a safetensors file, sha256 computed while
   writing, before the event (as before; now from one device-to-host copy);
@@ -17,7 +17,7 @@ models/weight_sync/slots.py; one copy kernel per tensor on the trainer's device)
   publish) and the event names the slot of a buffer the engines have mapped (a CUDA IPC
   handle created once, or a /dev/shm file on CPU);
 - ``nccl``: the same checksums; rollout workers pull the slot over their process group
-  (models/weight_sync/nccl.py).
+  (weights/nccl.py).
 
 With ``ipc`` / ``nccl`` every ``file_every_versions``-th version is also written as a
 file, in the background, after its event is out (:meth:`poll` starts the write).
@@ -35,9 +35,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ...schemas.errors import ConfigError
-from ..weight_files import weights_file
+from ..schemas.errors import ConfigError
 from .durable import DurableFile, DurableWriter
+from .files import weights_file
 from .layout import Layout, bucket_checksums
 from .slots import SlotBuffer
 
@@ -72,16 +72,17 @@ class WeightPublisher:
         self._written: set[int] = set()  # versions handed to the writer
 
     @classmethod
-    def from_config(cls, actor, directory: str | Path, *, publish_dtype: torch.dtype | None,
-                    keep_versions: int = 8, name: str = "weights") -> "WeightPublisher":
-        """From an ``ActorConfig`` (its ``weight_*`` fields and ``device``)."""
-        return cls(actor.weight_transport, directory, device=actor.device,
-                   publish_dtype=publish_dtype, bucket_bytes=actor.weight_bucket_bytes,
-                   buffer_slots=actor.weight_buffer_slots,
-                   file_every_versions=actor.weight_file_every_versions,
-                   keep_versions=keep_versions, nccl_host=actor.weight_nccl_host,
-                   nccl_port=actor.weight_nccl_port, nccl_backend=actor.weight_nccl_backend,
-                   transfer_timeout_s=actor.weight_transfer_timeout_s, name=name)
+    def from_config(cls, weights, directory: str | Path, *, device: str | torch.device,
+                    publish_dtype: torch.dtype | None, keep_versions: int = 8,
+                    name: str = "weights") -> "WeightPublisher":
+        """From the run's ``weights`` section (config/weights.py); ``device``: the
+        trainer's (``actor.device``)."""
+        return cls(weights.transport, directory, device=device, publish_dtype=publish_dtype,
+                   bucket_bytes=weights.bucket_bytes, buffer_slots=weights.buffer_slots,
+                   file_every_versions=weights.file_every_versions, keep_versions=keep_versions,
+                   nccl_host=weights.nccl_host, nccl_port=weights.nccl_port,
+                   nccl_backend=weights.nccl_backend,
+                   transfer_timeout_s=weights.transfer_timeout_s, name=name)
 
     # ------------------------------------------------------------------ publishing
 
@@ -195,7 +196,7 @@ class WeightPublisher:
         gpu = self.device.type == "cuda"
         nccl_backend = self.transport == "nccl" and self.nccl["backend"] == "nccl"
         if nccl_backend and not gpu:
-            raise ConfigError("actor.weight_nccl_backend=nccl needs the trainer on a GPU "
+            raise ConfigError("weights.nccl_backend=nccl needs the trainer on a GPU "
                               "(actor.device=cuda); on CPU use gloo (or auto)")
         if (gpu and self.transport == "ipc") or nccl_backend:
             kind = "cuda"

@@ -1,6 +1,6 @@
 """Policy weights as files: safetensors plus a sha256, written by the trainer and
 verified by every reader before use (a torn or tampered file is never loaded); and the
-errors of every weight transport (models/weight_sync/). Every file of weights or of a
+errors of every weight transport (weights/). Every file of weights or of a
 checkpoint is written through :func:`atomic_write`: a temp file renamed into place, which a
 failed write (a full disk) removes, raising ``StorageError`` with the one-line reason."""
 

@@ -4,10 +4,13 @@ Consumes the weights events a role reads (the newest recovered at start, then th
 replayed broadcast topic) and the outcome of its loads. Decides, and loads nothing by
 itself (the role passes its loader to :meth:`WeightsFollow.load_head`, on its tick):
 
-- Versions only go forward (algorithms/versions.py): an event older than the loaded
+- Versions only go forward (weights/versions.py): an event older than the loaded
   version is refused (BadEventError, dead-lettered by the bus).
-- The same version is a re-announcement where its checksums agree with the loaded ones,
-  else a conflict, refused (a version names one set of weights).
+- The same version is a repeat where its checksums agree with the loaded ones (the
+  trainer repeats a version only to say that a durable file for it is ready, or at its
+  start; the file's sha256 is then learned), else a conflict, refused (a version names
+  one set of weights). A repeat carries nothing else: the trainer's counts are on
+  ``progress.v1``, which no weights follower needs.
 - A newer one is a *candidate*. Candidates are kept highest version first (first arrived
   among equals): the first is loaded next, the others are fallbacks should it be
   dead-lettered (one of several events claiming a version may be forged).
@@ -29,12 +32,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..algorithms.versions import is_newer
 from ..bus.role import DeadLetter, Source
-from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError
 from ..schemas.events import WeightsEvent
+from .files import WeightsUnavailableError
+from .versions import is_newer
 
 # Weights events kept as candidates at most (the lowest versions are dropped first).
 MAX_WEIGHTS_CANDIDATES = 16
@@ -117,8 +120,9 @@ class WeightsFollow:
 
     def offer(self, event: WeightsEvent, source: Source | None) -> list[DeadLetter]:
         """A weights event read: raises BadEventError for an older version or a conflicting
-        claim of the loaded one; a re-announcement changes nothing; a newer one becomes a
-        candidate. Returns the head that failed to load, dead-lettered once superseded."""
+        claim of the loaded one; a repeat of the loaded one changes nothing (but the
+        checksums it adds); a newer one becomes a candidate. Returns the head that failed
+        to load, dead-lettered once superseded."""
         if not is_newer(event, self.loaded_version, self.member):
             if self.loaded_id is None or not _differ(self.loaded_id, weights_id(event)):
                 self.loaded_id = _merge_ids(self.loaded_id, weights_id(event))

@@ -1,10 +1,11 @@
 """The one rule every follower of ``weights.v1`` applies: versions only go forward.
 
-Rollout workers, the agent proxy and the prompt feeder each follow the trainer's
-versions. A weights event is *newer* than the version a member follows (load it / move
-the gate), the *same* (a re-announcement: the trainer re-announces its version at start
-and whenever its rejection count changes; nothing to load), or *older*: a re-published
-old event, which must not roll the fleet back (it did: 26 -> 23). An older one is
+Rollout workers and the agent proxy each follow the trainer's versions (the prompt
+feeder and the proxy's gate follow its progress events on ``progress.v1``, whose versions
+never go back either). A weights event is *newer* than the version a member follows
+(load it), the *same* (a repeat: the trainer repeats a version at start and when a
+durable file for it is ready; nothing to load), or *older*: a re-published old event,
+which must not roll the fleet back (it did: 26 -> 23). An older one is
 refused with :class:`~tapioca.schemas.errors.BadEventError`, so the bus dead-letters it.
 A genuine rollback is a new, higher version with ``rollback_of`` set, and passes.
 """

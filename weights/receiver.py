@@ -24,10 +24,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ...schemas.events import WeightsEvent
-from ..weight_files import (
+from ..schemas.errors import ConfigError
+from ..schemas.events import WeightsEvent
+from .files import (
     WeightsTransferError,
     WeightsUnavailableError,
+    check_weights_file,
     load_verified,
 )
 from .layout import Layout, bucket_checksums, mismatched_buckets
@@ -192,3 +194,21 @@ def make_weight_loader(engine, device: str | torch.device, *,
 
     load_weights.receiver = receiver  # type: ignore[attr-defined]
     return load_weights
+
+
+def make_server_weight_loader(engine, engine_name: str) -> Callable[[WeightsEvent], Any]:
+    """The ``load_weights`` callable for an inference-server adapter (vLLM, SGLang): the
+    server reads the version's safetensors file itself, after it is checked here (its
+    sha256), as the in-process path checks what it loads. Fast transports are refused
+    with what to set instead."""
+
+    def load_server_weights(event: WeightsEvent) -> None:
+        if event.transport != "file" or not event.path:
+            raise ConfigError(
+                f"weights version {event.version} comes over {event.transport!r}; the "
+                f"{engine_name} adapter reloads safetensors files only (device-to-device "
+                "updates to servers are not wired yet): set weights.transport=file")
+        check_weights_file(event.path, event.sha256)
+        engine.update_weights(event.path, event.version)
+
+    return load_server_weights

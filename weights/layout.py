@@ -22,8 +22,8 @@ from typing import Mapping
 
 import torch
 
-from ...schemas.errors import TapiocaError
-from ...schemas.events import WeightTensor
+from ..schemas.errors import TapiocaError
+from ..schemas.events import WeightTensor
 
 # Buffers are padded to this; the checksum reads 4 KiB rows of 512 int64 words.
 ALIGN_BYTES = 4096

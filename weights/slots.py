@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ...schemas.errors import TapiocaError
-from ..weight_files import WeightsUnavailableError
+from ..schemas.errors import TapiocaError
+from .files import WeightsUnavailableError
 from .layout import ALIGN_BYTES
 
 # The first 4 KiB hold the tags (int64 per slot), so slots start 4 KiB aligned.
@@ -157,7 +157,7 @@ class MappedSlots:
             if not os.path.exists(path):
                 raise WeightsUnavailableError(
                     f"the trainer's shared-memory weights buffer {path} is not on this host "
-                    "(actor.weight_transport=ipc needs trainer and engines on one machine; "
+                    "(weights.transport=ipc needs trainer and engines on one machine; "
                     "use nccl or file across machines)")
             if os.path.getsize(path) < total:
                 raise WeightsUnavailableError(f"shared-memory weights buffer {path} is shorter "
@@ -181,14 +181,14 @@ def _open_cuda_ipc(desc: dict[str, Any], total: int) -> torch.Tensor:
     if not torch.cuda.is_available():
         raise WeightsUnavailableError("the weights buffer is in CUDA memory but this process "
                                       "has no CUDA device; run the engine on a GPU of the "
-                                      "trainer's host, or use actor.weight_transport=nccl/file")
+                                      "trainer's host, or use weights.transport=nccl/file")
     want = desc.get("device_uuid", "")
     local = [i for i in range(torch.cuda.device_count())
              if str(torch.cuda.get_device_properties(i).uuid) == want]
     if not local:
         raise WeightsUnavailableError(
             f"the trainer's GPU {want} is not visible to this process (CUDA_VISIBLE_DEVICES?); "
-            "CUDA IPC needs it visible, or use actor.weight_transport=nccl")
+            "CUDA IPC needs it visible, or use weights.transport=nccl")
     unb64 = lambda s: base64.b64decode(s) if s else b""  # noqa: E731
     try:
         return rebuild_cuda_tensor(
