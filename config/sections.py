@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from .distributed import FSDPConfig
+from .lora import LoraSpec, lora_spec
 from .schema import (
     ActorConfig,
     AdvantageConfig,
@@ -52,6 +53,8 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
+    # actor.use_lora: the adapter the engine serves (None: full weights; config/lora.py).
+    lora: LoraSpec | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +98,8 @@ class TrainerSection:
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    # actor.use_lora: the adapter trained and published (None: full weights; config/lora.py).
+    lora: LoraSpec | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +115,8 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
+    # actor.use_lora: the adapter the engine serves (None: full weights).
+    lora: LoraSpec | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +148,8 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
-    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed)
+    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
+                          lora=lora_spec(cfg))
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:
@@ -162,14 +170,14 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
-                          stats_logger=cfg.stats_logger, weights=cfg.weights)
+                          stats_logger=cfg.stats_logger, weights=cfg.weights, lora=lora_spec(cfg))
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed)
+                        run_id=cfg.bus_run_id, seed=cfg.seed, lora=lora_spec(cfg))
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:

@@ -50,8 +50,16 @@ class InferenceServerConfig:
     wait_for_server_s: float = 300.0
     # Requests in flight per server (the server batches them); 0 = rollout.max_batch_size.
     max_inflight_per_server: int = 0
+    # actor.use_lora: the largest adapter rank an engine accepts (a launched server's
+    # --max-lora-rank; the in-process engines refuse larger adapters too), and the adapter
+    # versions a server keeps loaded (0: max_head_offpolicyness + 2; older ones are unloaded).
+    max_lora_rank: int = 64
+    max_loaded_loras: int = 0
 
     def __post_init__(self) -> None:
+        _require(self.max_lora_rank >= 1, "rollout.server.max_lora_rank must be >= 1")
+        _require(self.max_loaded_loras >= 0,
+                 "rollout.server.max_loaded_loras must be >= 0 (0: max_head_offpolicyness + 2)")
         bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
         _require(not bad, f"rollout.server.urls {bad}: give full URLs, e.g. "
                  "http://127.0.0.1:8000")
