@@ -181,6 +181,26 @@ class WeightsFile:
 
 
 @dataclass(kw_only=True)
+class WeightsAdapter:
+    """A LoRA version (``actor.use_lora``): the event's bytes are an adapter for the base
+    model ``base_id`` names, not whole weights. ``name`` is the version's adapter name
+    (``{gconfig.lora_name}-v{version}``); with the ``file`` transport ``path`` is a PEFT
+    adapter directory of that name (``adapter_model.safetensors`` + ``adapter_config.json``)
+    and ``sha256`` covers both files (weights/adapter_files.py). A reader on another base,
+    or serving other target modules or a lower maximum rank, refuses the event."""
+
+    name: str
+    peft_type: str = "lora"
+    rank: int
+    alpha: float
+    # The short names of the wrapped modules (q_proj, ..., down_proj), sorted.
+    target_modules: list[str]
+    # The base model's identity: a digest of its safetensors files' headers and bytes
+    # (weights/base_id.py), computed alike by the trainer and by every reader.
+    base_id: str
+
+
+@dataclass(kw_only=True)
 class WeightsEvent(Event):
     """The bytes of policy version ``version``: where they are and how to check them.
     Keyed by ``run_id`` on one partition, so versions are read in order.
@@ -239,6 +259,8 @@ class WeightsEvent(Event):
     # Durable files (any version) the background writer finished since the previous
     # weights event: what `tapioca weights list` and rollback read their sha256 from.
     files: list[WeightsFile] = field(default_factory=list)
+    # actor.use_lora: the bytes are this adapter (None: the whole weights).
+    adapter: Optional[WeightsAdapter] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,5 +1,6 @@
-"""The durable copy: a flat weights buffer written as a safetensors file, hashed once
-(sha256) while it is written, and read back verified.
+"""The durable copy: a flat weights buffer written as a safetensors file (a LoRA run: a
+PEFT adapter directory, weights/adapter_files.py), hashed once (sha256) while it is
+written, and read back verified.
 
 Consumes a slot of the trainer's send buffer (weights/slots.py) and its
 layout; emits ``weights/vNNNNNN.safetensors`` files and :class:`DurableFile` records
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..schemas.errors import StorageError
+from .adapter_files import adapter_dir, saved_adapters, write_adapter
 from .files import atomic_write, saved_versions, weights_file
 from .layout import Layout
 from .slots import SlotBuffer
@@ -37,6 +40,15 @@ from .slots import SlotBuffer
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """A LoRA run's files (weights/adapter_files.py): each version is the adapter
+    directory ``{name}-v{version}`` with this ``adapter_config.json``."""
+
+    name: str
+    config_bytes: bytes
 
 
 @dataclass(frozen=True)
@@ -67,9 +79,11 @@ def write_safetensors(path: Path, layout: Layout, data_u8: torch.Tensor) -> tupl
 class DurableWriter:
     """Background writer of one file per submitted version (see the module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike, *, keep_versions: int = 8) -> None:
+    def __init__(self, directory: str | os.PathLike, *, keep_versions: int = 8,
+                 adapter: AdapterFiles | None = None) -> None:
         self.directory = Path(directory)
         self.keep_versions = keep_versions
+        self.adapter = adapter
         self.skipped = 0
         self.last_write_s = 0.0  # wall time of the last file (copy out, hash, write)
         self._cv = threading.Condition()
@@ -167,9 +181,15 @@ class DurableWriter:
             self._stream.synchronize()
         else:
             host = src  # host / shm memory: written from the slot directly, checked below
-        path = weights_file(self.directory, version)
-        sha, size = write_safetensors(path, layout, host)
+        if self.adapter is None:
+            path = weights_file(self.directory, version)
+            sha, size = write_safetensors(path, layout, host)
+        else:
+            path = adapter_dir(self.directory, self.adapter.name, version)
+            sha, size = write_adapter(path, self.adapter.config_bytes, layout, host)
         if slots.gen[slot] != gen:  # the slot was rewritten while we read it: torn file
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
             path.unlink(missing_ok=True)
             self.skipped += 1
             log.warning("version %d's buffer was overwritten before its file was written "
@@ -181,6 +201,11 @@ class DurableWriter:
 
     def _delete_old(self, version: int) -> None:
         if self.keep_versions <= 0:
+            return
+        if self.adapter is not None:
+            for v, d in saved_adapters(self.directory, self.adapter.name):
+                if v <= version - self.keep_versions:
+                    shutil.rmtree(d, ignore_errors=True)
             return
         for v, f in saved_versions(self.directory):
             if v <= version - self.keep_versions:

@@ -30,6 +30,13 @@ class WeightsTransferError(WeightsChecksumError):
     its version)."""
 
 
+class WeightsRefusedError(TapiocaError):
+    """This member cannot serve the event's weights, whatever is retried: a LoRA adapter
+    for another base model, other target modules or a rank over the engine's maximum,
+    an adapter for a full-weights member or whole weights for a LoRA one. The event is
+    dead-lettered at once and the member keeps the version it serves."""
+
+
 class WeightsUnavailableError(TapiocaError):
     """A fast transport could not deliver this version (the buffer was overwritten by a
     newer one, the trainer is unreachable or gone, a transfer timed out). Not
@@ -45,6 +52,16 @@ WEIGHTS_DIR = "weights"
 def weights_file(directory: str | os.PathLike, version: int) -> Path:
     """The weights file of ``version`` in ``directory`` (a run's ``weights/``)."""
     return Path(directory) / f"v{version:06d}.safetensors"
+
+
+def version_path(directory: str | os.PathLike, version: int, lora_name: str = "") -> Path:
+    """Where ``version``'s weights live: its file, or (``lora_name``: a LoRA run) its
+    adapter directory ``{lora_name}-v{version}`` (weights/adapter_files.py)."""
+    if lora_name:
+        from .adapter_files import adapter_dir
+
+        return adapter_dir(directory, lora_name, version)
+    return weights_file(directory, version)
 
 
 def saved_versions(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -135,7 +152,13 @@ def _mismatch(path: Path, actual: str, announced: str) -> None:
 
 
 def check_weights_file(path: str | os.PathLike, sha256: str) -> None:
-    """The checks of :func:`load_verified` without loading (a server reads the file itself)."""
+    """The checks of :func:`load_verified` without loading (a server reads the file itself).
+    A directory is a LoRA adapter's (weights/adapter_files.py)."""
+    if Path(path).is_dir():
+        from .adapter_files import check_adapter_dir
+
+        check_adapter_dir(path, sha256)
+        return
     path = _existing(path)
     actual = sha256_file(path)
     if actual != sha256:
@@ -145,14 +168,28 @@ def check_weights_file(path: str | os.PathLike, sha256: str) -> None:
 def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
     """Load a weights file after checking its checksum, reading it once: the file is
     mapped (copy-on-write), hashed, and the tensors are views of the same pages (they
-    stay valid after the file is replaced or deleted: writers rename a new file in)."""
+    stay valid after the file is replaced or deleted: writers rename a new file in).
+    A directory is a LoRA adapter's: its tensors (weights/adapter_files.py)."""
+    if Path(path).is_dir():
+        from .adapter_files import load_verified_adapter
+
+        return load_verified_adapter(path, sha256)[0]
+    return load_verified_file(path, sha256)
+
+
+def load_verified_file(path: str | os.PathLike, sha256: str, *,
+                       prefix: bytes = b"") -> dict[str, torch.Tensor]:
+    """:func:`load_verified` of one safetensors file whose bytes, after ``prefix``, hash
+    to ``sha256`` (an adapter directory's digest covers its config first)."""
     path = _existing(path)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    actual = hashlib.sha256(mm).hexdigest()
+    h = hashlib.sha256(prefix)
+    h.update(mm)
+    actual = h.hexdigest()
     if actual != sha256:
         mm.close()
-        _mismatch(path, actual, sha256)
+        _mismatch(path.parent if prefix else path, actual, sha256)
     n = int.from_bytes(mm[:8], "little")
     header = json.loads(mm[8:8 + n])
     header.pop("__metadata__", None)

@@ -15,9 +15,11 @@ itself (the role passes its loader to :meth:`WeightsFollow.load_head`, on its ti
   among equals): the first is loaded next, the others are fallbacks should it be
   dead-lettered (one of several events claiming a version may be forged).
 - A load that raises is retried by the bus, then dead-lettered (``forget``); the member
-  keeps its version. A head that failed is dead-lettered at once when a higher version
-  supersedes it. A fast transport that no longer holds the version
-  (WeightsUnavailableError) is not the event's fault: it is dropped, not dead-lettered.
+  keeps its version. A refusal (WeightsRefusedError: a LoRA adapter for another base,
+  other target modules, a rank over the engine's maximum) is dead-lettered at once. A
+  head that failed is dead-lettered at once when a higher version supersedes it. A fast
+  transport that no longer holds the version (WeightsUnavailableError) is not the
+  event's fault: it is dropped, not dead-lettered.
 - Once loaded, lower candidates are superseded (dropped) and other claims of the loaded
   version are dead-lettered as conflicts.
 - After ``recover`` the replayed topic's older events are skipped up to the recovered one.
@@ -36,7 +38,7 @@ from ..bus.role import DeadLetter, Source
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError
 from ..schemas.events import WeightsEvent
-from .files import WeightsUnavailableError
+from .files import WeightsRefusedError, WeightsUnavailableError
 from .versions import is_newer
 
 # Weights events kept as candidates at most (the lowest versions are dropped first).
@@ -168,7 +170,9 @@ class WeightsFollow:
             raise BadEventError(
                 f"weights version {event.version} ({event.path}) cannot be loaded: "
                 f"{type(exc).__name__}: {exc}; {self.member} stays on version "
-                f"{self.loaded_version}", event=event, source=source, retryable=True) from exc
+                f"{self.loaded_version}", event=event, source=source,
+                # A refusal (another base, ...) is the event's for good: no retry.
+                retryable=not isinstance(exc, WeightsRefusedError)) from exc
         self.loaded_version, self.loaded_id = event.version, weights_id(event)
         self.loads += 1
         # Lower candidates are superseded; others claiming this version conflict with it.

@@ -36,8 +36,8 @@ from typing import Any, Mapping
 import torch
 
 from ..schemas.errors import ConfigError
-from .durable import DurableFile, DurableWriter
-from .files import weights_file
+from .durable import AdapterFiles, DurableFile, DurableWriter
+from .files import version_path
 from .layout import Layout, bucket_checksums
 from .slots import SlotBuffer
 
@@ -49,7 +49,10 @@ class WeightPublisher:
                  publish_dtype: torch.dtype | None, bucket_bytes: int = 256 << 20,
                  buffer_slots: int = 2, file_every_versions: int = 1, keep_versions: int = 8,
                  nccl_host: str = "127.0.0.1", nccl_port: int = 0, nccl_backend: str = "auto",
-                 transfer_timeout_s: float = 60.0, name: str = "weights") -> None:
+                 transfer_timeout_s: float = 60.0, name: str = "weights",
+                 adapter: AdapterFiles | None = None) -> None:
+        """``adapter``: a LoRA run (the state dicts published are adapters); every
+        version's file is then its PEFT adapter directory (weights/adapter_files.py)."""
         if transport not in ("file", "ipc", "nccl"):
             raise ValueError(f"unknown weight transport {transport!r}")
         self.transport = transport
@@ -63,7 +66,8 @@ class WeightPublisher:
                          backend=(("nccl" if self.device.type == "cuda" else "gloo")
                                   if nccl_backend == "auto" else nccl_backend))
         self.name = name
-        self.writer = DurableWriter(self.directory, keep_versions=keep_versions)
+        self.adapter = adapter
+        self.writer = DurableWriter(self.directory, keep_versions=keep_versions, adapter=adapter)
         self.slots: SlotBuffer | None = None
         self.server = None
         self._layout_key: tuple | None = None
@@ -74,7 +78,7 @@ class WeightPublisher:
     @classmethod
     def from_config(cls, weights, directory: str | Path, *, device: str | torch.device,
                     publish_dtype: torch.dtype | None, keep_versions: int = 8,
-                    name: str = "weights") -> "WeightPublisher":
+                    name: str = "weights", adapter: AdapterFiles | None = None) -> "WeightPublisher":
         """From the run's ``weights`` section (config/weights.py); ``device``: the
         trainer's (``actor.device``)."""
         return cls(weights.transport, directory, device=device, publish_dtype=publish_dtype,
@@ -82,7 +86,7 @@ class WeightPublisher:
                    file_every_versions=weights.file_every_versions, keep_versions=keep_versions,
                    nccl_host=weights.nccl_host, nccl_port=weights.nccl_port,
                    nccl_backend=weights.nccl_backend,
-                   transfer_timeout_s=weights.transfer_timeout_s, name=name)
+                   transfer_timeout_s=weights.transfer_timeout_s, name=name, adapter=adapter)
 
     # ------------------------------------------------------------------ publishing
 
@@ -133,7 +137,8 @@ class WeightPublisher:
         version's file). A file is written only for a version not yet committed, so the
         file named for ``version`` holds its bytes; any other path (say the last file that
         was written before a write failed) would announce another version's weights."""
-        own = bool(path) and Path(path).resolve() == weights_file(self.directory, version).resolve()
+        mine = version_path(self.directory, version, self.adapter.name if self.adapter else "")
+        own = bool(path) and Path(path).resolve() == mine.resolve()
         has_file = own and bool(sha256) and Path(path).exists()
         if self.transport == "file":
             return {"transport": "file", "path": path, "sha256": sha256} if has_file else None

@@ -24,8 +24,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..config.lora import LoraSpec
+from ..models.lora import LoraAdapter
 from ..schemas.errors import ConfigError
 from ..schemas.events import WeightsEvent
+from .adapter_check import AdapterGate
 from .files import (
     WeightsTransferError,
     WeightsUnavailableError,
@@ -181,26 +184,43 @@ class WeightReceiver:
         return cached
 
 
-def make_weight_loader(engine, device: str | torch.device, *,
-                       member: str = "") -> Callable[[WeightsEvent], Any]:
+def make_weight_loader(engine, device: str | torch.device, *, member: str = "",
+                       lora: LoraSpec | None = None,
+                       model_path: str = "") -> Callable[[WeightsEvent], Any]:
     """The ``load_weights`` callable of a rollout worker or the agent proxy: fetch the
     event's version over its transport, verified, then copy it into ``engine`` at a
     step boundary (``InferenceEngine.update_weights``; generation goes on during the
-    fetch and stops only for that copy)."""
+    fetch and stops only for that copy). ``lora``: the member serves LoRA adapters on
+    ``model_path`` (checked first, weights/adapter_check.py; then
+    ``InferenceEngine.update_adapter``)."""
     receiver = WeightReceiver(device, member=member)
+    gate = AdapterGate(lora, model_path)
 
     def load_weights(event: WeightsEvent) -> None:
-        engine.update_weights(receiver.fetch(event), event.version)
+        gate.check(event)
+        if event.adapter is None:
+            engine.update_weights(receiver.fetch(event), event.version)
+            return
+        if event.transport == "file":
+            gate.check_directory(event)
+        tensors = receiver.fetch(event)
+        gate.check_tensors(event, tensors)
+        a = event.adapter
+        engine.update_adapter(LoraAdapter(name=a.name, rank=a.rank, alpha=a.alpha,
+                                            target_modules=list(a.target_modules), tensors=tensors,
+                                            path=event.path), event.version)
 
     load_weights.receiver = receiver  # type: ignore[attr-defined]
     return load_weights
 
 
-def make_server_weight_loader(engine, engine_name: str) -> Callable[[WeightsEvent], Any]:
+def make_server_weight_loader(engine, engine_name: str, *, lora: LoraSpec | None = None,
+                              model_path: str = "") -> Callable[[WeightsEvent], Any]:
     """The ``load_weights`` callable for an inference-server adapter (vLLM, SGLang): the
-    server reads the version's safetensors file itself, after it is checked here (its
-    sha256), as the in-process path checks what it loads. Fast transports are refused
-    with what to set instead."""
+    server reads the version's safetensors file (a LoRA run: its adapter directory)
+    itself, after it is checked here (its sha256), as the in-process path checks what it
+    loads. Fast transports are refused with what to set instead."""
+    gate = AdapterGate(lora, model_path)
 
     def load_server_weights(event: WeightsEvent) -> None:
         if event.transport != "file" or not event.path:
@@ -208,7 +228,15 @@ def make_server_weight_loader(engine, engine_name: str) -> Callable[[WeightsEven
                 f"weights version {event.version} comes over {event.transport!r}; the "
                 f"{engine_name} adapter reloads safetensors files only (device-to-device "
                 "updates to servers are not wired yet): set weights.transport=file")
+        gate.check(event)
         check_weights_file(event.path, event.sha256)
-        engine.update_weights(event.path, event.version)
+        if event.adapter is None:
+            engine.update_weights(event.path, event.version)
+            return
+        gate.check_directory(event)
+        a = event.adapter
+        engine.update_adapter(LoraAdapter(name=a.name, rank=a.rank, alpha=a.alpha,
+                                            target_modules=list(a.target_modules), path=event.path),
+                              event.version)
 
     return load_server_weights
