@@ -33,7 +33,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
 
-from ..schemas.errors import ConfigError
+from ..models.lora import LoraAdapter
+from ..schemas.errors import ConfigError, EngineError
 
 FinishReason = Literal["stop", "length", "abort"]
 Decode = Callable[[list[int]], str]
@@ -163,6 +164,13 @@ class InferenceEngine(abc.ABC):
         Blocks until the new weights are in place. Checksum verification of files is
         the caller's job.
         """
+
+    def update_adapter(self, adapter: LoraAdapter, version: int) -> None:
+        """Serve LoRA ``adapter`` on the engine's base weights as ``version`` (like
+        :meth:`update_weights`: at a step boundary; blocks until in place). An adapter the
+        engine cannot serve raises EngineError before anything changes."""
+        raise EngineError(f"{type(self).__name__} does not serve LoRA adapters; use the paged or "
+                          "torch engine, or a vLLM / SGLang server")
 
     @property
     @abc.abstractmethod

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..models.lora import LoraAdapter
 from ..schemas.errors import EngineError
 from .base import Decode, GenRequest, GenResult, InferenceEngine, WeightsSource
 from .scheduler import Pending
@@ -203,6 +204,26 @@ class EngineLoop(InferenceEngine):
     def update_weights(self, weights: WeightsSource, version: int) -> None:
         if isinstance(weights, (str, os.PathLike)):
             weights = self._read_weights_file(os.fspath(weights))
+        self._at_step_boundary(lambda: self._load_state_dict(weights), version)
+
+    def update_adapter(self, adapter: LoraAdapter, version: int) -> None:
+        if adapter.tensors is None:
+            raise EngineError(f"{type(self).__name__} loads an adapter from its tensors; got a "
+                              f"directory only ({adapter.path})")
+        self._check_adapter(adapter)  # a bad adapter is refused before the engine parks
+        self._at_step_boundary(lambda: self._load_adapter(adapter), version)
+
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        """Raise EngineError if this engine cannot serve ``adapter`` (any thread)."""
+        raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def _load_adapter(self, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in place (the engine thread is parked at a step boundary)."""
+        raise EngineError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def _at_step_boundary(self, load: Callable[[], None], version: int) -> None:
+        """Park the engine thread at the next step boundary (interruptible), or once the
+        running rows finished (not), run ``load``, and label what follows ``version``."""
         if threading.current_thread() is self._thread:
             raise EngineError(
                 "update_weights was called from the engine thread (a future callback); "
@@ -228,7 +249,7 @@ class EngineLoop(InferenceEngine):
                 finally:
                     self._update_waiters -= 1
             try:
-                self._load_state_dict(weights)
+                load()
                 self._version = int(version)
             finally:
                 with self._cv:

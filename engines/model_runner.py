@@ -184,6 +184,9 @@ class PagedDecoder(torch.nn.Module):
         self._aliases: dict[str, torch.Tensor] = {}
         self.record_routes = False
         self.last_routes: list[torch.Tensor] = []
+        # LoRA (merged at the switch): the base value of every weight an adapter changed,
+        # by HF name; each switch writes base + scale * B @ A into the weight in place.
+        self._lora_base: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             sd = model.state_dict()
             self._build(model, sd)
@@ -309,6 +312,50 @@ class PagedDecoder(torch.nn.Module):
             for name, tensor in state_dict.items():
                 for dst in self._destinations(name):
                     dst.copy_(tensor, non_blocking=True)
+        # Whole weights are a new base: an adapter merged before is gone with the old one.
+        self._lora_base.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def check_adapter(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Raise EngineError unless every module of ``pairs`` (module path -> ``(A, B)``,
+        tapioca.models.lora.adapter_pairs) is a projection of this decoder whose shape
+        ``B @ A`` has."""
+        for path, (a_RI, b_OR) in pairs.items():
+            dst = self._targets.get(path + ".weight")
+            if dst is None:
+                raise EngineError(f"the adapter targets {path}, which the paged engine does not have "
+                                  "as a linear projection (target q/k/v/o_proj, gate/up/down_proj)")
+            want = tuple(dst[0].shape)
+            if (int(b_OR.shape[0]), int(a_RI.shape[1])) != want or int(b_OR.shape[1]) != int(a_RI.shape[0]):
+                raise EngineError(f"the adapter of {path} has A {tuple(a_RI.shape)}, B {tuple(b_OR.shape)}; "
+                                  f"the weight is {want}: an adapter for another model?")
+
+    @torch.no_grad()
+    def load_adapter(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """Serve an adapter by merging it: each targeted weight becomes ``base + scale * B @ A``
+        (one addmm from the kept base copy, computed in the weight's dtype with one rounding;
+        never the old delta subtracted), in place, so captured decode graphs stay valid.
+        A weight the previous adapter changed and this one does not gets its base back.
+        The base copies cost the targeted weights' memory once (kept from the first switch)."""
+        self.check_adapter(pairs)
+        touched = set()
+        for path, (a_RI, b_OR) in pairs.items():
+            name = path + ".weight"
+            dsts = self._targets[name]
+            base = self._lora_base.get(name)
+            if base is None:  # never merged: the weight is the base
+                base = self._lora_base[name] = dsts[0].clone()
+            a = a_RI.to(self.device, base.dtype, non_blocking=True)
+            b = b_OR.to(self.device, base.dtype, non_blocking=True)
+            for dst in dsts:
+                torch.addmm(base, b, a, alpha=scale, out=dst)
+            touched.add(name)
+        for name in set(self._lora_base) - touched:
+            for dst in self._targets[name]:
+                dst.copy_(self._lora_base[name])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -44,6 +44,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
+from ..models.lora import LoraAdapter, adapter_pairs
 from ..schemas.errors import EngineError
 from . import kernels
 from .base import Decode, GenRequest
@@ -209,6 +210,14 @@ class PagedEngine(EngineLoop):
         # before (which continue with these weights) from registering their blocks.
         self.bm.drop_prefix_cache()
         self.decoder.load_hf_state_dict(state_dict)
+
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        self.decoder.check_adapter(adapter_pairs(adapter.tensors))
+
+    def _load_adapter(self, adapter: LoraAdapter) -> None:
+        # As for whole weights: cached KV was computed with the old adapter.
+        self.bm.drop_prefix_cache()
+        self.decoder.load_adapter(adapter_pairs(adapter.tensors), adapter.scale)
 
     def _fail_step(self, admitted: list[PrefillUnit], exc: BaseException) -> Delivered:
         # Results computed before the failure are delivered; every other admitted sequence

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config.servers import InferenceServerConfig
+from ..models.lora import LoraAdapter
 from ..schemas.errors import EngineError
 from .base import GenRequest, GenResult, InferenceEngine, WeightsSource
 
@@ -88,6 +89,9 @@ class Server:
     down_since: float = 0.0
     # Its settings were checked (_check) and it holds no other run's weights.
     checked: bool = False
+    # LoRA runs: the adapter names this engine loaded there, oldest first (at most
+    # max_loaded_adapters; older ones are unloaded).
+    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +151,11 @@ class ServerEngine(InferenceEngine):
 
     def __init__(self, urls: Sequence[str], *, config: InferenceServerConfig, model_path: str,
                  max_inflight_per_server: int = 64, eos_token_ids: Sequence[int] = (),
-                 seed: int | None = None, version: int = 0, launched: Sequence[Any] = ()) -> None:
+                 seed: int | None = None, version: int = 0, launched: Sequence[Any] = (),
+                 max_loaded_adapters: int = 0) -> None:
+        """``max_loaded_adapters``: a LoRA run's adapter versions kept loaded on each server
+        (eta + 2: a request still running with the oldest a trainer step may train on);
+        0: 2."""
         if not urls:
             raise EngineError(f"{self.backend}: no server URL; set rollout.server.urls or let the "
                               "role launch one (rollout.server.urls: [])")
@@ -161,6 +169,9 @@ class ServerEngine(InferenceEngine):
         self._version = int(version)
         self._initial_version = int(version)
         self._stage: Path | None = None  # the staged weights of self._version, if any
+        # A LoRA run: the adapter every new request is sent with (None: the base weights).
+        self._adapter: LoraAdapter | None = None
+        self._max_adapters = max(1, int(max_loaded_adapters or 2))
         self._stats = _Stats()
         self._closing = False
         self._user_paused = False
@@ -182,8 +193,17 @@ class ServerEngine(InferenceEngine):
         """Refuse a server whose settings break Tapioca's contract (raise EngineError)."""
 
     @abc.abstractmethod
-    async def _generate(self, server: Server, request: GenRequest) -> RawOutput:
-        """One generate call (raises ServerDown / RequestRejected)."""
+    async def _generate(self, server: Server, request: GenRequest, lora: str | None = None) -> RawOutput:
+        """One generate call (raises ServerDown / RequestRejected); ``lora``: with the loaded
+        adapter of that name instead of the base weights."""
+
+    async def _load_lora(self, server: Server, name: str, path: str) -> None:
+        """Load the PEFT adapter directory ``path`` as ``name`` (raise RequestRejected)."""
+        raise EngineError(f"the {self.backend} adapter does not serve LoRA adapters")
+
+    async def _unload_lora(self, server: Server, name: str) -> None:
+        """Unload adapter ``name`` (in-flight requests that use it finish with it)."""
+        raise EngineError(f"the {self.backend} adapter does not serve LoRA adapters")
 
     @abc.abstractmethod
     async def _pause(self, server: Server) -> None:
@@ -290,7 +310,13 @@ class ServerEngine(InferenceEngine):
 
     async def _bring_up(self, server: Server) -> None:
         """Give a (re)started server the current weights and version, then use it."""
-        if self._stage is not None and server.version != self._version:
+        if self._adapter is not None:  # a LoRA run: the base is the server's own, the adapter ours
+            server.adapters = []
+            await self._load_adapter_on(server, self._adapter, fresh=True)
+            await self._set_version(server, self._version)
+            if self._user_paused:
+                await self._pause(server)
+        elif self._stage is not None and server.version != self._version:
             await self._pause(server)
             await self._reload(server, self._stage, self._version)
             if not self._user_paused:
@@ -398,12 +424,12 @@ class ServerEngine(InferenceEngine):
                 server = await self._pick(request)
                 if server is None:  # shutting down
                     return self._aborted(request, t_submit)
-                version = self._version
+                version, adapter = self._version, self._adapter  # together: no await between
                 server.inflight += 1
                 server.requests.add(request.request_id)
                 t_admit = time.monotonic()
                 try:
-                    raw = await self._generate(server, request)
+                    raw = await self._generate(server, request, adapter.name if adapter else None)
                 except ServerDown as exc:
                     # One dropped connection is not a dead server: ask it before saying so.
                     if not await self._health(server):
@@ -422,6 +448,10 @@ class ServerEngine(InferenceEngine):
                     server.requests.discard(request.request_id)
                     async with self._capacity:
                         self._capacity.notify_all()
+                if adapter is not None:
+                    # The request ran with its adapter to the end, whatever the server's
+                    # version label says: every token is the adapter's version.
+                    raw.spans = None
                 return self._result(request, raw, version, t_submit, t_admit)
             raise AssertionError("unreachable")
         except asyncio.CancelledError:  # shutdown with the server gone: resolve, not cancel
@@ -551,6 +581,53 @@ class ServerEngine(InferenceEngine):
             finally:
                 if not self._user_paused:
                     self._open.set()
+
+    def update_adapter(self, adapter: LoraAdapter, version: int) -> None:
+        """Load the adapter directory on every live server under its versioned name and send
+        new requests with it; requests in flight finish with the adapter they started with.
+        Each server keeps the newest ``max_loaded_adapters`` versions loaded, unloading the
+        older ones (vLLM and SGLang keep an adapter until told otherwise)."""
+        if not adapter.path or not Path(adapter.path).is_dir():
+            raise EngineError(f"adapter {adapter.name}: {adapter.path or '(no path)'} is not an adapter "
+                              "directory the server can read")
+        self._call(self._update_adapter(adapter, int(version)), timeout=self.cfg.admin_timeout_s * 4)
+
+    async def _update_adapter(self, adapter: LoraAdapter, version: int) -> None:
+        async with self._update_lock:
+            ok = await self._each_live(lambda server: self._load_adapter_on(server, adapter))
+            if not ok:
+                log.warning("no live %s server took adapter %s; each gets it when it comes back",
+                            self.backend, adapter.name)
+            for server in ok:
+                server.version = version
+            self._adapter, self._version = adapter, version
+            self._stats.reloads += 1
+
+    async def _load_adapter_on(self, server: Server, adapter: LoraAdapter, fresh: bool = False) -> None:
+        """Load ``adapter`` on one server, then unload its versions beyond the newest
+        ``max_loaded_adapters``. ``fresh``: the server may hold an adapter of that name from
+        before (a restart, another run): unload it first."""
+        if fresh or adapter.name in server.adapters:
+            try:
+                await self._unload_lora(server, adapter.name)
+            except RequestRejected:
+                pass  # not loaded: nothing to unload
+            if adapter.name in server.adapters:
+                server.adapters.remove(adapter.name)
+        try:
+            await self._load_lora(server, adapter.name, adapter.path)
+        except ServerDown as exc:
+            if await self._health(server):  # a healthy server that failed the load: the adapter's fault
+                raise EngineError(f"{self.backend} server {server.url} could not load adapter "
+                                  f"{adapter.name}: {exc}") from None
+            raise
+        server.adapters.append(adapter.name)
+        while len(server.adapters) > self._max_adapters:
+            old = server.adapters.pop(0)
+            try:
+                await self._unload_lora(server, old)
+            except RequestRejected as exc:  # gone already (a restarted server): nothing to free
+                log.warning("%s server %s: unloading adapter %s: %s", self.backend, server.url, old, exc)
 
     def describe(self) -> dict[str, float]:
         up = sum(1 for s in self.servers if s.up)

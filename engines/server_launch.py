@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.lora import LoraSpec
 from ..config.servers import InferenceServerConfig
 from ..schemas.errors import ConfigError, EngineError
 
@@ -173,11 +174,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: int) -> dict:
+def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: int,
+               lora: LoraSpec | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     if backend == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # pause / reload / version endpoints
+        if lora is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if device.startswith("cuda"):
         _, _, index = device.partition(":")
         env["CUDA_VISIBLE_DEVICES"] = index or env.get("CUDA_VISIBLE_DEVICES", "0")
@@ -189,24 +193,39 @@ def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: i
     return env
 
 
+def lora_args(backend: str, lora: LoraSpec) -> list[str]:
+    """A LoRA run's server flags: adapters enabled, at most ``rollout.server.max_lora_rank``,
+    ``max_loaded`` of them at once (the versions a request may still be running with)."""
+    n = str(lora.max_loaded)
+    if backend == "vllm":
+        return ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras", n,
+                "--max-cpu-loras", n]
+    targets = "all" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
+    return ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras-per-batch", n,
+            "--max-loaded-loras", n, "--lora-target-modules",
+            *([targets] if isinstance(targets, str) else targets)]
+
+
 def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, device: str,
                   dtype: str, max_num_seqs: int, log_path: Path, threads: int = 1,
-                  version: int = 0) -> LaunchedServer:
-    """Start one server and return once it answers ``/health`` (or raise with its log)."""
+                  version: int = 0, lora: LoraSpec | None = None) -> LaunchedServer:
+    """Start one server and return once it answers ``/health`` (or raise with its log).
+    ``lora``: a LoRA run's server (adapters loaded and unloaded at run time)."""
     from .sglang_engine import sglang_command
     from .vllm_engine import vllm_command
 
     python = server_python(backend, cfg)
     port = cfg.port or free_port()
+    extra = (lora_args(backend, lora) if lora is not None else []) + list(cfg.extra_args)
     if backend == "vllm":
         cmd = vllm_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                           extra_args=cfg.extra_args)
+                           extra_args=extra)
     elif backend == "sglang":
         cmd = sglang_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                             device=device, version=version, extra_args=cfg.extra_args)
+                             device=device, version=version, extra_args=extra)
     else:
         raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
-    env = server_env(backend, device, cfg, threads)
+    env = server_env(backend, device, cfg, threads, lora)
     proc = _spawn(cmd, env, log_path)
     server = LaunchedServer(f"http://127.0.0.1:{port}", proc, log_path, cmd, env)
     log.info("started %s server pid %d on %s (log %s)", backend, proc.pid, server.url, log_path)

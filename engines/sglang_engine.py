@@ -18,7 +18,13 @@ Consumes GenRequests and weights files; emits GenResults (shared machinery:
 - ``POST /continue_generation``;
 - ``POST /update_weight_version`` ``{"new_version", "abort_all_requests": false}``;
 - ``POST /abort_request`` ``{"rid"}`` (``{"abort_all": true}`` exists; not used, a
-  server may serve other workers); ``GET /health``.
+  server may serve other workers); ``GET /health``;
+- LoRA runs (``actor.use_lora``; launched with ``--enable-lora --max-lora-rank R
+  --max-loras-per-batch N --max-loaded-loras N --lora-target-modules ...``):
+  ``POST /load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
+  /unload_lora_adapter`` ``{"lora_name"}`` -> ``{"success", "error_message",
+  "loaded_adapters"}`` (``LoRAUpdateOutput``; HTTP 400 when not ``success``), and
+  ``/generate`` carries ``"lora_path": <adapter name>``.
 
 Behaviour logprobs: SGLang's default is ``log_softmax(logits / T)`` over the full
 vocabulary, before top-p / top-k filtering (``srt/layers/sampler.py``), and greedy
@@ -38,7 +44,7 @@ from pathlib import Path
 
 from ..schemas.errors import EngineError
 from .base import GenRequest
-from .server_engine import RawOutput, Server, ServerEngine
+from .server_engine import RawOutput, RequestRejected, Server, ServerEngine
 
 
 class SGLangEngine(ServerEngine):
@@ -47,7 +53,7 @@ class SGLangEngine(ServerEngine):
     async def _check(self, server: Server) -> None:
         return None  # nothing in its server info tells the logprob mode (see above)
 
-    async def _generate(self, server: Server, request: GenRequest) -> RawOutput:
+    async def _generate(self, server: Server, request: GenRequest, lora: str | None = None) -> RawOutput:
         s = request.sampling
         params = {
             "max_new_tokens": s.max_new_tokens,
@@ -62,11 +68,24 @@ class SGLangEngine(ServerEngine):
             params["stop"] = list(s.stop_strings)
         body = {"rid": request.request_id, "input_ids": list(request.prompt_ids),
                 "sampling_params": params, "return_logprob": True}
+        if lora is not None:
+            body["lora_path"] = lora  # a loaded adapter's name (GenerateReqInput.lora_path)
         out = await self._post(server, "/generate", json=body, timeout=self.cfg.request_timeout_s)
         return parse_generate(out, server.url)
 
     async def _pause(self, server: Server) -> None:
         await self._post(server, "/pause_generation", json={"mode": "retract"})
+
+    async def _load_lora(self, server: Server, name: str, path: str) -> None:
+        res = await self._post(server, "/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                               timeout=self.cfg.request_timeout_s)
+        if not isinstance(res, dict) or not res.get("success"):
+            raise EngineError(f"SGLang server {server.url} failed to load adapter {name} from {path}: {res}")
+
+    async def _unload_lora(self, server: Server, name: str) -> None:
+        res = await self._post(server, "/unload_lora_adapter", json={"lora_name": name})
+        if not isinstance(res, dict) or not res.get("success"):
+            raise RequestRejected(f"SGLang server {server.url} did not unload adapter {name}: {res}")
 
     async def _resume(self, server: Server) -> None:
         await self._post(server, "/continue_generation", json={})

@@ -50,6 +50,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..models.lora import LoraAdapter
 from ..schemas.errors import EngineError
 from .attention import use_decode_attention
 from .base import Decode, GenResult
@@ -178,6 +179,8 @@ class TorchEngine(EngineLoop):
         # columns are just extra attention work.
         self._kv_bucket = DEFAULT_BUCKET if self.device.type == "cuda" else 8
         self._batch: _Batch | None = None
+        # (rank, alpha, modules) of the LoRA adapters served once the first one came.
+        self._lora: tuple | None = None
         self._start()
 
     # ------------------------------------------------------------------ EngineLoop hooks
@@ -210,6 +213,44 @@ class TorchEngine(EngineLoop):
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        from ..models.lora import adapter_pairs, adapter_rank
+
+        rank = adapter_rank(adapter.tensors)
+        key = (rank, float(adapter.alpha), tuple(sorted(adapter.target_modules)))
+        if rank != adapter.rank:
+            raise EngineError(f"adapter {adapter.name}: its tensors have rank {rank}, its event says "
+                              f"{adapter.rank}")
+        if self._lora is not None:
+            if key != self._lora:
+                raise EngineError(f"adapter {adapter.name} (rank {key[0]}, alpha {key[1]:g}, modules "
+                                  f"{list(key[2])}) differs from the adapters this engine serves (rank "
+                                  f"{self._lora[0]}, alpha {self._lora[1]:g}, modules {list(self._lora[2])})")
+            return
+        modules = dict(self.model.named_modules())
+        for path, (a_RI, b_OR) in adapter_pairs(adapter.tensors).items():
+            m = modules.get(path)
+            if not isinstance(m, torch.nn.Linear):
+                raise EngineError(f"the adapter targets {path}, which is not a linear layer of the model")
+            if (m.out_features, m.in_features) != (int(b_OR.shape[0]), int(a_RI.shape[1])):
+                raise EngineError(f"the adapter of {path} has A {tuple(a_RI.shape)}, B {tuple(b_OR.shape)}; "
+                                  f"the layer is {m.out_features} x {m.in_features}: an adapter for "
+                                  "another model?")
+
+    def _load_adapter(self, adapter: LoraAdapter) -> None:
+        # peft's LoRA layers, injected into the model at the first adapter (B A added to
+        # each targeted projection's output); later adapters are copied into them in place.
+        from ..models.lora import apply_lora, load_adapter_state_dict
+
+        if self._lora is None:
+            apply_lora(self.model, rank=adapter.rank, alpha=int(adapter.alpha) if float(adapter.alpha).is_integer()
+                       else adapter.alpha, target_modules=adapter.target_modules)
+            self.model.eval()
+            self._lora = (adapter.rank, float(adapter.alpha), tuple(sorted(adapter.target_modules)))
+        load_adapter_state_dict(self.model, {k: v.to(self.device) for k, v in adapter.tensors.items()})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

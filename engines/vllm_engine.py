@@ -20,8 +20,16 @@ checked against vLLM 0.32.0's source (``entrypoints/rl/online/api_router.py``,
   ``generate-tokens-<id>``; an empty list aborts everything, so it is never sent):
   aborted requests return the tokens they have;
 - ``GET /server_info?config_format=json``: the server's config, checked at start;
-- ``GET /health``.
-Everything but ``/health`` and generate needs ``VLLM_SERVER_DEV_MODE=1`` on the server.
+- ``GET /health``;
+- LoRA runs (``actor.use_lora``; the server launched with ``--enable-lora --max-lora-rank R
+  --max-loras N --max-cpu-loras N`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
+  ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (a PEFT adapter
+  directory) for every version under its name ``{lora_name}-v{version}``,
+  ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` for the versions beyond the newest
+  N, and generate requests carry ``"model": <adapter name>``
+  (``entrypoints/serve/lora/api_router.py``, ``entrypoints/openai/models/serving.py``).
+Everything but ``/health``, generate and the LoRA endpoints needs
+``VLLM_SERVER_DEV_MODE=1`` on the server.
 
 Behaviour logprobs: the server must run with ``--logprobs-mode processed_logprobs``
 (log-softmax of the temperature-scaled logits; the default ``raw_logprobs`` ignores the
@@ -138,7 +146,7 @@ class VLLMEngine(ServerEngine):
                 "(engines/base.py); set gconfig.top_p=1 and gconfig.top_k=0, or use "
                 "rollout.engine=torch")
 
-    async def _generate(self, server: Server, request: GenRequest) -> RawOutput:
+    async def _generate(self, server: Server, request: GenRequest, lora: str | None = None) -> RawOutput:
         s = request.sampling
         params = {
             "max_tokens": s.max_new_tokens,
@@ -159,6 +167,8 @@ class VLLMEngine(ServerEngine):
             params["seed"] = seed
         body = {"request_id": request.request_id, "token_ids": list(request.prompt_ids),
                 "sampling_params": params}
+        if lora is not None:
+            body["model"] = lora  # a loaded adapter's name selects it (served model names)
         out = await self._post(server, "/inference/v1/generate", json=body,
                                timeout=self.cfg.request_timeout_s)
         try:
@@ -176,6 +186,13 @@ class VLLMEngine(ServerEngine):
 
     async def _pause(self, server: Server) -> None:
         await self._post(server, "/pause", params={"mode": "keep"})
+
+    async def _load_lora(self, server: Server, name: str, path: str) -> None:
+        await self._post(server, "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                         timeout=self.cfg.request_timeout_s)
+
+    async def _unload_lora(self, server: Server, name: str) -> None:
+        await self._post(server, "/v1/unload_lora_adapter", json={"lora_name": name})
 
     async def _resume(self, server: Server) -> None:
         await self._post(server, "/resume")
