@@ -101,12 +101,13 @@ class EngineBundle:
 
 
 def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout") -> EngineBundle:
+                 name: str = "rollout", lora=None) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
     weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
     ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared by the rollout
-    workers and the proxy."""
+    workers and the proxy. ``lora`` (the section's LoraSpec): the engine serves the run's LoRA
+    adapters on its base (a launched server gets its LoRA flags)."""
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -122,8 +123,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
         del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
         # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
-        return EngineBundle(engine, make_weight_loader(engine, rollout.device,
-                                                       member=f"{name}-{member}"), context)
+        return EngineBundle(engine, make_weight_loader(engine, rollout.device, member=f"{name}-{member}",
+                                                       lora=lora, model_path=model.path), context)
 
     from ..engines.server_launch import launch_server
     from ..engines.sglang_engine import SGLangEngine
@@ -141,18 +142,20 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         launched.append(launch_server(
             rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
             max_num_seqs=per_server, threads=rollout.torch_threads,
-            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log"))
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log", lora=lora))
         urls = [launched[0].url]
     cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
     try:
         engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
                      eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
-                     seed=seed, launched=launched)
+                     seed=seed, launched=launched,
+                     max_loaded_adapters=lora.max_loaded if lora is not None else 0)
     except BaseException:
         for server in launched:
             server.stop()
         raise
-    return EngineBundle(engine, make_server_weight_loader(engine, rollout.engine),
+    return EngineBundle(engine, make_server_weight_loader(engine, rollout.engine, lora=lora,
+                                                          model_path=model.path),
                         engine.max_context_tokens)
 
 
@@ -182,7 +185,14 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
                                   dtype=a.param_dtype)
         models["critic"] = Critic(model, section.critic, pad_token_id=actor.pad_token_id,
                                   device=device, autocast_dtype=a.autocast_dtype)
-    if a.kl_ctl > 0:
+    if a.kl_ctl > 0 and not section.ref.path and section.lora is not None:
+        # A LoRA run's reference is its base: the policy's model with the adapter off.
+        from ..trainers.reference import AdapterOffReference
+
+        models["reference"] = AdapterOffReference(actor.model, name="reference", **frozen)
+        log.info("KL reference: the base model with the adapter off (%.2f GB not copied)",
+                 models["reference"].saved_bytes / 1e9)
+    elif a.kl_ctl > 0:
         models["reference"] = (
             FrozenLogprobModel.from_path(section.ref.path, vocab_size=vocab, dtype=a.param_dtype,
                                          name="reference", **frozen)
@@ -213,7 +223,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
-                    total_train_steps=sec.total_train_steps)
+                    total_train_steps=sec.total_train_steps, lora=sec.lora)
 
 
 # ---------------------------------------------------------------- the roles
@@ -237,7 +247,7 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member)
+                          member=member, lora=sec.lora)
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}")
@@ -319,7 +329,7 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 500 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member, name="proxy")
+                          member=member, name="proxy", lora=sec.lora)
     return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
                         load_weights=bundle.load_weights,
                         max_context_tokens=bundle.max_context_tokens)

@@ -200,16 +200,26 @@ def _optimizer_state(meta: dict[str, Any], prefix: str,
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of ``model`` (a LoRA run: the adapter) by state-dict name."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
 def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None,
-               meta: dict[str, Any] | None = None, rng: bool = False) -> None:
+               meta: dict[str, Any] | None = None, rng: bool = False,
+               trainable_only: bool = False) -> None:
     """Write a module (and its optimizer) with a JSON document, atomically; a full disk
-    raises StorageError and leaves the previous file (and no temp file)."""
+    raises StorageError and leaves the previous file (and no temp file).
+    ``trainable_only``: the module's trainable parameters only (a LoRA run's adapter;
+    the frozen base is ``model.path``, never copied into a checkpoint)."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     doc: dict[str, Any] = {"meta": meta or {}}
     if model is not None:
-        doc["model_aliases"] = _model_tensors(model.state_dict(), "model/", tensors)
+        sd = trainable_state_dict(model) if trainable_only else model.state_dict()
+        doc["model_aliases"] = _model_tensors(sd, "model/", tensors)
+        doc["trainable_only"] = trainable_only
     if optimizer is not None:
         doc["optimizer"] = _optimizer_parts(optimizer.state_dict(), "optimizer/", tensors)
     if rng:
@@ -255,9 +265,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:
 
 def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None,
-               rng: bool = False) -> dict[str, Any] | None:
+               rng: bool = False, trainable_only: bool = False) -> dict[str, Any] | None:
     """Load what :func:`save_state` wrote into ``model`` / ``optimizer`` (and the RNGs);
-    returns the ``meta`` document, or None when there is no checkpoint."""
+    returns the ``meta`` document, or None when there is no checkpoint.
+    ``trainable_only``: the file holds the trainable parameters only (and must)."""
     path = Path(path)
     refuse_legacy(path)
     if not path.exists():
@@ -269,7 +280,21 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
         sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
         for alias, stored in doc.get("model_aliases", {}).items():
             sd[alias] = sd[stored]
-        model.load_state_dict(sd)
+        if bool(doc.get("trainable_only", False)) != trainable_only:
+            raise CheckpointFormatError(
+                f"{path} holds {'only the adapter' if doc.get('trainable_only') else 'every weight'} "
+                f"but this run trains {'an adapter' if trainable_only else 'every weight'}: it was "
+                "written with another actor.use_lora; resume with that setting, or start a new trial")
+        if trainable_only:
+            own = trainable_state_dict(model)
+            if set(sd) != set(own):
+                raise CheckpointFormatError(
+                    f"{path}'s adapter does not fit this model's (e.g. "
+                    f"{sorted(set(sd) ^ set(own))[:2]}): resume with the actor.target_modules "
+                    "and actor.lora_rank it was written with, or start a new trial")
+            model.load_state_dict(sd, strict=False)
+        else:
+            model.load_state_dict(sd)
     if optimizer is not None and "optimizer" in doc:
         optimizer.load_state_dict(_optimizer_state(doc["optimizer"], "optimizer/", tensors))
     if rng and "rng" in doc:
@@ -289,14 +314,16 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, progress: TrainerProgress) -> None:
+                    optimizer: torch.optim.Optimizer, progress: TrainerProgress, *,
+                    trainable_only: bool = False) -> None:
     save_state(path, model=model, optimizer=optimizer, meta={"progress": progress.__dict__},
-               rng=True)
+               rng=True, trainable_only=trainable_only)
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> TrainerProgress | None:
-    meta = load_state(path, model=model, optimizer=optimizer, rng=True)
+                    optimizer: torch.optim.Optimizer, *,
+                    trainable_only: bool = False) -> TrainerProgress | None:
+    meta = load_state(path, model=model, optimizer=optimizer, rng=True, trainable_only=trainable_only)
     if meta is None:
         return None
     return TrainerProgress.from_json(meta.get("progress", {}))

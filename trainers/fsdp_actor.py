@@ -46,7 +46,7 @@ import torch
 from ..algorithms.aggregation import agg_units
 from ..config.distributed import FSDPConfig
 from ..config.schema import ActorConfig
-from ..schemas.errors import FatalRoleError
+from ..schemas.errors import ConfigError, FatalRoleError
 from . import sharded_checkpoint
 from .batching import SeqItem, TensorBatch, pack
 from .fsdp_ranks import Channel
@@ -158,7 +158,7 @@ class ShardedActor(PPOActor):
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, fsdp: FSDPConfig, *,
                  channel: Channel, temperature: float, pad_token_id: int,
                  device: torch.device, followers: list | None = None,
-                 total_train_steps: int = 0) -> None:
+                 total_train_steps: int = 0, lora=None) -> None:
         self.channel = channel
         self.fsdp = fsdp
         self.world_size = channel.info.world_size
@@ -169,7 +169,8 @@ class ShardedActor(PPOActor):
         self.root = _LogprobRoot(model, self)
         super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
                          device=str(device), total_train_steps=total_train_steps,
-                         shard=lambda layers: shard_model(model, fsdp, device, self.root, layers))
+                         shard=lambda layers: shard_model(model, fsdp, device, self.root, layers),
+                         lora=lora)
 
     # ------------------------------------------------------------------ rank 0's calls
 
@@ -195,6 +196,24 @@ class ShardedActor(PPOActor):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._command({"op": "full_state_dict"})
 
+    def publish_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.lora is None:
+            return self.full_state_dict()
+        return self._command({"op": "adapter_state_dict"})
+
+    def load_publish_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A LoRA run's rollback: the adapter, whole, onto every rank (Adam restarted)."""
+        if self.lora is None:
+            self.load_full_state_dict(tensors)
+            return
+        from ..models.lora import adapter_parameter_names
+
+        names = adapter_parameter_names(self.model)
+        unknown = sorted(set(tensors) - set(names))
+        if unknown or len(tensors) != len(names):
+            raise FatalRoleError(f"the adapter does not fit the model's LoRA layers (e.g. {unknown[:2]})")
+        self.load_full_state_dict({names[k]: v for k, v in tensors.items()})
+
     def load_full_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Also restarts Adam's moments on every rank (its only use is a rollback, where
         the trainer restarts them)."""
@@ -212,6 +231,11 @@ class ShardedActor(PPOActor):
         from .checkpoint import TrainerProgress
 
         record = sharded_checkpoint.read_record(path)
+        if record is not None and bool(record.get("trainable_only")) != (self.lora is not None):
+            self._command({"op": "noop"})
+            raise ConfigError(f"the sharded checkpoint {path} was written with actor.use_lora="
+                              f"{str(bool(record.get('trainable_only'))).lower()}: resume with that "
+                              "setting, or start a new trial")
         if record is None:
             self._command({"op": "noop"})
             return None
@@ -267,6 +291,17 @@ class ShardedActor(PPOActor):
         if op == "full_state_dict":
             return get_model_state_dict(
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if op == "adapter_state_dict":
+            # The adapter only, gathered one tensor at a time (every rank, same order): the
+            # frozen base is never all-gathered for a publish.
+            from ..models.lora import adapter_state_dict
+
+            out = {}
+            for name, p in adapter_state_dict(self.model).items():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if self.channel.info.leader:
+                    out[name] = full.detach().cpu()
+            return out
         if op == "load_full":
             tensors = self._full_weights if self.channel.info.leader else {}
             set_model_state_dict(self.model, tensors, options=StateDictOptions(
@@ -278,11 +313,11 @@ class ShardedActor(PPOActor):
 
             progress = TrainerProgress(**cmd["progress"]) if self.channel.info.leader else None
             sharded_checkpoint.save(cmd["path"], cmd["version"], self.model, self.optimizer,
-                                    self.channel, progress)
+                                    self.channel, progress, trainable_only=self.lora is not None)
             return None
         if op == "load":
             sharded_checkpoint.load(cmd["path"], cmd["shards"], self.model, self.optimizer,
-                                    self.channel)
+                                    self.channel, trainable_only=self.lora is not None)
             return None
         if op == "noop":
             return None
@@ -425,7 +460,7 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
         sec.model.path, dtype=sec.actor.param_dtype, device="cpu" if device.type == "cuda" else str(device))
     actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
                          pad_token_id=tokenizer.pad_token_id or 0, device=device,
-                         followers=followers, total_train_steps=sec.total_train_steps)
+                         followers=followers, total_train_steps=sec.total_train_steps, lora=sec.lora)
     if info.leader:
         atexit.register(actor.close)
         return actor

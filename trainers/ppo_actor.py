@@ -61,6 +61,7 @@ from ..algorithms.errors import AlgorithmInputError
 from ..algorithms.policy_losses import policy_loss
 from ..algorithms.prox_logp import loglinear_prox_logprobs
 from ..algorithms.rejection_sampling import m2po_keep_flat
+from ..config.lora import LoraSpec
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from ..schemas.errors import ConfigError
@@ -136,10 +137,22 @@ class PPOActor:
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
-                 shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                 lora: LoraSpec | None = None) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
-        0: ``lr`` as it is, no schedule (refused by a train step when one is configured)."""
+        0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
+        ``lora``: train a LoRA adapter on the frozen ``model`` (models/lora.py): its layers
+        are injected before the optimizer is built, so only the adapter is optimised,
+        checkpointed and published."""
         self.model = model.to(device)
+        self.lora = lora
+        # The wrapped modules' short names (q_proj, ...), what weight events name.
+        self.lora_targets: list[str] = []
+        if lora is not None:
+            from ..models.lora import apply_lora
+
+            self.lora_targets = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha,
+                                           target_modules=lora.target_modules)
         self.cfg = cfg
         self.total_train_steps = total_train_steps
         self.temperature = temperature
@@ -174,16 +187,34 @@ class PPOActor:
             for name, tensor in tensors.items():
                 own[name].copy_(tensor)
 
+    def publish_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a version publishes: the adapter (PEFT file names) in a LoRA run, else every
+        weight (:meth:`full_state_dict`)."""
+        if self.lora is None:
+            return self.full_state_dict()
+        from ..models.lora import adapter_state_dict
+
+        return adapter_state_dict(self.model)
+
+    def load_publish_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy in what :meth:`publish_state_dict` gives (a rollback's version)."""
+        if self.lora is None:
+            self.load_full_state_dict(tensors)
+            return
+        from ..models.lora import load_adapter_state_dict
+
+        load_adapter_state_dict(self.model, tensors)
+
     def save_checkpoint(self, path, progress) -> None:
         from .checkpoint import save_checkpoint
 
-        save_checkpoint(path, self.model, self.optimizer, progress)
+        save_checkpoint(path, self.model, self.optimizer, progress, trainable_only=self.lora is not None)
 
     def load_checkpoint(self, path):
         """The checkpoint's TrainerProgress (weights and optimizer loaded), or None."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.model, self.optimizer)
+        return load_checkpoint(path, self.model, self.optimizer, trainable_only=self.lora is not None)
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         """Per-token logprobs (and entropy) of ``labels_BT`` under the current weights,

@@ -8,7 +8,10 @@ gradients, ``eval()`` mode throughout.
 
 The reference defaults to the initial policy: the trainer copies the policy's weights
 when it is built, before any checkpoint is loaded (``ref.path`` names another
-directory). A teacher always comes from a directory (``distill.teacher_path``) and must
+directory). A LoRA run's initial policy is its frozen base, which the policy already
+holds: :class:`AdapterOffReference` scores with the policy's own model, adapters
+switched off, instead of a second copy (the memory of one base model saved: 15 GB for
+a 7B model in bf16). A teacher always comes from a directory (``distill.teacher_path``) and must
 share the policy's vocabulary: distillation compares the two models' log-probs of the
 same token ids.
 """
@@ -69,8 +72,36 @@ class FrozenLogprobModel:
     @torch.no_grad()
     def logprobs(self, batch: TensorBatch) -> torch.Tensor:
         """``[B, T-1]`` log-probs of ``batch.labels_BT`` (0 where the label is -100)."""
+        return self._logprobs(batch)
+
+    def _logprobs(self, batch: TensorBatch) -> torch.Tensor:
         with autocast_context(self.device, self.autocast_dtype):
             logp_BT, _ = causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
                 temperature=self.temperature, chunk_tokens=self.chunk_tokens)
         return logp_BT.float()
+
+
+class AdapterOffReference(FrozenLogprobModel):
+    """The KL reference of a LoRA run: the policy's own model (shared, not copied, never
+    put in eval mode or frozen here) with every adapter off while it scores."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int = 4096,
+                 autocast_dtype: str = "", device: str | torch.device = "cpu",
+                 name: str = "reference") -> None:
+        self.model = model
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+        self.autocast_dtype = autocast_dtype
+        self.device = torch.device(device)
+        self.name = name
+        # What a copy would have cost: the base's weights (the adapter is not in a copy's).
+        self.saved_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                               if not p.requires_grad)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TensorBatch) -> torch.Tensor:
+        from ..models.lora import adapter_disabled
+
+        with adapter_disabled(self.model):
+            return self._logprobs(batch)

@@ -48,15 +48,19 @@ def progress_path(ckpt_path: Path) -> Path:
     return Path(ckpt_path).parent / PROGRESS_FILE
 
 
-def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """(tensors by flat name, the optimizer state dict) of this rank's shards."""
+def _flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False):
+    """(tensors by flat name, the optimizer state dict) of this rank's shards.
+    ``trainable_only``: the trainable parameters only (a LoRA run's adapter)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
     flat, seen = {}, set()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     for k, v in get_model_state_dict(model).items():
+        if trainable_only and k not in trainable:
+            continue  # the frozen base: model.path holds it
         local = v.to_local() if hasattr(v, "to_local") else v
         if local.numel() and local.data_ptr() in seen:
             continue  # a tied weight (the LM head is the embedding): stored once
@@ -90,7 +94,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(ckpt_path: Path, version: int, model, optimizer, channel,
-         progress: TrainerProgress | None) -> None:
+         progress: TrainerProgress | None, *, trainable_only: bool = False) -> None:
     """Collective: every rank calls it; ``progress`` only matters on rank 0.
 
     Crash-safe: the tensors go to a directory no record names yet (a fresh one, even when
@@ -109,7 +113,7 @@ def save(ckpt_path: Path, version: int, model, optimizer, channel,
         shards_root.mkdir(parents=True, exist_ok=True)
         name = Path(tempfile.mkdtemp(prefix=f"v{version:06d}-", dir=shards_root)).name
     out = shards_root / channel.broadcast(name)  # the directory exists before anyone writes
-    flat, osd = _flat_state(model, optimizer)
+    flat, osd = _flat_state(model, optimizer, trainable_only)
     dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
     rngs = channel.gather(_rng_state())
     dist.barrier(group=channel.group)
@@ -120,7 +124,8 @@ def save(ckpt_path: Path, version: int, model, optimizer, channel,
              "python_rng": _python_rng(), "numpy_rng": _numpy_rng()}
     (out / "extra.json").write_text(json.dumps(extra))
     record = {"format": FORMAT, "shards": str(out.relative_to(root)),
-              "world_size": channel.info.world_size, "progress": progress.__dict__}
+              "world_size": channel.info.world_size, "progress": progress.__dict__,
+              "trainable_only": trainable_only}
     path = progress_path(ckpt_path)
     tmp = path.with_suffix(".tmp")
     # Every rank's shard files, extra.json and the directory reach the disk before the
@@ -172,7 +177,7 @@ def read_record(ckpt_path: Path) -> dict[str, Any] | None:
     return None
 
 
-def load(ckpt_path: Path, shards: str, model, optimizer, channel) -> None:
+def load(ckpt_path: Path, shards: str, model, optimizer, channel, *, trainable_only: bool = False) -> None:
     """Collective: load ``shards`` (a directory under the checkpoint dir) on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -182,7 +187,7 @@ def load(ckpt_path: Path, shards: str, model, optimizer, channel) -> None:
     )
 
     src = Path(ckpt_path).parent / shards
-    flat, osd = _flat_state(model, optimizer)  # also creates the Adam state to load into
+    flat, osd = _flat_state(model, optimizer, trainable_only)  # also creates the Adam state to load into
     dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(src)))
     extra = json.loads((src / "extra.json").read_text())
     from torch.distributed.checkpoint.state_dict import StateDictOptions

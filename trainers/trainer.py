@@ -67,9 +67,16 @@ from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, FatalRoleError, storage_error
-from ..schemas.events import MetricsEvent, ProgressEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..schemas.events import (
+    MetricsEvent,
+    ProgressEvent,
+    SampleEvent,
+    WeightsAdapter,
+    WeightsEvent,
+    WeightsFile,
+)
 from ..weights import WeightPublisher
-from ..weights.files import WEIGHTS_DIR, weights_file
+from ..weights.files import WEIGHTS_DIR, version_path
 from .batching import flatten_groups
 from .checkpoint import (
     SUFFIX,
@@ -79,7 +86,7 @@ from .checkpoint import (
     save_state,
 )
 from .critic import Critic
-from .final_model import FINAL_DIR, write_final_model
+from .final_model import FINAL_DIR, write_final_adapter, write_final_model
 from .metrics_sink import MetricsSink
 from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
@@ -163,11 +170,26 @@ class Trainer(Role[TrainerState]):
                                 config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
+        # actor.use_lora: every version is the adapter (docs/lora.md), a PEFT adapter
+        # directory when it has a file, for the base model.path names (its identity).
+        self.lora = section.lora
+        self._lora_name = self.lora.name if self.lora is not None else ""
+        adapter_files = None
+        if self.lora is not None:
+            from ..models.lora import adapter_config, adapter_config_bytes
+            from ..weights.base_id import base_identity
+            from ..weights.durable import AdapterFiles
+
+            self._adapter_doc = adapter_config(rank=self.lora.rank, alpha=self.lora.alpha,
+                                               targets=actor.lora_targets,
+                                               base_model_path=section.model.path)
+            adapter_files = AdapterFiles(self.lora.name, adapter_config_bytes(self._adapter_doc))
+            self._base_id = base_identity(section.model.path)
         # How versions reach the engines (the weights section; docs/weight-sync.md).
         self.weights_out = WeightPublisher.from_config(
             section.weights, self.weights_dir, device=section.actor.device,
             publish_dtype=getattr(torch, section.model.dtype),
-            keep_versions=keep_weight_versions, name=member_id)
+            keep_versions=keep_weight_versions, name=member_id, adapter=adapter_files)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
         # The facts a sample is checked against (sample_checks.py).
         model = actor.model
@@ -254,10 +276,21 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         # file: written (sha256) before the event; ipc / nccl: the file, if this version
         # gets one, is written in the background after the event (on_tick polls for it).
-        fields = self.weights_out.publish(self.actor.full_state_dict(), p.version)
-        path = weights_file(self.weights_dir, p.version)
+        fields = self.weights_out.publish(self.actor.publish_state_dict(), p.version)
+        path = version_path(self.weights_dir, p.version, self._lora_name)
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
-        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state),
+                            adapter=self._adapter(p.version))
+
+    def _adapter(self, version: int) -> WeightsAdapter | None:
+        """What a LoRA version's event says of its adapter (None: full weights)."""
+        if self.lora is None:
+            return None
+        from ..weights.adapter_files import adapter_name
+
+        return WeightsAdapter(name=adapter_name(self.lora.name, version), peft_type=self.lora.peft_type,
+                              rank=self.lora.rank, alpha=float(self.lora.alpha),
+                              target_modules=list(self.actor.lora_targets), base_id=self._base_id)
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
         """The current version's bytes again (at start; with the durable files finished)."""
@@ -265,7 +298,8 @@ class Trainer(Role[TrainerState]):
         fields = self.weights_out.announcement(p.version, p.weights_path, p.weights_sha256)
         if fields is None:  # its file is gone, or a restarted trainer's buffers are empty
             return self._publish_weights(state)
-        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state),
+                            adapter=self._adapter(p.version))
 
     def _progress(self, state: TrainerState) -> ProgressEvent:
         """The state's version, the groups that made it, the rejections not yet named,
@@ -574,9 +608,15 @@ class Trainer(Role[TrainerState]):
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
         if state.done and state.progress.version > 0 and self.cfg.model.path:
-            # The run's result as a Hugging Face directory (trainers/final_model.py).
-            write_final_model(self.cfg.model.path, self.actor.full_state_dict(),
-                              self.run_dir / FINAL_DIR, dtype=getattr(torch, self.cfg.model.dtype))
+            # The run's result as a Hugging Face directory, or a LoRA run's PEFT adapter
+            # (trainers/final_model.py; `tapioca lora-merge` merges it into its base).
+            dtype = getattr(torch, self.cfg.model.dtype)
+            if self.lora is not None:
+                write_final_adapter(self.actor.publish_state_dict(), self._adapter_doc,
+                                    self.run_dir / FINAL_DIR, dtype=dtype)
+            else:
+                write_final_model(self.cfg.model.path, self.actor.full_state_dict(),
+                                  self.run_dir / FINAL_DIR, dtype=dtype)
         try:
             # The final version gets its durable file (offline use) before the last event.
             self._note_files(state, self.weights_out.finish(state.progress.version))
@@ -610,18 +650,19 @@ class Trainer(Role[TrainerState]):
         if not 0 <= target < p.version:
             return False, (f"cannot roll back to version {target}: the current version is "
                            f"{p.version}; pick an earlier one (`tapioca weights list`)"), []
-        path = weights_file(self.weights_dir, target)
+        path = version_path(self.weights_dir, target, self._lora_name)
         if not path.exists():
             return False, (f"the weights file of version {target} ({path}) is gone: the trainer "
                            f"keeps only the last keep_weight_versions={self.keep_weight_versions} "
                            "versions; roll back to a newer one"), []
         tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
-        own = self.actor.full_state_dict()
+        own = self.actor.publish_state_dict()  # a LoRA run: the adapter, its versions' contents
         wrong = [k for k, t in tensors.items() if k not in own or own[k].shape != t.shape]
-        if wrong:
+        if wrong or (self.lora is not None and set(own) != set(tensors)):
+            wrong = wrong or sorted(set(own) ^ set(tensors))
             return False, (f"version {target}'s file does not fit the model ({len(wrong)} "
                            f"tensors, e.g. {wrong[0]}); was the model changed?"), []
-        self.actor.load_full_state_dict(tensors)
+        self.actor.load_publish_state_dict(tensors)
         # Adam's moments belong to the abandoned later versions and would push the restored
         # weights back toward them; the rolled-back policy starts them afresh.
         self.actor.optimizer.state.clear()
