@@ -616,6 +616,9 @@ class ServerEngine(InferenceEngine):
                 server.adapters.remove(adapter.name)
         try:
             await self._load_lora(server, adapter.name, adapter.path)
+        except RequestRejected as exc:
+            raise EngineError(f"{self.backend} server {server.url} refused adapter {adapter.name} "
+                              f"({adapter.path}): {exc}") from None
         except ServerDown as exc:
             if await self._health(server):  # a healthy server that failed the load: the adapter's fault
                 raise EngineError(f"{self.backend} server {server.url} could not load adapter "
@@ -638,6 +641,8 @@ class ServerEngine(InferenceEngine):
                "inflight": sum(s.inflight for s in self.servers)}
         for i, s in enumerate(self.servers):
             out[f"server{i}_up"] = int(s.up)
+        if self._adapter is not None:  # a LoRA run: the adapter versions each server holds
+            out["lora_adapters_loaded_max"] = max((len(s.adapters) for s in self.servers), default=0)
         return out
 
     def shutdown(self) -> None:

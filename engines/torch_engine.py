@@ -224,21 +224,20 @@ class TorchEngine(EngineLoop):
         if rank != adapter.rank:
             raise EngineError(f"adapter {adapter.name}: its tensors have rank {rank}, its event says "
                               f"{adapter.rank}")
-        if self._lora is not None:
-            if key != self._lora:
-                raise EngineError(f"adapter {adapter.name} (rank {key[0]}, alpha {key[1]:g}, modules "
-                                  f"{list(key[2])}) differs from the adapters this engine serves (rank "
-                                  f"{self._lora[0]}, alpha {self._lora[1]:g}, modules {list(self._lora[2])})")
-            return
         modules = dict(self.model.named_modules())
         for path, (a_RI, b_OR) in adapter_pairs(adapter.tensors).items():
             m = modules.get(path)
+            m = getattr(m, "base_layer", m)  # an injected LoRA layer wraps the projection
             if not isinstance(m, torch.nn.Linear):
                 raise EngineError(f"the adapter targets {path}, which is not a linear layer of the model")
             if (m.out_features, m.in_features) != (int(b_OR.shape[0]), int(a_RI.shape[1])):
                 raise EngineError(f"the adapter of {path} has A {tuple(a_RI.shape)}, B {tuple(b_OR.shape)}; "
                                   f"the layer is {m.out_features} x {m.in_features}: an adapter for "
                                   "another model?")
+        if self._lora is not None and key != self._lora:
+            raise EngineError(f"adapter {adapter.name} (rank {key[0]}, alpha {key[1]:g}, modules "
+                              f"{list(key[2])}) differs from the adapters this engine serves (rank "
+                              f"{self._lora[0]}, alpha {self._lora[1]:g}, modules {list(self._lora[2])})")
 
     def _load_adapter(self, adapter: LoraAdapter) -> None:
         # peft's LoRA layers, injected into the model at the first adapter (B A added to

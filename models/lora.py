@@ -71,10 +71,12 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int,
-               target_modules: Sequence[str]) -> list[str]:
-    """Inject LoRA layers into ``model`` in place (B = 0: the model computes what it did);
-    only they stay trainable. Returns the short names of the modules they wrap
-    (``["down_proj", "gate_proj", ...]``, sorted), what a weight event names."""
+               target_modules: Sequence[str], seed: int = 0) -> list[str]:
+    """Inject LoRA layers into ``model`` in place (B = 0: the model computes what it did;
+    A random, drawn from ``seed``, so every FSDP rank and a resumed or replayed run start
+    from the same adapter; the caller's RNG is left as it was); only they stay trainable.
+    Returns the short names of the modules they wrap (``["down_proj", "gate_proj", ...]``,
+    sorted), what a weight event names."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.utils.other import ModulesToSaveWrapper
 
@@ -83,7 +85,9 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int,
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=peft_targets(target_modules),
                      lora_dropout=0.0, bias="none")
     try:
-        inject_adapter_in_model(cfg, model)
+        with torch.random.fork_rng(devices=[]):  # peft draws A on the CPU, then moves it
+            torch.manual_seed(seed)
+            inject_adapter_in_model(cfg, model)
     except ValueError as exc:  # peft's NoMatchingPeftModuleError is a ValueError
         raise ConfigError(f"actor.target_modules={list(target_modules)}: {exc}; name linear "
                           "modules of the model (q_proj, v_proj, ...) or use [all-linear]") from None

@@ -312,6 +312,39 @@ def vllm_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def vllm_lora_server(tmp_path_factory):
+    """A second real vLLM server, LoRA enabled (``--enable-lora``, max rank 16, 3 adapters
+    loaded at most: what ``actor.use_lora`` launches), for the LoRA tests of one module;
+    stopped at its end. Its start took 220 s on a loaded 2-core box."""
+    import os
+    from pathlib import Path
+
+    from tapioca.config.lora import LoraSpec
+    from tapioca.config.servers import InferenceServerConfig
+    from tapioca.engines.server_launch import launch_server
+
+    root = Path(__file__).resolve().parents[1]
+    python = os.environ.get("TAPIOCA_VLLM_PYTHON") or str(root / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        reason = VLLM_MARK_REASON.format(path=python)
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (in CI the venv is required)")
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("vllm-lora")
+    model_dir, weights0 = build_vllm_test_model(base / "model", base / "tokenizer-cache")
+    lora = LoraSpec(peft_type="lora", rank=8, alpha=16, target_modules=("all-linear",), name="lora",
+                    max_rank=16, max_loaded=3)
+    cfg = InferenceServerConfig(python=python, startup_timeout_s=900.0,
+                                extra_args=["--enforce-eager", "--max-model-len", "512"])
+    server = launch_server("vllm", cfg, model_path=model_dir, device="cpu", dtype="float32",
+                           max_num_seqs=16, log_path=base / "vllm-lora-server.log", threads=1, lora=lora)
+    try:
+        yield VLLMServerFixture(server.url, model_dir, weights0, server)
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------------- stub HTTP servers
 
 class StubServer:

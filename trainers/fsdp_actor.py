@@ -158,7 +158,7 @@ class ShardedActor(PPOActor):
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, fsdp: FSDPConfig, *,
                  channel: Channel, temperature: float, pad_token_id: int,
                  device: torch.device, followers: list | None = None,
-                 total_train_steps: int = 0, lora=None) -> None:
+                 total_train_steps: int = 0, lora=None, lora_seed: int = 0) -> None:
         self.channel = channel
         self.fsdp = fsdp
         self.world_size = channel.info.world_size
@@ -170,7 +170,7 @@ class ShardedActor(PPOActor):
         super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
                          device=str(device), total_train_steps=total_train_steps,
                          shard=lambda layers: shard_model(model, fsdp, device, self.root, layers),
-                         lora=lora)
+                         lora=lora, lora_seed=lora_seed)
 
     # ------------------------------------------------------------------ rank 0's calls
 
@@ -460,7 +460,8 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
         sec.model.path, dtype=sec.actor.param_dtype, device="cpu" if device.type == "cuda" else str(device))
     actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
                          pad_token_id=tokenizer.pad_token_id or 0, device=device,
-                         followers=followers, total_train_steps=sec.total_train_steps, lora=sec.lora)
+                         followers=followers, total_train_steps=sec.total_train_steps, lora=sec.lora,
+                         lora_seed=sec.seed)
     if info.leader:
         atexit.register(actor.close)
         return actor

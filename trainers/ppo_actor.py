@@ -138,12 +138,12 @@ class PPOActor:
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
                  shard: Callable[[list[torch.nn.Module]], None] | None = None,
-                 lora: LoraSpec | None = None) -> None:
+                 lora: LoraSpec | None = None, lora_seed: int = 0) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
         0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
         ``lora``: train a LoRA adapter on the frozen ``model`` (models/lora.py): its layers
         are injected before the optimizer is built, so only the adapter is optimised,
-        checkpointed and published."""
+        checkpointed and published; its initial A is drawn from ``lora_seed`` (the run's seed)."""
         self.model = model.to(device)
         self.lora = lora
         # The wrapped modules' short names (q_proj, ...), what weight events name.
@@ -152,7 +152,7 @@ class PPOActor:
             from ..models.lora import apply_lora
 
             self.lora_targets = apply_lora(self.model, rank=lora.rank, alpha=lora.alpha,
-                                           target_modules=lora.target_modules)
+                                           target_modules=lora.target_modules, seed=lora_seed)
         self.cfg = cfg
         self.total_train_steps = total_train_steps
         self.temperature = temperature
