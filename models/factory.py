@@ -45,6 +45,7 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    lm_head_init_std: float | None = None,
     pad_token_id: int | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
@@ -60,6 +61,8 @@ def build_tiny_model(
     unless given (Qwen3's config would otherwise default it to 128). ``num_experts``,
     ``num_experts_per_tok``, ``moe_intermediate_size``: MoE families only. ``device``: where the weights
     are created and initialised (a GPU initialises billions of weights in milliseconds).
+    ``lm_head_init_std``: an untied LM head drawn from N(0, std^2) instead (after the
+    rest, from the same seed).
     """
     from transformers import AutoModelForCausalLM
 
@@ -88,6 +91,11 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=cuda), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if lm_head_init_std is not None:
+            if tie_word_embeddings:
+                raise ConfigError("lm_head_init_std draws an untied LM head: pass tie_word_embeddings=False")
+            with torch.no_grad():
+                model.get_output_embeddings().weight.normal_(0.0, lm_head_init_std)
     return model
 
 

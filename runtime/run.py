@@ -108,7 +108,8 @@ def _prepare(cfg: C) -> C:
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             intermediate_size=m.intermediate_size, num_experts=m.num_experts,
             num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings)
+            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings,
+            **({"lm_head_init_std": m.lm_head_init_std} if m.lm_head_init_std else {}))
         cfg = replace_path(cfg, "model.path", str(path.resolve()))
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():

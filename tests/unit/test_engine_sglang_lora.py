@@ -41,6 +41,9 @@ def routes(loaded: dict, refuse: set[str]) -> dict:
     def load(body, query):
         if body["lora_name"] in refuse:
             return 400, SHAPES["load_lora_adapter_response_rank"]
+        if body["lora_name"] in loaded:  # SGLang refuses a name that is taken
+            return 400, {"success": False, "error_message": f"{body['lora_name']} is already loaded",
+                         "loaded_adapters": dict(loaded)}
         loaded[body["lora_name"]] = body["lora_path"]
         return 200, dict(SHAPES["load_lora_adapter_response"], loaded_adapters=dict(loaded))
 
@@ -109,6 +112,14 @@ def test_a_refused_adapter_keeps_the_previous_one_serving(served, tmp_path):
     (r,) = engine.generate([GenRequest("g0:1", [1, 5, 6], SamplingParams(max_new_tokens=5))])
     assert [b for k, b in server.calls if k == "POST /generate"][-1]["lora_path"] == "lora-v1"
     assert r.output_versions == [1, 1] and engine.describe()["servers_up"] == 1
+
+
+def test_a_name_taken_on_the_server_is_freed_and_loaded_again(served, tmp_path):
+    # A worker restarted against a server its previous self loaded lora-v5 on (or another run).
+    server, engine, loaded, _ = served
+    loaded["lora-v5"] = "/an/older/run/lora-v5"
+    engine.update_adapter(adapter(tmp_path, 5), 5)
+    assert loaded == {"lora-v5": str(tmp_path / "lora-v5")} and engine.version == 5
 
 
 def test_launch_flags_of_a_lora_server():

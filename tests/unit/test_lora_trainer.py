@@ -294,3 +294,27 @@ def test_config_refuses_what_a_lora_run_cannot_do():
         peft_type="lora", rank=32, alpha=16, target_modules=("all-linear",), name="lora", max_rank=64,
         max_loaded=cfg.rollout.max_head_offpolicyness + 2)
     assert trainer_section(replace(cfg, actor=replace(cfg.actor, use_lora=False))).lora is None
+
+
+def test_tapioca_lora_merge_writes_the_merged_model_of_a_run(model_path, tmp_path):
+    from typer.testing import CliRunner
+
+    from tapioca.ops.cli import app
+
+    run = tmp_path / "run"
+    t = make_trainer(model_path, run, steps=1)
+    state = t.init_state()
+    run_steps(t, state, 1)
+    t.on_stop(state)
+    (run / "config.yaml").write_text(f"model:\n  path: {model_path}\n")
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["lora-merge", str(run), str(out), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    merged, _ = load_model_and_tokenizer(out)
+    ids = torch.tensor([[1, 2, 4, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, t.actor.model.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
+    # A run without a LoRA final/ is refused with what to do.
+    result = CliRunner().invoke(app, ["lora-merge", str(tmp_path / "nothing"), str(tmp_path / "x")])
+    assert result.exit_code != 0 and "not a PEFT adapter" in str(result.exception)
