@@ -49,6 +49,11 @@ for s in "$@"; do
     trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
     rl_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
     rl_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
+    lora) stage $s ${LORA_LIMIT_S:-420} python3 benchmarks/lora.py --device cuda ;;
+    lora_trainer) stage $s 300 python3 benchmarks/lora.py --device cuda --only trainer ;;
+    lora_engine) stage $s 200 python3 benchmarks/lora.py --device cuda --only switch,engine ;;
+    rl_lora_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --lora --out "$OUT/rl_lora_eta0.json" ;;
+    rl_lora_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --lora --out "$OUT/rl_lora_eta4.json" ;;
     moe_tests) stage $s 200 $PYTEST tests/unit/test_engine_moe.py tests/unit/test_moe_training.py tests/unit/test_kernels_triton.py -k "moe or cuda" ;;
     moe_engine) stage $s 540 python3 benchmarks/moe_engine.py ;;
     moe_trainer) stage $s 300 python3 benchmarks/moe_trainer.py ;;

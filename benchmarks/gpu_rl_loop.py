@@ -7,7 +7,9 @@ tokens/s and step times measured from the run's own events and metrics.
     python benchmarks/gpu_rl_loop.py --data path/to/gsm8k.jsonl --steps 20 --out results.json
 
 ``--weight-transport ipc`` publishes weights over CUDA IPC (default: file, as before);
-the JSON rows say which was used.
+the JSON rows say which was used. ``--lora`` trains a rank-``--lora-rank`` adapter on every
+linear layer instead (``actor.use_lora``; weight events carry the adapter only, the paged
+engine merges each version at the switch); its rows say ``"lora": rank``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def build_model(path: Path) -> None:
 
 def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
     # Its own run directory per transport: a second invocation must not resume the first's.
-    trial = f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}")
+    trial = f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}") \
+        + (f"-lora{args.lora_rank}" if args.lora else "")
     overrides = [
         f"model.path={model_path}", "model.dtype=bfloat16",
         f"train_dataset.path={args.data}", "train_dataset.type=gsm8k",
@@ -57,6 +60,10 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
         f"run_dir={run_root}", "experiment_name=gpu", f"trial_name={trial}",
         f"weights.transport={args.weight_transport}",
     ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
+    if args.lora:  # the adapter's lr: LoRA runs take a larger one (AReaL's gsm8k example: 1.7e-4)
+        overrides += ["actor.use_lora=true", f"actor.lora_rank={args.lora_rank}",
+                      f"actor.lora_alpha={args.lora_rank}", "actor.target_modules=[all-linear]",
+                      "actor.optimizer.lr=1e-5"]
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train",
                            "--config", str(REPO / "examples" / "gsm8k_grpo.yaml"), *overrides],
@@ -74,6 +81,7 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
     return {
         "eta": eta,
         "weight_transport": args.weight_transport,
+        "lora": args.lora_rank if args.lora else 0,
         "steps": len(rows),
         "wall_s_total": round(wall, 1),
         "step_wall_s_median": round(statistics.median(steady), 3),
@@ -101,6 +109,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-transport", default="file", choices=["file", "ipc", "nccl"],
                     help="weights.transport of the runs")
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (actor.use_lora)")
+    ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     work = Path(args.workdir)
     model_path = work / "qwen2-0.5b-shape"

@@ -318,3 +318,13 @@ def test_tapioca_lora_merge_writes_the_merged_model_of_a_run(model_path, tmp_pat
     # A run without a LoRA final/ is refused with what to do.
     result = CliRunner().invoke(app, ["lora-merge", str(tmp_path / "nothing"), str(tmp_path / "x")])
     assert result.exit_code != 0 and "not a PEFT adapter" in str(result.exception)
+
+
+@pytest.mark.parametrize("name", ["demo_cpu_lora.yaml", "gsm8k_grpo_lora.yaml"])
+def test_the_lora_examples_are_valid_configs(name):
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples" / "lora" / name, [])
+    assert cfg.actor.use_lora and cfg.actor.target_modules == ["all-linear"]
+    if name.startswith("demo"):  # the CPU demo's base: an untied head the adapter can steer
+        assert not cfg.model.tie_word_embeddings and cfg.model.lm_head_init_std == 0.1 and not cfg.model.path
+    else:
+        assert cfg.model.path and cfg.gconfig.lora_name == "lora-gsm8k"
