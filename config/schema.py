@@ -36,6 +36,7 @@ from .algorithms import (  # noqa: F401
     RewardNormConfig,
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from .evaluation import EvalConfig, EvalGenerationConfig, EvaluatorConfig
 from .servers import ENGINES, InferenceServerConfig
 
 
@@ -75,6 +76,9 @@ class DatasetConfig:
     shuffle: bool = True
     prompt_key: str = "question"
     answer_key: str = "answer"
+    # A file's column naming each row's subset: `tapioca eval` reports metrics per
+    # subset too (a row without it: none).
+    subset_key: str = "subset"
     # Keyword arguments of a built-in task, e.g. {op: copy} for the synthetic task.
     task_options: dict[str, Any] = field(default_factory=dict)
 
@@ -688,7 +692,13 @@ class TrainConfig:
     bus: BusConfig = field(default_factory=BusConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # Held-out prompts (AReaL's name): `tapioca eval`'s dataset and the evaluator role's
+    # (config/evaluation.py). null: none.
+    valid_dataset: Optional[DatasetConfig] = None
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval_gconfig: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -707,6 +717,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        _require(not self.evaluator.enabled or self.valid_dataset is not None,
+                 "evaluator.freq_steps / freq_epochs / freq_secs / eval_before_train is set "
+                 "but valid_dataset is not: set valid_dataset (the held-out prompts, e.g. "
+                 "valid_dataset.type=gsm8k valid_dataset.split=test) or unset the evaluator's "
+                 "triggers")
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 

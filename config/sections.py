@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..schemas.errors import ConfigError
 from .distributed import FSDPConfig
 from .schema import (
     ActorConfig,
@@ -23,6 +24,8 @@ from .schema import (
     CriticConfig,
     DatasetConfig,
     DistillConfig,
+    EvalConfig,
+    EvaluatorConfig,
     GenerationConfig,
     ModelConfig,
     ProxyConfig,
@@ -127,6 +130,26 @@ class AgentSection:
     seed: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    """What an evaluation needs (`tapioca eval`, the evaluator role): the held-out
+    dataset, what to measure, the sampling of its completions (``eval_gconfig`` over
+    ``gconfig``, with ``n_samples`` = ``eval.k``), the engine's model and rollout settings,
+    and for the evaluator its triggers and the facts they are computed from."""
+
+    valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sampling: GenerationConfig = field(default_factory=GenerationConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    seed: int
+    run_dir: str
+    total_train_steps: int
+    # train_dataset.prompts_per_step: an epoch is (train prompts / this) steps.
+    prompts_per_step: int
+
+
 def feeder_section(cfg: TrainConfig) -> FeederSection:
     return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
                          n_samples=cfg.gconfig.n_samples,
@@ -173,3 +196,15 @@ def archive_section(cfg: TrainConfig) -> ArchiveSection:
 def agent_section(cfg: TrainConfig) -> AgentSection:
     return AgentSection(agent=cfg.agent, train_dataset=cfg.train_dataset, gconfig=cfg.gconfig,
                         proxy=cfg.proxy, run_id=cfg.bus_run_id, seed=cfg.seed)
+
+
+def eval_section(cfg: TrainConfig) -> EvalSection:
+    if cfg.valid_dataset is None:
+        raise ConfigError("no evaluation dataset: set valid_dataset in the config (e.g. "
+                          "valid_dataset.type=gsm8k valid_dataset.split=test) or pass --data PATH")
+    sampling = GenerationConfig(n_samples=cfg.eval.k, **cfg.eval_gconfig.resolve(cfg.gconfig))
+    return EvalSection(valid_dataset=cfg.valid_dataset, eval=cfg.eval, sampling=sampling,
+                       evaluator=cfg.evaluator, model=cfg.model, rollout=cfg.rollout,
+                       seed=cfg.seed, run_dir=cfg.run_path,
+                       total_train_steps=cfg.total_train_steps,
+                       prompts_per_step=cfg.train_dataset.prompts_per_step)

@@ -56,6 +56,10 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
     for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
                 "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
         table.add_column(col, justify="right")
+    e = rows.get("evaluator", {})  # the evaluator's last held-out result (producers/evaluator.py)
+    held_out = (f"{e['eval/pass@1']:.3f} @v{e['step']}",) if "eval/pass@1" in e else ()
+    if held_out:
+        table.add_column("held-out pass@1", justify="right")
     t = rows.get("trainer", {})
     r = rows.get("rollout", {})
     fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"  # noqa: E731
@@ -68,6 +72,7 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
         f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
         f"{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
+        *held_out,
     )
     table.caption = _supervision_caption(health)
     table.caption_justify = "left"

@@ -215,7 +215,7 @@ class RayLauncher(Launcher):
             max_task_retries=-1, max_concurrency=4, num_cpus=s.num_cpus_per_role, num_gpus=0)
         if role == "trainer":
             options.update(self._trainer_placement())
-        elif role in ("rollout", "proxy") and self.cfg.rollout.device.startswith("cuda"):
+        elif role in ("rollout", "proxy", "evaluator") and self.cfg.rollout.device.startswith("cuda"):
             options["num_gpus"] = s.rollout_num_gpus
         actor = self._actor_class().options(**options).remote(
             role_command(role, member, config_path), env, str(log_path))

@@ -23,9 +23,11 @@ from typing import Any, Callable
 from ..bus.role import Role
 from ..config.schema import TrainConfig
 from ..config.sections import (
+    EvalSection,
     TrainerSection,
     advantage_section,
     archive_section,
+    eval_section,
     feeder_section,
     proxy_section,
     reward_section,
@@ -36,7 +38,7 @@ from ..schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver")
+ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver", "evaluator")
 
 
 def set_torch_threads(n: int) -> None:
@@ -296,6 +298,40 @@ def build_archiver(cfg: TrainConfig) -> Role:
     return Archiver(archive_section(cfg))
 
 
+def build_eval_parts(sec: EvalSection, *, log_dir: str, member: int = 0):
+    """What an evaluation runs on, for `tapioca eval` and the evaluator role: the held-out
+    prompts with their task's reward (producers/eval_run.py), the tokenizer's decode, and
+    an engine of ``rollout.engine`` with its weights loader (:func:`build_engine`, as a
+    rollout worker builds it). Returns ``(task, bundle, decode)``."""
+    from ..models.tokenizer import prompt_encoder
+    from ..producers.eval_run import load_eval_task
+
+    tokenizer = _tokenizer(sec.model.path)
+    task = load_eval_task(sec.valid_dataset, prompt_encoder(tokenizer),
+                          max_prompts=sec.eval.max_prompts)
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 900 + member,
+                          tokenizer=tokenizer, log_dir=log_dir, member=member, name="evaluator")
+    return task, bundle, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def build_evaluator(cfg: TrainConfig, member: int = 0, *, renice: bool = True) -> Role:
+    """The evaluator role (producers/evaluator.py): its own engine on ``valid_dataset``,
+    at ``evaluator.nice`` (``renice``: this process's priority is lowered, once)."""
+    from ..producers.evaluator import Evaluator
+    from ..tasks.datasets import dataset_rows
+
+    sec = eval_section(cfg)
+    if renice and sec.evaluator.nice:
+        os.nice(sec.evaluator.nice)
+    task, bundle, decode = build_eval_parts(sec, log_dir=os.path.join(cfg.run_path, "logs"),
+                                            member=member)
+    train_prompts = None
+    if sec.evaluator.freq_epochs is not None:  # an epoch is train prompts / prompts_per_step
+        train_prompts = sum(1 for _ in dataset_rows(cfg.train_dataset, None)[1])
+    return Evaluator(sec, engine=bundle.engine, load_weights=bundle.load_weights, task=task,
+                     decode=decode, member_id=f"evaluator-{member}", train_prompts=train_prompts)
+
+
 def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
     if name == "feeder":
         return build_feeder(cfg)
@@ -309,6 +345,8 @@ def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
         return build_trainer(cfg)
     if name == "archiver":
         return build_archiver(cfg)
+    if name == "evaluator":
+        return build_evaluator(cfg, member)
     raise ConfigError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")
 
 

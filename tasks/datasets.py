@@ -104,9 +104,10 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     )
 
 
-def dataset_rows(ds: "DatasetConfig", seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
-    """(task name, rows with prompt_id, messages|prompt, answer) of a ``train_dataset``
-    section: a built-in task's records, or a file's rows as math problems (``math``)."""
+def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[dict[str, Any]]]:
+    """(task name, rows with prompt_id, messages|prompt, answer, and a file's subset) of a
+    ``train_dataset`` / ``valid_dataset`` section: a built-in task's records, or a file's
+    rows as math problems (``math``). ``seed`` None: file order (evaluation)."""
     from .base import get_task
 
     if ds.type == "synthetic":
@@ -119,7 +120,10 @@ def dataset_rows(ds: "DatasetConfig", seed: int) -> tuple[str, Iterable[dict[str
             if ds.prompt_key not in row:
                 raise ConfigError(f"dataset row {i} of {ds.path} has no {ds.prompt_key!r}; set "
                                   "train_dataset.prompt_key to the prompt column")
-            yield {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
+            out = {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
                    "answer": str(row.get(ds.answer_key, ""))}
+            if row.get(ds.subset_key) is not None:  # `tapioca eval` reports per subset
+                out["subset"] = str(row[ds.subset_key])
+            yield out
 
     return "math", rows()
