@@ -141,9 +141,12 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
         return
     first, last, w = means
     steps = f"{w} steps" if w > 1 else "step"
+    held = sorted(summary.held_out.items())
+    held_out = (f"; held-out pass@1 {held[0][1]:.3f} (v{held[0][0]}) -> {held[-1][1]:.3f} "
+                f"(v{held[-1][0]})" if held else "")
     console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
                   f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
-                  f"{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
+                  f"{held_out}{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
 
 
 @app.command("train", context_settings=EXTRA_ARGS)

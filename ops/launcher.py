@@ -127,6 +127,7 @@ class RunSummary:
     steps: int = 0
     wall_s: float = 0.0
     rewards: dict[int, float] = field(default_factory=dict)  # step -> mean reward
+    held_out: dict[int, float] = field(default_factory=dict)  # version -> evaluator's pass@1
     history: list[dict] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)  # member -> restarts
     # Times the broker lost the run's log and the roles moved to a new bus run id.
@@ -458,6 +459,8 @@ class Launcher:
                         for m in self._status.values())
             if total != self._progress[0]:
                 self._progress = (total, now)
+        if source.startswith("evaluator") and "eval/pass@1" in metrics:
+            s.held_out[step] = metrics["eval/pass@1"]
         if source.startswith("trainer") and "reward/mean" in metrics:
             s.history.append(row)
             s.steps = step

@@ -112,3 +112,34 @@ def test_k_larger_than_the_samples_produced_says_what_to_do(tiny_dir, tmp_path):
 def test_nothing_to_evaluate_or_a_directory_that_is_no_model(tmp_path):
     assert "nothing to evaluate" in error("eval")
     assert "not a Hugging Face model directory" in error("eval", str(tmp_path))
+
+
+def test_plot_draws_held_out_curves_and_the_live_table_shows_the_last_score(tmp_path):
+    import time
+
+    from rich.console import Console
+
+    from tapioca.ops.commands import _progress_table
+    from tapioca.ops.plot import load_eval
+
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    (run / "eval").mkdir()
+    (run / "metrics" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "time": float(s), "reward/mean": s / 10}) + "\n" for s in range(1, 11)))
+    (run / "eval" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "time": float(s), "eval/pass@1": s / 20, "eval/greedy": s / 10,
+                    "eval/maj@4": s / 15, "eval/easy/pass@1": 1.0}) + "\n" for s in (0, 5, 10)))
+    assert [r["step"] for r in load_eval(run)] == [0, 5, 10]
+    out = ok("plot", str(run), "-o", str(tmp_path / "curves.png"))
+    assert "3 held-out evaluations" in out and (tmp_path / "curves.png").stat().st_size > 0
+    assert load_eval(tmp_path) == []  # a run without an evaluator
+    table = _progress_table({"trainer": {"step": 10, "reward/mean": 1.0},
+                             "evaluator": {"step": 10, "eval/pass@1": 0.5}}, {}, time.monotonic(), [1.0])
+    console = Console(record=True, width=250)
+    console.print(table)
+    text = console.export_text()
+    assert "held-out pass@1" in text and "0.500 @v10" in text
+    console = Console(record=True, width=250)
+    console.print(_progress_table({"trainer": {"step": 3}}, {}, time.monotonic(), []))
+    assert "held-out" not in console.export_text()  # no evaluator, no column
