@@ -87,7 +87,8 @@ class DatasetConfig:
                  f"train_dataset.type={self.type!r}: use synthetic, gsm8k, jsonl, parquet "
                  "or hf_disk")
         _require(self.type == "synthetic" or bool(self.path),
-                 f"train_dataset.path is required for train_dataset.type={self.type}")
+                 f"train_dataset.path is required for train_dataset.type={self.type} (the same "
+                 "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
         _require(self.max_epochs >= 1, "train_dataset.max_epochs must be >= 1")
 

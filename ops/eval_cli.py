@@ -70,13 +70,16 @@ def _config(model: Optional[str], run_dir: Optional[str], config: Optional[str],
         if not Path(config).is_file():
             raise ConfigError(f"{config} does not exist: --run-dir takes the directory `tapioca "
                               "train` made (runs/EXPERIMENT/TRIAL, with its config.yaml)")
-    cfg = load_config(TrainConfig, config, overrides)
-    values: dict[str, Any] = {}
     if model:
         if not Path(model, "config.json").is_file():
             raise ConfigError(f"{model} is not a Hugging Face model directory (no config.json); "
                               "pass one (e.g. made by `tapioca model-init DIR`) or --run-dir")
-        values["model.path"] = str(Path(model).resolve())
+        # An override, not a later change: the config's checks see the model it will run.
+        overrides = [*overrides, f"model.path={Path(model).resolve()}"]
+    if data:  # as an override too, so valid_dataset.type=gsm8k finds its path
+        overrides = [*overrides, f"valid_dataset.path={data}"]
+    cfg = load_config(TrainConfig, config, overrides)
+    values: dict[str, Any] = {}
     if data:
         base = cfg.valid_dataset or DatasetConfig()
         kind = base.type if base.type == "gsm8k" else _dataset_type(data)
