@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-
 SHAPES = {  # name -> (layers, hidden, intermediate, heads, kv heads, tied)
     "tiny": (2, 64, 256, 4, 2, True),
     "0.5b": (24, 896, 4864, 14, 2, True),  # Qwen2-0.5B's published shape
