@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .cli_context import EXTRA_ARGS, G, console
+from .eval_cli import held_out_cell, held_out_change
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -56,8 +57,7 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
     for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
                 "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
         table.add_column(col, justify="right")
-    e = rows.get("evaluator", {})  # the evaluator's last held-out result (producers/evaluator.py)
-    held_out = (f"{e['eval/pass@1']:.3f} @v{e['step']}",) if "eval/pass@1" in e else ()
+    held_out = held_out_cell(rows.get("evaluator", {}))  # producers/evaluator.py's last result
     if held_out:
         table.add_column("held-out pass@1", justify="right")
     t = rows.get("trainer", {})
@@ -72,7 +72,7 @@ def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: flo
         f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
         f"{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
         fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
-        *held_out,
+        *([held_out] if held_out else []),
     )
     table.caption = _supervision_caption(health)
     table.caption_justify = "left"
@@ -141,9 +141,7 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
         return
     first, last, w = means
     steps = f"{w} steps" if w > 1 else "step"
-    held = sorted(summary.held_out.items())
-    held_out = (f"; held-out pass@1 {held[0][1]:.3f} (v{held[0][0]}) -> {held[-1][1]:.3f} "
-                f"(v{held[-1][0]})" if held else "")
+    held_out = held_out_change(summary.held_out)
     console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
                   f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
                   f"{held_out}{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
@@ -172,7 +170,7 @@ def demo(ctx: typer.Context) -> None:
 def role(
     ctx: typer.Context,
     name: str = typer.Argument(
-        ..., help="feeder | rollout | reward | advantage | trainer | archiver"),
+        ..., help="feeder | rollout | reward | advantage | trainer | archiver | evaluator"),
     config: str = typer.Option(..., "--config", "-c", help="YAML config file of the run."),
     member: int = typer.Option(0, help="Member index (for several rollout workers)."),
 ) -> None:

@@ -45,6 +45,23 @@ def metrics_table(metrics: dict[str, Any], title: str) -> Table:
     return table
 
 
+def held_out_cell(row: dict[str, Any]) -> str | None:
+    """The live table's held-out cell from the evaluator's latest metrics row: its pass@1
+    and version, ``"0.938 @v600"`` (None: no result yet)."""
+    if "eval/pass@1" not in row:
+        return None
+    return f"{row['eval/pass@1']:.3f} @v{row['step']}"
+
+
+def held_out_change(held_out: dict[int, float]) -> str:
+    """The closing line's part: the first and last held-out pass@1 by version ("" when
+    the run had no evaluator)."""
+    if not held_out:
+        return ""
+    (v0, first), (v1, last) = min(held_out.items()), max(held_out.items())
+    return f"; held-out pass@1 {first:.3f} (v{v0}) -> {last:.3f} (v{v1})"
+
+
 def _dataset_type(path: str) -> str:
     p = Path(path)
     if p.is_dir():

@@ -453,7 +453,9 @@ class Launcher:
         now = time.monotonic()
         self._last_report = now
         self._reported = True
-        if "bus/handled" in metrics:
+        # The evaluator reads metrics.v1, where every member reports each second: its
+        # counters move even while the run is stalled, so they are no sign of progress.
+        if "bus/handled" in metrics and not source.startswith("evaluator"):
             self._status[source] = metrics
             total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)
                         for m in self._status.values())
