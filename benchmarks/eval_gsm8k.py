@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=0, help="0: all 1,319")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     ap.add_argument("--max-batch", type=int, default=512)
+    ap.add_argument("--scoring-workers", type=int, default=0,
+                    help="eval.scoring_workers: processes scoring with math-verify (0: in process)")
     ap.add_argument("--workdir", default="/tmp/tapioca-eval-bench")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
            "valid_dataset.split=test", f"eval.k={args.k}", f"eval.max_prompts={args.max_prompts}",
            f"eval_gconfig.max_new_tokens={new_tokens}", "eval_gconfig.temperature=1.0",
            f"model.dtype={dtype}", f"rollout.device={device}", f"rollout.torch_threads={args.threads}",
-           f"rollout.max_batch_size={args.max_batch}"]
+           f"rollout.max_batch_size={args.max_batch}", f"eval.scoring_workers={args.scoring_workers}"]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
@@ -121,7 +123,7 @@ def main() -> None:
               "output_tokens_per_s": round(summary["output_tokens_per_s"]),
               "generation_wall_s": round(summary["wall_s"], 1), "command_wall_s": round(wall, 1),
               "pass@1": round(total["pass@1"], 4), "threads": args.threads,
-              "tokenizer": args.tokenizer}
+              "tokenizer": args.tokenizer, "scoring_workers": args.scoring_workers}
     print(json.dumps(result), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -3,7 +3,9 @@ machine (examples/demo_cpu.yaml; "off" sets no evaluator trigger, everything els
 the held-out pairs still left out of training), one run each, in the order given.
 
 Reports per run the trainer's steps per second between step ``--skip`` and the last
-(from the trainer's metrics.jsonl times), the wall time, the final training reward and,
+(from the trainer's metrics.jsonl times), the wall time, the final training reward,
+the CPU seconds each role process used (sampled from /proc while it runs: the
+evaluator's share of the run's CPU is its cost, whatever else loads the machine) and,
 with the evaluator, its held-out pass@1 / greedy by version (from eval/metrics.jsonl).
 
     python benchmarks/evaluator_overhead.py                    # on, then off, 600 steps
@@ -20,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,14 +39,38 @@ def _rows(path: Path) -> dict[int, dict]:
     return rows
 
 
+def _cpu_by_role(trial: str, stop: threading.Event, out: dict[str, float]) -> None:
+    """Every second: the CPU seconds (user + system) of each role process of ``trial``
+    (``tapioca.ops.role_main ROLE --config .../TRIAL/config.yaml``), the largest seen."""
+    tick = os.sysconf("SC_CLK_TCK")
+    while not stop.wait(1.0):
+        for pid in os.listdir("/proc"):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                if b"tapioca.ops.role_main" not in cmd or not any(trial.encode() in c for c in cmd):
+                    continue
+                role = cmd[cmd.index(b"tapioca.ops.role_main") + 1].decode()
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick
+                out[role] = max(out.get(role, 0.0), cpu)
+            except (OSError, ValueError, IndexError):
+                continue
+
+
 def run(mode: str, args, root: Path) -> dict:
     trial = f"{mode}-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "tapioca.ops.cli", "demo", f"run_dir={root}", f"trial_name={trial}",
            f"total_train_steps={args.steps}", *(OFF if mode == "off" else [])]
     load_before = os.getloadavg()[0]
+    cpu: dict[str, float] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_cpu_by_role, args=(trial, stop, cpu), daemon=True)
+    sampler.start()
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
+    stop.set()
+    sampler.join()
     run_dir = root / "demo" / trial
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -57,6 +84,8 @@ def run(mode: str, args, root: Path) -> dict:
             "load_avg_1min_before": round(load_before, 2),
             "load_avg_1min_after": round(os.getloadavg()[0], 2),
             "reward_last20": round(sum(last20) / len(last20), 3),
+            "cpu_s_by_role": {r: round(v, 1) for r, v in sorted(cpu.items())},
+            "evaluator_cpu_share": round(cpu.get("evaluator", 0.0) / max(sum(cpu.values()), 1e-9), 4),
             "held_out_pass@1": {v: round(r["eval/pass@1"], 3) for v, r in sorted(held.items())},
             "held_out_greedy": {v: round(r["eval/greedy"], 3) for v, r in sorted(held.items())},
             "evaluations": len(held), "run_dir": str(run_dir)}

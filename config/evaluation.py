@@ -30,10 +30,14 @@ class EvalConfig:
     # A completion is correct (pass@k, maj@k, greedy) when its reward reaches this; 1.0
     # is full credit (avg@k is the mean reward itself, partial credit included).
     correct_min_reward: float = 1.0
+    # Processes scoring completions (math-verify is pure Python: a pool scores in
+    # parallel, beside the engine); 0: this process.
+    scoring_workers: int = 0
 
     def __post_init__(self) -> None:
         _require(self.k >= 1, "eval.k must be >= 1 (sampled completions per prompt)")
         _require(self.max_prompts >= 0, "eval.max_prompts must be >= 0 (0: every prompt)")
+        _require(self.scoring_workers >= 0, "eval.scoring_workers must be >= 0 (0: this process)")
         _require(0 < self.correct_min_reward <= 1,
                  "eval.correct_min_reward must be in (0, 1] (rewards are in [0, 1]; 1 = full credit)")
 

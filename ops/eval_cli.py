@@ -47,10 +47,10 @@ def metrics_table(metrics: dict[str, Any], title: str) -> Table:
 
 def held_out_cell(row: dict[str, Any]) -> str | None:
     """The live table's held-out cell from the evaluator's latest metrics row: its pass@1
-    and version, ``"0.938 @v600"`` (None: no result yet)."""
+    and version, ``"0.938@v600"`` (None: no result yet)."""
     if "eval/pass@1" not in row:
         return None
-    return f"{row['eval/pass@1']:.3f} @v{row['step']}"
+    return f"{row['eval/pass@1']:.3f}@v{row['step']}"
 
 
 def held_out_change(held_out: dict[int, float]) -> str:
@@ -174,7 +174,7 @@ def eval_command(
 
     from ..config.sections import eval_section
     from ..engines.base import SamplingParams
-    from ..producers.eval_run import EvalRun
+    from ..producers.eval_run import EvalRun, Scorer
     from ..runtime.builders import build_eval_parts
 
     hf_logging.disable_progress_bar()
@@ -191,11 +191,13 @@ def eval_command(
     out.mkdir(parents=True, exist_ok=True)
     task, bundle, decode = build_eval_parts(sec, log_dir=str(out))
     engine = bundle.engine
+    scorer = Scorer(task, sec.eval.scoring_workers)
     try:
         if event is not None:
             bundle.load_weights(event)
-        run = EvalRun(task, engine, SamplingParams.from_generation(sec.sampling), k=sec.eval.k, greedy=sec.eval.greedy,
-                      decode=decode, version=version, correct_min_reward=sec.eval.correct_min_reward)
+        run = EvalRun(task, engine, SamplingParams.from_generation(sec.sampling), k=sec.eval.k,
+                      greedy=sec.eval.greedy, decode=decode, version=version,
+                      correct_min_reward=sec.eval.correct_min_reward, scorer=scorer)
         with Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(),
                       MofNCompleteColumn(), TextColumn("prompts"), TimeElapsedColumn(),
                       console=console, transient=True, disable=output == "json") as bar:
@@ -210,7 +212,10 @@ def eval_command(
                             weights=event.path if event is not None else "",
                             engine=type(engine).__name__)
     finally:
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        finally:
+            scorer.close()
     if output == "json":
         emit_json(summary)
         return

@@ -54,6 +54,8 @@ class EvalTask:
     reward: Callable[[str, str], float]
     answer: Callable[[str], "str | None"]
     dataset: str  # what it was read from, for messages and summary.json
+    # The task's keyword arguments (a scoring process rebuilds reward and answer from them).
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def describe_dataset(ds: Any) -> str:
@@ -91,14 +93,72 @@ def load_eval_task(ds: Any, encode: Callable[[dict], tuple[list[int], str]], *,
                           "valid_dataset (or --data) at a file with rows, or pick a split that "
                           "has some")
     return EvalTask(task, prompts, task_reward(task, **options), task_answer(task, **options),
-                    describe_dataset(ds))
+                    describe_dataset(ds), options)
+
+
+def _score(reward: Callable[[str, str], float], answer: Callable[[str], "str | None"],
+           text: str, reference: str) -> tuple[float, "str | None", str]:
+    """(reward, extracted answer, error): a reward that raises (e.g. a math-verify
+    timeout) is 0 with its error named, counted by the caller, never hidden."""
+    try:
+        value, error = float(reward(text, reference)), ""
+    except TapiocaError as exc:
+        value, error = 0.0, f"{type(exc).__name__}: {exc}"
+    return value, answer(text), error
+
+
+_WORKER_TASK: tuple[Callable, Callable] | None = None
+
+
+def _init_worker(task: str, options: dict[str, Any]) -> None:
+    from ..tasks.base import task_answer, task_reward
+
+    global _WORKER_TASK
+    _WORKER_TASK = (task_reward(task, **options), task_answer(task, **options))
+
+
+def _score_in_worker(text: str, reference: str) -> tuple[float, "str | None", str]:
+    assert _WORKER_TASK is not None
+    return _score(*_WORKER_TASK, text, reference)
+
+
+class Scorer:
+    """Scores completions: in this process (``workers`` 0), or in ``workers`` processes
+    (``eval.scoring_workers``): math-verify is pure Python, so a pool scores in parallel
+    and leaves this process's interpreter to the engine. Spawned, not forked: the engine
+    runs threads (and CUDA) here."""
+
+    def __init__(self, task: EvalTask, workers: int = 0) -> None:
+        self.task = task
+        self.pool = None
+        if workers > 0:
+            import multiprocessing
+
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker, initargs=(task.name, task.options))
+
+    def submit(self, text: str, reference: str) -> concurrent.futures.Future:
+        if self.pool is not None:
+            return self.pool.submit(_score_in_worker, text, reference)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(_score(self.task.reward, self.task.answer, text, reference))
+        return done
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
 
 
 @dataclass
 class _Pending:
     prompt: int  # index into the prompts
     sample_index: int
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future  # the engine's
+    result: GenResult | None = None
+    text: str = ""
+    score: concurrent.futures.Future | None = None  # the scorer's
 
 
 @dataclass
@@ -115,6 +175,8 @@ class EvalRun:
     decode: Callable[[list[int]], str]
     version: int = 0
     correct_min_reward: float = 1.0
+    # None: scored in this process, one completion at a time.
+    scorer: Scorer | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -122,6 +184,10 @@ class EvalRun:
     scoring_errors: int = 0
     _pending: list[_Pending] = field(default_factory=list)
     _left: list[int] = field(default_factory=list)  # completions still running, per prompt
+
+    def __post_init__(self) -> None:
+        if self.scorer is None:
+            self.scorer = Scorer(self.task)
 
     @property
     def completions(self) -> int:
@@ -157,37 +223,43 @@ class EvalRun:
                               for j, f in enumerate(futures)]
 
     def poll(self) -> int:
-        """Score the completions that finished since the last call; returns how many."""
-        finished = [x for x in self._pending if x.future.done()]
-        if not finished:
-            return 0
-        self._pending = [x for x in self._pending if not x.future.done()]
-        for x in finished:
-            self._score(x, x.future.result())
-        if not self._pending:
+        """Hand the completions that finished to the scorer, and turn the scored ones into
+        rows; returns how many rows were added."""
+        scorer = self.scorer
+        assert scorer is not None
+        added, still = 0, []
+        for x in self._pending:
+            if x.score is None and x.future.done():
+                x.result = x.future.result()
+                if x.result.finish_reason == "abort":
+                    raise EngineError(
+                        f"the engine aborted a completion of prompt "
+                        f"{self.task.prompts[x.prompt].prompt_id!r} (version {self.version}): it "
+                        "was shut down or lost its server; evaluate again")
+                x.text = self.decode(x.result.output_ids)
+                x.score = scorer.submit(x.text, self.task.prompts[x.prompt].answer)
+            if x.score is not None and x.score.done():
+                self._row(x, *x.score.result())
+                added += 1
+            else:
+                still.append(x)
+        self._pending = still
+        if added and not still:
             self.finished_at = time.monotonic()
-        return len(finished)
+        return added
 
-    def _score(self, pending: _Pending, result: GenResult) -> None:
-        prompt = self.task.prompts[pending.prompt]
-        if result.finish_reason == "abort":
-            raise EngineError(f"the engine aborted a completion of prompt {prompt.prompt_id!r} "
-                              f"(version {self.version}): it was shut down or lost its server; "
-                              "evaluate again")
-        text = self.decode(result.output_ids)
-        error = ""
-        try:
-            reward = float(self.task.reward(text, prompt.answer))
-        except TapiocaError as exc:  # e.g. a math-verify timeout: counted, never hidden
-            reward, error = 0.0, f"{type(exc).__name__}: {exc}"
+    def _row(self, pending: _Pending, reward: float, answer: str | None, error: str) -> None:
+        prompt, result = self.task.prompts[pending.prompt], pending.result
+        assert result is not None
+        if error:
             self.scoring_errors += 1
             log.warning("scoring prompt %s sample %d failed (counted as wrong, see the row's "
-                        "score_error): %s", prompt.prompt_id, pending.sample_index, exc)
+                        "score_error): %s", prompt.prompt_id, pending.sample_index, error)
         row = {"version": self.version, "prompt_id": prompt.prompt_id, "subset": prompt.subset,
-               "sample_index": pending.sample_index, "output_text": text, "reward": reward,
-               "correct": reward >= self.correct_min_reward,
-               "extracted_answer": self.task.answer(text), "reference_answer": prompt.answer,
-               "finish_reason": result.finish_reason, "output_tokens": len(result.output_ids)}
+               "sample_index": pending.sample_index, "output_text": pending.text, "reward": reward,
+               "correct": reward >= self.correct_min_reward, "extracted_answer": answer,
+               "reference_answer": prompt.answer, "finish_reason": result.finish_reason,
+               "output_tokens": len(result.output_ids)}
         if error:
             row["score_error"] = error
         self.rows.append(row)

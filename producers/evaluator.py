@@ -45,7 +45,7 @@ from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.events import MetricsEvent, WeightsEvent
 from ..trainers.metrics_sink import MetricsSink
-from .eval_run import EvalRun, EvalTask, flat_metrics
+from .eval_run import EvalRun, EvalTask, Scorer, flat_metrics
 from .weights_follow import WeightsFollow
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class Evaluator(Role[EvaluatorState]):
         self.member_id = member_id
         self.train_prompts = train_prompts
         self.sampling = SamplingParams.from_generation(section.sampling)
+        self.scorer = Scorer(task, section.eval.scoring_workers)
         self.sink: MetricsSink | None = None
 
     def init_state(self) -> EvaluatorState:
@@ -193,7 +194,7 @@ class Evaluator(Role[EvaluatorState]):
                         state.skipped)
         state.run = EvalRun(self.task, self.engine, self.sampling, k=self.sec.eval.k,
                             greedy=self.sec.eval.greedy, decode=self.decode, version=version,
-                            correct_min_reward=self.sec.eval.correct_min_reward)
+                            correct_min_reward=self.sec.eval.correct_min_reward, scorer=self.scorer)
         state.last_started = now
         log.info("evaluator: evaluating version %d on %d prompts", version, len(self.task.prompts))
         state.run.start()
@@ -233,6 +234,7 @@ class Evaluator(Role[EvaluatorState]):
         try:
             self.engine.shutdown()
         finally:
+            self.scorer.close()
             if self.sink is not None:
                 self.sink.close()
         return ()

@@ -46,10 +46,15 @@ def error(*args: str) -> str:
     return str(result.exception)
 
 
-@pytest.mark.parametrize("paged", ["true", "false"])  # PagedEngine, TorchEngine
-def test_eval_a_model_directory_writes_rows_and_a_summary_that_recompute(tiny_dir, tmp_path, paged):
+@pytest.mark.parametrize("paged,scoring_workers", [
+    ("true", 0), ("false", 0),  # PagedEngine, TorchEngine; scored in this process
+    ("true", 2),                # scored by a pool of two processes
+])
+def test_eval_a_model_directory_writes_rows_and_a_summary_that_recompute(tiny_dir, tmp_path, paged,
+                                                                         scoring_workers):
     out = tmp_path / "out"
     summary = json.loads(ok("eval", str(tiny_dir), *DATA, f"rollout.paged={paged}",
+                            f"eval.scoring_workers={scoring_workers}",
                             "--out-dir", str(out), "-o", "json"))
     assert summary["engine"] == ("PagedEngine" if paged == "true" else "TorchEngine")
     total = summary["metrics"]["total"]
@@ -139,7 +144,7 @@ def test_plot_draws_held_out_curves_and_the_live_table_shows_the_last_score(tmp_
     console = Console(record=True, width=250)
     console.print(table)
     text = console.export_text()
-    assert "held-out pass@1" in text and "0.500 @v10" in text
+    assert "held-out pass@1" in text and "0.500@v10" in text
     console = Console(record=True, width=250)
     console.print(_progress_table({"trainer": {"step": 3}}, {}, time.monotonic(), []))
     assert "held-out" not in console.export_text()  # no evaluator, no column
