@@ -321,6 +321,12 @@ def build_evaluator(cfg: TrainConfig, member: int = 0, *, renice: bool = True) -
     from ..tasks.datasets import dataset_rows
 
     sec = eval_section(cfg)
+    if sec.rollout.engine != "torch" and sec.rollout.server.urls:
+        raise ConfigError(
+            f"rollout.server.urls names the rollout workers' {sec.rollout.engine} servers; the "
+            "evaluator loads the versions it evaluates into its engine and would change the "
+            "weights they generate with: leave rollout.server.urls empty (each role, the "
+            "evaluator too, launches its own server) or use rollout.engine=torch")
     if renice and sec.evaluator.nice:
         os.nice(sec.evaluator.nice)
     task, bundle, decode = build_eval_parts(sec, log_dir=os.path.join(cfg.run_path, "logs"),

@@ -103,3 +103,13 @@ def test_the_demo_config_evaluates_a_held_out_split():
     held = {r["prompt_id"] for r in dataset_rows(cfg.valid_dataset, None)[1]}
     train = {r["prompt_id"] for r in dataset_rows(cfg.train_dataset, cfg.seed)[1]}
     assert len(held) == 16 and not held & train
+
+
+def test_the_evaluator_refuses_the_rollout_workers_servers():
+    from tapioca.runtime.builders import build_evaluator
+
+    cfg = load_config(TrainConfig, None, ["valid_dataset.type=synthetic", "evaluator.freq_steps=5",
+                                          "rollout.engine=vllm", "model.path=/nonexistent",
+                                          "rollout.server.urls=[http://127.0.0.1:1]"])
+    with pytest.raises(ConfigError, match="would change the weights they generate with"):
+        build_evaluator(cfg, renice=False)
