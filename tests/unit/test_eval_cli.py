@@ -1,7 +1,8 @@
 """`tapioca eval` on the tiny synthetic model, in process (no broker): a model directory and
 a run's weights at a version, the files it writes (recomputed by `--samples` to the same
 numbers), both in-process engines, and the bad inputs (an empty dataset, a version no
-longer on disk, k larger than the samples produced), each a clear error."""
+longer on disk, k larger than the samples produced), each a clear error; and the display
+(live column, plot, closing line) and the stall alarm beside an evaluator."""
 
 from __future__ import annotations
 
@@ -148,3 +149,20 @@ def test_plot_draws_held_out_curves_and_the_live_table_shows_the_last_score(tmp_
     console = Console(record=True, width=250)
     console.print(_progress_table({"trainer": {"step": 3}}, {}, time.monotonic(), []))
     assert "held-out" not in console.export_text()  # no evaluator, no column
+
+
+def test_the_evaluators_counters_are_no_sign_of_progress_to_the_stall_alarm(tmp_path):
+    """The evaluator reads metrics.v1, where every member reports each second: its
+    counters keep moving while the run is stalled (they must not reset the alarm)."""
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops.launcher import Launcher, RunSummary
+
+    launcher = Launcher(load_config(TrainConfig, None, []))
+    launcher.summary = RunSummary(tmp_path)
+    launcher._observe("trainer-0", 1, {"bus/handled": 5.0, "bus/produced": 1.0})
+    before = launcher._progress
+    launcher._observe("evaluator-0", 1, {"bus/handled": 500.0, "bus/produced": 3.0})
+    assert launcher._progress == before
+    launcher._observe("evaluator-0", 10, {"eval/pass@1": 0.5, "eval/prompts": 16.0})
+    assert launcher.summary.held_out == {10: 0.5}
