@@ -151,6 +151,18 @@ class Scorer:
             self.pool = None
 
 
+def validate_prompts(task: EvalTask, engine: InferenceEngine, sampling: SamplingParams) -> None:
+    """ConfigError naming the first prompt ``engine`` could never generate (too long for
+    the model with ``sampling.max_new_tokens``, token ids outside its vocabulary)."""
+    for p in task.prompts:
+        try:
+            engine.validate(GenRequest(f"{p.prompt_id}:check", p.prompt_ids, sampling))
+        except TapiocaError as exc:
+            raise ConfigError(f"prompt {p.prompt_id!r} of {task.dataset} cannot be generated: "
+                              f"{exc}; remove it from the dataset or use a model with a longer "
+                              "context") from exc
+
+
 @dataclass
 class _Pending:
     prompt: int  # index into the prompts
@@ -206,17 +218,12 @@ class EvalRun:
         their shared prompt once). A prompt the engine can never generate (too long,
         unknown tokens) is an error naming it."""
         greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        validate_prompts(self.task, self.engine, self.sampling)
         self.started_at = time.monotonic()
         for i, p in enumerate(self.task.prompts):
             reqs = [GenRequest(f"{p.prompt_id}:{j}", p.prompt_ids, self.sampling) for j in range(self.k)]
             if self.greedy:
                 reqs.append(GenRequest(f"{p.prompt_id}:greedy", p.prompt_ids, greedy))
-            try:
-                self.engine.validate(reqs[0])
-            except TapiocaError as exc:
-                raise ConfigError(f"prompt {p.prompt_id!r} of {self.task.dataset} cannot be "
-                                  f"generated: {exc}; remove it from the dataset or use a model "
-                                  "with a longer context") from exc
             futures = self.engine.submit_all(reqs)
             self._left.append(len(futures))
             self._pending += [_Pending(i, j if j < self.k else GREEDY_INDEX, f)

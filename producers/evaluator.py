@@ -43,9 +43,10 @@ from ..config.sections import EvalSection
 from ..engines.base import InferenceEngine, SamplingParams
 from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
+from ..schemas.errors import EngineError
 from ..schemas.events import MetricsEvent, WeightsEvent
 from ..trainers.metrics_sink import MetricsSink
-from .eval_run import EvalRun, EvalTask, Scorer, flat_metrics
+from .eval_run import EvalRun, EvalTask, Scorer, flat_metrics, validate_prompts
 from .weights_follow import WeightsFollow
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Evaluator(Role[EvaluatorState]):
         self.member_id = member_id
         self.train_prompts = train_prompts
         self.sampling = SamplingParams.from_generation(section.sampling)
+        validate_prompts(task, engine, self.sampling)  # a bad dataset fails the start, not a version
         self.scorer = Scorer(task, section.eval.scoring_workers)
         self.sink: MetricsSink | None = None
 
@@ -202,7 +204,13 @@ class Evaluator(Role[EvaluatorState]):
     def _collect(self, state: EvaluatorState) -> list[Event]:
         run = state.run
         assert run is not None
-        run.poll()
+        try:
+            run.poll()
+        except EngineError as exc:  # e.g. its server went away: this version is not evaluated
+            state.run = None
+            log.warning("evaluator: the evaluation of version %d failed, it is skipped: %s",
+                        run.version, exc)
+            return []
         if not run.done:
             return []
         state.run = None

@@ -166,3 +166,11 @@ def test_the_evaluators_counters_are_no_sign_of_progress_to_the_stall_alarm(tmp_
     assert launcher._progress == before
     launcher._observe("evaluator-0", 10, {"eval/pass@1": 0.5, "eval/prompts": 16.0})
     assert launcher.summary.held_out == {10: 0.5}
+
+
+def test_a_prompt_the_engine_cannot_generate_is_named(tiny_dir, tmp_path):
+    # the tiny model has 256 positions: no prompt fits with 300 new tokens
+    msg = error("eval", str(tiny_dir), *DATA, "eval_gconfig.max_new_tokens=300",
+                "--out-dir", str(tmp_path / "o"))
+    assert "prompt 'synthetic-max-" in msg and "cannot be generated" in msg
+    assert "max_position_embeddings" in msg

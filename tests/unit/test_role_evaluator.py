@@ -185,3 +185,21 @@ def test_a_restarted_evaluator_does_not_evaluate_a_version_again(harness, weight
     second.feed(weights[20])
     (event,) = second.evaluations(1)
     assert event.policy_version == 20 and event.metrics["eval/skipped_versions"] == 0
+
+
+def test_an_evaluation_the_engine_aborts_is_dropped_and_said(harness, weights, caplog):
+    h = harness()
+    h.catch_up()
+    h.feed(weights[10])
+    h.role.engine.pause()  # nothing is generated before the shutdown below
+    h.tick()  # loads version 10 and starts its evaluation
+    assert h.state.run is not None
+    h.role.engine.shutdown()  # every queued completion ends as "abort"
+    with caplog.at_level(logging.WARNING, logger="tapioca.producers.evaluator"):
+        for _ in range(50):
+            h.tick()
+            if h.state.run is None:
+                break
+            time.sleep(0.01)
+    assert h.state.run is None and not h.published
+    assert "the evaluation of version 10 failed, it is skipped" in caplog.text
