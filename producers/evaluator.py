@@ -45,7 +45,6 @@ from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.errors import EngineError
 from ..schemas.events import MetricsEvent, WeightsEvent
-from ..trainers.metrics_sink import MetricsSink
 from .eval_run import EvalRun, EvalTask, Scorer, flat_metrics, validate_prompts
 from .weights_follow import WeightsFollow
 
@@ -81,11 +80,13 @@ class Evaluator(Role[EvaluatorState]):
 
     def __init__(self, section: EvalSection, *, engine: InferenceEngine,
                  load_weights: Callable[[WeightsEvent], Any], task: EvalTask,
-                 decode: Callable[[list[int]], str], member_id: str = "evaluator-0",
-                 train_prompts: int | None = None) -> None:
+                 decode: Callable[[list[int]], str], sink: Any = None,
+                 member_id: str = "evaluator-0", train_prompts: int | None = None) -> None:
         """``engine`` / ``load_weights``: the evaluator's own engine (runtime/builders.py
         build_engine); ``task``: the held-out prompts with their reward
-        (eval_run.load_eval_task); ``train_prompts``: train_dataset's size, which
+        (eval_run.load_eval_task); ``sink``: the local metric sinks of ``<run dir>/eval``
+        (``write(step, metrics)``, ``close()``: the trainer's MetricsSink, JSONL and
+        TensorBoard; None: none); ``train_prompts``: train_dataset's size, which
         ``freq_epochs`` needs."""
         self.sec = section
         self.ev = section.evaluator
@@ -98,10 +99,9 @@ class Evaluator(Role[EvaluatorState]):
         self.sampling = SamplingParams.from_generation(section.sampling)
         validate_prompts(task, engine, self.sampling)  # a bad dataset fails the start, not a version
         self.scorer = Scorer(task, section.eval.scoring_workers)
-        self.sink: MetricsSink | None = None
+        self.sink = sink
 
     def init_state(self) -> EvaluatorState:
-        self.sink = MetricsSink(Path(self.sec.run_dir) / EVAL_DIR)
         return EvaluatorState(WeightsFollow("the evaluator", loaded_version=self.engine.version))
 
     # ------------------------------------------------------------------ which versions
@@ -221,8 +221,8 @@ class Evaluator(Role[EvaluatorState]):
                    "eval/skipped_versions": float(state.skipped)}
         state.evaluated.add(run.version)
         state.evaluations += 1
-        assert self.sink is not None
-        self.sink.write(run.version, metrics)
+        if self.sink is not None:
+            self.sink.write(run.version, metrics)
         total = summary["metrics"]["total"]
         log.info("evaluator: version %d: pass@1 %.3f, greedy %s (%.1f prompts/s)", run.version,
                  total["pass@1"], f"{total['greedy']:.3f}" if "greedy" in total else "-",

@@ -317,8 +317,9 @@ def build_eval_parts(sec: EvalSection, *, log_dir: str, member: int = 0):
 def build_evaluator(cfg: TrainConfig, member: int = 0, *, renice: bool = True) -> Role:
     """The evaluator role (producers/evaluator.py): its own engine on ``valid_dataset``,
     at ``evaluator.nice`` (``renice``: this process's priority is lowered, once)."""
-    from ..producers.evaluator import Evaluator
+    from ..producers.evaluator import EVAL_DIR, Evaluator
     from ..tasks.datasets import dataset_rows
+    from ..trainers.metrics_sink import MetricsSink
 
     sec = eval_section(cfg)
     if sec.rollout.engine != "torch" and sec.rollout.server.urls:
@@ -335,7 +336,8 @@ def build_evaluator(cfg: TrainConfig, member: int = 0, *, renice: bool = True) -
     if sec.evaluator.freq_epochs is not None:  # an epoch is train prompts / prompts_per_step
         train_prompts = sum(1 for _ in dataset_rows(cfg.train_dataset, None)[1])
     return Evaluator(sec, engine=bundle.engine, load_weights=bundle.load_weights, task=task,
-                     decode=decode, member_id=f"evaluator-{member}", train_prompts=train_prompts)
+                     decode=decode, sink=MetricsSink(Path(cfg.run_path) / EVAL_DIR),
+                     member_id=f"evaluator-{member}", train_prompts=train_prompts)
 
 
 def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
