@@ -14,10 +14,11 @@ shared prompt is the longest common prefix of the sessions' first prompts (norma
 the whole first prompt; any remainder moves into the output with loss mask 0), and
 ``group_size`` is the number of trajectories actually produced (sessions that expired
 or never started are left out, so the group still completes). Sessions whose prompts
-share no first token are not one GRPO group (their advantages would compare different
-prompts, and a sample needs a shared prompt: one was published with ``prompt_ids=[]``
-and crashed the trainer): such a group is not published, its slot is given back like an
-empty group's, and a warning says why (``unshared_groups``).
+share no first token (a per_completion session that mixed chat calls and raw
+``/v1/completions`` calls, whose prompts start differently) are published with an empty
+shared prompt: every sequence's whole context moves into its output with loss mask 0
+(counted as ``unshared_groups``); the trainer, the advantage processor, the archive and
+replay take such groups (``SampleEvent.prompt_ids == []``).
 
 Trajectory shapes (``mode`` of ``end``):
     concat: one trajectory per session. The chain is built backwards from the leaf
@@ -446,13 +447,11 @@ class SessionStore:
         if not pieces:
             return []
         keep = common_prefix_len([p.prompt_ids for p in pieces])
-        if keep == 0:
-            self.unshared_groups += 1
-            log.warning("group %s is not published: its %d sessions share no prompt token, so "
-                        "they are not one GRPO group; every session of a group must start from "
-                        "the same prompt (start unrelated conversations as groups of their own)",
-                        group.group_id, len(pieces))
-            return []
+        # No common token (a chat call and a raw completions call of one per_completion
+        # session): published with an empty shared prompt, each context in its output
+        # with loss mask 0 (the trainer's flatten_groups takes the first context token
+        # as the prompt), as AReaL's individual export trains them.
+        self.unshared_groups += keep == 0
         events: list[Event] = []
         for i, p in enumerate(pieces):
             _move_prompt_tail(p, keep)

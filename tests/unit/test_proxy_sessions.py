@@ -204,23 +204,39 @@ def test_an_empty_group_is_abandoned_exactly_once():
     assert b.state == "expired" and events == [] and empty == 1
 
 
-def test_a_group_whose_sessions_share_no_prompt_token_is_not_published():
-    """Such a group was published with prompt_ids=[] and crashed the trainer: any agent
-    client could end the run. It is not one GRPO group: nothing is published and its
-    gate slot is given back (abandoned)."""
+def test_a_group_whose_completions_share_no_prompt_token_is_published():
+    """Issue 22's bug: one session (group_size 1) makes a chat call with tools, a tool-result
+    turn, then a raw /v1/completions call, and ends per_completion. The chat template's
+    prompts and the raw prompt share no first token; the group was dropped with a warning
+    (``published: false``) and a run waiting for it never finished. It is published with
+    an empty shared prompt, each completion's context in its output with loss mask 0."""
     gate = HeadGate(eta=0, prompts_per_step=4)
     gate.ready.set()
     st = store()
-    a = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="t", task_data={},
                  policy_version=0, admit=gate.try_admit)
-    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="t",
-                 task_data={}, policy_version=0, admit=gate.try_admit)
-    st.record(a, [comp("x", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
-    st.record(b, [comp("y", [7, 2, 3], [11, 2])], ["y"], ["y"], [[]])
-    assert not st.end(a, None, None).abandoned
-    ended = st.end(b, None, None)
-    assert ended.events == [] and ended.abandoned
-    assert st.unshared_groups == 1 and st.published_groups == 0
+    chat1 = comp("c1", [1, 2, 3], [10, 11])  # <|im_start|>... with the tools block
+    chat2 = comp("c2", [1, 2, 3, 10, 11, 4, 5], [12])  # + the tool result turn
+    raw = comp("r", [7, 8], [13, 14])  # the raw completions prompt
+    for c in (chat1, chat2, raw):
+        st.record(s, [c], ["x"], ["x"], [[]])
+    st.set_reward(s, 1.0, None)
+    ended = st.end(s, "per_completion", 1.0)
+    assert not ended.abandoned
+    trajs = [e for e in ended.events if isinstance(e, TrajectoryEvent)]
+    rews = [e for e in ended.events if isinstance(e, RewardEvent)]
+    assert len(trajs) == 3 and len(rews) == 3 and st.published_groups == 1
+    assert st.unshared_groups == 1
+    assert [t.prompt_ids for t in trajs] == [[], [], []]
+    assert trajs[0].output_ids == [1, 2, 3, 10, 11] and trajs[0].loss_mask == [0, 0, 0, 1, 1]
+    assert trajs[1].output_ids == [1, 2, 3, 10, 11, 4, 5, 12]
+    assert trajs[1].loss_mask == [0] * 7 + [1]
+    assert trajs[2].output_ids == [7, 8, 13, 14] and trajs[2].loss_mask == [0, 0, 1, 1]
+    assert trajs[2].output_logprobs == [0.0, 0.0, -0.5, -0.5]
+    assert [t.turn_boundaries for t in trajs] == [[3], [7], [2]]
+    assert [t.group_size for t in trajs] == [3, 3, 3]
+    for t in trajs:
+        t.validate()
     # A group that shares one token is still published, with that token as its prompt.
     c = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
                  policy_version=0, admit=gate.try_admit)
