@@ -38,7 +38,9 @@ gate counts from there (docs/design-choices.md).
 Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
 (``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
 scorers; the launcher fixes the proxy's port and admin key (a 0600 file beside the
-signing key) in the written config so both sides read the same ones.
+signing key) in the written config so both sides read the same ones. Online mode
+(``agent.mode: online``, docs/online.md): the proxy, the advantage processor and the
+trainer, no agent runner; live clients' sessions are the data.
 """
 
 from __future__ import annotations
@@ -234,6 +236,8 @@ class Launcher:
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
+            log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
         self.summary = RunSummary(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)

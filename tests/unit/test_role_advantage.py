@@ -13,6 +13,7 @@ from tapioca.bus.role import Source
 from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
 from tapioca.config.sections import AdvantageSection, advantage_section
 from tapioca.consumers.advantage import AdvantageProcessor
+from tapioca.schemas.errors import BadEventError
 from tapioca.schemas.events import RewardEvent, SampleEvent, TrajectoryEvent
 
 TRAJ, REW = "t.trajectories.v1", "t.rewards.v1"
@@ -268,8 +269,11 @@ def test_group_incomplete_past_its_timeout_is_dropped_and_releases_the_commit_fl
     assert isinstance(dropped, SampleEvent) and dropped.group_id == "g-lost"
     assert dropped.sequences == [] and "1 of 2 trajectories" in dropped.dropped_reason
     assert feed.role.committable(feed.state, TRAJ, 0, 1) == 1
-    # A late straggler of a dropped group changes nothing.
-    assert feed(traj("g-lost", 1, 2)) == [] and feed(reward("g-lost", 1, 0.0)) == []
+    # A late straggler of a dropped group changes nothing; its reward came too late to
+    # train, which the dead letter says (issue 22: nothing dropped silently).
+    assert feed(traj("g-lost", 1, 2)) == []
+    with pytest.raises(BadEventError, match="g-lost was dropped .timeout after 0 s"):
+        feed(reward("g-lost", 1, 0.0))
     assert feed.state.pending == {}
 
 
@@ -379,8 +383,9 @@ def test_reward_timeout_drop_names_the_missing_sources():
     assert dropped.dropped_reason == ("reward timeout after 30 s: "
                                       "missing judge for 1 of 2 trajectories")
     assert feed.state.pending == {} and feed.role.committable(feed.state, TRAJ, 0, 2) == 2
-    # The missing reward arrives after all: late, ignored.
-    assert feed(sreward("g", 1, 1.0, "judge")) == []
+    # The missing reward arrives after all: too late, dead-lettered with the drop reason.
+    with pytest.raises(BadEventError, match="reward timeout after 30 s: missing judge"):
+        feed(sreward("g", 1, 1.0, "judge"))
     d = feed.role.describe(feed.state)
     assert (d["dropped"], d["late_rewards"], d["emitted"]) == (1, 1, 0)
 
