@@ -81,11 +81,11 @@ def test_group_publishes_when_every_session_is_over():
     st.record(s0, [comp("a", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
     st.record(s0, [comp("b", [1, 2, 3, 10, 2, 7], [11, 2])], ["y"], ["y"], [[]])
     assert st.set_reward(s0, 1.0, None) == ["b:0"]
-    ids, rewards, events, _, abandoned = st.end(s0, "concat", 0.5)
+    ids, rewards, events, _, abandoned, _ = st.end(s0, "concat", 0.5)
     assert ids == [f"{s0.group.group_id}:0"] and rewards == [0.5] and events == [] and not abandoned
     st.record(s1, [comp("c", [1, 2, 4], [12, 2])], ["z"], ["z"], [[]])
     st.set_reward(s1, 0.25, "c")
-    ids, rewards, events, group, abandoned = st.end(s1, "per_completion", None)
+    ids, rewards, events, group, abandoned, _ = st.end(s1, "per_completion", None)
     assert not abandoned
     assert rewards == [0.25]
     trajs = [e for e in events if isinstance(e, TrajectoryEvent)]
