@@ -231,10 +231,18 @@ class ProxyService:
                 raw = orjson.dumps(e)
             except orjson.JSONEncodeError:
                 raw = repr(e).encode()
-            topic = self.bus.topic(topic_for(e))
-            record, headers = dead_letter(raw, Source(topic, -1, -1, key=e.group_id), error,
-                                          consumer_group=self.member_id)
-            self.producer.publish(record, headers=headers)
+            source = Source(self.bus.topic(topic_for(e)), -1, -1, key=e.group_id)
+            # The letter must fit on the bus itself: a too-large event's payload is cut
+            # to a third of the limit (base64 adds a third), else left out.
+            for payload in (raw[: self.bus.max_message_bytes // 3], b""):
+                record, headers = dead_letter(payload, source, error,
+                                              consumer_group=self.member_id)
+                record.payload_truncated = len(payload) < len(raw)
+                try:
+                    self.producer.publish(record, headers=headers)
+                    break
+                except SchemaError:
+                    continue
             self.dead_lettered += 1
         for gid, why in bad.items():
             log.error("group %s dead-lettered, not trained: %s", gid, why)
@@ -287,10 +295,12 @@ class ProxyService:
                 "traj_ids": [e.traj_id for e in events], "reward": reward, "published": True}
 
     def session_counts(self) -> dict[str, int]:
-        """Sessions served, open, not for training, refused at the gate; ended ones that
-        are rewarded or wait for a reward (the live table's numbers)."""
-        open_ = sum(1 for s in list(self.store.sessions.values()) if s.state == "open")
-        return {"served": self.store.started, "open": open_,
+        """Sessions served, open, with a call generating, not for training, refused at the
+        gate; ended ones rewarded or waiting for a reward (the live table's numbers)."""
+        sessions = list(self.store.sessions.values())
+        return {"served": self.store.started,
+                "open": sum(1 for s in sessions if s.state == "open"),
+                "generating": sum(s.in_flight for s in sessions),
                 "untrained": self.store.untrained_sessions, "refused": self.refused_starts,
                 "dead_lettered": self.dead_lettered, **self.ended.counts()}
 
