@@ -87,6 +87,7 @@ class EndedSessions:
     _by_traj: dict[str, str] = field(default_factory=dict)
     _rewarded_trajs: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pruned_at: float = 0.0
 
     def record(self, session_id: str, entry: EndedSession) -> None:
         """A session this proxy ended (its trajectories may not be back from the log yet)."""
@@ -97,6 +98,8 @@ class EndedSessions:
                 entry.factors = {**old.factors, **entry.factors}
             self.entries[session_id] = entry
             self._index(session_id, entry)
+            if self.clock() - self._pruned_at > 10.0:
+                self._prune()
 
     def observe(self, event: Event) -> None:
         """A trajectory or reward read from the log."""
@@ -159,7 +162,8 @@ class EndedSessions:
                 self.entries[session_id].rewarded = False
 
     def _prune(self) -> None:
-        horizon = self.clock() - 2 * self.window_s
+        self._pruned_at = self.clock()
+        horizon = self._pruned_at - 2 * self.window_s
         for sid in [s for s, e in self.entries.items() if e.ended_at < horizon]:
             for traj_id in self.entries.pop(sid).factors:
                 self._by_traj.pop(traj_id, None)
