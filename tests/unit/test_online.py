@@ -187,3 +187,41 @@ def test_online_a_late_group_within_the_cap_is_trained(tmp_path):
         assert isinstance(letter, DeadLetter) and "bound of 3" in str(letter.error)
     finally:
         trainer.sink.close()
+
+
+def test_events_from_before_the_online_fields_still_decode_and_train(tmp_path):
+    """The wire only grew (session_id, delayed_reward_factor, reward_delay_s): events an
+    older Tapioca wrote, without them, decode with the defaults, and the processor and the
+    online trainer take them."""
+    import orjson
+
+    from tapioca.schemas.envelope import decode_event, encode_event
+
+    def old(event, *fields):
+        data = orjson.loads(encode_event(event))
+        for name in fields:
+            del data[name]
+        return decode_event(orjson.dumps(data))
+
+    t = old(TrajectoryEvent(traj_id="g:0", group_id="g", prompt_id="p", sample_index=0,
+                            group_size=1, prompt_ids=[1], output_ids=[2, 3],
+                            output_logprobs=[-1.0, -1.0], output_versions=[0, 0]),
+            "session_id", "delayed_reward_factor")
+    assert (t.session_id, t.delayed_reward_factor) == ("", 1.0)
+    role = AdvantageProcessor(AdvantageSection(advantage=AdvantageConfig(adv_norm=OFF),
+                                               max_new_tokens=8, n_samples=1))
+    state = role.init_state()
+    role.handle(t, state, Source("t.trajectories.v1", 0, 0))
+    (sample,) = role.handle(RewardEvent(traj_id="g:0", group_id="g", reward=1.0), state,
+                            Source("t.rewards.v1", 0, 0))
+    legacy = old(one("legacy", 0), "reward_delay_s")
+    assert legacy.reward_delay_s == 0.0
+    trainer = online_trainer(tmp_path)
+    try:
+        state = trainer.init_state()
+        list(trainer.on_tick(state, 0.0))
+        out = list(trainer.handle(legacy, state, Source("t.samples.v1", 0, 0)))
+        assert [e.group_ids for e in out if isinstance(e, WeightsEvent)] == [["legacy"]]
+    finally:
+        trainer.sink.close()
+    assert sample.sequences[0].output_ids == [2, 3]
