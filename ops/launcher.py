@@ -26,7 +26,8 @@ Supervision (``launcher`` config section):
   with its defaults) they are re-created from the registry, and since the log is gone,
   the run moves to a new bus run id and every role is restarted on it.
 - stall alarm: no role handled or produced anything for ``launcher.stall_alarm_s``
-  although some run unpaused (or none reported at all): shown in the display.
+  although some run unpaused (or none reported at all): shown in the display. Online
+  mode raises only the second (no traffic is no stall).
 
 Bus run ids (one per broker lifetime): a run resumed on a broker that does not hold its
 log (the embedded memory broker keeps nothing across restarts) would number its groups
@@ -530,7 +531,8 @@ class Launcher:
             self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
                                     f"{now - self._last_report:.0f} s although {len(alive)} "
                                     "are alive (is the broker up? `tapioca topics list`)")
-        elif running and now - since > lc.stall_alarm_s:
+        elif running and now - since > lc.stall_alarm_s and not self.cfg.agent.online:
+            # (Online, a quiet log is a quiet hour of traffic, not a stall.)
             self.alarms["stall"] = (f"stalled: no role handled or produced an event for "
                                     f"{now - since:.0f} s although {len(running)} report "
                                     "running (`tapioca status`; `tapioca topics list`)")

@@ -183,7 +183,7 @@ class TrainView:
                     "backlog p/s": f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-"})
         return {
             "step": f"{self.step if self.step is not None else 0}/{self.total_steps}",
-            "ETA": duration(self.eta_s()),
+            "ETA": "-" if self.online else duration(self.eta_s()),  # a service: no end
             "reward": _fmt(self._reward(), "{:.3f}"),
             "tok/s train": compact(t.get("actor/tokens_per_s")),
             **traffic,

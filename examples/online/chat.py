@@ -5,9 +5,10 @@
 
 Every conversation is one episode (a proxy session) under your fixed key, so starting
 the next one (``/new``) ends and exports the previous one, as AReaL's OpenClaw does.
-Rate an episode with ``/rate 1`` (or ``/rate -1``) now, or later from anywhere with
-``tapioca --run-dir RUN reward SESSION_ID VALUE``: the trajectory waits on the log for
-its reward (``advantage.reward_timeout_s``). ``/quit`` ends the episode and prints its id.
+Rate this episode with ``/rate 1`` (or ``/rate -1``), or an ended one later, from
+anywhere, with ``tapioca --run-dir RUN reward SESSION_ID VALUE``: an episode ended
+without a reward waits on the log for one (``advantage.reward_timeout_s``). ``/new`` and
+``/quit`` print the id of the episode they end.
 
 Only the standard library and the ``openai`` SDK; lines on stdin work as well as a
 person (``printf 'hello\\n/quit\\n' | python examples/online/chat.py --run-dir RUN``).
@@ -93,7 +94,6 @@ def main() -> None:
     session = start(proxy, admin, args.key)
     client = openai.OpenAI(base_url=proxy, api_key=args.key, max_retries=3)
     messages: list[dict] = []
-    last_ended: str | None = None
     print(f"episode {session['session_id']} (policy version {session['policy_version']}); "
           "/new, /rate VALUE, /quit")
     for line in sys.stdin:
@@ -104,15 +104,18 @@ def main() -> None:
             if text == "/new":
                 session = start(proxy, admin, args.key)  # ends and exports the previous one
                 said(session["previous"])  # None if it had expired (proxy.session_ttl_s)
-                last_ended = (session["previous"] or {}).get("session_id", last_ended)
                 messages = []
                 print(f"episode {session['session_id']}")
                 continue
             break
-        if text.startswith("/rate"):
-            target = last_ended or session["session_id"]
-            status, body, _ = post(f"{proxy}/sessions/{target}/reward", admin,
-                                   {"reward": float(text.split()[1])})
+        if text.startswith("/rate"):  # this episode's reward, on its latest reply
+            try:
+                value = float(text.split()[1])
+            except (IndexError, ValueError):
+                print("[/rate VALUE, e.g. /rate 1]")
+                continue
+            target = session["session_id"]
+            status, body, _ = post(f"{proxy}/sessions/{target}/reward", admin, {"reward": value})
             print(f"[{target}: {'rewarded' if status == 200 else body['error']['message']}]")
             continue
         messages.append({"role": "user", "content": text})

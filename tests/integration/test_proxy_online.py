@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -362,3 +363,24 @@ def test_a_group_that_cannot_be_published_is_dead_lettered_and_frees_its_slot(
             409, "nothing_to_reward")
     finally:
         server.stop()
+
+
+def test_the_terminal_chat_example_runs_episodes_under_one_key(serve):
+    """examples/online/chat.py against a real online proxy, fed lines on stdin as a
+    person would type them: two episodes, the first rated in the chat, the second left
+    for `tapioca reward`; the first start of the second ends and exports the first."""
+    server, cfg = serve()
+    example = Path(__file__).resolve().parents[2] / "examples" / "online" / "chat.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--proxy", server.base_url, "--admin-key", ADMIN,
+         "--key", "user-example-0123456789", "--max-tokens", "3"],
+        input="hello\n/rate 1\n/new\nhi again\n/quit\n", capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    first, second = [line.split()[1] for line in out.splitlines() if line.startswith("episode ")]
+    assert f"[{first}: rewarded]" in out and f"[episode {first} ended: rewarded]" in out
+    assert f"[episode {second} ended: waits for its reward]" in out
+    assert f"reward {second} 1" in out
+    trajs = {t.session_id for t in events(cfg, "trajectories", TrajectoryEvent)}
+    assert trajs == {first, second}
