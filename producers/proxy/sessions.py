@@ -472,6 +472,10 @@ class SessionStore:
                 return None
             if key is not None and key != session.api_key:
                 raise ApiError(403, "this API key belongs to another session", code="wrong_session")
+            if session.state == "expired":
+                raise ApiError(410, f"session {session_id} expired (idle longer than "
+                               "proxy.session_ttl_s) before it ended: its completions left its "
+                               "group, so there is nothing to reward", code="session_expired")
             if session.group.untrained:
                 raise _not_for_training(session_id, session.group.untrained)
             if not session.pieces:

@@ -319,3 +319,77 @@ def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_l
                     state, src)
     assert list(follower.on_tick(state, 0.0)) == [] and state.head is None  # dropped
     assert gate.version == 1 and follower.describe(state)["weights_dead_lettered"] == 1
+
+
+def test_online_sessions_defer_rewards_and_take_one_after_the_end():
+    """Online mode (defer_unset_rewards): a session ended without a reward publishes its
+    trajectories without one; a reward after the end lands on its last completion, x
+    turn_discount ** (completions after each trajectory's), with the group if it is still
+    open; a second one, or one for an expired session, is refused."""
+    clock = Clock()
+    st = store(clock, defer_unset_rewards=True)
+    admit = iter(range(100)).__next__
+    a = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={},
+                 policy_version=0, admit=admit)
+    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="",
+                 task_data={}, policy_version=0, admit=admit)
+    st.record(a, [comp("x", [1, 2], [3])], ["x"], ["x"], [[]])
+    st.record(a, [comp("y", [1, 2, 3, 4], [5])], ["y"], ["y"], [[]])
+    ended = st.end(a, "per_completion", 0.5)
+    assert ended.rewards == [None, None] and ended.events == []
+    session, traj_ids = st.reward_ended(a.session_id, 2.0)
+    assert session is a and [p.reward for p in a.pieces] == [1.0, 2.0]  # 2 x 0.5, 2 x 1
+    with pytest.raises(ApiError) as err:
+        st.reward_ended(a.session_id, 1.0)
+    assert (err.value.status, err.value.code) == (409, "already_rewarded")
+    st.record(b, [comp("z", [1, 2], [6])], ["z"], ["z"], [[]])
+    events = st.end(b, None, None).events
+    trajs = [e for e in events if isinstance(e, TrajectoryEvent)]
+    rewards = {e.traj_id: e.reward for e in events if isinstance(e, RewardEvent)}
+    assert rewards == dict(zip(traj_ids, [1.0, 2.0]))  # b's reward may still come
+    assert [t.delayed_reward_factor for t in trajs] == [0.5, 1.0, 1.0]
+    assert [t.session_id for t in trajs] == [a.session_id] * 2 + [b.session_id]
+    assert st.reward_ended(b.session_id, 1.0) is None  # published: the index's job now
+    # An expired session took its completions out of its group: 410.
+    c = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={},
+                 policy_version=0, admit=admit)
+    d = st.start(group_id=c.group.group_id, group_size=2, sample_index=None, task="",
+                 task_data={}, policy_version=0, admit=admit)
+    clock.t = 9.0
+    st.by_api_key(d.api_key)  # d is active, so the group stays open
+    clock.t = 11.0
+    st.reap()
+    assert c.state == "expired" and d.state == "open"
+    with pytest.raises(ApiError) as err:
+        st.reward_ended(c.session_id, 1.0)
+    assert (err.value.status, err.value.code) == (410, "session_expired")
+
+
+def test_a_fixed_key_ends_its_previous_episode_and_untrained_groups_hold_no_slot():
+    gate = HeadGate(eta=0, prompts_per_step=1)
+    gate.ready.set()
+    st = store(defer_unset_rewards=True)
+    key = "user-bob-0123456789"
+    first = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                     policy_version=0, admit=gate.try_admit, api_key=key)
+    assert st.by_api_key(key) is first and first.fixed_key
+    st.record(first, [comp("x", [1], [2])], ["x"], ["x"], [[]])
+    st.begin_call(first, 5)  # a call generating: a second client on the key
+    with pytest.raises(ApiError) as err:
+        st.end_previous(key)
+    assert (err.value.status, err.value.code) == (409, "key_in_use")
+    st.end_call(first, 5)
+    session, ended = st.end_previous(key)
+    assert session is first and len(ended.events) == 1 and ended.rewards == [None]
+    assert st.end_previous(key) is None
+    # The gate is full (eta 0, B 1): a new group is served untrained, outside the gate.
+    assert st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                    policy_version=0, admit=gate.try_admit, api_key=key) is None
+    second = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                      policy_version=0, admit=gate.try_admit, api_key=key,
+                      untrained="served past the staleness bound")
+    assert st.by_api_key(key) is second and gate.admitted == 1
+    st.record(second, [comp("y", [1], [3])], ["y"], ["y"], [[]])
+    done = st.end(second, None, None)
+    assert done.events == [] and not done.abandoned
+    assert done.reason == "not for training: served past the staleness bound"
