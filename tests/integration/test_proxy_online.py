@@ -29,6 +29,7 @@ import openai
 import pytest
 
 from tapioca.bus.fleet import read_fleet
+from tapioca.bus.producer import EventProducer
 from tapioca.bus.reader import read_events
 from tapioca.bus.signing import create_key_file
 from tapioca.config.schema import AdvantageConfig, ModelConfig, NormConfig, ProxyConfig, TrainConfig
@@ -175,6 +176,17 @@ def test_an_ended_session_waits_on_the_log_for_its_reward(serve, wait_until):
     assert ra.reward == 0.5 and ra.traj_id == out["traj_ids"][0]
     counts = server.svc.session_counts()
     assert counts["served"] == 4 and counts["rewards_pending"] == 1 and counts["rewarded"] == 3
+    # A reward from another service (a RewardEvent on rewards.v1) counts too: a second
+    # one through the proxy is refused.
+    (tb,) = [e for e in events(cfg, "trajectories", TrajectoryEvent, group_id=a["group_id"])
+             if e.session_id == b["session_id"]]
+    with EventProducer(cfg.bus, "thumbs-service") as producer:
+        producer.publish(RewardEvent(traj_id=tb.traj_id, group_id=tb.group_id, reward=1.0,
+                                     scorer="thumbs", run_id=tb.run_id))
+    wait_until(lambda: server.svc.session_counts()["rewards_pending"] == 0,
+               what="the proxy to read the service's reward")
+    assert code_of(post(server, f"/sessions/{b['session_id']}/reward", {"reward": 1.0})) == (
+        409, "already_rewarded")
 
 
 def test_the_reward_window_closes_with_410(serve):
