@@ -40,7 +40,7 @@ from tapioca.bus.fleet import read_fleet
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.ops.launcher import Launcher, role_counts
-from tapioca.schemas import RewardEvent, SampleEvent, TrajectoryEvent, WeightsEvent
+from tapioca.schemas import RewardEvent, SampleEvent, TrajectoryEvent
 
 pytestmark = pytest.mark.e2e
 
@@ -141,6 +141,20 @@ def two_clients_on_one_key(proxy: Proxy) -> None:
             return
         assert status == 200, body  # the call had finished: the next episode started
     raise AssertionError("never caught the long call in flight")
+
+
+def trained_by_version(cfg: TrainConfig) -> dict[int, list[str]]:
+    """Version -> the groups trained to make it, from the trainer's verdicts on the log:
+    progress.v1 where the tree has it (issue 21), else weights.v1."""
+    from tapioca.schemas import events
+
+    cls = getattr(events, "ProgressEvent", None) or events.WeightsEvent
+    topic = "progress" if cls.__name__ == "ProgressEvent" else "weights"
+    versions: dict[int, list[str]] = {}
+    for e in read_events(cfg.bus, topic):
+        if isinstance(e, cls) and e.run_id == cfg.bus.run_id:
+            versions.setdefault(e.version, list(e.group_ids))
+    return versions
 
 
 def tapioca(cfg: TrainConfig, *args: str) -> subprocess.CompletedProcess:
@@ -244,10 +258,7 @@ def test_every_rewarded_trajectory_trained_exactly_once_within_the_bound(run):
     assert by_group == {group_of[s]: {v} for s, v in facts["rewarded"].items()}
     # Trained: each version's groups (the first event of a version; re-announcements
     # repeat them), every rewarded group in exactly one version, nothing else.
-    versions: dict[int, list[str]] = {}
-    for w in read_events(cfg.bus, "weights"):
-        if isinstance(w, WeightsEvent) and ours(w):
-            versions.setdefault(w.version, list(w.group_ids))
+    versions = trained_by_version(cfg)
     trained = [g for v in sorted(versions) for g in versions[v]]
     assert sorted(trained) == sorted(rewarded), (trained, rewarded)
     assert not unrewarded & set(trained)
