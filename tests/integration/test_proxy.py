@@ -567,19 +567,22 @@ class ScriptedEngine(InferenceEngine):
     def shutdown(self) -> None: ...
 
 
-def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
-    reply = "Let me compute.\n" + CALL
-    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
-                            + [tokenizer.eos_token_id])
+def _scripted_server(engine: InferenceEngine, tokenizer, bus_cfg, run_id: str) -> ProxyServer:
     section = ProxySection(
         proxy=ProxyConfig(api_key=ADMIN, served_model_name="tapioca", max_tokens_per_request=4096,
                           max_tokens_per_session=100_000, max_request_bytes=1 << 20,
                           session_ttl_s=600.0),
         gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
-        prompts_per_step=100, run_id="scripted", seed=0)
-    svc = ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
-                       load_weights=lambda e: None)
-    with ProxyServer(svc) as server:
+        prompts_per_step=100, run_id=run_id, seed=0)
+    return ProxyServer(ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
+                                    load_weights=lambda e: None))
+
+
+def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
+    reply = "Let me compute.\n" + CALL
+    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+                            + [tokenizer.eos_token_id])
+    with _scripted_server(engine, tokenizer, bus_cfg, "scripted") as server:
         session = _session(server, group_size=1)
         client = _client(server, session)
         messages = [{"role": "user", "content": "What is 12*7?"}]
@@ -627,14 +630,7 @@ def test_tool_turns_then_raw_completions_train_as_one_group(bus_cfg, tokenizer, 
     with loss mask 0, one trajectory per completion, each with its session reward."""
     engine = ScriptedEngine(list(tokenizer(CALL, add_special_tokens=False)["input_ids"])
                             + [tokenizer.eos_token_id])
-    section = ProxySection(
-        proxy=ProxyConfig(api_key=ADMIN, max_tokens_per_request=4096,
-                          max_tokens_per_session=100_000, max_request_bytes=1 << 20),
-        gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
-        prompts_per_step=100, run_id="issue22", seed=0)
-    svc = ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
-                       load_weights=lambda e: None)
-    with ProxyServer(svc) as server:
+    with _scripted_server(engine, tokenizer, bus_cfg, "issue22") as server:
         session = _session(server, group_size=1)
         client = _client(server, session)
         messages = [{"role": "user", "content": "What is 12*7?"}]
