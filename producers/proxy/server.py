@@ -52,8 +52,9 @@ HTTP API (errors: ``{"error": {"message", "type", "param", "code"}}``)
     ``context_length_exceeded``: past the model's context, ``invalid_prompt``), 401
     missing, unknown, ended or expired key, 403 a key on another session (or the admin
     key on completions), 404 unknown session or completion, 409 group full / finished,
-    session already ended (also for a reward, or for a call whose session ended while
-    it generated), 413 body over ``proxy.max_request_bytes``, 429 ``proxy.max_sessions``
+    session already ended (also for a call whose session ended while it generated; a
+    reward after the end has its own codes, above), 413 body over
+    ``proxy.max_request_bytes``, 429 ``proxy.max_sessions``
     open, or the head gate closed with ``proxy.admission: reject``, 503 shutting down or
     still loading the latest weights (or, plain text from uvicorn, ``proxy.max_connections``
     reached); 408 and a close when a request line and headers are not complete within

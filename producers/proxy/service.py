@@ -42,6 +42,7 @@ from ...config.sections import ProxySection
 from ...engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from ...schemas.envelope import Event, encode_event
 from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError
+from ...schemas.events import TrajectoryEvent
 from ...schemas.registry import topic_for
 from .delayed_rewards import (
     EndedSession,
@@ -244,12 +245,14 @@ class ProxyService:
                 except SchemaError:
                     continue
             self.dead_lettered += 1
+        unpublished = {e.group_id for e in events if isinstance(e, TrajectoryEvent)}
         for gid, why in bad.items():
             log.error("group %s dead-lettered, not trained: %s", gid, why)
             self.undeliverable[gid] = why
             if len(self.undeliverable) > 10_000:
                 self.undeliverable.pop(next(iter(self.undeliverable)))
-            self.gate.abandon()  # the trainer will never see it: free its slot here
+            if gid in unpublished:  # the trainer will never see it: free its slot here
+                self.gate.abandon()
         return [e for e in events if e.group_id not in bad]
 
     # ------------------------------------------------------------------ sessions
