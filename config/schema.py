@@ -258,6 +258,31 @@ class AdvantageConfig:
         _require(self.missing_reward in ("drop", "zero"),
                  f"advantage.missing_reward={self.missing_reward!r}: use drop or zero")
 
+    def singleton_warnings(self, n_samples: int, sequences_per_step: int | None = None) -> list[str]:
+        """Why groups of ``n_samples`` samples (and steps of ``sequences_per_step``
+        sequences) would get advantage exactly 0 under this section: a group mean of
+        one reward is that reward (and so is a batch mean of one). Empty: none."""
+        out = []
+        off = ("advantage.adv_norm={mean_level: none, std_level: none} (AReaL's adv_norm: "
+               "null: the advantage is the shaped reward)")
+        norm = self.norm()
+        which = (f"advantage.adv_norm (mean_level {norm.mean_level})" if self.adv_norm is not None
+                 else f"advantage.estimator={self.estimator} (mean_level {norm.mean_level})")
+        if n_samples == 1 and norm.mean_level == "group" and self.estimator != "gae":
+            out.append(f"gconfig.n_samples=1 with {which}: a group of one sample is its own "
+                       f"mean, so every advantage is exactly 0 and nothing trains; set {off}, "
+                       "or raise n_samples")
+        if n_samples == 1 and self.reward_norm is not None and self.reward_norm.mean_level == "group":
+            out.append("gconfig.n_samples=1 with advantage.reward_norm (mean_level group): every "
+                       "reward of a group of one becomes exactly 0; unset advantage.reward_norm "
+                       "(AReaL's reward_norm: null)")
+        if sequences_per_step == 1 and norm.mean_level == "batch" and self.estimator != "gae":
+            out.append(f"one sequence per training step (gconfig.n_samples x "
+                       f"train_dataset.prompts_per_step = 1) with mean_level batch "
+                       f"({which}): the batch mean is that sequence's own, so its advantage is "
+                       f"exactly 0; raise train_dataset.prompts_per_step or set {off}")
+        return out
+
     def norm(self) -> NormConfig:
         """The effective normalisation: ``adv_norm`` if set, else the estimator's preset."""
         if self.adv_norm is not None:
@@ -335,6 +360,13 @@ class ActorConfig:
     prox_logp_method: str = "recompute"
     # Entropy bonus: loss -= entropy_coeff * aggregated entropy of the current policy.
     entropy_coeff: float = 0.0
+    # agent.mode online: a group past the tail gate (staleness > rollout.max_head_
+    # offpolicyness, e.g. its reward came hours after its session) is trained with
+    # decoupled PPO's behaviour-weight correction (pi_prox / pi_behav, capped by
+    # behav_imp_weight_cap when set) while its staleness is at most this many versions;
+    # beyond, or when null (the default), it is rejected and dead-lettered with the
+    # reason (docs/online.md).
+    late_reward_max_offpolicyness: Optional[int] = None
     # --- training-step speed and memory (docs/trainer-performance.md) ---
     # Micro-batches as packed sequences: concatenated without padding, position ids
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
@@ -477,6 +509,10 @@ class ActorConfig:
         _require(self.entropy_coeff >= 0, "actor.entropy_coeff must be >= 0 (0 = no bonus)")
 
 
+# proxy.admission: what a session start gets while the head gate is closed.
+ADMISSIONS = ("auto", "wait", "reject", "serve_untrained")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
     """`tapioca proxy`: the OpenAI-compatible HTTP endpoint agents train through."""
@@ -504,6 +540,13 @@ class ProxyConfig:
     end_mode: str = "concat"
     turn_discount: float = 1.0
     max_sessions: int = 4096
+    # A session start while the head gate is closed (admitting it could break the
+    # staleness bound): wait (until a trained step frees a slot; agent runners) |
+    # reject (429 with a Retry-After of retry_after_s, AReaL's answer) |
+    # serve_untrained (served with the newest weights and marked not for training:
+    # nothing of it is published) | auto (reject with agent.mode online, else wait).
+    admission: str = "auto"
+    retry_after_s: int = 5
     # HTTP: a connection whose request line and headers are not complete this long
     # after it opened (or after a request's first byte) gets 408 and is closed; an idle
     # kept-alive connection is closed after keep_alive_timeout_s (uvicorn's
@@ -526,6 +569,9 @@ class ProxyConfig:
                  f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
         _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
         _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+        _require(self.admission in ADMISSIONS,
+                 f"proxy.admission={self.admission!r}: use one of {', '.join(ADMISSIONS)}")
+        _require(self.retry_after_s >= 1, "proxy.retry_after_s must be >= 1 (seconds)")
         _require(not (self.api_key and self.api_key_file),
                  "set proxy.api_key or proxy.api_key_file, not both (prefer the file: the "
                  "run's config.yaml is not secret)")
@@ -578,6 +624,11 @@ class AgentConfig:
     group id; sampling comes from ``gconfig`` (``max_new_tokens`` per chat call)."""
 
     enabled: bool = False
+    # batch: the agent runners play train_dataset's prompts; online (AReaL's
+    # rollout.agent.mode: online): live clients' sessions are the data, and `tapioca
+    # train` runs the proxy, the advantage processor and the trainer, nothing that feeds
+    # prompts (docs/online.md). online implies enabled.
+    mode: str = "batch"
     # math: answer, feedback, retry (multi-turn); tir: python + calculator tools;
     # command: an unmodified program (``command``) pointed at the proxy.
     workflow: str = "math"
@@ -610,6 +661,11 @@ class AgentConfig:
     max_consecutive_failures: int = 16
 
     def __post_init__(self) -> None:
+        _require(self.mode in ("batch", "online"),
+                 f"agent.mode={self.mode!r}: use batch (agent runners play the dataset) or "
+                 "online (live clients' sessions are the data)")
+        if self.mode == "online":  # frozen: normalised once, here
+            object.__setattr__(self, "enabled", True)
         _require(self.max_consecutive_failures >= 0,
                  "agent.max_consecutive_failures must be >= 0 (0: never give up)")
         _require(self.workflow in ("math", "tir", "command"),
@@ -630,6 +686,10 @@ class AgentConfig:
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")
+
+    @property
+    def online(self) -> bool:
+        return self.mode == "online"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -667,6 +727,13 @@ class LauncherConfig:
                  "launcher.restart_backoff_max_s must be >= launcher.restart_backoff_s")
         _require(self.stall_alarm_s > 0, "launcher.stall_alarm_s must be > 0")
         _require(self.topic_check_interval_s > 0, "launcher.topic_check_interval_s must be > 0")
+
+
+def admission_of(proxy: ProxyConfig, agent: AgentConfig) -> str:
+    """``proxy.admission`` with ``auto`` resolved: reject in online mode, else wait."""
+    if proxy.admission != "auto":
+        return proxy.admission
+    return "reject" if agent.online else "wait"
 
 
 # A run resumed on a broker that lost its log (a memory broker restarted, a fresh
@@ -759,6 +826,7 @@ class TrainConfig:
         _require(not (a.dynamic_sampling and self.gconfig.n_samples == 1),
                  "advantage.dynamic_sampling with gconfig.n_samples=1 would filter every "
                  "group (one sample has no reward variance); raise n_samples or turn it off")
+        self._check_online()
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:
@@ -767,6 +835,34 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
+
+    def _check_online(self) -> None:
+        cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness
+        if cap is not None:
+            _require(self.agent.online,
+                     "actor.late_reward_max_offpolicyness applies to agent.mode=online (rewards "
+                     "that arrive after their session); remove it or set agent.mode=online")
+            _require(cap > eta,
+                     f"actor.late_reward_max_offpolicyness={cap} must exceed "
+                     f"rollout.max_head_offpolicyness={eta} (groups within eta train anyway); "
+                     "raise it or set it to null (late groups are dead-lettered)")
+            _require(self.actor.recompute_logprob,
+                     "actor.late_reward_max_offpolicyness trains stale groups with decoupled "
+                     "PPO's behaviour weight pi_prox/pi_behav, which actor.recompute_logprob="
+                     "false turns off (w = 1); set recompute_logprob true")
+        if self.agent.online:
+            _require(self.proxy.admission != "wait",
+                     "proxy.admission=wait with agent.mode=online would hold a live user's "
+                     "session start without an answer while the head gate is closed: use "
+                     "reject (429 with Retry-After) or serve_untrained (newest weights, not "
+                     "trained), or auto (reject)")
+
+    def singleton_warnings(self) -> list[str]:
+        """Settings that make the advantage of every group of one sample exactly 0 (so
+        nothing trains), said at start-up: online mode's ``gconfig.n_samples: 1`` wants
+        normalisation off (AReaL's ``reward_norm: null``, ``adv_norm: null``)."""
+        return self.advantage.singleton_warnings(
+            self.gconfig.n_samples, self.gconfig.n_samples * self.train_dataset.prompts_per_step)
 
     @property
     def run_id(self) -> str:

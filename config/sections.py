@@ -30,6 +30,7 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    admission_of,
 )
 from .stats_logger import StatsLoggerConfig
 from .weights import WeightsConfig
@@ -95,6 +96,9 @@ class TrainerSection:
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    # agent.mode online: a group past the tail gate is trained within
+    # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
+    online: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +114,13 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
+    # agent.mode online: sessions ended without a reward wait on the log for one (no
+    # reward 0 at end); admission: proxy.admission resolved (config/schema.py admission_of).
+    online: bool = False
+    admission: str = "wait"
+    # How long after its end a session still takes a reward: the advantage processor's
+    # wait (advantage.reward_timeout_s, else group_timeout_s) less a margin.
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,14 +173,16 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
-                          stats_logger=cfg.stats_logger, weights=cfg.weights)
+                          stats_logger=cfg.stats_logger, weights=cfg.weights,
+                          online=cfg.agent.online)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed)
+                        run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
+                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage)
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:

@@ -85,6 +85,11 @@ def run_training(config: Optional[str], overrides: list[str], *,
             # soft_wrap: a log file gets each message on one line, whatever its length.
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
                           f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)", soft_wrap=True)
+            if cfg.agent.online:  # docs/online.md
+                console.print(f"online: the proxy serves http://{cfg.proxy.host}:{cfg.proxy.port}/v1 "
+                              f"(admin key: {cfg.proxy.api_key_file or 'proxy.api_key'}); reward an "
+                              f"ended session with `tapioca --run-dir {cfg.run_path} reward "
+                              "SESSION_ID VALUE`", markup=False, soft_wrap=True)
             resuming = train_view.start_line(cfg, train_view.trainer_checkpoint(cfg.run_path))
             if resuming:
                 console.print(resuming, markup=False, highlight=False, soft_wrap=True)

@@ -121,10 +121,13 @@ def _prepare(cfg: C) -> C:
 
 def _tiny_task(cfg: Any) -> str:
     """The task whose alphabet the tiny model's tokenizer covers: an offline config's
-    ``tiny_task``; an RL run's dataset (synthetic, else the printable alphabet of gsm8k)."""
+    ``tiny_task``; online mode's live text (the printable alphabet of gsm8k); an RL run's
+    dataset (synthetic, else gsm8k's)."""
     task = getattr(cfg, "tiny_task", "")
     if task:
         return task
+    if getattr(getattr(cfg, "agent", None), "online", False):  # live users type any text
+        return "gsm8k"
     return "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
 
 

@@ -67,6 +67,12 @@ TRAJECTORY: dict[str, str] = {
                    "count); 0 when not from the feeder.",
     "timings": "Wall-clock facts of the rollout in seconds (queued_s, generate_s, ...), for "
                "auditing.",
+    "session_id": "The agent proxy's session this completion came from (empty otherwise). "
+                  "A service rewarding sessions (online mode) finds a session's "
+                  "trajectories by it.",
+    "delayed_reward_factor": "What a reward given to the whole session after it ended is "
+                             "multiplied by for this trajectory (AReaL's turn discount, "
+                             "discount ** completions after it; 1 without one).",
 }
 
 REWARD: dict[str, str] = {

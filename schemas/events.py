@@ -83,6 +83,12 @@ class TrajectoryEvent(Event):
     group_index: int = 0
     # Wall-clock facts, seconds: queued_s, generate_s, ...
     timings: dict[str, float] = field(default_factory=dict)
+    # Agent proxy: the session this trajectory came from ("" otherwise), and what a reward
+    # given to the whole session after it ended (``POST /v1/sessions/{id}/reward``,
+    # ``tapioca reward``) is multiplied by for this trajectory: AReaL's turn discount,
+    # ``discount ** (completions after this trajectory's last one)``.
+    session_id: str = ""
+    delayed_reward_factor: float = 1.0
 
 
 @dataclass(kw_only=True)
@@ -157,6 +163,9 @@ class SampleEvent(Event):
     # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
     # trainer counts it as rejected, which frees its slot in the feeder's head gate.
     dropped_reason: str = ""
+    # Seconds from the group's last trajectory to its last reward (producers' clocks,
+    # ``produced_at``; 0 when a reward came first): how late its rewards came.
+    reward_delay_s: float = 0.0
 
 
 @dataclass(kw_only=True)

@@ -313,7 +313,18 @@ def sft_examples_from_groups(groups: list[LoggedGroup], min_reward: float,
             elif reward < min_reward:
                 stats.counts["skipped_below_min_reward"] += 1
             else:
-                yield SeqExample(list(traj.prompt_ids), list(traj.output_ids), _mask(traj))
+                yield _seq_example(traj)
+
+
+def _seq_example(traj: TrajectoryEvent) -> SeqExample:
+    """A trajectory as an SFT example. An agent group published without a shared prompt
+    (its completions share no first token: ``prompt_ids == []``, each context in the
+    output with loss mask 0) gives its first output token as the prompt, as the RL
+    trainer's ``flatten_groups`` does: position 0 predicts nothing."""
+    prompt, out, mask = list(traj.prompt_ids), list(traj.output_ids), _mask(traj)
+    if not prompt:
+        prompt, out, mask = out[:1], out[1:], mask[1:]
+    return SeqExample(prompt, out, mask)
 
 
 def pair_examples_from_groups(groups: list[LoggedGroup], stats: DataStats) -> Iterator[PairExample]:

@@ -17,6 +17,12 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
 - Tail gate at training time too: the buffer is gated again before every step (a
   rollback bumps the version while groups wait), so no group trains beyond eta.
+- Online mode (``agent.mode: online``, docs/online.md): a group past eta is a real
+  user's session whose reward may have come hours late. It trains with decoupled PPO's
+  behaviour-weight correction while its staleness is at most
+  ``actor.late_reward_max_offpolicyness`` (``trainer/trained_late``); beyond, or with
+  that unset (the default), it is rejected and dead-lettered with the reason
+  (``trainer/dead_lettered_stale``).
 - A sample no step could use safely is dead-lettered (``BadEventError``), counted
   (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
   the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
@@ -111,6 +117,10 @@ class TrainerState:
     # the current version's weights event (at start).
     announce_progress: bool = False
     announce_weights: bool = False
+    # Online mode: groups past the staleness bound, dead-lettered with the reason; and
+    # groups trained past eta within actor.late_reward_max_offpolicyness.
+    dead_lettered_stale: int = 0
+    trained_late: int = 0
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
@@ -118,7 +128,7 @@ class TrainerState:
     files_to_announce: list[WeightsFile] = field(default_factory=list)
     # Events made before the loop could publish them (the version a trainer resumed below
     # the log publishes in ``recover``): sent ahead of the next outputs.
-    pending: list[Event] = field(default_factory=list)
+    pending: list[Event | DeadLetter] = field(default_factory=list)
 
     def draft(self) -> "TrainerState":
         """A copy of everything a step (or a rollback) changes. The step changes the copy,
@@ -320,10 +330,11 @@ class Trainer(Role[TrainerState]):
             self._reject(state, gid)
             state.rejected_dropped += 1
             return ()
-        if state.progress.version - event.min_version > self.cfg.max_head_offpolicyness:
+        stale = self._too_stale(event, state.progress.version)
+        if stale is not None:
             self._reject(state, gid)
             state.rejected_stale += 1
-            return ()
+            return self._stale_letters(state, [(event, source)], stale)
         state.buffer.append((event, source))
         if len(state.buffer) < self.cfg.prompts_per_step or state.done:
             return ()
@@ -355,15 +366,48 @@ class Trainer(Role[TrainerState]):
         """The tail gate over the groups waiting in the buffer, at the current version:
         a rollback (or any version change) while a group waits can push it over eta, and
         DESIGN §3's guarantee is about the step that trains it, not its arrival."""
-        eta = self.cfg.max_head_offpolicyness
-        keep = []
+        keep, late = [], []
         for sample, src in state.buffer:
-            if state.progress.version - sample.min_version > eta:
+            if self._too_stale(sample, state.progress.version) is not None:
                 self._reject(state, sample.group_id)
                 state.rejected_stale += 1
+                late.append((sample, src))
             else:
                 keep.append((sample, src))
         state.buffer = keep
+        state.pending += self._stale_letters(state, late, "the version moved while it waited")
+
+    def _too_stale(self, sample: SampleEvent, version: int) -> str | None:
+        """Why ``sample`` is past the tail gate at ``version`` (None: it may train). Online
+        mode (agent.mode online): up to actor.late_reward_max_offpolicyness versions it
+        trains, with decoupled PPO's behaviour-weight correction."""
+        staleness, eta = version - sample.min_version, self.cfg.max_head_offpolicyness
+        cap = self.cfg.actor.late_reward_max_offpolicyness if self.cfg.online else None
+        bound = eta if cap is None else cap
+        if staleness <= bound:
+            return None
+        late = (f" (its rewards came {sample.reward_delay_s:.0f} s after its trajectories)"
+                if sample.reward_delay_s >= 1 else "")
+        fix = ("raise actor.late_reward_max_offpolicyness" if cap is not None else
+               "set actor.late_reward_max_offpolicyness to train such groups with the "
+               "decoupled-PPO correction, or raise rollout.max_head_offpolicyness")
+        return (f"group {sample.group_id} is {staleness} versions behind the trainer (version "
+                f"{version}, its oldest token {sample.min_version}), past the staleness bound "
+                f"of {bound}{late}: not trained; {fix}")
+
+    def _stale_letters(self, state: TrainerState, stale: list[tuple[SampleEvent, Source]],
+                       why: str) -> list[DeadLetter]:
+        """Online mode: a group past the bound is a real user's session: dead-lettered
+        with the reason (a batch run only counts it, ``trainer/rejected_stale``)."""
+        if not self.cfg.online:
+            return []
+        out = []
+        for sample, src in stale:
+            reason = self._too_stale(sample, state.progress.version) or why
+            state.dead_lettered_stale += 1
+            log.warning("dead-lettered: %s", reason)
+            out.append(DeadLetter(sample, BadEventError(reason), src))
+        return out
 
     def _step(self, state: TrainerState) -> list[Event | DeadLetter]:
         self._gate_buffer(state)
@@ -398,6 +442,7 @@ class Trainer(Role[TrainerState]):
         samples = [s for s in samples if s.group_id not in result.skipped_group_ids]
         for s in samples:
             step.staleness_hist[v_before - s.min_version] += 1
+            step.trained_late += v_before - s.min_version > self.cfg.max_head_offpolicyness
         p = step.progress
         p.version += 1
         if not samples:
@@ -426,6 +471,8 @@ class Trainer(Role[TrainerState]):
             "trainer/dead_lettered": float(state.dead_lettered),
             "trainer/dead_lettered_config": float(state.dead_lettered_config),
             "trainer/skipped_steps": float(state.skipped_steps),
+            "trainer/dead_lettered_stale": float(state.dead_lettered_stale),
+            "trainer/trained_late": float(state.trained_late),
             "trainer/step_wall_s": time.perf_counter() - t0,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
@@ -477,7 +524,7 @@ class Trainer(Role[TrainerState]):
         return weights, progress
 
     @staticmethod
-    def _take_pending(state: TrainerState) -> list[Event]:
+    def _take_pending(state: TrainerState) -> list[Event | DeadLetter]:
         taken, state.pending = state.pending, []
         return taken
 
@@ -663,6 +710,7 @@ class Trainer(Role[TrainerState]):
                 # Of this bus run id's log: the launcher's count of what a lost log dropped.
                 "groups_done_on_log": len(state.trained) + len(state.rejected)
                 - state.progress.base_groups,
+                "groups_trained": len(state.trained),
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 
