@@ -29,7 +29,7 @@ RELATIVE_ONLY: tuple[str, ...] | None = None
 # Modules exempt from that rule (none left).
 NOT_YET: tuple[str, ...] = ()
 # The modules that make up the `tapioca` command.
-CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "fleet_cli", "offline_cli",
+CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "fleet_cli", "supervised_cli",
                "plot", "proxy_cli", "replay_cli")
 
 
