@@ -1,5 +1,6 @@
-"""Trainer step, DESIGN.md §9 rows 2-3 and issue 16: today's PPOActor path, the packed
-fast path with each speed / memory switch, and the plain HF step, side by side.
+"""Trainer step, the trainer rows of docs/design.md#9-performance-targets and issue 16:
+today's PPOActor path, the packed fast path with each speed / memory switch, and the
+plain HF step, side by side.
 
 Consumes nothing (random weights from the real ``transformers`` config classes, random
 token ids); emits a table on stdout and JSON to ``--out`` and ``$OUT/trainer_step.json``.

@@ -17,7 +17,8 @@ Behaviour-logprob convention (every backend must follow it):
     the logprob is taken at temperature 1.
 
 Policy versions: ``output_versions[t]`` is the version of the weights whose forward
-pass produced the logits ``output_ids[t]`` was sampled from (DESIGN.md §3). With
+pass produced the logits ``output_ids[t]`` was sampled from
+(docs/design.md#3-policy-versions-and-the-staleness-window). With
 interruptible generation a sequence may span versions (``0, 0, 1, 1, ...``); the KV
 cache of earlier tokens is kept, nothing is recomputed (as in AReaL).
 """

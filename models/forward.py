@@ -4,7 +4,7 @@ Consumes a ``transformers`` causal LM (Qwen2 / Qwen3 / Llama: a decoder body plu
 LM head) and right-padded token batches (``input_ids_BT``, ``attention_mask_BT``,
 ``labels_BT`` over the ``T-1`` predicting positions, -100 where not scored); emits
 per-token log-probabilities (and entropy) of the labels. Every trainer that scores
-tokens goes through here: the PPO actor, the frozen reference / teacher, the offline
+tokens goes through here: the PPO actor, the frozen reference / teacher, the supervised
 trainers (SFT, DPO, distillation); the critic shares :func:`autocast_context`.
 
 The packed (padding-free) variant, :func:`packed_token_logprobs`, takes a

@@ -4,7 +4,8 @@ Consumes ``progress.v1`` (broadcast: the trainer's version, its rejected groups 
 counts; the feeder reads nothing of ``weights.v1``). Emits ``PromptEvent`` on
 ``prompts.v1``, keyed by ``group_id``.
 
-Head gate (DESIGN.md §3, algorithms/head_gate.py): group k is published only while
+Head gate (docs/design.md#3-policy-versions-and-the-staleness-window,
+algorithms/head_gate.py): group k is published only while
 ``k - freed < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
 ``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``).
 ``freed`` counts the groups *this feeder admitted* that the trainer named as rejected

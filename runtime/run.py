@@ -1,8 +1,8 @@
 """Resolving a run before (and while) its processes run: the one place a loaded config
 changes.
 
-Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or an
-offline :class:`~tapioca.config.offline.OfflineTrainConfig`) and the facts of this start
+Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or a
+supervised :class:`~tapioca.config.supervised.SupervisedTrainConfig`) and the facts of this start
 (the broker's address, the trial to name, the bus run id a resumed run continues on, ...);
 returns a new config built with ``dataclasses.replace`` (each changed section validated
 by its own ``__post_init__``) and makes what the new values name: the run directory, the
@@ -11,7 +11,7 @@ tiny model, the run's signing key, the proxy's admin key file. Emits nothing on 
 broker still holds a resumed run's log.
 
 Every caller that used to assign to a config (`tapioca train`'s launcher, `tapioca proxy`,
-the offline trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
+the supervised trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
 instead; nothing else changes a config after :func:`~tapioca.config.loader.load_config`.
 """
 
@@ -120,7 +120,7 @@ def _prepare(cfg: C) -> C:
 
 
 def _tiny_task(cfg: Any) -> str:
-    """The task whose alphabet the tiny model's tokenizer covers: an offline config's
+    """The task whose alphabet the tiny model's tokenizer covers: a supervised config's
     ``tiny_task``; online mode's live text (the printable alphabet of gsm8k); an RL run's
     dataset (synthetic, else gsm8k's)."""
     task = getattr(cfg, "tiny_task", "")

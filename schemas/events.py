@@ -19,7 +19,8 @@ class PromptEvent(Event):
     """One prompt to be completed ``n_samples`` times (a GRPO group).
 
     ``group_index`` is the feeder's own sequence number k of this group; the head gate
-    (DESIGN.md §3) recovers it from the last prompt event after a restart.
+    (docs/design.md#3-policy-versions-and-the-staleness-window) recovers it from the last
+    prompt event after a restart.
     """
 
     TYPE: ClassVar[str] = "prompt"

@@ -75,7 +75,7 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
 def pack(lengths: Sequence[int], max_tokens: int, *, padded: bool = True) -> list[list[int]]:
     """Indices packed greedily by padded size (count x longest) <= max_tokens, longest
     first; an item longer than the budget gets a micro-batch of its own. Shared by the
-    RL trainer (:func:`micro_batches`) and the offline trainers. ``padded=False``
+    RL trainer (:func:`micro_batches`) and the supervised trainers. ``padded=False``
     budgets the sum of lengths instead (packed micro-batches, no padding:
     :mod:`tapioca.trainers.packing`)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)

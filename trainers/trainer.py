@@ -365,7 +365,8 @@ class Trainer(Role[TrainerState]):
     def _gate_buffer(self, state: TrainerState) -> None:
         """The tail gate over the groups waiting in the buffer, at the current version:
         a rollback (or any version change) while a group waits can push it over eta, and
-        DESIGN §3's guarantee is about the step that trains it, not its arrival."""
+        the guarantee (docs/design.md#3-policy-versions-and-the-staleness-window)
+        is about the step that trains it, not its arrival."""
         keep, late = [], []
         for sample, src in state.buffer:
             if self._too_stale(sample, state.progress.version) is not None:

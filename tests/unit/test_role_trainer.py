@@ -779,7 +779,8 @@ def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkey
 
 
 def test_rollback_reapplies_the_tail_gate_to_buffered_groups(trainer):
-    """DESIGN §3's hard guarantee: a group that waited in the buffer while a rollback
+    """The tail gate's hard guarantee (docs/design.md#3-policy-versions-and-the-staleness-window):
+    a group that waited in the buffer while a rollback
     bumped the version is gated again; it would otherwise train at staleness eta+1."""
     state = start(trainer)
     trainer.handle(sample("g0"), state, src(0))

@@ -3,8 +3,8 @@
 Consumes :class:`SeqExample` lists from a dataset (chat ``messages`` or
 ``prompt`` + ``response``) or from a run's logs (rejection-sampling fine-tuning:
 trajectories with ``reward >= train_dataset.min_reward``), see
-:mod:`tapioca.trainers.offline_data`. Emits what every offline trainer emits
-(:mod:`tapioca.trainers.offline_loop`): weights + ``WeightsEvent`` per saved version,
+:mod:`tapioca.trainers.supervised.data`. Emits what every supervised trainer emits
+(:mod:`tapioca.trainers.supervised.loop`): weights + ``WeightsEvent`` per saved version,
 metrics + ``MetricsEvent`` per step (``sft/loss`` is the token-mean NLL of the step).
 
 The loss is a token mean over the whole step: each micro-batch's mean NLL is weighted
@@ -15,21 +15,21 @@ never trained.
 
 from __future__ import annotations
 
-from ..algorithms.supervised import masked_nll
-from ..config.offline import SFTConfig
-from .batching import pack
-from .offline_data import SeqExample, load_sft_examples
-from .offline_loop import (
-    OfflineSummary,
-    OfflineTrainerBase,
+from ...algorithms.supervised import masked_nll
+from ...config.supervised import SFTConfig
+from ..batching import pack
+from .data import SeqExample, load_sft_examples
+from .loop import (
     StepProgress,
+    SupervisedSummary,
+    SupervisedTrainerBase,
     pad_batch,
-    setup_offline,
+    setup_supervised,
     token_logprobs,
 )
 
 
-class SFTTrainer(OfflineTrainerBase[SeqExample]):
+class SFTTrainer(SupervisedTrainerBase[SeqExample]):
     kind = "sft"
 
     def accumulate(self, batch: list[SeqExample]) -> dict[str, float]:
@@ -50,8 +50,8 @@ class SFTTrainer(OfflineTrainerBase[SeqExample]):
                 "sft/examples": float(len(batch))}
 
 
-def train_sft(cfg: SFTConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
+def train_sft(cfg: SFTConfig, *, progress: StepProgress | None = None) -> SupervisedSummary:
     """Run SFT as configured (creates the run directory; resumes from its checkpoint)."""
-    model, tokenizer = setup_offline(cfg)
+    model, tokenizer = setup_supervised(cfg)
     examples, stats = load_sft_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
     return SFTTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress)

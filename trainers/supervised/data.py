@@ -1,4 +1,4 @@
-"""Training examples for the offline trainers, from datasets or from a run's logs.
+"""Training examples for the supervised trainers, from datasets or from a run's logs.
 
 Consumes one of (``train_dataset.source``):
 
@@ -41,11 +41,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
-from ..algorithms.reward_shaping import weighted_reward
-from ..bus.settings import BusConfig
-from ..config.offline import OfflineDatasetConfig
-from ..schemas.errors import ConfigError, TapiocaError
-from ..schemas.events import RewardEvent, TrajectoryEvent
+from ...algorithms.reward_shaping import weighted_reward
+from ...bus.settings import BusConfig
+from ...config.supervised import SupervisedDatasetConfig
+from ...schemas.errors import ConfigError, TapiocaError
+from ...schemas.events import RewardEvent, TrajectoryEvent
 
 
 @dataclass
@@ -133,7 +133,7 @@ def _as_messages(value: Any, role: str, what: str) -> list[dict[str, Any]]:
                       f"got {type(value).__name__}")
 
 
-def _sft_messages(row: dict[str, Any], i: int, ds: OfflineDatasetConfig):
+def _sft_messages(row: dict[str, Any], i: int, ds: SupervisedDatasetConfig):
     messages = row.get(ds.messages_key)
     if messages:
         msgs = _as_messages(messages, "user", f"row {i}: {ds.messages_key!r}")
@@ -153,7 +153,7 @@ def _sft_messages(row: dict[str, Any], i: int, ds: OfflineDatasetConfig):
 
 
 def sft_examples_from_rows(rows: Iterable[dict[str, Any]], encoder: ChatEncoder,
-                           ds: OfflineDatasetConfig, stats: DataStats) -> Iterator[SeqExample]:
+                           ds: SupervisedDatasetConfig, stats: DataStats) -> Iterator[SeqExample]:
     for i, row in enumerate(rows):
         stats.counts["rows"] += 1
         context, response = _sft_messages(row, i, ds)
@@ -162,7 +162,7 @@ def sft_examples_from_rows(rows: Iterable[dict[str, Any]], encoder: ChatEncoder,
 
 
 def pair_examples_from_rows(rows: Iterable[dict[str, Any]], encoder: ChatEncoder,
-                            ds: OfflineDatasetConfig, stats: DataStats) -> Iterator[PairExample]:
+                            ds: SupervisedDatasetConfig, stats: DataStats) -> Iterator[PairExample]:
     for i, row in enumerate(rows):
         stats.counts["rows"] += 1
         missing = [k for k in (ds.prompt_key, ds.chosen_key, ds.rejected_key) if k not in row]
@@ -186,10 +186,10 @@ def pair_examples_from_rows(rows: Iterable[dict[str, Any]], encoder: ChatEncoder
 # --------------------------------------------------------------------- synthetic
 
 
-def synthetic_rows(ds: OfflineDatasetConfig, seed: int, *, pairs: bool) -> Iterator[dict[str, Any]]:
+def synthetic_rows(ds: SupervisedDatasetConfig, seed: int, *, pairs: bool) -> Iterator[dict[str, Any]]:
     """The synthetic task as SFT rows (prompt, response = the answer) or preference rows
     (chosen = the answer, rejected = a different digit, chosen by ``seed``)."""
-    from ..tasks.base import get_task
+    from ...tasks.base import get_task
 
     rng = random.Random(seed)
     for rec in get_task("synthetic", **ds.task_options).iter_records(ds.split, seed):
@@ -209,10 +209,10 @@ class LoggedGroup:
     trajectories: list[tuple[TrajectoryEvent, float]] = field(default_factory=list)
 
 
-def _topic_events(bus: BusConfig, ds: OfflineDatasetConfig) -> Iterator[Any]:
+def _topic_events(bus: BusConfig, ds: SupervisedDatasetConfig) -> Iterator[Any]:
     from dataclasses import replace
 
-    from ..bus.reader import TopicReader
+    from ...bus.reader import TopicReader
 
     cfg = replace(bus, topic_prefix=ds.topic_prefix or bus.topic_prefix)
     cfg.require_bootstrap()
@@ -224,9 +224,9 @@ def _topic_events(bus: BusConfig, ds: OfflineDatasetConfig) -> Iterator[Any]:
                     yield record.event
 
 
-def _archive_events(ds: OfflineDatasetConfig) -> Iterator[Any]:
+def _archive_events(ds: SupervisedDatasetConfig) -> Iterator[Any]:
     try:
-        from ..bus.archive import iter_events
+        from ...bus.archive import iter_events
     except ImportError as exc:
         raise ConfigError(
             "train_dataset.source=archive needs the Parquet archive reader "
@@ -346,7 +346,7 @@ def pair_examples_from_groups(groups: list[LoggedGroup], stats: DataStats) -> It
 # --------------------------------------------------------------------- entry points
 
 
-def _log_groups(ds: OfflineDatasetConfig, bus: BusConfig, stats: DataStats,
+def _log_groups(ds: SupervisedDatasetConfig, bus: BusConfig, stats: DataStats,
                 reward_weights: Mapping[str, float] | None = None) -> list[LoggedGroup]:
     events = _topic_events(bus, ds) if ds.source == "topics" else _archive_events(ds)
     weights = reward_weights if reward_weights is not None else ds.reward_weights
@@ -359,7 +359,7 @@ def _log_groups(ds: OfflineDatasetConfig, bus: BusConfig, stats: DataStats,
     return groups
 
 
-def _finish(examples: Iterable[Any], ds: OfflineDatasetConfig, stats: DataStats) -> list[Any]:
+def _finish(examples: Iterable[Any], ds: SupervisedDatasetConfig, stats: DataStats) -> list[Any]:
     out = []
     for ex in examples:
         if not ex.prompt_ids:  # position 0 predicts nothing: a response needs a prompt
@@ -382,13 +382,13 @@ def _finish(examples: Iterable[Any], ds: OfflineDatasetConfig, stats: DataStats)
     return out
 
 
-def _file_rows(ds: OfflineDatasetConfig) -> Iterator[dict[str, Any]]:
-    from ..tasks.datasets import read_records
+def _file_rows(ds: SupervisedDatasetConfig) -> Iterator[dict[str, Any]]:
+    from ...tasks.datasets import read_records
 
     return read_records(ds.path, split=ds.split)
 
 
-def load_sft_examples(ds: OfflineDatasetConfig, tokenizer, *, bus: BusConfig | None = None,
+def load_sft_examples(ds: SupervisedDatasetConfig, tokenizer, *, bus: BusConfig | None = None,
                       seed: int = 0, reward_weights: Mapping[str, float] | None = None,
                       ) -> tuple[list[SeqExample], DataStats]:
     """Examples for SFT and distillation from ``ds.source`` (``reward_weights``: logs
@@ -403,7 +403,7 @@ def load_sft_examples(ds: OfflineDatasetConfig, tokenizer, *, bus: BusConfig | N
     return _finish(examples, ds, stats), stats
 
 
-def load_pair_examples(ds: OfflineDatasetConfig, tokenizer, *, bus: BusConfig | None = None,
+def load_pair_examples(ds: SupervisedDatasetConfig, tokenizer, *, bus: BusConfig | None = None,
                        seed: int = 0, reward_weights: Mapping[str, float] | None = None,
                        ) -> tuple[list[PairExample], DataStats]:
     """Preference pairs for DPO and the reward model from ``ds.source``

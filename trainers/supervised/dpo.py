@@ -2,8 +2,8 @@
 
 Consumes :class:`PairExample` lists (prompt, chosen, rejected) from a dataset or from a
 run's logs (best vs worst trajectory of each group; tied groups skipped), see
-:mod:`tapioca.trainers.offline_data`. Emits what every offline trainer emits
-(:mod:`tapioca.trainers.offline_loop`); per step ``dpo/loss``, ``dpo/margin`` (mean
+:mod:`tapioca.trainers.supervised.data`. Emits what every supervised trainer emits
+(:mod:`tapioca.trainers.supervised.loop`); per step ``dpo/loss``, ``dpo/margin`` (mean
 implicit reward margin ``β[(π_c - ref_c) - (π_r - ref_r)]``), ``dpo/accuracy`` (share of
 pairs with a positive margin), ``dpo/chosen_reward``, ``dpo/rejected_reward``.
 
@@ -20,24 +20,24 @@ import copy
 
 import torch
 
-from ..algorithms.preference import dpo_loss
-from ..algorithms.supervised import sequence_logprobs
-from ..config.offline import DPOConfig
-from ..schemas.errors import ConfigError
-from .batching import pack
-from .offline_data import PairExample, load_pair_examples
-from .offline_loop import (
-    OfflineSummary,
-    OfflineTrainerBase,
+from ...algorithms.preference import dpo_loss
+from ...algorithms.supervised import sequence_logprobs
+from ...config.supervised import DPOConfig
+from ...schemas.errors import ConfigError
+from ..batching import pack
+from .data import PairExample, load_pair_examples
+from .loop import (
     StepProgress,
+    SupervisedSummary,
+    SupervisedTrainerBase,
     mean,
     pad_batch,
-    setup_offline,
+    setup_supervised,
     token_logprobs,
 )
 
 
-class DPOTrainer(OfflineTrainerBase[PairExample]):
+class DPOTrainer(SupervisedTrainerBase[PairExample]):
     kind = "dpo"
 
     def __init__(self, cfg: DPOConfig, model: torch.nn.Module, tokenizer, examples: list[PairExample],
@@ -109,12 +109,12 @@ class DPOTrainer(OfflineTrainerBase[PairExample]):
                 "logp_chosen_minus_rejected": float((pol_c - pol_r).mean())}
 
 
-def train_dpo(cfg: DPOConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
+def train_dpo(cfg: DPOConfig, *, progress: StepProgress | None = None) -> SupervisedSummary:
     """Run DPO as configured (creates the run directory; resumes from its checkpoint)."""
-    model, tokenizer = setup_offline(cfg)
+    model, tokenizer = setup_supervised(cfg)
     ref = None
     if cfg.ref_model_path:
-        from ..models.factory import load_model_and_tokenizer
+        from ...models.factory import load_model_and_tokenizer
 
         ref, _ = load_model_and_tokenizer(cfg.ref_model_path, dtype=cfg.actor.param_dtype,
                                           device=cfg.actor.device)

@@ -1,10 +1,10 @@
-"""Configuration of the offline trainers: SFT, DPO, Bradley-Terry reward model, and
+"""Configuration of the supervised trainers: SFT, DPO, Bradley-Terry reward model, and
 knowledge distillation (``tapioca sft|dpo|rm|distill``).
 
 They share the RL run's sections where the meaning is the same — ``model``
 (:class:`ModelConfig`), ``bus`` (:class:`BusConfig`), ``run_dir`` /
 ``experiment_name`` / ``trial_name``, ``actor.optimizer`` (AReaL's optimizer section) —
-and add a ``train_dataset`` section for offline data. Algorithm switches use TRL's
+and add a ``train_dataset`` section for their data. Algorithm switches use TRL's
 names (``beta``, ``loss_type``, ``label_smoothing``, ``center_rewards_coefficient``).
 Each ``__post_init__`` validates its own fields and says how to fix a bad value.
 """
@@ -26,7 +26,7 @@ DATA_SOURCES = ("file", "synthetic", "topics", "archive")
 
 
 @dataclass(frozen=True, kw_only=True)
-class OfflineDatasetConfig:
+class SupervisedDatasetConfig:
     # file: JSONL / Parquet / save_to_disk rows; synthetic: the built-in task (answers
     # as responses; a wrong answer as the rejected response of a pair); topics: a run's
     # trajectories.v1 + rewards.v1 on the broker; archive: a Parquet archive of them.
@@ -76,8 +76,8 @@ class OfflineDatasetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OfflineActorConfig:
-    """The fields of the RL ``actor`` section that mean the same offline."""
+class SupervisedActorConfig:
+    """The fields of the RL ``actor`` section that mean the same in a supervised trainer."""
 
     # AReaL's actor.optimizer (config/optimizer.py); was actor.lr, actor.adam_betas, ...
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -102,8 +102,8 @@ class OfflineActorConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OfflineTrainConfig:
-    experiment_name: str = "offline"
+class SupervisedTrainConfig:
+    experiment_name: str = "supervised"
     trial_name: str = "trial0"
     seed: int = 1
     # Weights, checkpoints, metrics and the final model go to run_dir/experiment/trial.
@@ -120,8 +120,8 @@ class OfflineTrainConfig:
     tiny_task: str = "synthetic"
     bus: BusConfig = field(default_factory=BusConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    actor: OfflineActorConfig = field(default_factory=OfflineActorConfig)
-    train_dataset: OfflineDatasetConfig = field(default_factory=OfflineDatasetConfig)
+    actor: SupervisedActorConfig = field(default_factory=SupervisedActorConfig)
+    train_dataset: SupervisedDatasetConfig = field(default_factory=SupervisedDatasetConfig)
     # Metrics to Weights & Biases / MLflow too (off by default; config/stats_logger.py).
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
@@ -141,14 +141,14 @@ class OfflineTrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SFTConfig(OfflineTrainConfig):
+class SFTConfig(SupervisedTrainConfig):
     """Supervised fine-tuning: masked NLL over response tokens only."""
 
     experiment_name: str = "sft"
 
 
 @dataclass(frozen=True, kw_only=True)
-class DPOConfig(OfflineTrainConfig):
+class DPOConfig(SupervisedTrainConfig):
     """Direct preference optimisation against a frozen reference model."""
 
     experiment_name: str = "dpo"
@@ -168,7 +168,7 @@ class DPOConfig(OfflineTrainConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RewardModelConfig(OfflineTrainConfig):
+class RewardModelConfig(SupervisedTrainConfig):
     """Bradley-Terry reward model: a sequence-classification head (one label) on the
     policy's backbone."""
 
@@ -181,8 +181,8 @@ class RewardModelConfig(OfflineTrainConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DistillConfig(OfflineTrainConfig):
-    """Offline knowledge distillation: forward KL(teacher ‖ student) on dataset tokens,
+class DistillConfig(SupervisedTrainConfig):
+    """Knowledge distillation on a fixed dataset: forward KL(teacher ‖ student) on dataset tokens,
     optionally mixed with the NLL of those tokens."""
 
     experiment_name: str = "distill"

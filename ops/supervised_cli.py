@@ -1,4 +1,4 @@
-"""Offline trainers on the RL run's backbone: `tapioca sft|dpo|rm|distill`.
+"""Supervised trainers on the RL run's backbone: `tapioca sft|dpo|rm|distill`.
 
 Each takes ``--config X.yaml`` plus dotted overrides (``actor.optimizer.lr=1e-4 beta=0.2``),
 trains in this process, and prints where the run directory, metrics and final model
@@ -26,8 +26,8 @@ _CONFIG_HELP = ("YAML config file (see examples/sft.yaml, dpo.yaml, reward_model
 
 def _run(kind: str, config: Optional[str], overrides: list[str], output: str) -> None:
     from ..config.loader import load_config
-    from ..config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
-    from ..trainers.offline_loop import run_metadata
+    from ..config.supervised import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
+    from ..trainers.supervised.loop import run_metadata
 
     check_output(output)
     # kind -> (config class, trainer module, entry point); imported on use (torch is slow to import)
@@ -35,7 +35,7 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
                "rm": (RewardModelConfig, "reward_model", "train_reward_model"),
                "distill": (DistillConfig, "distill", "train_distill")}
     cls, module, entry = classes[kind]
-    train = getattr(importlib.import_module(f"tapioca.trainers.{module}"), entry)
+    train = getattr(importlib.import_module(f"tapioca.trainers.supervised.{module}"), entry)
     from ..runtime.run import resolve_run
 
     cfg = load_config(cls, config, overrides)

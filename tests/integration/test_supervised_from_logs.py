@@ -1,4 +1,4 @@
-"""Offline trainers on the real embedded broker: SFT (rejection sampling) and DPO from a
+"""Supervised trainers on the real embedded broker: SFT (rejection sampling) and DPO from a
 run's logged trajectories and rewards, read from the topics and from a Parquet archive
 of them; every step's MetricsEvent and every saved version's WeightsEvent published."""
 
@@ -12,11 +12,11 @@ import pytest
 from tapioca.bus.producer import EventProducer
 from tapioca.bus.reader import TopicReader, read_events
 from tapioca.config.loader import load_config
-from tapioca.config.offline import DPOConfig, OfflineDatasetConfig, SFTConfig
+from tapioca.config.supervised import DPOConfig, SFTConfig, SupervisedDatasetConfig
 from tapioca.models.factory import load_model_and_tokenizer
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.events import MetricsEvent, RewardEvent, TrajectoryEvent, WeightsEvent
-from tapioca.trainers.offline_data import load_pair_examples, load_sft_examples
+from tapioca.trainers.supervised.data import load_pair_examples, load_sft_examples
 from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ RUN = "logged.run0"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("offline-int") / "model")
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("supervised-int") / "model")
 
 
 def _log_a_run(bus_cfg, tokenizer) -> int:
@@ -60,7 +60,7 @@ def _log_a_run(bus_cfg, tokenizer) -> int:
 
 
 def _cfg(cls, tiny, tmp_path, bus_cfg, *overrides):
-    """A resolved offline run (as `tapioca sft|dpo` resolve it before training)."""
+    """A resolved supervised run (as `tapioca sft|dpo` resolve it before training)."""
     return resolve_run(load_config(cls, None, [
         f"model.path={tiny}", f"run_dir={tmp_path}", "trial_name=t", "actor.torch_threads=1",
         f"bus.bootstrap_servers={bus_cfg.bootstrap_servers}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
@@ -69,8 +69,8 @@ def _cfg(cls, tiny, tmp_path, bus_cfg, *overrides):
 
 
 def test_sft_and_dpo_from_a_runs_topics_publish_weights_and_metrics(bus_cfg, tiny, tmp_path):
-    from tapioca.trainers.dpo import train_dpo
-    from tapioca.trainers.sft import train_sft
+    from tapioca.trainers.supervised.dpo import train_dpo
+    from tapioca.trainers.supervised.sft import train_sft
 
     tokenizer = load_model_and_tokenizer(tiny)[1]
     right = _log_a_run(bus_cfg, tokenizer)
@@ -113,7 +113,7 @@ def test_archive_of_the_topics_gives_the_same_examples(bus_cfg, tiny, tmp_path):
     writer.flush_all()
 
     def examples(source: str):
-        ds = OfflineDatasetConfig(source=source, path=str(tmp_path / "archive"), run_id=RUN,
+        ds = SupervisedDatasetConfig(source=source, path=str(tmp_path / "archive"), run_id=RUN,
                                   read_idle_s=0.5, topic_prefix=bus_cfg.topic_prefix)
         sft, _ = load_sft_examples(ds, tokenizer, bus=bus_cfg)
         pairs, _ = load_pair_examples(ds, tokenizer, bus=bus_cfg)

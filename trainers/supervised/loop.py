@@ -1,6 +1,6 @@
-"""The loop shared by the offline trainers (SFT, DPO, reward model, distillation).
+"""The loop shared by the supervised trainers (SFT, DPO, reward model, distillation).
 
-Consumes a list of examples (:mod:`tapioca.trainers.offline_data`) and a model; each
+Consumes a list of examples (:mod:`tapioca.trainers.supervised.data`) and a model; each
 step takes ``train_dataset.batch_size`` examples from a seeded per-epoch order, lets the
 trainer accumulate gradients over token-budgeted micro-batches, clips and steps AdamW.
 
@@ -29,23 +29,23 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
-from ..config.loader import to_yaml
-from ..config.offline import OfflineTrainConfig
-from ..models.forward import autocast_context, causal_token_logprobs
-from ..schemas.envelope import names_a_run
-from ..schemas.errors import ConfigError, FatalRoleError
-from ..schemas.events import MetricsEvent, WeightsEvent
-from ..weights.files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
-from .checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
-from .metrics_sink import MetricsSink
-from .optim import lr_factor, set_lr
+from ...config.loader import to_yaml
+from ...config.supervised import SupervisedTrainConfig
+from ...models.forward import autocast_context, causal_token_logprobs
+from ...schemas.envelope import names_a_run
+from ...schemas.errors import ConfigError, FatalRoleError
+from ...schemas.events import MetricsEvent, WeightsEvent
+from ...weights.files import WEIGHTS_DIR, save_weights, saved_versions, weights_file
+from ..checkpoint import SUFFIX, TrainerProgress, load_checkpoint, save_checkpoint
+from ..metrics_sink import MetricsSink
+from ..optim import lr_factor, set_lr
 
 E = TypeVar("E")
 # ``progress(step, total_steps, metrics)``, called after each step (a CLI's progress bar).
 StepProgress = Callable[[int, int, dict[str, float]], None]
 
 
-def write_offline_run(cfg: OfflineTrainConfig) -> Path:
+def write_supervised_run(cfg: SupervisedTrainConfig) -> Path:
     """Write the run's config to its directory (the RL trainer's layout). ``cfg`` must be
     resolved (:func:`tapioca.runtime.run.resolve_run` with ``prepare=True``: an absolute
     run directory that exists, the model, the run's bus run id), as `tapioca sft|dpo|rm|
@@ -53,7 +53,7 @@ def write_offline_run(cfg: OfflineTrainConfig) -> Path:
     run_dir = Path(cfg.run_path)
     if not (Path(cfg.run_dir).is_absolute() and cfg.model.path and names_a_run(cfg.bus.run_id)
             and run_dir.is_dir()):
-        raise ConfigError(f"the offline run {cfg.run_id} is not resolved (run_dir={cfg.run_dir!r}, "
+        raise ConfigError(f"the supervised run {cfg.run_id} is not resolved (run_dir={cfg.run_dir!r}, "
                           f"model.path={cfg.model.path!r}, bus.run_id={cfg.bus.run_id!r}): call "
                           "tapioca.runtime.run.resolve_run(cfg, prepare=True) first, as the "
                           "`tapioca sft|dpo|rm|distill` commands do")
@@ -85,22 +85,22 @@ def pad_batch(seqs: Sequence[tuple[list[int], int, list[int]]], pad_token_id: in
 
 def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                    labels_BT: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
-    """``logprobs_BT`` of ``labels_BT`` (0 where -100) at temperature 1, as the offline
+    """``logprobs_BT`` of ``labels_BT`` (0 where -100) at temperature 1, as the supervised
     losses use them: :func:`tapioca.models.forward.causal_token_logprobs`."""
     logprobs_BT, _ = causal_token_logprobs(model, input_ids_BT, attention_mask_BT, labels_BT,
                                            temperature=1.0, chunk_tokens=chunk_tokens)
     return logprobs_BT
 
 
-def setup_offline(cfg: OfflineTrainConfig, *, load_policy: bool = True):
+def setup_supervised(cfg: SupervisedTrainConfig, *, load_policy: bool = True):
     """The run's config written to its directory (``cfg`` resolved, see
-    :func:`write_offline_run`), threads, seed; then ``(model, tokenizer)`` of ``model.path``."""
+    :func:`write_supervised_run`), threads, seed; then ``(model, tokenizer)`` of ``model.path``."""
     from transformers.utils import logging as hf_logging
 
-    from ..models.factory import load_model_and_tokenizer
+    from ...models.factory import load_model_and_tokenizer
 
     hf_logging.disable_progress_bar()
-    write_offline_run(cfg)
+    write_supervised_run(cfg)
     torch.set_num_threads(cfg.actor.torch_threads)
     torch.manual_seed(cfg.seed)
     if not load_policy:
@@ -109,7 +109,7 @@ def setup_offline(cfg: OfflineTrainConfig, *, load_policy: bool = True):
 
 
 @dataclass
-class OfflineSummary:
+class SupervisedSummary:
     kind: str
     run_dir: Path
     steps: int
@@ -122,13 +122,13 @@ class OfflineSummary:
     checkpoint: Path | None = None
 
 
-class OfflineTrainerBase(Generic[E]):
+class SupervisedTrainerBase(Generic[E]):
     """Subclasses set ``kind`` and implement :meth:`accumulate` (forward + backward of
     one step's examples, returning metrics) and may override :meth:`save_final`."""
 
-    kind = "offline"
+    kind = "supervised"
 
-    def __init__(self, cfg: OfflineTrainConfig, model: torch.nn.Module, tokenizer,
+    def __init__(self, cfg: SupervisedTrainConfig, model: torch.nn.Module, tokenizer,
                  examples: list[E], *, data_metrics: dict[str, float] | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.actor.device)
@@ -147,7 +147,7 @@ class OfflineTrainerBase(Generic[E]):
         self.progress = load_checkpoint(self.ckpt_path, self.model, self.optimizer) or TrainerProgress()
         self.producer = None
         if cfg.bus.bootstrap_servers:
-            from ..bus.producer import EventProducer
+            from ...bus.producer import EventProducer
 
             self.producer = EventProducer(cfg.bus, f"{self.kind}-trainer")
         n, B = len(examples), cfg.train_dataset.batch_size
@@ -188,7 +188,7 @@ class OfflineTrainerBase(Generic[E]):
 
     # ---------------------------------------------------------------- loop
 
-    def fit(self, progress: StepProgress | None = None) -> OfflineSummary:
+    def fit(self, progress: StepProgress | None = None) -> SupervisedSummary:
         """Train to the step budget; ``progress(step, total, metrics)`` after each step
         (a CLI's progress bar). A run whose checkpoint is at the budget already trains
         nothing and says so (``already_complete``)."""
@@ -209,7 +209,7 @@ class OfflineTrainerBase(Generic[E]):
             sink.close()
             if self.producer is not None:
                 self.producer.close()
-        return OfflineSummary(self.kind, self.run_dir, self.progress.version,
+        return SupervisedSummary(self.kind, self.run_dir, self.progress.version,
                               time.perf_counter() - t_start, history, final, self.data_metrics,
                               already_complete=complete, checkpoint=self.ckpt_path)
 
@@ -265,7 +265,7 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def run_metadata(summary: OfflineSummary) -> dict[str, Any]:
+def run_metadata(summary: SupervisedSummary) -> dict[str, Any]:
     """A short, printable account of a finished run (for the CLI)."""
     first = summary.history[0] if summary.history else {}
     last = summary.history[-1] if summary.history else {}

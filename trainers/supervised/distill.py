@@ -1,7 +1,7 @@
-"""Offline knowledge distillation from a teacher (``tapioca distill``).
+"""Knowledge distillation from a teacher on a fixed dataset (``tapioca distill``).
 
 Consumes :class:`SeqExample` lists, from the same sources as SFT (see
-:mod:`tapioca.trainers.offline_data`), and a frozen teacher (``teacher_path``, a local
+:mod:`tapioca.trainers.supervised.data`), and a frozen teacher (``teacher_path``, a local
 HF directory sharing the student's tokenizer). On every trained response token the
 loss is::
 
@@ -9,8 +9,8 @@ loss is::
 
 both token means over the step's trained tokens, KL over the full vocabulary at
 softmax temperature ``temperature`` (:func:`forward_kl_from_hidden`: chunked over
-tokens, so no ``[B, T, V]`` fp32 logits of either model). Emits what every offline
-trainer emits (:mod:`tapioca.trainers.offline_loop`), with ``distill/kl``,
+tokens, so no ``[B, T, V]`` fp32 logits of either model). Emits what every supervised
+trainer emits (:mod:`tapioca.trainers.supervised.loop`), with ``distill/kl``,
 ``distill/nll`` and ``distill/loss`` per step.
 
 Vocabularies padded to different sizes (e.g. 151,936 vs 152,064 rows in one model
@@ -23,23 +23,23 @@ from __future__ import annotations
 
 import torch
 
-from ..algorithms.logprobs import gather_logprobs_entropy
-from ..algorithms.supervised import forward_kl_from_hidden
-from ..config.offline import DistillConfig
-from ..models.forward import last_hidden
-from ..schemas.errors import ConfigError
-from .batching import pack
-from .offline_data import SeqExample, load_sft_examples
-from .offline_loop import (
-    OfflineSummary,
-    OfflineTrainerBase,
+from ...algorithms.logprobs import gather_logprobs_entropy
+from ...algorithms.supervised import forward_kl_from_hidden
+from ...config.supervised import DistillConfig
+from ...models.forward import last_hidden
+from ...schemas.errors import ConfigError
+from ..batching import pack
+from .data import SeqExample, load_sft_examples
+from .loop import (
     StepProgress,
+    SupervisedSummary,
+    SupervisedTrainerBase,
     pad_batch,
-    setup_offline,
+    setup_supervised,
 )
 
 
-class DistillTrainer(OfflineTrainerBase[SeqExample]):
+class DistillTrainer(SupervisedTrainerBase[SeqExample]):
     kind = "distill"
 
     def __init__(self, cfg: DistillConfig, model, tokenizer, examples, *, teacher: torch.nn.Module,
@@ -97,11 +97,11 @@ class DistillTrainer(OfflineTrainerBase[SeqExample]):
         return {"kl": float(kl_N.mean()), "nll": float(-logprobs_N.mean())}
 
 
-def train_distill(cfg: DistillConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
+def train_distill(cfg: DistillConfig, *, progress: StepProgress | None = None) -> SupervisedSummary:
     """Distil ``teacher_path`` into the student (``model.path``, or the tiny model)."""
-    from ..models.factory import load_model_and_tokenizer
+    from ...models.factory import load_model_and_tokenizer
 
-    model, tokenizer = setup_offline(cfg)
+    model, tokenizer = setup_supervised(cfg)
     teacher, _ = load_model_and_tokenizer(cfg.teacher_path, dtype=cfg.teacher_dtype or cfg.model.dtype,
                                           device=cfg.actor.device)
     examples, stats = load_sft_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)

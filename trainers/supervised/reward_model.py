@@ -1,7 +1,7 @@
 """Bradley-Terry reward-model training (``tapioca rm``).
 
 Consumes :class:`PairExample` lists, from the same sources as DPO (see
-:mod:`tapioca.trainers.offline_data`). The model is the policy's backbone with a
+:mod:`tapioca.trainers.supervised.data`). The model is the policy's backbone with a
 one-label sequence-classification head: ``AutoModelForSequenceClassification`` with
 ``num_labels=1`` loaded from ``model.path`` (a causal-LM checkpoint: the backbone's
 weights load, the ``score`` head starts random; for Qwen2 this is
@@ -9,7 +9,7 @@ weights load, the ``score`` head starts random; for Qwen2 this is
 the hidden state of its last real token (taken from the attention mask, so a pad token
 equal to eos does not shift it).
 
-Emits what every offline trainer emits (:mod:`tapioca.trainers.offline_loop`), with
+Emits what every supervised trainer emits (:mod:`tapioca.trainers.supervised.loop`), with
 ``rm/loss`` (``-log σ(r_c - r_r)``, mean over the step's pairs), ``rm/accuracy``
 (share of pairs with ``r_c > r_r``), ``rm/margin``; ``final/`` holds the
 sequence-classification model and tokenizer.
@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from ..algorithms.preference import bradley_terry_loss
-from ..config.offline import RewardModelConfig
-from ..schemas.errors import ConfigError, TapiocaError
-from .batching import pack
-from .offline_data import PairExample, load_pair_examples
-from .offline_loop import (
-    OfflineSummary,
-    OfflineTrainerBase,
+from ...algorithms.preference import bradley_terry_loss
+from ...config.supervised import RewardModelConfig
+from ...schemas.errors import ConfigError, TapiocaError
+from ..batching import pack
+from .data import PairExample, load_pair_examples
+from .loop import (
     StepProgress,
+    SupervisedSummary,
+    SupervisedTrainerBase,
     mean,
     pad_batch,
-    setup_offline,
+    setup_supervised,
 )
 
 
@@ -72,7 +72,7 @@ def sequence_rewards(model: torch.nn.Module, input_ids_BT: torch.Tensor,
     return model.score(pooled_BH).squeeze(-1).float()
 
 
-class RewardModelTrainer(OfflineTrainerBase[PairExample]):
+class RewardModelTrainer(SupervisedTrainerBase[PairExample]):
     kind = "rm"
 
     def __init__(self, cfg: RewardModelConfig, model, tokenizer, examples, *, data_metrics=None) -> None:
@@ -108,9 +108,9 @@ class RewardModelTrainer(OfflineTrainerBase[PairExample]):
         return {"accuracy": float((rc_B > rr_B).float().mean()), "margin": float((rc_B - rr_B).mean())}
 
 
-def train_reward_model(cfg: RewardModelConfig, *, progress: StepProgress | None = None) -> OfflineSummary:
+def train_reward_model(cfg: RewardModelConfig, *, progress: StepProgress | None = None) -> SupervisedSummary:
     """Train a Bradley-Terry reward model as configured (resumes from its checkpoint)."""
-    setup_offline(cfg, load_policy=False)
+    setup_supervised(cfg, load_policy=False)
     model, tokenizer = load_reward_model(cfg.model.path, dtype=cfg.actor.param_dtype, device=cfg.actor.device)
     examples, stats = load_pair_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
     return RewardModelTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress)

@@ -1,7 +1,7 @@
-"""Offline trainers (SFT, DPO, reward model, distillation): data sources, configs, the
+"""Supervised trainers (SFT, DPO, reward model, distillation): data sources, configs, the
 shared loop (weights + sha256, checkpoints, resume, metrics), the CLI, and short CPU
 learning checks on the tiny model and the synthetic task (no broker: see
-tests/integration/test_offline_from_logs.py for the topic and archive sources)."""
+tests/integration/test_supervised_from_logs.py for the topic and archive sources)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from tapioca.config.loader import load_config
-from tapioca.config.offline import (
+from tapioca.config.supervised import (
     DistillConfig,
     DPOConfig,
-    OfflineDatasetConfig,
     RewardModelConfig,
     SFTConfig,
+    SupervisedDatasetConfig,
 )
 from tapioca.models.factory import load_model_and_tokenizer
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
 from tapioca.schemas.errors import ConfigError, TapiocaError
 from tapioca.schemas.events import RewardEvent, TrajectoryEvent
-from tapioca.trainers.offline_data import (
+from tapioca.trainers.supervised.data import (
     ChatEncoder,
     DataStats,
     load_pair_examples,
@@ -32,7 +32,7 @@ from tapioca.trainers.offline_data import (
     pair_examples_from_groups,
     sft_examples_from_groups,
 )
-from tapioca.trainers.offline_loop import setup_offline
+from tapioca.trainers.supervised.loop import setup_supervised
 from tapioca.weights.files import sha256_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -40,7 +40,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("offline") / "model")
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("supervised") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _no_broker(monkeypatch):
 
 
 def _cfg(cls, tiny, tmp_path, *overrides):
-    """A resolved offline run (as the CLI resolves it before training)."""
+    """A resolved supervised run (as the CLI resolves it before training)."""
     return resolve_run(load_config(cls, None, [f"model.path={tiny}", f"run_dir={tmp_path}",
                                                "trial_name=t", "actor.torch_threads=1",
                                                *overrides]), prepare=True)
@@ -74,7 +74,7 @@ def test_chat_rows_train_only_the_assistant_turn(tokenizer, tmp_path):
     rows.write_text(json.dumps({"messages": [{"role": "user", "content": "max(2,3)="},
                                              {"role": "assistant", "content": "3"}]}) + "\n"
                     + json.dumps({"prompt": "min(4,1)=", "answer": "1"}) + "\n")
-    ds = OfflineDatasetConfig(source="file", path=str(rows))
+    ds = SupervisedDatasetConfig(source="file", path=str(rows))
     examples, stats = load_sft_examples(ds, tokenizer)
     assert examples[0].prompt_ids == [tokenizer.bos_token_id] + _ids(tokenizer, "max(2,3)=")
     assert examples[0].response_ids == _ids(tokenizer, "3") + [tokenizer.eos_token_id]
@@ -121,12 +121,12 @@ def test_bad_rows_name_the_row_and_the_fix(tokenizer, tmp_path):
     rows = tmp_path / "bad.jsonl"
     rows.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ConfigError, match="row 0.*prompt_key"):
-        load_sft_examples(OfflineDatasetConfig(source="file", path=str(rows)), tokenizer)
+        load_sft_examples(SupervisedDatasetConfig(source="file", path=str(rows)), tokenizer)
     with pytest.raises(ConfigError, match="preference row 0 lacks"):
-        load_pair_examples(OfflineDatasetConfig(source="file", path=str(rows)), tokenizer)
+        load_pair_examples(SupervisedDatasetConfig(source="file", path=str(rows)), tokenizer)
     rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ConfigError, match="assistant"):
-        load_sft_examples(OfflineDatasetConfig(source="file", path=str(rows)), tokenizer)
+        load_sft_examples(SupervisedDatasetConfig(source="file", path=str(rows)), tokenizer)
 
 
 def test_max_length_and_identical_pairs_are_skipped_and_counted(tokenizer, tmp_path):
@@ -136,7 +136,7 @@ def test_max_length_and_identical_pairs_are_skipped_and_counted(tokenizer, tmp_p
         {"prompt": "max(1,2)=", "chosen": "2", "rejected": "2"},
         {"prompt": "max(1,2)=" * 20, "chosen": "2", "rejected": "1"},
     ]))
-    pairs, stats = load_pair_examples(OfflineDatasetConfig(source="file", path=str(rows), max_length=40),
+    pairs, stats = load_pair_examples(SupervisedDatasetConfig(source="file", path=str(rows), max_length=40),
                                       tokenizer)
     assert len(pairs) == 1
     assert stats.counts["skipped_identical_pair"] == 1 and stats.counts["skipped_too_long"] == 1
@@ -144,9 +144,9 @@ def test_max_length_and_identical_pairs_are_skipped_and_counted(tokenizer, tmp_p
 
 def test_example_data_files_load(tokenizer):
     sft, _ = load_sft_examples(
-        OfflineDatasetConfig(source="file", path=str(EXAMPLES / "data/synthetic_sft.jsonl")), tokenizer)
+        SupervisedDatasetConfig(source="file", path=str(EXAMPLES / "data/synthetic_sft.jsonl")), tokenizer)
     pairs, _ = load_pair_examples(
-        OfflineDatasetConfig(source="file", path=str(EXAMPLES / "data/synthetic_pairs.jsonl")), tokenizer)
+        SupervisedDatasetConfig(source="file", path=str(EXAMPLES / "data/synthetic_pairs.jsonl")), tokenizer)
     assert len(sft) == 100 and len(pairs) == 100
     for kind, cls in (("sft", SFTConfig), ("dpo", DPOConfig), ("reward_model", RewardModelConfig),
                       ("distill", DistillConfig)):
@@ -241,7 +241,7 @@ def test_config_validation_says_what_to_fix(tiny, tmp_path):
 
 
 def test_pad_batch_marks_only_response_tokens():
-    from tapioca.trainers.offline_loop import pad_batch
+    from tapioca.trainers.supervised.loop import pad_batch
 
     # ids [1, 5, 6, 7, 2], prompt 2 tokens, response [6, 7, 2] with mask [1, 0, 1]:
     # position t predicts token t+1, so positions 1, 2, 3 predict 6, 7, 2; 7 is masked out.
@@ -256,15 +256,15 @@ def test_pad_batch_marks_only_response_tokens():
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_micro_batching_does_not_change_the_loss_or_gradient(tiny, tmp_path, kind):
     # SFT is a token mean over the step, DPO a mean over its pairs, however the step is cut.
-    from tapioca.trainers.dpo import DPOTrainer
-    from tapioca.trainers.sft import SFTTrainer
+    from tapioca.trainers.supervised.dpo import DPOTrainer
+    from tapioca.trainers.supervised.sft import SFTTrainer
 
     grads, losses = [], []
     for mb_tokens in (16, 100000):  # one sequence (pair) per micro-batch vs all in one
         cls, trainer_cls, load = ((SFTConfig, SFTTrainer, load_sft_examples) if kind == "sft"
                                   else (DPOConfig, DPOTrainer, load_pair_examples))
         cfg = _cfg(cls, tiny, tmp_path / str(mb_tokens), f"actor.mb_max_tokens={mb_tokens}")
-        model, tok = setup_offline(cfg)
+        model, tok = setup_supervised(cfg)
         examples, _ = load(cfg.train_dataset, tok, seed=cfg.seed)
         trainer = trainer_cls(cfg, model, tok, examples[:6])
         if kind == "dpo":  # move the policy off the reference so the DPO gradient is not trivial
@@ -292,11 +292,11 @@ def _greedy_accuracy(model, examples) -> float:
 
 
 def test_sft_loss_falls_and_the_model_learns_the_task(tiny, tmp_path):
-    from tapioca.trainers.sft import SFTTrainer
+    from tapioca.trainers.supervised.sft import SFTTrainer
 
     cfg = _cfg(SFTConfig, tiny, tmp_path, "total_train_steps=80", "actor.optimizer.lr=2e-3",
                "train_dataset.batch_size=16", "save_every_steps=40")
-    model, tok = setup_offline(cfg)
+    model, tok = setup_supervised(cfg)
     examples, stats = load_sft_examples(cfg.train_dataset, tok, seed=cfg.seed)
     trainer = SFTTrainer(cfg, model, tok, examples, data_metrics=stats.metrics())
     before = _greedy_accuracy(model, examples[:50])
@@ -319,7 +319,7 @@ def test_sft_loss_falls_and_the_model_learns_the_task(tiny, tmp_path):
 
 
 def test_sft_resume_continues_exactly(tiny, tmp_path):
-    from tapioca.trainers.sft import train_sft
+    from tapioca.trainers.supervised.sft import train_sft
 
     common = ["train_dataset.batch_size=8", "save_every_steps=3", "actor.optimizer.lr=1e-3"]
     straight = train_sft(_cfg(SFTConfig, tiny, tmp_path / "a", "total_train_steps=6", *common))
@@ -337,11 +337,11 @@ def test_sft_resume_continues_exactly(tiny, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_raises_the_chosen_vs_rejected_margin(tiny, tmp_path, loss_type):
-    from tapioca.trainers.dpo import DPOTrainer
+    from tapioca.trainers.supervised.dpo import DPOTrainer
 
     cfg = _cfg(DPOConfig, tiny, tmp_path, f"loss_type={loss_type}", "total_train_steps=40",
                "actor.optimizer.lr=1e-3", "train_dataset.batch_size=16", "save_every_steps=40")
-    model, tok = setup_offline(cfg)
+    model, tok = setup_supervised(cfg)
     pairs, _ = load_pair_examples(cfg.train_dataset, tok, seed=cfg.seed)
     trainer = DPOTrainer(cfg, model, tok, pairs)
     before = trainer.evaluate(pairs)
@@ -360,11 +360,11 @@ def test_dpo_raises_the_chosen_vs_rejected_margin(tiny, tmp_path, loss_type):
 
 
 def test_reward_model_accuracy_rises_above_chance(tiny, tmp_path):
-    from tapioca.trainers.reward_model import RewardModelTrainer, load_reward_model
+    from tapioca.trainers.supervised.reward_model import RewardModelTrainer, load_reward_model
 
     cfg = _cfg(RewardModelConfig, tiny, tmp_path, "total_train_steps=100", "actor.optimizer.lr=1e-3",
                "train_dataset.batch_size=16", "save_every_steps=100")
-    setup_offline(cfg, load_policy=False)
+    setup_supervised(cfg, load_policy=False)
     model, tok = load_reward_model(cfg.model.path)
     assert type(model).__name__ == "Qwen2ForSequenceClassification" and model.config.num_labels == 1
     pairs, _ = load_pair_examples(cfg.train_dataset, tok, seed=cfg.seed)
@@ -382,13 +382,13 @@ def test_reward_model_accuracy_rises_above_chance(tiny, tmp_path):
 
 
 def test_distillation_lowers_the_students_kl_to_the_teacher(tiny, tmp_path):
-    from tapioca.trainers.distill import DistillTrainer
+    from tapioca.trainers.supervised.distill import DistillTrainer
 
     teacher_dir = create_tiny_checkpoint(tmp_path / "teacher", seed=7, hidden_size=48, num_heads=4)
     cfg = _cfg(DistillConfig, tiny, tmp_path, f"teacher_path={teacher_dir}", "total_train_steps=60",
                "actor.optimizer.lr=2e-3", "train_dataset.batch_size=16", "save_every_steps=60", "nll_coef=0.0",
                "actor.logprob_chunk_tokens=16")
-    model, tok = setup_offline(cfg)
+    model, tok = setup_supervised(cfg)
     teacher, _ = load_model_and_tokenizer(teacher_dir)
     examples, _ = load_sft_examples(cfg.train_dataset, tok, seed=cfg.seed)
     trainer = DistillTrainer(cfg, model, tok, examples, teacher=teacher)
@@ -401,7 +401,7 @@ def test_distillation_lowers_the_students_kl_to_the_teacher(tiny, tmp_path):
 
 
 def test_distillation_with_nll_weight_also_fits_the_data(tiny, tmp_path):
-    from tapioca.trainers.distill import train_distill
+    from tapioca.trainers.supervised.distill import train_distill
 
     teacher_dir = create_tiny_checkpoint(tmp_path / "teacher", seed=7)
     summary = train_distill(_cfg(DistillConfig, tiny, tmp_path, f"teacher_path={teacher_dir}",
@@ -414,10 +414,10 @@ def test_distillation_with_nll_weight_also_fits_the_data(tiny, tmp_path):
 def test_distillation_nll_uses_the_students_full_head(tiny, tmp_path):
     # A student padded with extra vocabulary rows (as model families pad to a multiple):
     # the KL compares the shared rows only, but the NLL is the student's own full softmax.
-    from tapioca.trainers.distill import DistillTrainer
+    from tapioca.trainers.supervised.distill import DistillTrainer
 
     cfg = _cfg(DistillConfig, tiny, tmp_path, f"teacher_path={tiny}", "nll_coef=1.0")
-    model, tok = setup_offline(cfg)
+    model, tok = setup_supervised(cfg)
     teacher, _ = load_model_and_tokenizer(tiny)
     V = teacher.get_output_embeddings().weight.shape[0]
     model.resize_token_embeddings(V + 8, mean_resizing=False)
@@ -443,10 +443,10 @@ def test_distillation_nll_uses_the_students_full_head(tiny, tmp_path):
 
 
 def test_distillation_refuses_a_teacher_with_another_vocabulary(tiny, tmp_path):
-    from tapioca.trainers.distill import DistillTrainer
+    from tapioca.trainers.supervised.distill import DistillTrainer
 
     cfg = _cfg(DistillConfig, tiny, tmp_path, f"teacher_path={tiny}")
-    model, tok = setup_offline(cfg)
+    model, tok = setup_supervised(cfg)
     small_teacher, _ = load_model_and_tokenizer(tiny)
     small_teacher.resize_token_embeddings(10)
     with pytest.raises(ConfigError, match="vocabulary"):
@@ -502,4 +502,4 @@ def test_no_usable_examples_is_a_clear_error(tiny, tokenizer, tmp_path):
     rows = tmp_path / "long.jsonl"
     rows.write_text(json.dumps({"prompt": "max(1,2)=" * 30, "response": "2"}) + "\n")
     with pytest.raises(TapiocaError, match="no usable examples.*max_length"):
-        load_sft_examples(OfflineDatasetConfig(source="file", path=str(rows), max_length=16), tokenizer)
+        load_sft_examples(SupervisedDatasetConfig(source="file", path=str(rows), max_length=16), tokenizer)
