@@ -300,8 +300,8 @@ def test_a_group_without_a_shared_prompt_archives_replays_and_trains_offline(tmp
     token as the prompt (it was skipped as ``skipped_empty_prompt`` before)."""
     from tapioca.bus.replay import Replayer, ReplayFilter, ReplayStats, items_from_archive
     from tapioca.bus.settings import BusConfig
-    from tapioca.config.offline import OfflineDatasetConfig
-    from tapioca.trainers.offline_data import load_sft_examples
+    from tapioca.config.supervised import SupervisedDatasetConfig
+    from tapioca.trainers.supervised.data import load_sft_examples
 
     t = TrajectoryEvent(traj_id="g:0", group_id="g", prompt_id="p", sample_index=0,
                         group_size=1, prompt_ids=[], output_ids=[7, 8, 12, 13],
@@ -324,7 +324,7 @@ def test_a_group_without_a_shared_prompt_archives_replays_and_trains_offline(tmp
                                                     dry_run=True)
     assert stats.published == 3
     examples, data = load_sft_examples(
-        OfflineDatasetConfig(source="archive", path=str(tmp_path), min_reward=1.0), None)
+        SupervisedDatasetConfig(source="archive", path=str(tmp_path), min_reward=1.0), None)
     (ex,) = examples
     assert (ex.prompt_ids, ex.response_ids, ex.response_mask) == ([7], [8, 12, 13], [0, 1, 1])
     assert "skipped_empty_prompt" not in data.counts
