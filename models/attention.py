@@ -17,8 +17,13 @@ Backends (``attention_backend``):
   real rows are gathered back. Right padding cannot leak into a causal row of real
   tokens, so the result is exact; padded rows are computed and dropped (their gradient
   is zero).
-* ``auto``: ``varlen`` on CUDA in bf16 / fp16 when :func:`probe_varlen` passes, else
-  ``sdpa``.
+* ``fa4``: FlashAttention-4's CuTe kernels (``pip install flash-attn-4``; Hopper /
+  Blackwell, bf16 / fp16; :mod:`tapioca.models.attention_fa4`), behind an import guard.
+* ``auto``: ``fa4`` when it imports and its probe passes, else ``varlen`` on CUDA in
+  bf16 / fp16 when :func:`probe_varlen` passes, else ``sdpa``.
+
+A :class:`~tapioca.models.prefix_attention.TreeSeqs` (prefix-shared packing) brings its
+own segments: :func:`attention` hands it the resolved backend.
 
 Why not flex_attention: its block mask is rebuilt per micro-batch and it must be
 compiled (tens of seconds per shape) to be fast; flash varlen needs neither.
@@ -35,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from ..schemas.errors import ConfigError
+from .attention_fa4 import fa4_import_error, fa4_varlen, probe_fa4
 
-BACKENDS = ("auto", "varlen", "sdpa")
+BACKENDS = ("auto", "varlen", "sdpa", "fa4")
 
 
 @dataclass
@@ -165,12 +171,19 @@ def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n_heads: int,
                     n_kv: int, head_dim: int) -> str:
-    """The backend that will run: ``varlen`` / ``varlen-expand`` / ``sdpa``. ``dtype`` is
+    """The backend that will run: ``fa4`` / ``varlen`` / ``varlen-expand`` / ``sdpa``. ``dtype`` is
     the dtype attention runs in (the autocast dtype, or the parameters')."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: use one of {', '.join(BACKENDS)}")
     if name == "sdpa":
         return "sdpa"
+    if name in ("auto", "fa4"):
+        if probe_fa4(str(torch.device(device)), dtype, n_heads, n_kv, head_dim):
+            return "fa4"
+        if name == "fa4":
+            why = fa4_import_error() or "it needs CUDA (Hopper / Blackwell) and bf16 / fp16, and its probe failed"
+            raise ConfigError(f"attention_backend=fa4 does not run here (device {device}, {dtype}): {why}; "
+                              "pip install flash-attn-4, or use attention_backend=auto / varlen / sdpa")
     variant = probe_varlen(str(torch.device(device)), dtype, n_heads, n_kv, head_dim)
     if variant:
         return "varlen" if variant == "gqa" else "varlen-expand"
@@ -185,6 +198,12 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n
 def attention(backend: str, q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
               seqs: PackedSeqs, scale: float) -> torch.Tensor:
     """Dispatch to a resolved backend (:func:`resolve_backend`)."""
+    attend = getattr(seqs, "attend", None)
+    if attend is not None:  # a prefix tree (models/prefix_attention.py): its own segments
+        return attend(backend, q_NHD, k_NKD, v_NKD, scale)
+    if backend == "fa4":
+        cu = seqs.cu_seqlens_S1
+        return fa4_varlen(q_NHD, k_NKD, v_NKD, cu, cu, seqs.max_len, seqs.max_len, scale)
     if backend == "sdpa":
         return sdpa_attention(q_NHD, k_NKD, v_NKD, seqs, scale)
     return varlen_attention(q_NHD, k_NKD, v_NKD, seqs, scale, expand_kv=backend == "varlen-expand")
