@@ -357,9 +357,11 @@ class Trainer(Role[TrainerState]):
         samples = [s for s, _ in batch]
         v_before = state.progress.version
         t0 = time.perf_counter()
+        ready_at = time.time()  # the batch is complete: the step timeline's "trainer wait" ends
         try:
             items = flatten_groups(samples)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
+            t_adv = time.perf_counter() - t0
             result = self.actor.train_step(items, policy_version=state.progress.version)
             if self.critic is not None and result.applied_minibatches:
                 token_metrics.update(self.critic.train_step(items))
@@ -394,7 +396,9 @@ class Trainer(Role[TrainerState]):
         p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
         step.last_reward = sum(rewards) / max(len(rewards), 1)
+        t_write = time.perf_counter()
         weights = self._write_version(state, step, group_ids, f"training step {p.version}")
+        t_write = time.perf_counter() - t_write
         p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
@@ -411,6 +415,12 @@ class Trainer(Role[TrainerState]):
             "trainer/dead_lettered_config": float(state.dead_lettered_config),
             "trainer/skipped_steps": float(state.skipped_steps),
             "trainer/step_wall_s": time.perf_counter() - t0,
+            # For the step timeline (ops/timeline.py): when the batch was complete (epoch
+            # seconds), the token-level advantages' time, and the weights publish +
+            # checkpoint time (the weights event's produced_at comes right after).
+            "trainer/batch_ready_at": ready_at,
+            "trainer/token_advantages_s": t_adv,
+            "trainer/write_version_s": t_write,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })
