@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..schemas.errors import ConfigError
-from .attention import _VARLEN_TAKES_GQA, PackedSeqs, _varlen_attn, packed_seqs
+from .attention import PackedSeqs, kernel_error, packed_seqs, varlen_call
 from .attention_fa4 import fa4_varlen
 
 
@@ -133,17 +133,8 @@ def _tree_varlen(q_NHD: torch.Tensor, k_KKD: torch.Tensor, v_KKD: torch.Tensor, 
                  scale: float, *, expand_kv: bool) -> torch.Tensor:
     """One flash varlen call: queries per segment, keys per segment, causal (-1, 0), which
     the kernel aligns bottom-right when a segment has more keys than queries."""
-    if _varlen_attn is None:
-        raise ConfigError("attention_backend=varlen needs torch.nn.attention.varlen "
-                          "(PyTorch >= 2.10); use attention_backend=sdpa")
-    n_heads, n_kv = q_NHD.shape[1], k_KKD.shape[1]
-    if expand_kv and n_kv != n_heads:
-        k_KKD = k_KKD.repeat_interleave(n_heads // n_kv, dim=1)
-        v_KKD = v_KKD.repeat_interleave(n_heads // n_kv, dim=1)
-    extra = {"enable_gqa": True} if _VARLEN_TAKES_GQA and k_KKD.shape[1] != n_heads else {}
-    return _varlen_attn(q_NHD.contiguous(), k_KKD.contiguous(), v_KKD.contiguous(), seqs.cu_seqlens_S1,
-                        seqs.cu_seqlens_k_S1, seqs.max_len, seqs.max_len_k, scale=scale,
-                        window_size=(-1, 0), **extra)
+    return varlen_call(q_NHD, k_KKD, v_KKD, seqs.cu_seqlens_S1, seqs.cu_seqlens_k_S1, seqs.max_len,
+                       seqs.max_len_k, scale, expand_kv=expand_kv)
 
 
 def probe_tree(device: str) -> TreeSeqs:
@@ -161,17 +152,9 @@ def probe_tree(device: str) -> TreeSeqs:
 def _tree_kernel_error(backend: str, device: str, dtype: torch.dtype, n_heads: int, n_kv: int,
                        head_dim: int) -> float:
     seqs = probe_tree(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    shapes = [(seqs.n_tokens, n, head_dim) for n in (n_heads, n_kv, n_kv)]
-    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
-    g = torch.randn(seqs.n_tokens, n_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    scale = head_dim ** -0.5
-    ref = tree_sdpa_attention(q.float(), k.float(), v.float(), seqs, scale)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
-    out = seqs.attend(backend, q, k, v, scale)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    return max(float((a.detach().float() - b.detach()).abs().max() / (b.detach().abs().max() + 1e-6))
-               for a, b in zip((out, *grads), (ref, *ref_grads)))
+    return kernel_error(lambda q, k, v, scale: seqs.attend(backend, q, k, v, scale),
+                        lambda q, k, v, scale: tree_sdpa_attention(q, k, v, seqs, scale),
+                        seqs.n_tokens, device, dtype, n_heads, n_kv, head_dim)
 
 
 def check_tree_backend(backend: str, device: torch.device | str, dtype: torch.dtype, n_heads: int,

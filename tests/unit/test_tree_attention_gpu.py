@@ -16,7 +16,13 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from tapioca.models.attention import packed_seqs, resolve_backend, sdpa_attention  # noqa: E402
+from tapioca.models.attention import (  # noqa: E402
+    attention,
+    kernel_error,
+    packed_seqs,
+    resolve_backend,
+    sdpa_attention,
+)
 from tapioca.models.attention_fa4 import fa4_available  # noqa: E402
 from tapioca.models.prefix_attention import check_tree_backend, tree_sdpa_attention, tree_seqs  # noqa: E402
 from tapioca.trainers.prefix_packing import build_prefix_tree, tree_layout  # noqa: E402
@@ -43,34 +49,18 @@ def _tree():
                      n_flat_tokens=sum(map(len, seqs)))
 
 
-def _qkv(n: int):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(n, HEADS, DIM, device="cuda", dtype=BF16, generator=gen).requires_grad_()
-    k, v = (torch.randn(n, KV, DIM, device="cuda", dtype=BF16, generator=gen).requires_grad_() for _ in range(2))
-    g = torch.randn(n, HEADS, DIM, device="cuda", dtype=BF16, generator=gen)
-    return q, k, v, g
-
-
-def _fwd_bwd(fn, q, k, v, g):
-    out = fn(q, k, v)
-    return (out, *torch.autograd.grad(out, (q, k, v), g.to(out.dtype)))
-
-
-def _against_reference(kernel, reference, n: int, tol: float = 2e-2) -> None:
-    q, k, v, g = _qkv(n)
-    got = _fwd_bwd(kernel, q, k, v, g)
-    ref = _fwd_bwd(lambda *x: reference(*(t.float() for t in x)), q, k, v, g)
-    for a, b in zip(got, ref, strict=True):
-        assert rel_err(a, b) < tol
+def _against_reference(kernel, reference, n: int, tol: float = 5e-2) -> None:
+    """bf16 forward and input gradients within ``tol`` (max relative; bf16 rounding is ~1e-2,
+    a misaligned mask O(1)) of fp32 sdpa."""
+    assert kernel_error(kernel, reference, n, "cuda", BF16, HEADS, KV, DIM) < tol
 
 
 @pytest.mark.parametrize("backend", ["varlen", "varlen-expand"])
 def test_tree_attention_through_flash_varlen_matches_the_reference(backend):
     tree = _tree()
-    scale = DIM ** -0.5
     check_tree_backend(backend, "cuda", BF16, HEADS, KV, DIM)
-    _against_reference(lambda q, k, v: tree.attend(backend, q, k, v, scale),
-                       lambda q, k, v: tree_sdpa_attention(q, k, v, tree, scale), tree.n_tokens)
+    _against_reference(lambda q, k, v, scale: tree.attend(backend, q, k, v, scale),
+                       lambda q, k, v, scale: tree_sdpa_attention(q, k, v, tree, scale), tree.n_tokens)
 
 
 def test_tree_training_step_on_gpu_matches_unshared_in_bf16():
@@ -100,7 +90,7 @@ def test_tree_training_step_on_gpu_matches_unshared_in_bf16():
                          temperature=1.0, pad_token_id=0, device="cuda")
         actor.train_step(items, policy_version=0)
         grads[tree] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-    assert rel_err(grads[True], grads[False]) < 2e-2
+    assert rel_err(grads[True], grads[False]) < 5e-2  # bf16 rounding; a wrong mask is O(1)
 
 
 # --------------------------------------------------------------------------- FA4
@@ -108,11 +98,8 @@ def test_tree_training_step_on_gpu_matches_unshared_in_bf16():
 @needs_fa4
 def test_fa4_packed_attention_matches_sdpa():
     seqs = packed_seqs([1000, 37, 1, 513, 2048], "cuda")
-    scale = DIM ** -0.5
-    from tapioca.models.attention import attention
-
-    _against_reference(lambda q, k, v: attention("fa4", q, k, v, seqs, scale),
-                       lambda q, k, v: sdpa_attention(q, k, v, seqs, scale), seqs.n_tokens)
+    _against_reference(lambda q, k, v, scale: attention("fa4", q, k, v, seqs, scale),
+                       lambda q, k, v, scale: sdpa_attention(q, k, v, seqs, scale), seqs.n_tokens)
 
 
 @needs_fa4
@@ -120,10 +107,9 @@ def test_auto_picks_fa4_when_installed_and_it_runs_trees():
     assert resolve_backend("auto", "cuda", BF16, HEADS, KV, DIM) == "fa4"
     assert resolve_backend("fa4", "cuda", BF16, HEADS, KV, DIM) == "fa4"
     tree = _tree()
-    scale = DIM ** -0.5
     check_tree_backend("fa4", "cuda", BF16, HEADS, KV, DIM)
-    _against_reference(lambda q, k, v: tree.attend("fa4", q, k, v, scale),
-                       lambda q, k, v: tree_sdpa_attention(q, k, v, tree, scale), tree.n_tokens)
+    _against_reference(lambda q, k, v, scale: tree.attend("fa4", q, k, v, scale),
+                       lambda q, k, v, scale: tree_sdpa_attention(q, k, v, tree, scale), tree.n_tokens)
 
 
 def test_fa4_refused_with_a_clear_error_where_it_cannot_run():
