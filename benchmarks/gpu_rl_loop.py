@@ -52,26 +52,31 @@ def build_model(path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
+# Overrides of the GSM8K run that --tiny drops (the demo config's model, task and lr).
+GSM8K_ONLY = ("model.", "train_dataset.path=", "train_dataset.type=", "actor.lr=", "actor.optimizer.lr=",
+              "actor.autocast_dtype=")
+
+
 def run(eta: int, args, model_path: Path | None, run_root: Path) -> dict:
     # Its own run directory per transport: a second invocation must not resume the first's.
     trial = (f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}")
              + ("-tiny" if args.tiny else "") + ("-timeline" if args.timeline else ""))
-    common = [
+    overrides = [
+        f"model.path={model_path}", "model.dtype=bfloat16",
+        f"train_dataset.path={args.data}", "train_dataset.type=gsm8k",
         f"train_dataset.prompts_per_step={args.prompts}", f"gconfig.n_samples={args.samples}",
         f"gconfig.max_new_tokens={args.new_tokens}", f"total_train_steps={args.steps}",
         f"rollout.max_head_offpolicyness={eta}", f"rollout.device={args.device}",
         f"rollout.max_batch_size={args.prompts * args.samples}",
-        f"actor.device={args.device}", f"actor.mb_max_tokens={args.mb_tokens}", "actor.checkpoint_every_steps=1000",
+        f"actor.device={args.device}", "actor.lr=1e-6",
+        f"actor.mb_max_tokens={args.mb_tokens}", "actor.checkpoint_every_steps=1000",
         f"run_dir={run_root}", "experiment_name=gpu", f"trial_name={trial}",
         f"actor.weight_transport={args.weight_transport}",
-    ] + (["archive.enabled=true"] if args.timeline else [])
-    if args.tiny:  # the CPU demo's tiny model (created under the run dir) on the synthetic task
-        config, overrides = "demo_cpu.yaml", common + ["stop_at_reward=null"]
-    else:
-        config = "gsm8k_grpo.yaml"
-        overrides = [f"model.path={model_path}", "model.dtype=bfloat16", f"train_dataset.path={args.data}",
-                     "train_dataset.type=gsm8k", "actor.lr=1e-6"] + common + (
-            ["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
+    ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
+    if args.tiny:  # the CPU demo's own model (created under the run dir), lr and task
+        overrides = [o for o in overrides if not o.startswith(GSM8K_ONLY)] + ["stop_at_reward=null"]
+    overrides += ["archive.enabled=true"] if args.timeline else []
+    config = "demo_cpu.yaml" if args.tiny else "gsm8k_grpo.yaml"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train",
                            "--config", str(REPO / "examples" / config), *overrides],

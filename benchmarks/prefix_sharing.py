@@ -23,6 +23,7 @@ the GPU: rounding only; fp32 on the CPU: ~1e-7).
 
     python benchmarks/prefix_sharing.py --device cuda          # 0.5B and 1.5B, 4 groups; ~2 min
     python benchmarks/prefix_sharing.py --smoke --device cpu   # a tiny Qwen2, 2 groups of 64 x 4 x 32
+    python benchmarks/prefix_sharing.py --smoke --shapes small --device cpu   # 256 hidden, 2 x 256 x 4 x 128
 """
 
 from __future__ import annotations
@@ -42,11 +43,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
 from engine_generate import H200_BF16_DENSE_TFLOPS, env_info, print_table, timed, write_json  # noqa: E402
 from trainer_step import FAST, FAST_BIG, M05, M15, cpu_safe, reset  # noqa: E402
-from trainer_systems import SHAPES, TINY, actor_config, build, compare, param_counts  # noqa: E402
+from trainer_systems import SHAPES, TINY, actor_config, compare, param_counts  # noqa: E402
+from trainer_systems import build as build_shape  # noqa: E402
 
 from tapioca.trainers.batching import SeqItem  # noqa: E402
 from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
 from tapioca.trainers.prefix_packing import tree_tokens  # noqa: E402
+
+# CPU shapes for --smoke: the plumbing one, and one big enough that compute, not
+# per-call overhead, sets the step time (CPU figures of the speed-up).
+SMOKE_SHAPES = {"tiny": TINY, "small": dict(TINY, hidden_size=256, intermediate_size=1024, num_layers=4)}
+
+
+def shape_kw(shape: str, smoke: bool) -> dict:
+    return dict(SMOKE_SHAPES[shape] if smoke else SHAPES[shape])
+
+
+def build(shape: str, smoke: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    if not smoke:
+        return build_shape(shape, False, dtype, device)
+    from tapioca.models.factory import build_tiny_model
+
+    kw = shape_kw(shape, True)
+    vocab = kw.pop("vocab_size")
+    return build_tiny_model(vocab, seed=0, dtype=dtype, device=device, max_position_embeddings=4096, **kw)
 
 
 def grpo_items(n_groups: int, prompt_len: int, samples: int, answer_len: int, vocab: int,
@@ -158,9 +178,12 @@ def main() -> None:
     ap.add_argument("--flops-only", action="store_true",
                     help="print the FLOPs of a step with and without sharing (no step runs; any machine)")
     args = ap.parse_args()
-    if args.smoke:
-        args.shapes, args.groups, args.prompt_tokens, args.samples, args.answer_tokens = "tiny", 2, 64, 4, 32
-        args.mb_tokens = min(args.mb_tokens, 512)
+    if args.smoke:  # CPU: "tiny" by default (plumbing), "small" for a compute-bound CPU figure
+        args.shapes = args.shapes if args.shapes in SMOKE_SHAPES else "tiny"
+        small = args.shapes == "small"
+        args.groups, args.prompt_tokens, args.samples, args.answer_tokens = \
+            (2, 256, 4, 128) if small else (2, 64, 4, 32)
+        args.mb_tokens = min(args.mb_tokens, 4096 if small else 512)
     cuda = args.device.startswith("cuda")
     start = time.perf_counter()
     print(f"{env_info(args.device)}; {args.groups} groups x {args.prompt_tokens} prompt x {args.samples} samples "
@@ -173,7 +196,7 @@ def main() -> None:
     results, flops = [], {}
     if args.flops_only:
         for shape in args.shapes.split(","):
-            kw = dict(TINY if args.smoke else SHAPES[shape])
+            kw = shape_kw(shape, args.smoke)
             counts = param_counts(build(shape, args.smoke, torch.bfloat16, "meta"))
             f, t = (step_flops(kw, counts, items, shared) for shared in (False, True))
             print(f"{shape}: TFLOP/step {f['total_flop'] / 1e12:.2f} -> {t['total_flop'] / 1e12:.2f} "
@@ -182,9 +205,9 @@ def main() -> None:
                   f"({t['head_flop'] / t['total_flop']:.0%} of the shared step); tokens {f['tokens']} -> {t['tokens']}")
         return
     for shape in args.shapes.split(","):
-        base = FAST_BIG if shape not in (M05, "tiny") else FAST
+        base = FAST_BIG if shape not in (M05, *SMOKE_SHAPES) else FAST
         base = base if cuda else cpu_safe("actor", dict(base, param_dtype="float32"))
-        kw = dict(TINY if args.smoke else SHAPES[shape])
+        kw = shape_kw(shape, args.smoke)
         for tree in (False, True):
             try:
                 r = run_one(shape, items, dict(base, enable_tree_training=tree), args)

@@ -1,9 +1,10 @@
 """Where an RL step's time goes, from the events' own timestamps: one row per step.
 
 Consumes a run's events (from its archive, ``<run dir>/archive`` with
-``archive.enabled: true``, or straight from its topics): ``weights.v1`` (which groups each
-version trained, its ``produced_at``), ``metrics.v1`` (the trainer's
-``trainer/batch_ready_at``, ``trainer/write_version_s``, ``actor/step_time_s``),
+``archive.enabled: true``, or straight from its topics): ``weights.v1`` (each version's
+publish, ``produced_at``), the groups each version trained (``progress.v1``'s progress
+events where the tree has them, else the weights events' ``group_ids``), ``metrics.v1`` (the trainer's
+``trainer/batch_ready_at``, ``trainer/token_advantages_s``, ``actor/step_time_s``),
 ``trajectories.v1`` (``produced_at``; ``timings``: ``submitted_at``, ``queued_s``,
 ``generate_s`` and the weights switch the group was generated after:
 ``weights_version``, ``weights_received_at``, ``weights_loaded_at``), ``rewards.v1`` and
@@ -14,7 +15,10 @@ For the step that made version ``v`` from groups generated under version ``u``
 (``u = v - 1`` at eta 0), the critical path of its last group, in order:
 
 =================  ================================================================
-publish            the trainer writing version ``u`` (weights + checkpoint)
+publish            the trainer publishing version ``u``: its weights event's produced_at
+                   - (batch complete + token advantages + actor step) of the step
+                   that made it (a due checkpoint is written after the event: it
+                   shows in the next trainer wait)
 weights hop        ``u``'s weights event produced -> received by the rollout worker
 switch             received -> loaded into the engine (the tick it waits for + the load)
 prompt wait        loaded -> the step's first group submitted (the feeder's admission
@@ -85,18 +89,34 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
+def _publish_s(metrics: dict[str, float] | None, weights: WeightsEvent | None) -> float | None:
+    """The publish of the version a step made: from its work's end to its weights event."""
+    if metrics is None or weights is None or "actor/step_time_s" not in metrics:
+        return None
+    done = metrics["trainer/batch_ready_at"] + metrics.get("trainer/token_advantages_s", 0.0) \
+        + metrics["actor/step_time_s"]
+    return weights.produced_at - done
+
+
 def step_timelines(events: Iterable[Event]) -> list[StepTimeline]:
     """One :class:`StepTimeline` per training step found in ``events`` (any order)."""
     weights: dict[int, WeightsEvent] = {}
+    trained: dict[int, list[str]] = {}  # version -> the groups that made it
     trainer: dict[int, dict[str, float]] = {}
     trajs: dict[str, list[TrajectoryEvent]] = {}
     rewards: dict[str, float] = {}
     samples: dict[str, float] = {}
     for e in events:
-        if isinstance(e, WeightsEvent) and e.rollback_of is None:
+        if getattr(e, "TYPE", "") == "progress":
+            # Trees with progress.v1 name a version's groups there (weights.v1: bytes only).
+            if e.group_ids:
+                trained.setdefault(e.version, list(e.group_ids))
+        elif isinstance(e, WeightsEvent) and e.rollback_of is None:
             # The first event of a version is its publish (re-announcements come later).
             if e.version not in weights or e.produced_at < weights[e.version].produced_at:
                 weights[e.version] = e
+            if e.group_ids:  # trees before progress.v1
+                trained.setdefault(e.version, list(e.group_ids))
         elif isinstance(e, MetricsEvent) and "trainer/batch_ready_at" in e.metrics:
             trainer[e.step] = e.metrics
         elif isinstance(e, TrajectoryEvent):
@@ -107,10 +127,10 @@ def step_timelines(events: Iterable[Event]) -> list[StepTimeline]:
             samples[e.group_id] = min(e.produced_at, samples.get(e.group_id, e.produced_at))
     rows = []
     for v in sorted(weights):
-        w, m = weights[v], trainer.get(v)
-        if m is None or not w.group_ids:
+        w, m, groups = weights[v], trainer.get(v), trained.get(v)
+        if m is None or not groups:
             continue
-        ts = [t for g in w.group_ids for t in trajs.get(g, [])]
+        ts = [t for g in groups for t in trajs.get(g, [])]
         timings = [t.timings for t in ts]
         under = max((int(x["weights_version"]) for x in timings if "weights_version" in x), default=None)
         switch = next((x for x in timings if x.get("weights_version") == under), {}) if under is not None else {}
@@ -120,13 +140,11 @@ def step_timelines(events: Iterable[Event]) -> list[StepTimeline]:
         last_traj = max((t.produced_at for t in ts), default=None)
         reward_ts = [rewards[t.traj_id] for t in ts if t.traj_id in rewards]
         last_reward = max(reward_ts) if len(reward_ts) == len(ts) and ts else None
-        sample_ts = [samples[g] for g in w.group_ids if g in samples]
-        last_sample = max(sample_ts) if len(sample_ts) == len(w.group_ids) else None
+        sample_ts = [samples[g] for g in groups if g in samples]
+        last_sample = max(sample_ts) if len(sample_ts) == len(groups) else None
         ready = m.get("trainer/batch_ready_at")
-        prev_metrics = trainer.get(under) if under is not None else None
         rows.append(StepTimeline(
-            version=v, generated_under=under,
-            publish_s=prev_metrics.get("trainer/write_version_s") if prev_metrics else None,
+            version=v, generated_under=under, publish_s=_publish_s(trainer.get(under), used),
             weights_hop_s=_diff(switch.get("weights_received_at"), used.produced_at if used else None),
             switch_s=_diff(switch.get("weights_loaded_at"), switch.get("weights_received_at")),
             prompt_wait_s=_diff(first_submit, switch.get("weights_loaded_at")),
@@ -184,12 +202,22 @@ def events_from_archive(path: str | Path) -> list[Event]:
     return [e for _, e in iter_events(path)]
 
 
-def events_from_topics(cfg, names: Iterable[str] = ("weights", "metrics", "trajectories", "rewards",
-                                                     "samples")) -> list[Event]:
-    """The events of a running (or finished, still up) broker's topics."""
+def events_from_topics(cfg, names: Iterable[str] = ("weights", "progress", "metrics", "trajectories",
+                                                     "rewards", "samples")) -> list[Event]:
+    """The events of a running (or finished, still up) broker's topics (those of
+    ``names`` the registry knows)."""
     from ..bus.reader import read_events
+    from ..schemas.errors import SchemaError
+    from ..schemas.registry import topic
 
-    return [e for name in names for e in read_events(cfg, name)]
+    known = []
+    for name in names:
+        try:
+            topic(name)
+        except SchemaError:
+            continue  # e.g. progress.v1 on a tree before it
+        known.append(name)
+    return [e for name in known for e in read_events(cfg, name)]
 
 
 def main(argv: list[str] | None = None) -> None:

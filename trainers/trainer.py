@@ -396,9 +396,7 @@ class Trainer(Role[TrainerState]):
         p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
         step.last_reward = sum(rewards) / max(len(rewards), 1)
-        t_write = time.perf_counter()
         weights = self._write_version(state, step, group_ids, f"training step {p.version}")
-        t_write = time.perf_counter() - t_write
         p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
@@ -416,11 +414,10 @@ class Trainer(Role[TrainerState]):
             "trainer/skipped_steps": float(state.skipped_steps),
             "trainer/step_wall_s": time.perf_counter() - t0,
             # For the step timeline (ops/timeline.py): when the batch was complete (epoch
-            # seconds), the token-level advantages' time, and the weights publish +
-            # checkpoint time (the weights event's produced_at comes right after).
+            # seconds) and the token-level advantages' time (then the actor's step, then
+            # the publish: the weights event's produced_at).
             "trainer/batch_ready_at": ready_at,
             "trainer/token_advantages_s": t_adv,
-            "trainer/write_version_s": t_write,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })

@@ -82,3 +82,23 @@ def test_a_sample_that_waited_for_a_busy_trainer_is_not_counted_as_a_hop():
     (row,) = step_timelines(events)
     assert row.sample_hop_s == pytest.approx(0.020)
     assert row.trainer_wait_s == pytest.approx(0.020)
+
+
+def test_the_groups_of_a_version_may_come_from_progress_events():
+    """Trees with progress.v1 name a version's groups on a ProgressEvent (type
+    "progress"), their weights events carry bytes only: the same row comes out."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Progress:  # the fields of main's ProgressEvent the timeline reads
+        version: int
+        group_ids: list[str] = field(default_factory=list)
+        TYPE = "progress"
+
+    events = _events()
+    for e in events:
+        if isinstance(e, WeightsEvent):
+            e.group_ids = []
+    assert step_timelines(events) == []
+    (row,) = step_timelines(events + [Progress(version=1, group_ids=["g1"])])
+    assert row.cycle_s == pytest.approx(0.860) and row.generation_s == pytest.approx(0.400)

@@ -85,8 +85,9 @@ def test_tree_training_step_on_gpu_matches_unshared_in_bf16():
         model = build_tiny_model(500, hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
                                  intermediate_size=512, head_dim=128, max_position_embeddings=512, seed=0,
                                  device="cuda").to(BF16)
-        actor = PPOActor(model, ActorConfig(lr=1e-30, max_grad_norm=1e30, param_dtype="bfloat16", device="cuda",
-                                            attention_backend="varlen", enable_tree_training=tree),
+        # Gradients are read after the step (both sides clip by their own, equal, norm).
+        actor = PPOActor(model, ActorConfig(param_dtype="bfloat16", device="cuda", attention_backend="varlen",
+                                            enable_tree_training=tree),
                          temperature=1.0, pad_token_id=0, device="cuda")
         actor.train_step(items, policy_version=0)
         grads[tree] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
