@@ -17,8 +17,9 @@ For the step that made version ``v`` from groups generated under version ``u``
 =================  ================================================================
 publish            the trainer publishing version ``u``: its weights event's produced_at
                    - (batch complete + token advantages + actor step) of the step
-                   that made it (a due checkpoint is written after the event: it
-                   shows in the next trainer wait)
+                   that made it (with GAE the critic's step is in it too; a due
+                   checkpoint is written after the event: it shows in the next
+                   trainer wait)
 weights hop        ``u``'s weights event produced -> received by the rollout worker
 switch             received -> loaded into the engine (the tick it waits for + the load)
 prompt wait        loaded -> the step's first group submitted (the feeder's admission
