@@ -16,6 +16,9 @@ Runs, in this order (``--only`` picks groups or run names; ``--list`` prints the
 * ``switches``: at 0.5B, the fast path with ONE switch changed per row.
 * ``compile``: torch.compile (of each decoder layer): the fast path with compile instead
   of liger at 0.5B; the plain HF step compiled at 1.5B and 3B.
+* ``fa4``: the fast path with ``attention_backend: fa4`` (needs ``pip install
+  flash-attn-4``; an error row without it). Prefix sharing has its own benchmark,
+  ``benchmarks/prefix_sharing.py``.
 
 today = ``PPOActor`` as it was: right-padded HF forward, fp32 weights under bf16
 autocast, foreach AdamW, PyTorch chunked logprobs. fast = packed sequences, flash varlen
@@ -123,6 +126,10 @@ RUNS = [
     ("explore", "1.5b/fast -recompute", M15, "8x2048", "actor", dict(FAST), 12),
     ("explore", "1.5b/fast lp chunk 16k", M15, "8x2048", "actor", dict(FAST_BIG, logprob_chunk_tokens=16384), 12),
     ("explore", "1.5b/fast -keep logits", M15, "8x2048", "actor", dict(FAST_BIG, logprob_keep_logits=False), 12),
+    # FlashAttention-4 (pip install flash-attn-4; models/attention_fa4.py) instead of FA2 varlen.
+    ("fa4", "0.5b/fast fa4", M05, "16x1024", "actor", dict(FAST, attention_backend="fa4"), 25),
+    ("fa4", "1.5b/fast fa4", M15, "8x2048", "actor", dict(FAST_BIG, attention_backend="fa4"), 15),
+    ("fa4", "3b/fast mb4k fa4", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096, attention_backend="fa4"), 15),
     ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
     ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
     ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
@@ -257,6 +264,10 @@ def summary(results: dict, check: dict | None, args) -> None:
         if get(name, "mfu") is not None:
             print(f"  {name}: MFU {100 * get(name, 'mfu'):.1f}% (target >= 45), peak {get(name, 'peak_mem_gib')} GiB "
                   "(target <= 60)")
+    for base in ("0.5b/fast", "1.5b/fast", "3b/fast mb4k"):
+        a, b = get(base, "tokens_per_s"), get(f"{base} fa4", "tokens_per_s")
+        if a and b:
+            print(f"  {base} fa4: {b / a:.2f}x tokens/s of FA2 varlen, MFU {100 * get(f'{base} fa4', 'mfu'):.1f}%")
     for size in ("0.5b", "1.5b"):
         t, f = get(f"{size}/tail today", "tokens_per_s"), get(f"{size}/tail fast", "tokens_per_s")
         if t and f:

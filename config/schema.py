@@ -372,9 +372,16 @@ class ActorConfig:
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
     # counts real tokens. false: right-padded batches through the HF forward.
     packed_sequences: bool = True
-    # Attention of packed micro-batches: auto (flash varlen on CUDA in bf16/fp16, else
-    # sdpa) | varlen | sdpa (padded inside the attention call only; any device/dtype).
+    # Attention of packed micro-batches: auto (fa4 when flash-attn-4 imports on a Hopper /
+    # Blackwell GPU, else flash varlen on CUDA in bf16/fp16, else sdpa) | varlen | sdpa
+    # (padded inside the attention call only; any device/dtype) | fa4 (pip install flash-attn-4).
     attention_backend: str = "auto"
+    # Tree training (AReaL's name; prefix sharing): the sequences of a micro-batch that
+    # share a prefix (a GRPO group's prompt, an agent's history) compute it once in the
+    # forward and backward of the update, the pi_prox recompute and the reference /
+    # teacher forwards; same gradients. Micro-batches keep a group together and count
+    # its shared tokens once. Off until measured on the GPU (docs/trainer-performance.md).
+    enable_tree_training: bool = False
     # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
     # liger-kernel). Packed forward only.
     liger_kernels: bool = False
@@ -438,8 +445,12 @@ class ActorConfig:
         self._check_policy_loss()
 
     def _check_speed_switches(self) -> None:
-        _require(self.attention_backend in ("auto", "varlen", "sdpa"),
-                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
+        _require(self.attention_backend in ("auto", "varlen", "sdpa", "fa4"),
+                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen, sdpa or fa4")
+        _require(not (self.enable_tree_training and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff)),
+                 "actor.enable_tree_training counts each shared prefix once, so the MoE router losses "
+                 "(moe_aux_loss_coeff / moe_z_loss_coeff) would average over other tokens than without "
+                 "it: set those to 0 or enable_tree_training=false")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
         _require(self.moe_router_dtype in ("fp32", "float32", "fp64", "float64", "none"),
@@ -452,7 +463,8 @@ class ActorConfig:
         _require(not (self.liger_kernels and self.compile_layers),
                  "actor.liger_kernels and actor.compile_layers exclude each other (torch.compile "
                  "fuses the same elementwise ops): set one")
-        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu"):
+        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
+                     "enable_tree_training"):
             _require(self.packed_sequences or not getattr(self, name),
                      f"actor.{name} applies to the packed forward: set actor.packed_sequences=true")
         _require(not self.offload_optimizer or (self.param_dtype == "bfloat16" and self.fp32_master_weights),

@@ -56,6 +56,9 @@ class _Group:
     # Empty while the prompt waits for the weights it was admitted under.
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     published: set[int] = field(default_factory=set)
+    # Wall-clock facts for the trajectories' timings (ops/timeline.py): when the group
+    # went to the engine, and the weights switch it was generated after.
+    submit_timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +74,9 @@ class RolloutState:
     window_tokens: int = 0
     groups_done: int = 0
     draining: bool = False
+    # version -> wall clock when its weights event arrived; the last switch's facts.
+    weights_seen_at: dict[int, float] = field(default_factory=dict)
+    last_switch: dict[str, float] = field(default_factory=dict)
 
     @property
     def loaded_version(self) -> int:
@@ -126,6 +132,7 @@ class RolloutWorker(Role[RolloutState]):
         if isinstance(event, WeightsEvent):
             if state.weights.replayed(event):
                 return ()
+            state.weights_seen_at.setdefault(event.version, time.time())
             return state.weights.offer(event, source)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
@@ -148,8 +155,15 @@ class RolloutWorker(Role[RolloutState]):
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
-        state.inflight[event.group_id] = _Group(event, source, futures)
+        state.inflight[event.group_id] = _Group(event, source, futures, submit_timings=self._submitted(state))
         return ()
+
+    @staticmethod
+    def _submitted(state: RolloutState) -> dict[str, float]:
+        """Timings of a group submitted now: ``submitted_at`` and, when this worker has
+        switched weights, that switch (``weights_version``, ``weights_received_at``: the
+        event's arrival, ``weights_loaded_at``, ``weights_switch_s``: the load's duration)."""
+        return {"submitted_at": time.time(), **state.last_switch}
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
@@ -174,17 +188,26 @@ class RolloutWorker(Role[RolloutState]):
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
         out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
+            before, t0 = state.loaded_version, time.time()
             out += state.weights.load_head(self.load_weights)
+            v = state.loaded_version
+            if v != before:
+                t1 = time.time()
+                state.last_switch = {"weights_version": float(v),
+                                     "weights_received_at": state.weights_seen_at.get(v, t0),
+                                     "weights_loaded_at": t1, "weights_switch_s": t1 - t0}
+                state.weights_seen_at = {k: t for k, t in state.weights_seen_at.items() if k > v}
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
                 if state.draining or group.prompt.admitted_at_version > state.loaded_version:
                     continue
                 group.futures = self._submit(group.prompt)
+                group.submit_timings = self._submitted(state)
             for i, fut in enumerate(group.futures):
                 if i in group.published or not fut.done():
                     continue
-                out.append(self._trajectory(group.prompt, i, fut.result()))
+                out.append(self._trajectory(group.prompt, i, fut.result(), group.submit_timings))
                 group.published.add(i)
                 state.trajectories += 1
                 n_tokens = len(out[-1].output_ids)
@@ -203,7 +226,8 @@ class RolloutWorker(Role[RolloutState]):
             state.window_start, state.window_tokens = now, 0
         return out
 
-    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult) -> TrajectoryEvent:
+    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult,
+                    submit_timings: dict[str, float] | None = None) -> TrajectoryEvent:
         return TrajectoryEvent(
             traj_id=f"{prompt.group_id}:{index}",
             group_id=prompt.group_id,
@@ -219,7 +243,7 @@ class RolloutWorker(Role[RolloutState]):
             task=prompt.task,
             task_data=prompt.task_data,
             group_index=prompt.group_index,
-            timings={k: float(v) for k, v in result.timings.items()},
+            timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
         )
 
     def committable(self, state: RolloutState, topic: str, partition: int, next_offset: int) -> int:

@@ -173,7 +173,8 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
     a, adv = section.actor, section.advantage
     device = actor.device
     frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
-                  autocast_dtype=a.autocast_dtype, device=device)
+                  autocast_dtype=a.autocast_dtype, device=device,
+                  tree_training=a.enable_tree_training, attention_backend=a.attention_backend)
     vocab = actor.model.get_output_embeddings().weight.shape[0]
     models: dict[str, Any] = {}
     if adv.estimator == "gae":

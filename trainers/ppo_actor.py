@@ -63,17 +63,19 @@ from ..algorithms.prox_logp import loglinear_prox_logprobs
 from ..algorithms.rejection_sampling import m2po_keep_flat
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
+from ..models.prefix_attention import TreeSeqs
 from ..schemas.errors import ConfigError
 from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
 from .optim import build_optimizer, clip_grad_norm_, lr_factor, set_lr
 from .packing import PackedBatch, packed_micro_batches, to_packed
+from .prefix_packing import check_packed_tree_backend, to_tree_packed, tree_micro_batches
 
 log = logging.getLogger(__name__)
 
 # Switches that act on the packed forward only (config/schema.py refuses them with
 # packed_sequences false; a family the packed forward does not run refuses them here).
 _PACKED_ONLY = ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
-                "moe_aux_loss_coeff", "moe_z_loss_coeff")
+                "moe_aux_loss_coeff", "moe_z_loss_coeff", "enable_tree_training")
 
 
 @dataclass
@@ -113,6 +115,8 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,
             moe_router_dtype=cfg.moe_router_dtype)
+        if cfg.enable_tree_training:
+            check_packed_tree_backend(packed)
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
             raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
@@ -154,7 +158,10 @@ class PPOActor:
 
     def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
-        tokens) or right-padded (count x longest), per ``packed_sequences``."""
+        tokens; prefix trees with ``enable_tree_training``, each shared prefix counted
+        once) or right-padded (count x longest), per ``packed_sequences``."""
+        if self.packed is not None and self.cfg.enable_tree_training:
+            return [to_tree_packed(mb, self.device) for mb in tree_micro_batches(items, self.cfg.mb_max_tokens)]
         if self.packed is not None:
             return [to_packed(mb, self.device) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
         return [to_tensors(mb, self.pad_token_id, self.device)
@@ -345,6 +352,9 @@ class PPOActor:
         metrics["actor/lr"] = lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
+        trees = [mb.seqs for mb in mbs if isinstance(getattr(mb, "seqs", None), TreeSeqs)]
+        if trees:  # tree training: the tokens the forward computed, over those of the sequences
+            metrics["actor/tree_tokens_frac"] = sum(t.n_tokens for t in trees) / sum(t.n_flat_tokens for t in trees)
         metrics["actor/skipped_minibatches"] = float(len(skipped))
         if self.packed is not None:
             metrics.update(self.packed.take_router_metrics())  # one host read (MoE models)

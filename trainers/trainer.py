@@ -418,9 +418,11 @@ class Trainer(Role[TrainerState]):
         samples = [s for s, _ in batch]
         v_before = state.progress.version
         t0 = time.perf_counter()
+        ready_at = time.time()  # the batch is complete: the step timeline's "trainer wait" ends
         try:
             items = flatten_groups(samples)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
+            t_adv = time.perf_counter() - t0
             result = self.actor.train_step(items, policy_version=state.progress.version)
             if self.critic is not None and result.applied_minibatches:
                 token_metrics.update(self.critic.train_step(items))
@@ -475,6 +477,11 @@ class Trainer(Role[TrainerState]):
             "trainer/dead_lettered_stale": float(state.dead_lettered_stale),
             "trainer/trained_late": float(state.trained_late),
             "trainer/step_wall_s": time.perf_counter() - t0,
+            # For the step timeline (ops/timeline.py): when the batch was complete (epoch
+            # seconds) and the token-level advantages' time (then the actor's step, then
+            # the publish: the weights event's produced_at).
+            "trainer/batch_ready_at": ready_at,
+            "trainer/token_advantages_s": t_adv,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })

@@ -409,6 +409,23 @@ def test_kl_ctl_adds_the_future_kl_penalty_to_the_group_advantage(tmp_path):
     t.sink.close()
 
 
+def test_tree_training_builds_a_packed_reference_that_scores_the_same_kl(tmp_path):
+    """actor.enable_tree_training through the builders: the reference gets the packed
+    forward and scores prefix trees (the group's prompt once); the token advantages are
+    those of the padded reference forward."""
+    flat = make_token_trainer(tmp_path / "flat", actor={"kl_ctl": 0.1})
+    tree = make_token_trainer(tmp_path / "tree", actor={"kl_ctl": 0.1, "enable_tree_training": True})
+    assert flat.token_adv.reference.packed is None and not flat.token_adv.tree_training
+    assert tree.token_adv.reference.packed is not None and tree.token_adv.tree_training
+    items_f, items_t = (flatten_groups([sample("g0"), sample("g1", n=3)]) for _ in range(2))
+    flat.token_adv.compute(items_f)
+    tree.token_adv.compute(items_t)
+    for a, b in zip(items_f, items_t, strict=True):
+        assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-5)
+    flat.sink.close()
+    tree.sink.close()
+
+
 def test_batch_normalisation_gives_zero_mean_unit_std_token_advantages(tmp_path):
     t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="reinforce_pp"))
     assert t.token_adv.center and t.token_adv.scale
