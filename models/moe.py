@@ -70,18 +70,26 @@ def is_sparse_block(mlp: torch.nn.Module) -> bool:
 
 
 def route(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          replay_ids_NK: torch.Tensor | None = None):
+          replay_ids_NK: torch.Tensor | None = None, *, with_live: bool = False):
     """``(weights_NK, ids_NK int64, probs_NE)`` (fp32, or fp64 for fp64 logits): the top-k experts of each token
     and their routing weights; with ``replay_ids_NK`` those experts instead (weights =
-    the live probabilities there, differentiable). No host reads (graph safe)."""
+    the live probabilities there, differentiable), except on the tokens whose replayed
+    ids are -1 (no recorded route: the router's own choice). ``with_live``: a fourth
+    value, the router's own top-k ids (what replay overrode). No host reads (graph safe)."""
     probs_NE = torch.softmax(logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32)), dim=-1)
+    live_NK = None
     if replay_ids_NK is None:
         weights_NK, ids_NK = torch.topk(probs_NE, top_k, dim=-1)
+        live_NK = ids_NK
     else:
-        ids_NK = replay_ids_NK.long()
+        replay_NK = replay_ids_NK.long()
+        live_NK = torch.topk(probs_NE.detach(), top_k, dim=-1).indices
+        ids_NK = torch.where(replay_NK[:, :1] >= 0, replay_NK, live_NK)
         weights_NK = probs_NE.gather(-1, ids_NK)
     if norm_topk_prob:
         weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+    if with_live:
+        return weights_NK, ids_NK, probs_NE, live_NK
     return weights_NK, ids_NK, probs_NE
 
 
@@ -198,6 +206,8 @@ class RouterOut:
     counts_E: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    # The router's own top-k of each token (= ids_NK unless routes were replayed).
+    live_ids_NK: torch.Tensor | None = None
 
 
 def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: torch.dtype | None,
@@ -212,8 +222,8 @@ def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: tor
     rdt = router_dtype or x_NH.dtype
     with torch.autocast(dev_type, enabled=False):
         logits_NE = F.linear(x_NH.to(rdt), gate.weight.to(rdt))
-    weights_NK, ids_NK, probs_NE = route(logits_NE, top_k, bool(getattr(gate, "norm_topk_prob", True)),
-                                         replay_ids_NK)
+    weights_NK, ids_NK, probs_NE, live_NK = route(logits_NE, top_k, bool(getattr(gate, "norm_topk_prob", True)),
+                                                  replay_ids_NK, with_live=True)
     w13, w2 = experts.gate_up_proj, experts.down_proj
     dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else w13.dtype
     x_c = x_NH.to(dtype)
@@ -231,7 +241,8 @@ def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: tor
         # "none" in x's dtype, as HF rounds them).
         out_NH = (y_NKH * weights_NK.to(rdt)[..., None]).sum(1)
     router = RouterOut(ids_NK=ids_NK, counts_E=counts_E.detach(),
-                       aux_loss=load_balancing_loss(probs_NE, counts_E, top_k), z_loss=z_loss(logits_NE))
+                       aux_loss=load_balancing_loss(probs_NE, counts_E, top_k), z_loss=z_loss(logits_NE),
+                       live_ids_NK=live_NK)
     return out_NH.to(x_NH.dtype), router
 
 
@@ -249,6 +260,18 @@ def router_metrics(counts_LE: torch.Tensor, tokens: int, top_k: int) -> dict[str
     stats = torch.stack([(ent_L / norm).mean(), share_LE.max(), counts.sum()]).tolist()
     return {"actor/moe_load_entropy": stats[0], "actor/moe_max_expert_share": stats[1],
             "actor/moe_dropped_tokens": float(tokens * top_k * counts_LE.shape[0] - stats[2])}
+
+
+def moe_layer_indices(config: dict) -> list[int]:
+    """The sparse layers of a Qwen3-MoE / Qwen2-MoE ``config.json`` (a dict): every layer not
+    in ``mlp_only_layers`` whose ``(index + 1)`` is a multiple of ``decoder_sparse_step``
+    (HF's rule); [] for a dense model."""
+    if not (config.get("num_experts") or config.get("n_routed_experts") or 0):
+        return []
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    return [i for i in range(int(config.get("num_hidden_layers", 0)))
+            if i not in dense and (i + 1) % step == 0]
 
 
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

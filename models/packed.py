@@ -29,7 +29,10 @@ After each forward, ``routers`` holds every MoE layer's :class:`~tapioca.models.
 the actor adds to its loss, :meth:`take_router_metrics` the load statistics of the
 training forwards since the last call. ``forward(..., replay_topk_LNK=...)`` routes each
 MoE layer's tokens to the given experts instead (routing replay), the router's gradient
-flowing through its live probabilities at those experts.
+flowing through its live probabilities at those experts; a token whose replayed ids are
+-1 is routed live. :meth:`recorded_routes` is the last forward's choice in that layout
+(R2 records it in the trainer's first pass), :meth:`route_agreement` how many replayed
+tokens the router would have sent to the same experts in every layer.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class PackedCausalLM(nn.Module):
             for layer in body.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer.is_moe]
         self.routers: list[RouterOut] = []
+        self._replayed_LNK: torch.Tensor | None = None  # the last forward's replay_topk_LNK
         self._counts_LE: torch.Tensor | None = None  # training forwards' assignments
         self._routed_tokens = 0
         self.checkpoint_every_n_layers = checkpoint_every_n_layers
@@ -181,11 +185,36 @@ class PackedCausalLM(nn.Module):
                 h_NH = layer(h_NH, cos_ND, sin_ND, seqs, replay.get(i))
         if self.moe_layers:
             self.routers = [self.layers[i].router_out for i in self.moe_layers]
+            self._replayed_LNK = replay_topk_LNK
             if torch.is_grad_enabled():  # the load of the trained forwards
                 counts_LE = torch.stack([r.counts_E for r in self.routers])
                 self._counts_LE = counts_LE if self._counts_LE is None else self._counts_LE + counts_LE
                 self._routed_tokens += int(input_ids_N.shape[0])
         return self.ops.rms_norm(h_NH, self.norm)
+
+    @property
+    def moe_shape(self) -> tuple[int, int, int] | None:
+        """``(MoE layers, top_k, experts per layer)``; None without MoE layers."""
+        if not self.moe_layers:
+            return None
+        gate = self.layers[self.moe_layers[0]].layer.mlp.gate
+        return len(self.moe_layers), int(gate.top_k), int(gate.weight.shape[0])
+
+    def recorded_routes(self) -> torch.Tensor:
+        """int64 ``[MoE layers, N, k]``: the experts the last forward routed each token to."""
+        return torch.stack([r.ids_NK.detach() for r in self.routers])
+
+    def route_agreement(self) -> torch.Tensor | None:
+        """int64 ``[2]`` of the last forward: tokens it replayed, and of those the tokens
+        whose live top-k (as a set) equals the replayed experts in every MoE layer. No
+        host read. None when it replayed nothing."""
+        replay_LNK = self._replayed_LNK
+        if replay_LNK is None or not self.routers:
+            return None
+        live_LNK = torch.stack([r.live_ids_NK for r in self.routers])
+        same_LN = (live_LNK.sort(-1).values == replay_LNK.long().sort(-1).values).all(-1)
+        replayed_N = replay_LNK[0, :, 0] >= 0
+        return torch.stack([replayed_N.sum(), (same_LN.all(0) & replayed_N).sum()])
 
     def router_loss(self, aux_coeff: float, z_coeff: float) -> torch.Tensor | None:
         """``aux_coeff * sum_l aux_l + z_coeff * sum_l z_l`` over the MoE layers of the last

@@ -338,7 +338,10 @@ class ShardedActor(PPOActor):
         for key in sorted({k for r in rows for k in r["metrics"]}):
             weight = "units" if key == "actor/loss" else "tokens"
             vals = [(r["metrics"][key], r[weight]) for r in rows if key in r["metrics"]]
-            if key in ("actor/trained_tokens", "actor/micro_batches"):
+            if key == "actor/router_replay_agreement":  # a share of each rank's replayed tokens
+                vals = [(r["metrics"][key], r["metrics"]["actor/router_replay_tokens"]) for r in rows
+                        if key in r["metrics"]]
+            if key in ("actor/trained_tokens", "actor/micro_batches", "actor/router_replay_tokens"):
                 out[key] = float(sum(v for v, _ in vals))
             elif key in ("actor/step_time_s",):
                 out[key] = float(max(v for v, _ in vals))
