@@ -266,7 +266,8 @@ def moe_layer_indices(config: dict) -> list[int]:
     """The sparse layers of a Qwen3-MoE / Qwen2-MoE ``config.json`` (a dict): every layer not
     in ``mlp_only_layers`` whose ``(index + 1)`` is a multiple of ``decoder_sparse_step``
     (HF's rule); [] for a dense model."""
-    if not (config.get("num_experts") or config.get("n_routed_experts") or 0):
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    if not any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         return []
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step") or 1)

@@ -48,6 +48,8 @@ class RoutedExperts:
             if type(value) is not int or value < (0 if name == "num_tokens" else 1):
                 raise SchemaError(f"routed_experts.{name} is {value!r}; it counts "
                                   f"{'tokens (>= 0)' if name == 'num_tokens' else name + ' (>= 1)'}")
+        if self.dtype not in ("uint8", "uint16"):
+            raise SchemaError(f"routed_experts.dtype {self.dtype!r}: expected one of uint8, uint16")
         inline, blob = bool(self.data_b64), bool(self.blob_sha256)
         if inline == blob and self.num_bytes:
             raise SchemaError("routed_experts needs exactly one of data_b64 (the ids inline) and "
