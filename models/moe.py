@@ -211,11 +211,14 @@ class RouterOut:
 
 
 def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: torch.dtype | None,
-                replay_ids_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOut]:
+                replay_ids_NK: torch.Tensor | None = None, expert_parallel=None) -> tuple[torch.Tensor, RouterOut]:
     """The sparse block's output for packed tokens ``x_NH`` and its :class:`RouterOut`.
 
     The router runs in ``router_dtype`` (None: x's dtype), outside autocast; the experts
-    in the autocast dtype when autocast is on, else in the weights' dtype."""
+    in the autocast dtype when autocast is on, else in the weights' dtype.
+    ``expert_parallel``: this rank holds a slice of the experts and the tokens go to
+    them by all-to-all (:class:`tapioca.models.expert_parallel.ExpertParallel`; the
+    experts then compute in x's dtype, the one FSDP2 gathers the other weights in)."""
     gate, experts = block.gate, block.experts
     top_k, num_experts = int(gate.top_k), int(gate.weight.shape[0])
     dev_type = x_NH.device.type
@@ -225,18 +228,25 @@ def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: tor
     weights_NK, ids_NK, probs_NE, live_NK = route(logits_NE, top_k, bool(getattr(gate, "norm_topk_prob", True)),
                                                   replay_ids_NK, with_live=True)
     w13, w2 = experts.gate_up_proj, experts.down_proj
+    if expert_parallel is not None:  # DTensors: this rank's experts
+        w13, w2 = w13.to_local(), w2.to_local()
     dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else w13.dtype
+    if expert_parallel is not None and not torch.is_autocast_enabled(dev_type):
+        dtype = x_NH.dtype
     x_c = x_NH.to(dtype)
     w13_c, w2_c = w13.to(dtype), w2.to(dtype)
-    flat_P = ids_NK.reshape(-1)
-    _, order_P = torch.sort(flat_P, stable=True)
     counts_E = expert_counts(ids_NK, num_experts)
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    # The loop path's one host read per layer (free on a CPU).
-    splits = None if _use_grouped_mm(x_c, w13_c, w2_c) else counts_E.tolist()
     with torch.autocast(dev_type, enabled=False):
-        y_PH = _GroupedSwiGLU.apply(x_c, w13_c, w2_c, order_P, top_k, offs_E, splits)
-        y_NKH = y_PH.index_select(0, _inverse(order_P)).view(x_NH.shape[0], top_k, -1)
+        if expert_parallel is not None:
+            y_NKH = expert_parallel.experts(x_c, w13_c, w2_c, ids_NK, counts_E)
+        else:
+            flat_P = ids_NK.reshape(-1)
+            _, order_P = torch.sort(flat_P, stable=True)
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            # The loop path's one host read per layer (free on a CPU).
+            splits = None if _use_grouped_mm(x_c, w13_c, w2_c) else counts_E.tolist()
+            y_PH = _GroupedSwiGLU.apply(x_c, w13_c, w2_c, order_P, top_k, offs_E, splits)
+            y_NKH = y_PH.index_select(0, _inverse(order_P)).view(x_NH.shape[0], top_k, -1)
         # Weights in the router's dtype (fp32 by default: the weighted sum is in fp32; with
         # "none" in x's dtype, as HF rounds them).
         out_NH = (y_NKH * weights_NK.to(rdt)[..., None]).sum(1)

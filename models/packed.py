@@ -88,6 +88,8 @@ class PackedDecoderLayer(nn.Module):
         self.is_moe = is_sparse_block(layer.mlp)
         self.moe_router_dtype = moe_router_dtype
         self.router_out: RouterOut | None = None  # the last forward's (MoE layers)
+        # Set by models/expert_parallel.shard_experts: this rank holds a slice of the experts.
+        self.expert_parallel = None
         attn = layer.self_attn
         self.head_dim = attn.head_dim
         self.n_heads = attn.q_proj.out_features // attn.head_dim
@@ -119,7 +121,7 @@ class PackedDecoderLayer(nn.Module):
             # checkpointing (a checkpointed layer's recompute in backward re-stashes; the
             # model reads the stash right after its own forward).
             out_NH, self.router_out = moe_forward(layer.mlp, x_NH, router_dtype=self.moe_router_dtype,
-                                                  replay_ids_NK=replay_NK)
+                                                  replay_ids_NK=replay_NK, expert_parallel=self.expert_parallel)
             return h_NH + out_NH
         return h_NH + ops.mlp(x_NH, layer.mlp, self.recompute_swiglu)
 
@@ -231,12 +233,18 @@ class PackedCausalLM(nn.Module):
                              for r in self.routers]).mean(0).tolist()
         return {"moe_aux_loss": means[0], "moe_z_loss": means[1]}
 
-    def take_router_metrics(self) -> dict[str, float]:
+    def take_router_metrics(self, reduce=None) -> dict[str, float]:
         """Load statistics of the training forwards since the last call
-        (:func:`tapioca.models.moe.router_metrics`), then start counting afresh."""
+        (:func:`tapioca.models.moe.router_metrics`), then start counting afresh.
+        ``reduce``: sums a tensor over ranks (the sharded actor's), so the statistics are
+        those of the whole step."""
         if self._counts_LE is None:
             return {}
         top_k = int(self.routers[0].ids_NK.shape[-1])
-        metrics = router_metrics(self._counts_LE, self._routed_tokens, top_k)
+        counts_LE, tokens = self._counts_LE, self._routed_tokens
+        if reduce is not None:
+            flat = reduce(torch.cat([counts_LE.flatten(), counts_LE.new_tensor([tokens])]))
+            counts_LE, tokens = flat[:-1].view_as(counts_LE), int(flat[-1])
+        metrics = router_metrics(counts_LE, tokens, top_k)
         self._counts_LE, self._routed_tokens = None, 0
         return metrics

@@ -346,6 +346,7 @@ class PPOActor:
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
                 mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
+            self._before_clip()
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.max_grad_norm)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
@@ -370,7 +371,7 @@ class PPOActor:
         metrics["actor/micro_batches"] = float(len(mbs))
         metrics["actor/skipped_minibatches"] = float(len(skipped))
         if self.packed is not None:
-            metrics.update(self.packed.take_router_metrics())  # one host read (MoE models)
+            metrics.update(self.packed.take_router_metrics(self._sum_over_ranks))  # one host read (MoE)
         metrics.update(replay.metrics())  # one host read
         bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
@@ -386,6 +387,12 @@ class PPOActor:
     def _router_values(self) -> dict[str, float]:
         """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
         return {} if self.packed is None else self.packed.router_loss_values()
+
+    _sum_over_ranks = None  # the sharded actor's: a tensor summed over its ranks
+
+    def _before_clip(self) -> None:
+        """After a minibatch's backward passes (the sharded actor reduces the gradients
+        FSDP2 does not: expert-parallel experts)."""
 
     def _aux_weight(self, batch: TensorBatch) -> float:
         """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
