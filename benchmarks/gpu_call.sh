@@ -52,6 +52,8 @@ for s in "$@"; do
     moe_tests) stage $s 200 $PYTEST tests/unit/test_engine_moe.py tests/unit/test_moe_training.py tests/unit/test_kernels_triton.py -k "moe or cuda" ;;
     moe_engine) stage $s 540 python3 benchmarks/moe_engine.py ;;
     moe_trainer) stage $s 300 python3 benchmarks/moe_trainer.py ;;
+    moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
+    moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
     *) echo "unknown stage $s" ;;
   esac
 done
