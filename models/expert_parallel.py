@@ -75,7 +75,8 @@ class ExpertParallel:
         xr_RH = all_to_all_single(xs_PH.new_empty((sum(recv), x_NH.shape[1])), xs_PH,
                                   output_split_sizes=recv, input_split_sizes=send, group=self.group)
         # Received rows come by source rank, each source's by expert: order them by expert.
-        local_R = torch.repeat_interleave(torch.arange(n_local, device=x_NH.device).repeat(size), recv_SE)
+        local_R = torch.repeat_interleave(torch.arange(n_local, device=x_NH.device).repeat(size), recv_SE,
+                                          output_size=sum(recv))
         _, perm_R = torch.sort(local_R, stable=True)
         offs_E = torch.tensor(per_expert, device=x_NH.device).cumsum(0).to(torch.int32)
         splits = None if _use_grouped_mm(xr_RH, w13_E2IH, w2_EHI) else per_expert

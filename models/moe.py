@@ -10,8 +10,12 @@ pure functions plus one autograd function.
 Routing (:func:`route`, also the paged engine's): ``softmax`` over the router logits in
 fp32, the top-k experts, their probabilities renormalised to sum to 1 when the model's
 ``norm_topk_prob`` says so (HF's Qwen3-MoE router). Replay: given ``replay_ids_NK`` the
-top-k step is skipped and the probabilities are read at those ids, so the router's
-gradient flows through the live scores at the replayed indices (routing replay, R2/R3).
+probabilities are read at those ids instead of the top-k's, so the router's gradient
+flows through the live scores at the replayed indices (routing replay, R2/R3); a token
+whose replayed ids are -1 (no recorded route) takes the top-k, and the top-k of every
+token is kept (``RouterOut.live_ids_NK``) for the rollout-vs-train agreement metric.
+With expert parallelism the experts run on the ranks that hold them
+(:mod:`tapioca.models.expert_parallel`).
 
 The expert FFN (:class:`_GroupedSwiGLU`): token-expert pairs sorted by expert, two
 grouped GEMMs (``torch.nn.functional.grouped_mm`` on CUDA in bf16; a loop over experts
