@@ -3,8 +3,9 @@ with torchrun's environment and the output directory as its argument; the test i
 its builders to run the same step in one plain process.
 
 Scenarios, each on a fresh tiny Qwen3-MoE (fp32 compute): ``ep2`` (the experts of each
-MoE layer split over the 2 ranks, tokens by all-to-all) and ``dp`` (FSDP2 only), both
-with the z-loss on and the load-balancing loss off (why: the test's docstring). Per
+MoE layer split over the 2 ranks, tokens by all-to-all), ``dp`` (FSDP2 only) and
+``ep2_r3`` (EP 2 replaying given routes), all with the z-loss on and
+the load-balancing loss off (why: the test's docstring). Per
 scenario one sharded step, the full gradients and weights gathered; for ``ep2`` also a
 sharded checkpoint, a second step, the checkpoint loaded back and the second step again
 (the same weights bit for bit), and a rollback (whole weights in). Rank 0 writes
@@ -56,7 +57,29 @@ def make_items(step: int = 0):
     return items
 
 
-SCENARIOS = (("ep2", 2), ("dp", 1))
+def with_routes(items):
+    """``items`` carrying routes for routing replay R3: those a plain packed forward of
+    the model gives (every token but the last, as an engine records them), each id
+    moved to the next expert, so that replaying them is not what the router does anyway."""
+    import base64
+
+    import numpy as np
+
+    from tapioca.models.attention import packed_seqs, position_ids
+    from tapioca.models.packed import PackedCausalLM
+
+    packed = PackedCausalLM(make_model())
+    for it in items:
+        ids = torch.tensor(it.input_ids[:-1])
+        with torch.no_grad():
+            packed(ids, position_ids([len(ids)]), packed_seqs([len(ids)], "cpu"))
+        routes = ((packed.recorded_routes().permute(1, 0, 2) + 1) % 6).numpy().astype(np.uint8)
+        it.routes = base64.b64encode(routes.tobytes()).decode()
+    return items
+
+
+# name, expert_parallel_size, actor overrides (R3: the items carry their routes)
+SCENARIOS = (("ep2", 2, {}), ("dp", 1, {}), ("ep2_r3", 2, {"router_replay": "R3"}))
 
 
 def main(out_dir: str) -> None:
@@ -75,10 +98,11 @@ def main(out_dir: str) -> None:
                                           torch.device("cpu")), info)
     tensors: dict[str, torch.Tensor] = {}
     results: dict = {}
-    for name, ep in SCENARIOS:
+    for name, ep, overrides in SCENARIOS:
         fsdp = FSDPConfig(world_size=world, param_dtype="float32", expert_parallel_size=ep)
-        actor = ShardedActor(make_model(), make_cfg(), fsdp, channel=channel, temperature=1.0,
+        actor = ShardedActor(make_model(), make_cfg(**overrides), fsdp, channel=channel, temperature=1.0,
                              pad_token_id=0, device=torch.device("cpu"))
+        items = with_routes(make_items(0)) if overrides.get("router_replay") == "R3" else make_items(0)
         experts = actor.model.model.layers[0].mlp.experts.gate_up_proj
 
         def command(method, *args, **kwargs):
@@ -88,7 +112,7 @@ def main(out_dir: str) -> None:
             actor._run(channel.broadcast())
             return None
 
-        result = command(actor.train_step, make_items(0), policy_version=0)
+        result = command(actor.train_step, items, policy_version=0)
         grads = full_grads(actor.model)
         weights1 = command(actor.full_state_dict)
         if info.leader:  # EP: the (edp, ep) mesh of models/expert_parallel.py; DP: FSDP2's

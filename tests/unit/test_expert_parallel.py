@@ -7,6 +7,8 @@ two gloo ranks on CPU (tests/unit/fsdp_ep_worker.py) against one plain process, 
   restores the step exactly and a rollback loads whole weights into the expert shards.
 * DP (EP 1) with the z-loss on equals one process too: the router losses are scaled to
   the step's tokens over all ranks (the sharded actor's ``_aux_weight``).
+* EP 2 with routing replay (R3, routes other than the router's own): the tokens go to
+  the replayed experts and the step equals one process's R3 step.
 
 The load-balancing loss is off here on purpose. Megatron's (and so Tapioca's)
 ``E * sum_e f_e * P_e`` is computed per micro-batch from that micro-batch's expert
@@ -67,19 +69,21 @@ def two_ranks(tmp_path_factory):
     return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def one_process():
+def one_process(scenario: str):
     torch.set_num_threads(1)
-    actor = PPOActor(worker.make_model(), worker.make_cfg(), temperature=1.0, pad_token_id=0)
-    actor.optimizer.zero_grad()
-    result = actor.train_step(worker.make_items(0), policy_version=0)
+    _, _, overrides = next(s for s in worker.SCENARIOS if s[0] == scenario)
+    actor = PPOActor(worker.make_model(), worker.make_cfg(**overrides), temperature=1.0, pad_token_id=0)
+    items = worker.make_items(0)
+    if overrides.get("router_replay") == "R3":
+        items = worker.with_routes(items)
+    result = actor.train_step(items, policy_version=0)
     return actor, result
 
 
-@pytest.mark.parametrize("scenario", ["ep2", "dp"])
-def test_two_ranks_equal_one_process(two_ranks, one_process, scenario):
+@pytest.mark.parametrize("scenario", ["ep2", "dp", "ep2_r3"])
+def test_two_ranks_equal_one_process(two_ranks, scenario):
     results, tensors = two_ranks
-    actor, one = one_process
+    actor, one = one_process(scenario)
     sharded = results[scenario]["metrics"]
     for key, value in one.metrics.items():
         if key not in NOT_COMPARED:
@@ -87,7 +91,9 @@ def test_two_ranks_equal_one_process(two_ranks, one_process, scenario):
     # Each rank holds 3 of each MoE layer's 6 experts: sharded over the expert group (EP 2,
     # replicated over the 1-rank edp dimension), or by FSDP2 (DP).
     assert results[scenario]["local_experts"][0] == 3
-    assert results[scenario]["expert_mesh"] == (["edp", "ep"] if scenario == "ep2" else [])
+    assert results[scenario]["expert_mesh"] == (["edp", "ep"] if scenario.startswith("ep2") else [])
+    if scenario == "ep2_r3":  # each replayed id is the router's own + 1: never the same set
+        assert sharded["actor/router_replay_agreement"] == 0.0 and sharded["actor/router_replay_tokens"] > 0
     for name, p in actor.model.named_parameters():
         torch.testing.assert_close(tensors[f"{scenario}.grad.{name}"], p.grad, atol=1e-6, rtol=1e-5, msg=name)
     for name, value in actor.model.state_dict().items():
