@@ -15,7 +15,6 @@ sharded checkpoint, a second step, the checkpoint loaded back and the second ste
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -83,19 +82,15 @@ SCENARIOS = (("ep2", 2, {}), ("dp", 1, {}), ("ep2_r3", 2, {"router_replay": "R3"
 
 
 def main(out_dir: str) -> None:
-    from fsdp_worker import full_grads  # beside this script (on sys.path as its directory)
+    from fsdp_worker import full_grads, rank_channel  # beside this script (its directory is on sys.path)
     from safetensors.torch import save_file
 
     from tapioca.config.distributed import FSDPConfig
     from tapioca.trainers.checkpoint import TrainerProgress
     from tapioca.trainers.fsdp_actor import ShardedActor
-    from tapioca.trainers.fsdp_ranks import Channel, init_process_groups, rank_from_env
 
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
-    info = rank_from_env(FSDPConfig(world_size=world))
-    channel = Channel(init_process_groups(FSDPConfig(world_size=world, timeout_s=300), info,
-                                          torch.device("cpu")), info)
+    info, channel = rank_channel()
+    world = info.world_size
     tensors: dict[str, torch.Tensor] = {}
     results: dict = {}
     for name, ep, overrides in SCENARIOS:

@@ -21,9 +21,6 @@ the z-loss is a token mean, which no cut changes, and is the router loss tested 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,7 +32,6 @@ import fsdp_ep_worker as worker  # noqa: E402
 
 from tapioca.config.distributed import FSDPConfig  # noqa: E402
 from tapioca.schemas.errors import ConfigError  # noqa: E402
-from tapioca.trainers.fsdp_ranks import free_port  # noqa: E402
 from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
 
 NOT_COMPARED = {"actor/importance_weight_max_mean", "actor/micro_batches", "actor/step_time_s",
@@ -46,27 +42,9 @@ NOT_COMPARED = {"actor/importance_weight_max_mean", "actor/micro_batches", "acto
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep")
-    port = free_port("127.0.0.1")
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, worker.__file__, str(out)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=600)  # two interpreters importing torch + transformers on a loaded box
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
-    from safetensors.torch import load_file
+    from fsdp_worker import run_two_ranks
 
-    return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
+    return run_two_ranks(worker.__file__, tmp_path_factory.mktemp("ep"))
 
 
 def one_process(scenario: str):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import base64
 import math
-import random
 import time
 
 import numpy as np
 import orjson
 import pytest
 import torch
-import transformers
+from test_moe_training import VOCAB, actor, items, moe_model  # the same tiny Qwen3-MoE
 
 from tapioca.bus.blobs import BlobError, BlobStore
 from tapioca.bus.role import Source
@@ -46,19 +45,9 @@ from tapioca.trainers.packing import to_packed
 from tapioca.trainers.ppo_actor import PPOActor
 from tapioca.trainers.trainer import Trainer
 
-VOCAB = 40
+# moe_model: three layers, 0 and 2 sparse (6 experts, top 2), 1 dense.
 N_EXPERTS, TOP_K, MOE_LAYERS = 6, 2, 2
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def moe_model(seed: int = 0) -> torch.nn.Module:
-    """Three layers, 0 and 2 sparse (6 experts, top 2), 1 dense."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=N_EXPERTS,
-        num_experts_per_tok=TOP_K, norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=128)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def b64(ids: np.ndarray) -> str:
@@ -75,28 +64,11 @@ def own_routes(model: torch.nn.Module, input_ids: list[int]) -> np.ndarray:
     return packed.recorded_routes().permute(1, 0, 2).numpy().astype(np.uint8)
 
 
-def items(seed: int = 0, n: int = 6) -> list[SeqItem]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        pl, ol = rng.randint(1, 5), rng.randint(2, 14)
-        out.append(SeqItem(group_id=f"g{i // 2}", input_ids=[rng.randrange(1, VOCAB) for _ in range(pl + ol)],
-                           prompt_len=pl, behav_logprobs=[-rng.uniform(2, 4) for _ in range(ol)],
-                           versions=[0] * ol, loss_mask=[1] * ol, advantage=rng.uniform(-1, 1), reward=0.0))
-    return out
-
-
 def with_routes(its: list[SeqItem], model: torch.nn.Module, shift: int = 0) -> list[SeqItem]:
     """``its`` carrying the model's own routes (``shift``: every id + shift, mod E)."""
     for it in its:
         it.routes = b64((own_routes(model, it.input_ids).astype(np.int64) + shift) % N_EXPERTS)
     return its
-
-
-def actor(model=None, **cfg) -> PPOActor:
-    cfg.setdefault("lr", 1e-2)
-    return PPOActor(model if model is not None else moe_model(), ActorConfig(**cfg), temperature=1.0,
-                    pad_token_id=0)
 
 
 # ---------------------------------------------------------------- the wire
