@@ -38,7 +38,10 @@ def make_model() -> torch.nn.Module:
 def make_cfg(**overrides):
     from tapioca.config.schema import ActorConfig
 
-    kw = dict(lr=1e-2, mb_max_tokens=40, max_grad_norm=1e9, moe_z_loss_coeff=0.01)
+    # A budget of 40 tokens gives several micro-batches. The default lr and clipping (both
+    # sides clip by the same global norm), so the test reads the same on either name of
+    # the optimizer settings.
+    kw = dict(mb_max_tokens=40, moe_z_loss_coeff=0.01)
     kw.update(overrides)
     return ActorConfig(**kw)
 

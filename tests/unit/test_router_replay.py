@@ -372,7 +372,7 @@ def test_router_replay_needs_a_model_with_moe_layers_on_the_packed_forward():
 
 
 def make_trainer(tmp_path, **actor_kw) -> Trainer:
-    cfg = ActorConfig(lr=1e-2, router_replay="R3", **actor_kw)
+    cfg = ActorConfig(router_replay="R3", **actor_kw)
     section = TrainerSection(actor=cfg, model=ModelConfig(), max_head_offpolicyness=1, prompts_per_step=2,
                              total_train_steps=100, temperature=1.0, run_dir=str(tmp_path), seed=0,
                              stop_at_reward=None)
