@@ -144,10 +144,9 @@ class ServerEngine(InferenceEngine):
     ``urls`` are the servers (launched ones included); ``model_path`` the model they
     serve (read for its limits: vocabulary, context length); ``eos_token_ids`` stop every
     request besides its own ``stop_token_ids``; ``launched`` are server processes this
-    engine owns and stops on ``shutdown``.
-    ``return_routed_experts``: ask the
-    servers for each request's routed experts (MoE models; the backend says how) and put
-    them, cut to the model's MoE layers, on the results.
+    engine owns and stops on ``shutdown``. ``return_routed_experts``: ask the servers for
+    each request's routed experts (MoE models; the backend says how) and put them, cut to
+    the model's MoE layers, on the results.
     """
 
     backend = "server"
