@@ -58,6 +58,8 @@ for s in "$@"; do
     rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0,4 --timeline --out "$OUT/rl_timeline.json" ;;
     engine_host) stage $s 120 python3 benchmarks/profile_engine.py --device cuda --engine paged --n-seqs 256 --new-tokens 64 --host-breakdown --rows 15 ;;
     fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only '0.5b/fast,1.5b/fast,3b/fast mb4k,fa4' --budget-s 170" ;;
+    moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
+    moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
     *) echo "unknown stage $s" ;;
   esac
 done

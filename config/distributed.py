@@ -41,6 +41,11 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     # A collective that waits longer than this (a dead or stuck rank) fails the step.
     timeout_s: float = 600.0
+    # Expert parallelism (Megatron's expert_model_parallel_size): each MoE layer's experts
+    # are split over groups of this many ranks and the tokens reach them by all-to-all
+    # (models/expert_parallel.py); it must divide world_size and the experts per layer.
+    # 1: every rank holds every expert (FSDP2 shards them like the other weights).
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "fsdp.world_size must be >= 1 (1: the single-process trainer)")
@@ -51,6 +56,9 @@ class FSDPConfig:
             _require(getattr(self, name) in _DTYPES,
                      f"fsdp.{name}={getattr(self, name)!r}: use one of {', '.join(_DTYPES)}")
         _require(self.timeout_s > 0, "fsdp.timeout_s must be > 0")
+        _require(self.expert_parallel_size >= 1 and self.world_size % self.expert_parallel_size == 0,
+                 f"fsdp.expert_parallel_size={self.expert_parallel_size} must be >= 1 and divide "
+                 f"fsdp.world_size={self.world_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +115,9 @@ def check_sharded_trainer(cfg) -> None:
              f"advantage.estimator gae trains a critic, which the sharded trainer "
              f"(fsdp.world_size={n}) does not shard yet: set fsdp.world_size=1 or use an "
              "estimator without a critic (grpo, rloo, ...)")
+    _require(cfg.fsdp.expert_parallel_size == 1 or cfg.actor.packed_sequences,
+             f"fsdp.expert_parallel_size={cfg.fsdp.expert_parallel_size} runs in the packed MoE "
+             "forward: set actor.packed_sequences=true")
     _require(cfg.actor.kl_ctl == 0 or bool(cfg.ref.path),
              f"actor.kl_ctl > 0 with an empty ref.path copies the policy as the reference, "
              f"which a sharded policy (fsdp.world_size={n}) cannot: set ref.path to the "

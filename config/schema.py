@@ -148,6 +148,14 @@ class RolloutConfig:
     # over HTTP, launched by the role or given by rollout.server.urls; config/servers.py).
     engine: str = "torch"
     server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
+    # Record the top-k expert ids of every token in every MoE layer on the trajectory
+    # (AReaL's name; rollout routing replay, docs/models.md): the paged engine, or a vLLM /
+    # SGLang server started with --enable-return-routed-experts. actor.router_replay R3
+    # turns it on.
+    return_routed_experts: bool = False
+    # Routes of at most this many bytes ride on the trajectory (base64); larger ones go to
+    # the run's blob store (<run dir>/blobs) and the event names them by SHA-256.
+    routed_experts_inline_max_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
@@ -162,6 +170,8 @@ class RolloutConfig:
         _require(self.max_prefill_tokens >= 1, "rollout.max_prefill_tokens must be >= 1")
         _require(self.engine in ENGINES,
                  f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        _require(self.routed_experts_inline_max_bytes >= 0,
+                 "rollout.routed_experts_inline_max_bytes must be >= 0 (0: every route to the blob store)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,6 +427,16 @@ class ActorConfig:
     # Keep the routers' weights fixed (verl / NeMo-RL's freeze_moe_router): they get no
     # optimizer updates; the experts and everything else train.
     freeze_moe_router: bool = False
+    # Routing replay (verl's names; docs/models.md): disabled | R2 (the update replays the
+    # routes of the trainer's own first pass over the batch, its pi_prox forward) | R3 (the
+    # recompute and the update replay the rollout's routes, recorded by the engine:
+    # rollout.return_routed_experts). Either way the router's gradient flows through its
+    # live probabilities at the replayed experts. Packed forward, MoE models only.
+    router_replay: str = "disabled"
+    # R3 and a sequence without its routes (an engine that does not record them, a blob
+    # that is gone): live (route it with the trainer's router; counted in
+    # trainer/routes_missing) | reject (dead-letter its group).
+    router_replay_missing: str = "live"
 
     def __post_init__(self) -> None:
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
@@ -458,6 +478,20 @@ class ActorConfig:
                  "activation dtype)")
         _require(self.moe_aux_loss_coeff >= 0 and self.moe_z_loss_coeff >= 0,
                  "actor.moe_aux_loss_coeff and actor.moe_z_loss_coeff must be >= 0 (0 = off)")
+        _require(self.router_replay in ("disabled", "R2", "R3"),
+                 f"actor.router_replay={self.router_replay!r}: use disabled, R2 (replay the trainer's "
+                 "first pass) or R3 (replay the rollout's routes)")
+        _require(self.router_replay_missing in ("live", "reject"),
+                 f"actor.router_replay_missing={self.router_replay_missing!r}: use live (the trainer's "
+                 "router) or reject (dead-letter the group)")
+        _require(self.router_replay == "disabled" or self.packed_sequences,
+                 f"actor.router_replay={self.router_replay} runs in the packed forward: set "
+                 "actor.packed_sequences=true")
+        # A prefix tree computes a shared prefix once; its recorded routes are per
+        # sequence, and mapping them onto tree rows is not built.
+        _require(self.router_replay == "disabled" or not self.enable_tree_training,
+                 f"actor.router_replay={self.router_replay} replays per-sequence routes, which "
+                 "actor.enable_tree_training does not map onto its shared prefixes: set one off")
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),

@@ -53,6 +53,11 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
+    # Record routed experts on trajectories: rollout.return_routed_experts, or
+    # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
+    # <run_dir>/blobs ("": no run directory, every route inline).
+    record_routes: bool = False
+    run_dir: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +157,13 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
-    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed)
+    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
+                          record_routes=records_routes(cfg), run_dir=cfg.run_path)
+
+
+def records_routes(cfg: TrainConfig) -> bool:
+    """Whether the run's engines record routed experts (the rollout workers, the proxy)."""
+    return cfg.rollout.return_routed_experts or cfg.actor.router_replay == "R3"
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:

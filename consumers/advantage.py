@@ -16,7 +16,8 @@ reward after ``reward_norm`` (None without it; the trainer's GAE uses it), and
 ``SampleSequence.advantage`` the group-level result; ``batch`` levels (and GAE for
 ``estimator: gae``, whose advantages leave here as 0) are the trainer's.
 ``SampleEvent.adv_norm`` / ``reward_norm`` name both normalisations, so a trainer
-configured otherwise refuses the group.
+configured otherwise refuses the group. A trajectory's routed experts (MoE routing
+replay) go onto its sequence as they came (inline, or the blob's name).
 With ``dynamic_sampling`` a group whose shaped rewards are all equal is emitted with
 ``dropped_reason`` ``"filtered: zero reward variance (all 1.0)"`` and its sequences
 (advantages 0): it stays in the log with its reason, the trainer counts it as
@@ -337,7 +338,8 @@ class AdvantageProcessor(Role[AdvantageState]):
                                behav_logprobs=t.output_logprobs, output_versions=t.output_versions,
                                reward=r, advantage=a, loss_mask=t.loss_mask,
                                finish_reason=t.finish_reason,
-                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr)
+                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr,
+                               routed_experts=t.routed_experts)
                 for t, r, a, nr in zip(trajs, shaped, advantages, norm_rewards)
             ],
             group_index=first.group_index,

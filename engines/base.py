@@ -108,7 +108,10 @@ class GenResult:
 
     ``output_ids``, ``output_logprobs`` and ``output_versions`` have equal lengths.
     ``timings``: ``queued_s`` (submit -> admitted into a batch) and ``generate_s``
-    (admitted -> finished), in seconds.
+    (admitted -> finished), in seconds. ``routed_experts``: with an engine recording
+    routes (MoE models), the expert ids of every token it fed (prompt + output but the
+    last sampled token) in every MoE layer, an integer array ``[tokens, MoE layers,
+    top_k]``; None otherwise.
     """
 
     request_id: str
@@ -118,6 +121,7 @@ class GenResult:
     output_versions: list[int]
     finish_reason: FinishReason
     timings: dict[str, float] = field(default_factory=dict)
+    routed_experts: Any = None
 
 
 class InferenceEngine(abc.ABC):

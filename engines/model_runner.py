@@ -23,9 +23,14 @@ expert (``mlp.experts.{e}.gate_proj.weight``: checkpoints on disk, transformers 
 each a view into the fused tensors (:func:`tapioca.models.moe.expert_aliases`). With
 ``record_routes`` set, every forward that runs Python (prefill; decode without CUDA
 graphs; a graph's capture) leaves the top-k expert ids of each of its tokens in each MoE
-layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer). They are made without host
-reads, so a captured decode graph can return them as outputs; a replay does not update
-``last_routes`` by itself.
+layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer); a replay does not update
+``last_routes`` by itself. What the engine records for routing replay is the route cache
+(:meth:`attach_route_cache`): one row ``[MoE layers, k]`` per KV-cache slot, written at
+the slots the step writes its keys and values to, by the forward itself (so inside a
+captured decode graph too: a replay writes its routes there, and padding rows write to
+a spare last row). Routes therefore follow the KV cache: a prompt prefix reused from the
+prefix cache, or shared by the samples of a group, keeps the routes of the forward that
+computed it, and :meth:`read_routes` gathers any sequence's routes from its slots.
 
 The rotary table is built from the HF model's own ``rotary_emb`` (every rope scaling
 type the model supports, at the model's own inv_freq precision) for positions up to
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -184,6 +190,9 @@ class PagedDecoder(torch.nn.Module):
         self._aliases: dict[str, torch.Tensor] = {}
         self.record_routes = False
         self.last_routes: list[torch.Tensor] = []
+        # [slots + 1, MoE layers, k] (None: routes not recorded); the last row takes padding's.
+        self.route_cache: torch.Tensor | None = None
+        self.num_experts = 0
         with torch.no_grad():
             sd = model.state_dict()
             self._build(model, sd)
@@ -260,6 +269,7 @@ class PagedDecoder(torch.nn.Module):
                 self._targets.setdefault(name, []).append(view)
             self._aliases.update(views)
         router = self._own(mlp + "gate.weight", sd[mlp + "gate.weight"], torch.float32)
+        self.num_experts = int(router.shape[0])
         return _MoE(router_w=router, w13=w13, w2=w2, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
 
     def _rope_table(self, model: torch.nn.Module) -> torch.Tensor:
@@ -282,6 +292,50 @@ class PagedDecoder(torch.nn.Module):
         """Use ``kv[l, 0]`` / ``kv[l, 1]`` as layer l's key / value cache."""
         self.k_caches = [kv_L2NBKD[i, 0] for i in range(self.num_layers)]
         self.v_caches = [kv_L2NBKD[i, 1] for i in range(self.num_layers)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(layer.moe is not None for layer in self.layers)
+
+    def attach_route_cache(self, num_slots: int) -> None:
+        """Record routes per KV slot from now on (before any graph is captured): uint8 ids
+        up to 256 experts, else int16 (the bits of uint16)."""
+        if not self.num_moe_layers:
+            raise EngineError("routed experts were asked for (rollout.return_routed_experts or "
+                              "actor.router_replay R3) but the model has no MoE layer; turn them off")
+        dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
+        self.route_cache = torch.zeros((num_slots + 1, self.num_moe_layers, self.top_k), dtype=dtype,
+                                       device=self.device)
+
+    def _store_routes(self, routes: list[torch.Tensor], slots_T: torch.Tensor) -> None:
+        cache = self.route_cache
+        ids_TLK = torch.stack(routes, 1).to(cache.dtype)
+        # Padding rows (slot -1) write to the spare last row: no host read, graph safe.
+        dst_T = torch.where(slots_T >= 0, slots_T, cache.shape[0] - 1)
+        cache.index_copy_(0, dst_T, ids_TLK)
+
+    def copy_route_blocks(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, block_size: int) -> None:
+        """The routes of whole KV blocks, as the engine copies their keys and values."""
+        if self.route_cache is None:
+            return
+        blocks = self.route_cache[:-1].view(-1, block_size, *self.route_cache.shape[1:])
+        blocks.index_copy_(0, dst_blocks, blocks.index_select(0, src_blocks))
+
+    def read_routes(self, slots: np.ndarray) -> np.ndarray:
+        """The routes recorded at ``slots`` (host int64), as a host array ``[n, MoE layers,
+        k]`` (uint8, or uint16). On CUDA the gather runs on a side stream: its one host
+        wait is for itself, not for the decode step the main stream is running (the
+        slots read hold routes of steps the host has already waited for)."""
+        cache = self.route_cache
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        if self.device.type != "cuda":
+            out = cache.index_select(0, idx)
+        else:
+            stream = self._route_stream = getattr(self, "_route_stream", None) or torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                out = cache.index_select(0, idx.to(self.device)).cpu()
+        host = out.numpy()
+        return host.view(np.uint16) if host.dtype == np.int16 else host
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The decoder's weights under HF names (views into the fused tensors)."""
@@ -351,6 +405,8 @@ class PagedDecoder(torch.nn.Module):
             else:
                 gate_up_TI2 = F.linear(x_TD, layer.gate_up_w, layer.gate_up_b)
                 h_TD = F.linear(kernels.silu_and_mul(gate_up_TI2), layer.down_w, layer.down_b)
+        if self.route_cache is not None and routes:
+            self._store_routes(routes, slots_T)
         if self.record_routes:
             self.last_routes = routes
         return h_TD, residual_TD

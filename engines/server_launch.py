@@ -191,8 +191,9 @@ def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: i
 
 def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, device: str,
                   dtype: str, max_num_seqs: int, log_path: Path, threads: int = 1,
-                  version: int = 0) -> LaunchedServer:
-    """Start one server and return once it answers ``/health`` (or raise with its log)."""
+                  version: int = 0, return_routed_experts: bool = False) -> LaunchedServer:
+    """Start one server and return once it answers ``/health`` (or raise with its log).
+    ``return_routed_experts``: with the backend's flag for returning routed experts."""
     from .sglang_engine import sglang_command
     from .vllm_engine import vllm_command
 
@@ -200,10 +201,11 @@ def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, 
     port = cfg.port or free_port()
     if backend == "vllm":
         cmd = vllm_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                           extra_args=cfg.extra_args)
+                           extra_args=cfg.extra_args, return_routed_experts=return_routed_experts)
     elif backend == "sglang":
         cmd = sglang_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                             device=device, version=version, extra_args=cfg.extra_args)
+                             device=device, version=version, extra_args=cfg.extra_args,
+                             return_routed_experts=return_routed_experts)
     else:
         raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
     env = server_env(backend, device, cfg, threads)

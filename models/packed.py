@@ -29,7 +29,10 @@ After each forward, ``routers`` holds every MoE layer's :class:`~tapioca.models.
 the actor adds to its loss, :meth:`take_router_metrics` the load statistics of the
 training forwards since the last call. ``forward(..., replay_topk_LNK=...)`` routes each
 MoE layer's tokens to the given experts instead (routing replay), the router's gradient
-flowing through its live probabilities at those experts.
+flowing through its live probabilities at those experts; a token whose replayed ids are
+-1 is routed live. :meth:`recorded_routes` is the last forward's choice in that layout
+(R2 records it in the trainer's first pass), :meth:`route_agreement` how many replayed
+tokens the router would have sent to the same experts in every layer.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class PackedDecoderLayer(nn.Module):
         self.is_moe = is_sparse_block(layer.mlp)
         self.moe_router_dtype = moe_router_dtype
         self.router_out: RouterOut | None = None  # the last forward's (MoE layers)
+        # Set by models/expert_parallel.shard_experts: this rank holds a slice of the experts.
+        self.expert_parallel = None
         attn = layer.self_attn
         self.head_dim = attn.head_dim
         self.n_heads = attn.q_proj.out_features // attn.head_dim
@@ -116,7 +121,7 @@ class PackedDecoderLayer(nn.Module):
             # checkpointing (a checkpointed layer's recompute in backward re-stashes; the
             # model reads the stash right after its own forward).
             out_NH, self.router_out = moe_forward(layer.mlp, x_NH, router_dtype=self.moe_router_dtype,
-                                                  replay_ids_NK=replay_NK)
+                                                  replay_ids_NK=replay_NK, expert_parallel=self.expert_parallel)
             return h_NH + out_NH
         return h_NH + ops.mlp(x_NH, layer.mlp, self.recompute_swiglu)
 
@@ -151,6 +156,7 @@ class PackedCausalLM(nn.Module):
             for layer in body.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer.is_moe]
         self.routers: list[RouterOut] = []
+        self._replayed_LNK: torch.Tensor | None = None  # the last forward's replay_topk_LNK
         self._counts_LE: torch.Tensor | None = None  # training forwards' assignments
         self._routed_tokens = 0
         self.checkpoint_every_n_layers = checkpoint_every_n_layers
@@ -181,11 +187,36 @@ class PackedCausalLM(nn.Module):
                 h_NH = layer(h_NH, cos_ND, sin_ND, seqs, replay.get(i))
         if self.moe_layers:
             self.routers = [self.layers[i].router_out for i in self.moe_layers]
+            self._replayed_LNK = replay_topk_LNK
             if torch.is_grad_enabled():  # the load of the trained forwards
                 counts_LE = torch.stack([r.counts_E for r in self.routers])
                 self._counts_LE = counts_LE if self._counts_LE is None else self._counts_LE + counts_LE
                 self._routed_tokens += int(input_ids_N.shape[0])
         return self.ops.rms_norm(h_NH, self.norm)
+
+    @property
+    def moe_shape(self) -> tuple[int, int, int] | None:
+        """``(MoE layers, top_k, experts per layer)``; None without MoE layers."""
+        if not self.moe_layers:
+            return None
+        gate = self.layers[self.moe_layers[0]].layer.mlp.gate
+        return len(self.moe_layers), int(gate.top_k), int(gate.weight.shape[0])
+
+    def recorded_routes(self) -> torch.Tensor:
+        """int64 ``[MoE layers, N, k]``: the experts the last forward routed each token to."""
+        return torch.stack([r.ids_NK.detach() for r in self.routers])
+
+    def route_agreement(self) -> torch.Tensor | None:
+        """int64 ``[2]`` of the last forward: tokens it replayed, and of those the tokens
+        whose live top-k (as a set) equals the replayed experts in every MoE layer. No
+        host read. None when it replayed nothing."""
+        replay_LNK = self._replayed_LNK
+        if replay_LNK is None or not self.routers:
+            return None
+        live_LNK = torch.stack([r.live_ids_NK for r in self.routers])
+        same_LN = (live_LNK.sort(-1).values == replay_LNK.long().sort(-1).values).all(-1)
+        replayed_N = replay_LNK[0, :, 0] >= 0
+        return torch.stack([replayed_N.sum(), (same_LN.all(0) & replayed_N).sum()])
 
     def router_loss(self, aux_coeff: float, z_coeff: float) -> torch.Tensor | None:
         """``aux_coeff * sum_l aux_l + z_coeff * sum_l z_l`` over the MoE layers of the last
@@ -202,12 +233,18 @@ class PackedCausalLM(nn.Module):
                              for r in self.routers]).mean(0).tolist()
         return {"moe_aux_loss": means[0], "moe_z_loss": means[1]}
 
-    def take_router_metrics(self) -> dict[str, float]:
+    def take_router_metrics(self, reduce=None) -> dict[str, float]:
         """Load statistics of the training forwards since the last call
-        (:func:`tapioca.models.moe.router_metrics`), then start counting afresh."""
+        (:func:`tapioca.models.moe.router_metrics`), then start counting afresh.
+        ``reduce``: sums a tensor over ranks (the sharded actor's), so the statistics are
+        those of the whole step."""
         if self._counts_LE is None:
             return {}
         top_k = int(self.routers[0].ids_NK.shape[-1])
-        metrics = router_metrics(self._counts_LE, self._routed_tokens, top_k)
+        counts_LE, tokens = self._counts_LE, self._routed_tokens
+        if reduce is not None:
+            flat = reduce(torch.cat([counts_LE.flatten(), counts_LE.new_tensor([tokens])]))
+            counts_LE, tokens = flat[:-1].view_as(counts_LE), int(flat[-1])
+        metrics = router_metrics(counts_LE, tokens, top_k)
         self._counts_LE, self._routed_tokens = None, 0
         return metrics

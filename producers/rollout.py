@@ -24,6 +24,13 @@ not started before the worker has loaded the version the feeder admitted it unde
 that overtakes its weights event is generated one version too old and later rejected as
 over-stale. A prompt's offset is committed only after all its trajectories are delivered.
 
+Routed experts (``rollout.return_routed_experts``, or ``actor.router_replay`` R3): the
+engine's routes of each completion ride on its trajectory (``routed_experts``, the compact
+encoding of :mod:`tapioca.schemas.routes`), inline up to
+``rollout.routed_experts_inline_max_bytes`` and otherwise in the run's blob store, written
+before the trajectory is published. A completion the engine returns without routes goes
+out without them (the trainer's ``actor.router_replay_missing`` decides).
+
 Fleet control: paused, the engine is paused too (the runner hands the worker no events
 and no ticks, so nothing is published); draining, no waiting prompt is started and the
 worker is drained once no generation is in flight (waiting prompts stay uncommitted,
@@ -119,6 +126,13 @@ class RolloutWorker(Role[RolloutState]):
         self.decode = decode
         self.member_id = member_id
         self.metrics_every_s = metrics_every_s
+        self.record_routes = section.record_routes
+        self.routes_inline_max_bytes = section.rollout.routed_experts_inline_max_bytes
+        self.blobs = None
+        if section.record_routes and section.run_dir:
+            from ..bus.blobs import run_blob_store
+
+            self.blobs = run_blob_store(section.run_dir)
 
     def init_state(self) -> RolloutState:
         return RolloutState(WeightsFollow("this rollout worker", loaded_version=self.engine.version))
@@ -244,7 +258,16 @@ class RolloutWorker(Role[RolloutState]):
             task_data=prompt.task_data,
             group_index=prompt.group_index,
             timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
+            routed_experts=self._routes(result),
         )
+
+    def _routes(self, result: GenResult):
+        if not self.record_routes or result.routed_experts is None:
+            return None
+        from ..schemas.routes import encode_routes
+
+        return encode_routes(result.routed_experts, inline_max_bytes=self.routes_inline_max_bytes,
+                             store=self.blobs)
 
     def committable(self, state: RolloutState, topic: str, partition: int, next_offset: int) -> int:
         held = [g.source.offset for g in state.inflight.values()

@@ -61,9 +61,10 @@ def _tokenizer(path: str):
 
 
 def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
-                      decode: Callable[[list[int]], str]):
+                      decode: Callable[[list[int]], str], record_routes: bool = False):
     """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
-    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
+    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`.
+    ``record_routes``: results carry their routed experts (the paged engine only)."""
     from ..engines.model_runner import unsupported_reason
     from ..engines.paged_engine import PagedEngine
     from ..engines.torch_engine import TorchEngine
@@ -83,7 +84,13 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                            kv_cache_tokens=rollout.kv_cache_tokens,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
-                           **common)
+                           record_routes=record_routes, **common)
+    if record_routes:
+        raise ConfigError(
+            f"routed experts are recorded by the paged engine (Qwen3-MoE), which cannot run model "
+            f"family {getattr(hf_model.config, 'model_type', '?')!r} ({reason}); turn off "
+            "rollout.return_routed_experts / actor.router_replay=R3, or use rollout.engine=vllm or "
+            "sglang with a server that returns routed experts")
     log.info("model family %r: TorchEngine instead of the paged engine: %s",
              getattr(hf_model.config, "model_type", "?"), reason)
     return TorchEngine(hf_model, **common)
@@ -101,12 +108,13 @@ class EngineBundle:
 
 
 def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout") -> EngineBundle:
+                 name: str = "rollout", record_routes: bool = False) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
     weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
-    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared by the rollout
-    workers and the proxy."""
+    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared
+    by the rollout workers and the proxy. ``record_routes``: results carry their routed
+    experts."""
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -119,7 +127,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         set_torch_threads(rollout.torch_threads)
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
         context = getattr(hf_model.config, "max_position_embeddings", None)
-        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
+        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode,
+                                   record_routes=record_routes)
         del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
         # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
         return EngineBundle(engine, make_weight_loader(engine, rollout.device,
@@ -141,13 +150,14 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         launched.append(launch_server(
             rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
             max_num_seqs=per_server, threads=rollout.torch_threads,
-            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log"))
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log",
+            return_routed_experts=record_routes))
         urls = [launched[0].url]
     cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
     try:
         engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
                      eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
-                     seed=seed, launched=launched)
+                     seed=seed, launched=launched, return_routed_experts=record_routes)
     except BaseException:
         for server in launched:
             server.stop()
@@ -238,7 +248,7 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member)
+                          member=member, record_routes=sec.record_routes)
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}")

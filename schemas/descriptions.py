@@ -73,6 +73,15 @@ TRAJECTORY: dict[str, str] = {
     "delayed_reward_factor": "What a reward given to the whole session after it ended is "
                              "multiplied by for this trajectory (AReaL's turn discount, "
                              "discount ** completions after it; 1 without one).",
+    "routed_experts": "MoE models: the experts the engine routed each token to in each MoE "
+                      "layer (rollout routing replay): num_tokens = len(prompt_ids) + "
+                      "len(output_ids) - 1 (every token but the last sampled one), num_layers "
+                      "(MoE layers), top_k, dtype (uint8 up to 256 experts, else uint16), and "
+                      "the ids as one little-endian token-major array [num_tokens, num_layers, "
+                      "top_k]: base64 in data_b64, or named by its SHA-256 in blob_sha256 (the "
+                      "run's blob store, <run dir>/blobs). null: not recorded; a trainer with "
+                      "actor.router_replay R3 then routes the sequence live or rejects it "
+                      "(actor.router_replay_missing).",
 }
 
 REWARD: dict[str, str] = {

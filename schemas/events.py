@@ -12,6 +12,70 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from .envelope import Event
+from .errors import SchemaError
+
+
+@dataclass(kw_only=True)
+class RoutedExperts:
+    """The top-k expert ids a mixture-of-experts model routed each token to, in each of
+    its MoE layers, during one generation (rollout routing replay, R3; docs/models.md).
+
+    Tokens are those the engine fed through the model: ``prompt_ids + output_ids`` but
+    the last sampled token, so ``num_tokens = len(prompt_ids) + len(output_ids) - 1`` (vLLM's
+    and SGLang's convention). The ids are one little-endian array ``[num_tokens,
+    num_layers, top_k]``, token-major, of ``dtype`` (uint8 when the model has at most 256
+    experts, else uint16): 48 MoE layers x top-8 are 384 bytes a token in uint8 (512 in
+    base64). ``num_layers`` counts MoE layers only, in layer order. The bytes are on the
+    event (``data_b64``) or, beyond the writer's inline limit, in the run's blob store
+    under ``blob_sha256``, the hex SHA-256 of the raw bytes (:mod:`tapioca.bus.blobs`);
+    exactly one of the two is set."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    dtype: Literal["uint8", "uint16"] = "uint8"
+    data_b64: str = ""
+    blob_sha256: str = ""
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the raw array (before base64)."""
+        return self.num_tokens * self.num_layers * self.top_k * (1 if self.dtype == "uint8" else 2)
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "top_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (0 if name == "num_tokens" else 1):
+                raise SchemaError(f"routed_experts.{name} is {value!r}; it counts "
+                                  f"{'tokens (>= 0)' if name == 'num_tokens' else name + ' (>= 1)'}")
+        if self.dtype not in ("uint8", "uint16"):
+            raise SchemaError(f"routed_experts.dtype {self.dtype!r}: expected one of uint8, uint16")
+        inline, blob = bool(self.data_b64), bool(self.blob_sha256)
+        if inline == blob and self.num_bytes:
+            raise SchemaError("routed_experts needs exactly one of data_b64 (the ids inline) and "
+                              f"blob_sha256 (their blob), got {'both' if inline else 'neither'}")
+        if blob and not (len(self.blob_sha256) == 64
+                         and all(c in "0123456789abcdef" for c in self.blob_sha256)):
+            raise SchemaError(f"routed_experts.blob_sha256 {self.blob_sha256[:80]!r} is not 64 "
+                              "lowercase hex digits (the SHA-256 of the ids' bytes)")
+        want = 4 * ((self.num_bytes + 2) // 3)  # base64 of num_bytes bytes, padded
+        if inline and len(self.data_b64) != want:
+            raise SchemaError(
+                f"routed_experts.data_b64 has {len(self.data_b64)} characters, but {self.num_tokens} "
+                f"tokens x {self.num_layers} layers x top-{self.top_k} in {self.dtype} are "
+                f"{self.num_bytes} bytes, {want} in base64")
+
+
+def check_routed_tokens(routes: "RoutedExperts | None", prompt_len: int, output_len: int,
+                        where: str) -> None:
+    """Routes must cover every token the engine fed: prompt + output - 1."""
+    if routes is None:
+        return
+    want = max(0, prompt_len + output_len - 1)
+    if routes.num_tokens != want:
+        raise SchemaError(
+            f"{where}: routed_experts covers {routes.num_tokens} tokens, but {prompt_len} prompt + "
+            f"{output_len} output tokens need {want} (every token but the last sampled one)")
 
 
 @dataclass(kw_only=True)
@@ -90,6 +154,14 @@ class TrajectoryEvent(Event):
     # ``discount ** (completions after this trajectory's last one)``.
     session_id: str = ""
     delayed_reward_factor: float = 1.0
+    # The experts every token was routed to in every MoE layer (rollout.return_routed_experts;
+    # None: not recorded). The trainer replays them with actor.router_replay R3.
+    routed_experts: Optional[RoutedExperts] = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_routed_tokens(self.routed_experts, len(self.prompt_ids), len(self.output_ids),
+                            f"trajectory {self.traj_id}")
 
 
 @dataclass(kw_only=True)
@@ -133,6 +205,9 @@ class SampleSequence:
     # The reward after advantage.reward_norm, the value the estimator (and the trainer's
     # GAE) used; ``reward`` stays the shaped, un-normalised reward. None: no reward_norm.
     norm_reward: Optional[float] = None
+    # The rollout's routes over the group's prompt_ids + this output_ids (copied from the
+    # TrajectoryEvent; None: not recorded). The trainer checks them (sample_checks.py).
+    routed_experts: Optional[RoutedExperts] = None
 
 
 @dataclass(kw_only=True)
@@ -167,6 +242,12 @@ class SampleEvent(Event):
     # Seconds from the group's last trajectory to its last reward (producers' clocks,
     # ``produced_at``; 0 when a reward came first): how late its rewards came.
     reward_delay_s: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        for seq in self.sequences:
+            check_routed_tokens(seq.routed_experts, len(self.prompt_ids), len(seq.output_ids),
+                                f"group {self.group_id} sequence {seq.traj_id}")
 
 
 @dataclass(kw_only=True)

@@ -46,10 +46,11 @@ import torch
 from ..algorithms.aggregation import agg_units
 from ..config.distributed import FSDPConfig
 from ..config.schema import ActorConfig
-from ..schemas.errors import FatalRoleError
+from ..schemas.errors import ConfigError, FatalRoleError
 from . import sharded_checkpoint
 from .batching import SeqItem, TensorBatch, pack
 from .fsdp_ranks import Channel
+from .packing import PackedBatch
 from .ppo_actor import PPOActor, StepResult, _split
 
 log = logging.getLogger(__name__)
@@ -130,25 +131,38 @@ class _LogprobRoot(torch.nn.Module):
 
 
 def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
-                root: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
+                root: torch.nn.Module, layers: list[torch.nn.Module] | None = None):
     """FSDP2 units: each of ``layers`` (the modules called once per decoder layer: the
     packed forward's layers, which hold the HF layers, else the HF layers), then ``root``
     (everything else). A unit's parameters are gathered by its forward hooks, so the
-    unit must be the module whose forward runs."""
+    unit must be the module whose forward runs. With ``fsdp.expert_parallel_size`` > 1
+    the MoE layers' experts are sharded over expert groups first and left out of FSDP2
+    (models/expert_parallel.py); returns ``(expert parameters, edp group)`` then, else None."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    experts = None
+    if fsdp.expert_parallel_size > 1:
+        from ..models.expert_parallel import shard_experts
+
+        if layers is None:
+            raise ConfigError(f"fsdp.expert_parallel_size={fsdp.expert_parallel_size} needs the packed "
+                              "forward's MoE layers: this model trains with the padded HF forward")
+        experts = shard_experts(layers, fsdp.expert_parallel_size, device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fsdp.param_dtype),
                               reduce_dtype=getattr(torch, fsdp.grad_reduce_dtype))
     for layer in model.get_decoder().layers if layers is None else layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+        own = {p for p in layer.parameters() if experts is not None and p in experts[0]}
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward,
+                    **({"ignored_params": own} if own else {}))
     # The packed forward's layers live outside ``root``'s tree (root holds the HF model),
     # so root must be told that their (now sharded) parameters are not its own.
     ignored = {p for layer in layers for p in layer.parameters()} if layers is not None else None
     # The root's parameters are needed again right away by the backward: keep them.
     fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
+    return experts
 
 
 class ShardedActor(PPOActor):
@@ -164,12 +178,17 @@ class ShardedActor(PPOActor):
         self.world_size = channel.info.world_size
         self.followers = followers or []  # rank 0's child processes (ranks it started)
         self._grad_scale: dict[int, float] = {}
+        self._aux_scale: dict[int, float] = {}
         self._planned: list[TensorBatch] | None = None
         self._closed = False
+        self._experts = None  # (expert parameters, edp group) with expert parallelism
         self.root = _LogprobRoot(model, self)
+
+        def shard(layers) -> None:
+            self._experts = shard_model(model, fsdp, device, self.root, layers)
+
         super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
-                         device=str(device), total_train_steps=total_train_steps,
-                         shard=lambda layers: shard_model(model, fsdp, device, self.root, layers))
+                         device=str(device), total_train_steps=total_train_steps, shard=shard)
 
     # ------------------------------------------------------------------ rank 0's calls
 
@@ -303,18 +322,25 @@ class ShardedActor(PPOActor):
         minibatches = _split(list(range(len(mbs))), self.cfg.ppo_n_minibatches)
         local = [sum(units[i] for i in ids) or 1 for ids in minibatches]
         real = [sum(units[i] for i in ids if groups[i]) for ids in minibatches]
-        total = self.channel.sum([float(u) for u in real])
-        self._grad_scale = {}
+        # The router losses are token means: scaled to the step's tokens over all ranks.
+        n_all = [mb.seqs.n_tokens if isinstance(mb, PackedBatch) else int(mb.input_ids_BT.numel()) for mb in mbs]
+        local_all = [sum(n_all[i] for i in ids) or 1 for ids in minibatches]
+        real_all = [sum(n_all[i] for i in ids if groups[i]) for ids in minibatches]
+        sums = self.channel.sum([float(u) for u in real] + [float(n) for n in real_all])
+        total, total_all = sums[:len(real)], sums[len(real):]
+        self._grad_scale, self._aux_scale = {}, {}
         for m, ids in enumerate(minibatches):
             for i in ids:
                 scale = self.world_size * local[m] / total[m] if groups[i] and total[m] else 0.0
                 self._grad_scale[id(mbs[i])] = scale
+                aux = self.world_size * local_all[m] / total_all[m] if groups[i] and total_all[m] else 0.0
+                self._aux_scale[id(mbs[i])] = aux
         self._planned = mbs
         try:
             flat = [it for g in groups for it in g]
             result = super().train_step(flat, policy_version=version)
         finally:
-            self._planned, self._grad_scale = None, {}
+            self._planned, self._grad_scale, self._aux_scale = None, {}, {}
         dummy_tokens = sum(mb.n_tokens for mb, g in zip(mbs, groups) if not g)
         return self._reduce_metrics(result, dummy_tokens, n_dummy, float(sum(real)))
 
@@ -339,7 +365,10 @@ class ShardedActor(PPOActor):
         for key in sorted({k for r in rows for k in r["metrics"]}):
             weight = "units" if key == "actor/loss" else "tokens"
             vals = [(r["metrics"][key], r[weight]) for r in rows if key in r["metrics"]]
-            if key in ("actor/trained_tokens", "actor/micro_batches"):
+            if key == "actor/router_replay_agreement":  # a share of each rank's replayed tokens
+                vals = [(r["metrics"][key], r["metrics"]["actor/router_replay_tokens"]) for r in rows
+                        if key in r["metrics"]]
+            if key in ("actor/trained_tokens", "actor/micro_batches", "actor/router_replay_tokens"):
                 out[key] = float(sum(v for v, _ in vals))
             elif key in ("actor/step_time_s",):
                 out[key] = float(max(v for v, _ in vals))
@@ -369,7 +398,23 @@ class ShardedActor(PPOActor):
         return self.channel.sum([ok])[0] == self.world_size
 
     def _aux_weight(self, batch: TensorBatch) -> float:
-        return 0.0 if self._grad_scale.get(id(batch)) == 0.0 else 1.0
+        # N * (this rank's tokens) / (all ranks' tokens) of the minibatch, so that FSDP2's
+        # average of the router losses' gradients is the token mean of one process (0 for
+        # a dummy micro-batch).
+        return self._aux_scale.get(id(batch), 1.0)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    def _before_clip(self) -> None:
+        if self._experts is not None:
+            from ..models.expert_parallel import reduce_expert_grads
+
+            reduce_expert_grads(*self._experts, self.world_size)
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         lp, ent = self.root(batch, entropy)

@@ -120,6 +120,11 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
             raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
+    if cfg.router_replay != "disabled" and (packed is None or not packed.moe_layers):
+        why = reason if packed is None else "it has no MoE layer the packed forward routes"
+        raise ConfigError(f"actor.router_replay={cfg.router_replay} replays the routes of the packed "
+                          f"forward's MoE layers, but model family {family!r} cannot ({why}): set "
+                          "actor.router_replay=disabled")
     if cfg.freeze_moe_router:
         routers = router_parameters(model)
         if not routers:
@@ -159,11 +164,14 @@ class PPOActor:
     def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
         tokens; prefix trees with ``enable_tree_training``, each shared prefix counted
-        once) or right-padded (count x longest), per ``packed_sequences``."""
+        once) or right-padded (count x longest), per ``packed_sequences``; with
+        ``router_replay`` R3 packed with the items' routes (config refuses R3 with trees)."""
         if self.packed is not None and self.cfg.enable_tree_training:
             return [to_tree_packed(mb, self.device) for mb in tree_micro_batches(items, self.cfg.mb_max_tokens)]
         if self.packed is not None:
-            return [to_packed(mb, self.device) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
+            shape = self.packed.moe_shape if self.cfg.router_replay == "R3" else None
+            moe = shape[:2] if shape is not None else None
+            return [to_packed(mb, self.device, moe) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
         return [to_tensors(mb, self.pad_token_id, self.device)
                 for mb in micro_batches(items, self.cfg.mb_max_tokens)]
 
@@ -205,7 +213,7 @@ class PPOActor:
                     self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
                     batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
                     compute_entropy=entropy, kernel=cfg.logprob_kernel,
-                    keep_logits=cfg.logprob_keep_logits)
+                    keep_logits=cfg.logprob_keep_logits, replay_topk_LNK=batch.replay_topk_LNK)
                 return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
@@ -231,6 +239,17 @@ class PPOActor:
         if not self.prox_from_training_forward or cfg.m2_threshold is not None:
             return list(range(n_mbs))  # step-wide M2PO mask: every pi_prox up front
         return sorted(i for mb_ids in minibatches[1:] for i in mb_ids)
+
+    def _route_pass_ids(self, minibatches: list[list[int]], prox_ids: list[int]) -> list[int]:
+        """R2: micro-batches whose first pass must be a no-grad forward that records their
+        routes (every one whose training forward follows an optimizer step of this
+        train_step), beyond the pi_prox forwards (which record them anyway)."""
+        if self.cfg.router_replay != "R2":
+            return []
+        later = {i for mb_ids in minibatches[1:] for i in mb_ids}
+        if not self.prox_from_training_forward:
+            later |= {i for i in minibatches[0]}
+        return sorted(later - set(prox_ids))
 
     def train_step(self, items: list[SeqItem], *, policy_version: int | None = None) -> StepResult:
         """Train on ``items``; ``policy_version`` = optimizer steps applied so far (the
@@ -271,12 +290,20 @@ class PPOActor:
             prox = [mb.behav_logprobs_BT for mb in mbs]
         entropy_known = [False] * len(mbs)
         entropy_sum = 0.0
+        replay = RouteStats(self.packed, cfg.router_replay)
+        prox_ids = self._prox_forward_ids(minibatches, len(mbs))
         with torch.no_grad():
-            for i in self._prox_forward_ids(minibatches, len(mbs)):
+            for i in prox_ids:
                 lp, ent = self.logprobs(mbs[i], entropy=True)
                 prox[i] = lp
                 entropy_known[i] = True
                 entropy_sum += float((ent * mbs[i].mask_BT).sum())
+                replay.first_pass(mbs[i], lp, record=True, count=self._aux_weight(mbs[i]) > 0)
+            route_ids = self._route_pass_ids(minibatches, prox_ids)
+            for i in route_ids:
+                self.logprobs(mbs[i])  # R2: the first pass, for its routes only
+                replay.first_pass(mbs[i], None, record=True, count=self._aux_weight(mbs[i]) > 0)
+        first_done = set(prox_ids) | set(route_ids)
         keeps = self._m2po_keeps(mbs, prox)
         kwargs = self._loss_kwargs()
         sums: dict[str, float] = {}
@@ -299,6 +326,8 @@ class PPOActor:
                 if prox_i is None:
                     prox_i = logp.detach() if exact_forward else loglinear_prox_logprobs(
                         mb.behav_logprobs_BT, logp.detach(), mb.versions_BT, policy_version)
+                if exact_forward and i not in first_done:  # this forward is its first pass
+                    replay.first_pass(mb, logp.detach(), record=False, count=self._aux_weight(mb) > 0)
                 if method == "metrics":
                     approx = loglinear_prox_logprobs(mb.behav_logprobs_BT, logp.detach(),
                                                      mb.versions_BT, policy_version)
@@ -328,6 +357,7 @@ class PPOActor:
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
                 mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
+            self._before_clip()
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.optimizer.gradient_clipping)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
@@ -357,7 +387,8 @@ class PPOActor:
             metrics["actor/tree_tokens_frac"] = sum(t.n_tokens for t in trees) / sum(t.n_flat_tokens for t in trees)
         metrics["actor/skipped_minibatches"] = float(len(skipped))
         if self.packed is not None:
-            metrics.update(self.packed.take_router_metrics())  # one host read (MoE models)
+            metrics.update(self.packed.take_router_metrics(self._sum_over_ranks))  # one host read (MoE)
+        metrics.update(replay.metrics())  # one host read
         bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
                           applied_minibatches=len(minibatches) - len(skipped),
@@ -372,6 +403,12 @@ class PPOActor:
     def _router_values(self) -> dict[str, float]:
         """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
         return {} if self.packed is None else self.packed.router_loss_values()
+
+    _sum_over_ranks = None  # the sharded actor's: a tensor summed over its ranks
+
+    def _before_clip(self) -> None:
+        """After a minibatch's backward passes (the sharded actor reduces the gradients
+        FSDP2 does not: expert-parallel experts)."""
 
     def _aux_weight(self, batch: TensorBatch) -> float:
         """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
@@ -414,6 +451,59 @@ class PPOActor:
                 start += f.numel()
                 keeps.append(keep)
         return keeps
+
+
+class RouteStats:
+    """What a step's first passes (forwards with the pre-update weights: the pi_prox
+    forwards and the first minibatch's training forwards) say about rollout vs training.
+
+    * Every policy: ``actor/rollout_train_k3_kl``, the mean over trained tokens of
+      ``exp(d) - 1 - d``, ``d = log pi_train - log pi_behav`` (Schulman's k3; AReaL's
+      R3 metric; 0 when the trainer reproduces the rollout's logprobs).
+    * R3: ``actor/router_replay_agreement``, the share of replayed tokens whose
+      trainer router picks the rollout's experts (as a set) in every MoE layer, and
+      ``actor/router_replay_tokens``, the tokens routed by recorded routes (prompt and
+      output; a sequence without routes routes live).
+    * R2: a first pass records its routes on the micro-batch
+      (``replay_topk_LNK``); the training forwards that follow replay them.
+
+    Counts stay on the device; :meth:`metrics` reads them once."""
+
+    def __init__(self, packed, mode: str) -> None:
+        self.packed = packed
+        self.mode = mode
+        self._sums: torch.Tensor | None = None  # [k3 sum, trained tokens, replayed, agreeing]
+
+    def first_pass(self, batch: TensorBatch, logp_BT: torch.Tensor | None, *, record: bool,
+                   count: bool = True) -> None:
+        """After a first pass over ``batch`` (its logprobs, None when not scored); with R2
+        and ``record`` (a no-grad pass before the training forward) its routes are kept
+        for that forward. ``count``: false for a batch that must not count (the sharded
+        actor's dummies)."""
+        if record and self.mode == "R2" and self.packed is not None and self.packed.moe_layers:
+            batch.replay_topk_LNK = self.packed.recorded_routes()
+        if not count:
+            return
+        parts = []
+        if logp_BT is not None:
+            d = torch.where(batch.mask_BT, logp_BT.detach().float() - batch.behav_logprobs_BT.float(), 0.0)
+            parts += [(torch.expm1(d) - d).double().sum(), batch.mask_BT.sum().double()]
+        else:
+            parts += [torch.zeros((), dtype=torch.float64, device=batch.mask_BT.device)] * 2
+        agree = self.packed.route_agreement() if self.packed is not None and self.mode == "R3" else None
+        parts += list(agree.double()) if agree is not None else [parts[0].new_zeros(())] * 2
+        sums = torch.stack(parts)
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def metrics(self) -> dict[str, float]:
+        if self._sums is None:
+            return {}
+        k3, tokens, replayed, agreeing = self._sums.tolist()
+        out = {"actor/rollout_train_k3_kl": k3 / tokens} if tokens else {}
+        if self.mode == "R3":
+            out["actor/router_replay_tokens"] = replayed
+            out["actor/router_replay_agreement"] = agreeing / replayed if replayed else 0.0
+        return out
 
 
 def _split(ids: list[int], n: int) -> list[list[int]]:

@@ -31,7 +31,11 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
-  advantages).
+  advantages). With ``actor.router_replay`` R3, routed experts that do not fit the model
+  (an expert id out of range, another layer count or top-k, another token count) too; a
+  sequence without its routes is dead-lettered with ``actor.router_replay_missing``
+  reject, else routed live and counted (``trainer/routes_missing``). Routes kept in the
+  run's blob store are read at arrival (``sample_checks.check_routes``).
 - A step whose loss or gradient norm is not finite is not applied: the optimizer step is
   skipped (``trainer/skipped_steps``), the batch's groups are dead-lettered and rejected,
   and the version does not move.
@@ -90,7 +94,7 @@ from .metrics_sink import MetricsSink
 from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
-from .sample_checks import check_made_for, check_trainable
+from .sample_checks import check_made_for, check_routes, check_trainable
 from .token_advantages import TokenAdvantages
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,8 @@ class TrainerState:
     # groups trained past eta within actor.late_reward_max_offpolicyness.
     dead_lettered_stale: int = 0
     trained_late: int = 0
+    # R3: sequences trained without the rollout's routes (actor.router_replay_missing live).
+    routes_missing: int = 0
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
@@ -186,6 +192,14 @@ class Trainer(Role[TrainerState]):
                  if m is not None]
         self._vocab_size = min(sizes)
         self._max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        # R3: the routes a sample carries are checked against the model (and read from the
+        # run's blob store when they are there).
+        self._moe_shape = None
+        if section.actor.router_replay == "R3" and getattr(actor, "packed", None) is not None:
+            from ..bus.blobs import run_blob_store
+
+            self._moe_shape = actor.packed.moe_shape
+            self._blobs = run_blob_store(section.run_dir)
 
     # ------------------------------------------------------------------ start
 
@@ -315,7 +329,7 @@ class Trainer(Role[TrainerState]):
         new = not (gid in state.trained or gid in state.rejected
                    or any(s.group_id == gid for s, _ in state.buffer))
         try:
-            self._admit(event, state)
+            routes_missing = self._admit(event, state)
         except BadEventError:
             # Dead-lettered by the bus; a new group is also rejected, which frees its
             # head-gate slot (if the feeder admitted it) and names it on the log.
@@ -326,6 +340,7 @@ class Trainer(Role[TrainerState]):
         if not new:
             state.duplicates += 1
             return ()
+        state.routes_missing += routes_missing
         if event.dropped_reason:  # given up upstream; nothing to train
             self._reject(state, gid)
             state.rejected_dropped += 1
@@ -340,8 +355,9 @@ class Trainer(Role[TrainerState]):
             return ()
         return self._step(state)
 
-    def _admit(self, event: SampleEvent, state: TrainerState) -> None:
-        """Raise BadEventError for a sample this trainer must not train (sample_checks)."""
+    def _admit(self, event: SampleEvent, state: TrainerState) -> int:
+        """Raise BadEventError for a sample this trainer must not train (sample_checks);
+        the number of its sequences that will route live for want of their routes (R3)."""
         try:
             check_made_for(event, estimator=self.cfg.advantage.estimator,
                            norm_spec=self._norm_spec, reward_norm_spec=self._reward_norm_spec)
@@ -355,6 +371,10 @@ class Trainer(Role[TrainerState]):
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
                             version=state.progress.version,
                             recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
+            if self._moe_shape is not None:
+                return check_routes(event, moe_shape=self._moe_shape,
+                                    missing=self.cfg.actor.router_replay_missing, store=self._blobs)
+        return 0
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:
@@ -485,6 +505,8 @@ class Trainer(Role[TrainerState]):
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })
+        if self._moe_shape is not None:
+            metrics["trainer/routes_missing"] = float(state.routes_missing)
         for lag, count in sorted(state.staleness_hist.items()):
             metrics[f"trainer/staleness_hist/{lag}"] = float(count)
         self.sink.write(p.version, metrics)
