@@ -378,6 +378,10 @@ class ActorConfig:
     # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
     # and a 152k vocabulary; saves the LM-head matmul of the recompute).
     logprob_keep_logits: bool = False
+    # AReaL's allocation string for the trainer, e.g. "fsdp:d2t2c2" (dp 2, tp 2, cp 2):
+    # the same as fsdp.world_size / tensor_parallel_size / context_parallel_size, which
+    # it fills in (config/distributed.py). Empty: the fsdp section says.
+    backend: str = ""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
@@ -734,6 +738,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.actor.backend:
+            from .distributed import fsdp_from_allocation
+
+            # The one place a config fills a section from another: AReaL's string and the
+            # fsdp fields are two spellings of one mesh (a conflict is refused).
+            object.__setattr__(self, "fsdp", fsdp_from_allocation(self.fsdp, self.actor.backend))
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 

@@ -79,21 +79,30 @@ class StepResult:
 
 
 def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device,
-                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None):
+                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                        parallel=None):
     """``(packed, optimizer)`` for training ``model`` (already on ``device``):
     the packed forward module (None with ``packed_sequences: false``) and the optimizer.
     ``shard`` (the FSDP2 actor, trainers/fsdp_actor.py) wraps the modules whose forward
     runs per layer -- the packed layers, or the HF decoder layers -- before the optimizer
-    is built over the (then sharded) parameters."""
+    is built over the (then sharded) parameters. ``parallel`` (a
+    :class:`~tapioca.models.parallel.MeshDims`): the tensor / context-parallel forward,
+    which splits the weights over the mesh first."""
     packed = None
     if cfg.packed_sequences:
         from ..models.packed import PackedCausalLM
 
-        packed = PackedCausalLM(
-            model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
+        kwargs = dict(
+            attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype)
+        if parallel is None:
+            packed = PackedCausalLM(model, **kwargs)
+        else:
+            from ..models.parallel import ParallelPackedCausalLM
+
+            packed = ParallelPackedCausalLM(model, parallel, torch.device(device), **kwargs)
     if shard is not None:
         shard(list(packed.layers) if packed is not None else list(model.get_decoder().layers))
     return packed, build_optimizer(model, cfg, device)
@@ -107,13 +116,17 @@ class PPOActor:
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu",
-                 shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
-        self.model = model.to(device)
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
+                 place_model: bool = True) -> None:
+        # place_model=False (the tensor-parallel trainer): the weights stay where they are
+        # loaded (the host) and only each rank's shards move to ``device``.
+        self.model = model.to(device) if place_model else model
         self.cfg = cfg
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard)
+        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
+                                                          parallel=parallel)
 
     @property
     def forward_module(self) -> torch.nn.Module:
