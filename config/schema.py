@@ -755,6 +755,10 @@ class TrainConfig:
                      "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
                      "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
                      "gconfig.top_k=0, or use rollout.engine=torch or sglang")
+        _require(self.rollout.engine != "torch" or self.rollout.server.tensor_parallel_size == 1,
+                 f"rollout.server.tensor_parallel_size={self.rollout.server.tensor_parallel_size} needs an "
+                 "inference server: the in-process torch engine is one GPU per rollout worker; set "
+                 "rollout.engine=vllm or sglang (docs/distributed.md, inference beyond one GPU)")
         if self.rollout.engine != "torch":
             _require(self.actor.weight_transport == "file",
                      f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "

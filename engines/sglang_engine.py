@@ -107,11 +107,14 @@ def parse_generate(out: dict, url: str = "") -> RawOutput:
 
 
 def sglang_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                   device: str, version: int, extra_args: list[str]) -> list[str]:
+                   device: str, version: int, extra_args: list[str],
+                   tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of an SGLang server with the flags Tapioca relies on."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--max-running-requests", str(max_num_seqs), "--weight-version", str(version)]
     if device == "cpu":
         cmd += ["--device", "cpu"]
+    if tensor_parallel_size > 1:
+        cmd += ["--tp-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

@@ -205,11 +205,13 @@ class VLLMEngine(ServerEngine):
 
 
 def vllm_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                 extra_args: list[str]) -> list[str]:
+                 extra_args: list[str], tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of a vLLM server with the flags Tapioca relies on."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
            # Sampling defaults come from the request only, not generation_config.json.
            "--generation-config", "vllm", "--max-num-seqs", str(max_num_seqs)]
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)
