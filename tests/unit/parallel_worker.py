@@ -136,6 +136,38 @@ def vocab_parallel_check(channel, tp_rank: int, tp: int) -> dict:
     return out
 
 
+def plan_check(tp: int, cp: int, world: int) -> dict:
+    """Activations autograd saves in one bf16 forward of the parallel packed model on this
+    rank, and what the memory planner says for it (trainers/memory_plan.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from plan_vs_measured import planned_forward_saved, saved_bytes, shape_of
+
+    from tapioca.config.distributed import FSDPConfig
+    from tapioca.models.factory import build_tiny_model
+    from tapioca.models.parallel import MeshDims, ParallelPackedCausalLM, parallel_token_logprobs
+    from tapioca.trainers.fsdp_actor import build_mesh
+    from tapioca.trainers.memory_plan import TrainShape
+    from tapioca.trainers.packing import to_packed
+
+    fsdp = FSDPConfig(world_size=world, tensor_parallel_size=tp, context_parallel_size=cp)
+    dims = MeshDims(build_mesh(fsdp, torch.device("cpu")), tp=tp, cp=cp)
+    model = build_tiny_model(96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=160,
+                             seed=0, dtype=torch.bfloat16)
+    packed = ParallelPackedCausalLM(model, dims, torch.device("cpu"), attention_backend="sdpa")
+    items = make_items(0)
+    for it in items:  # longer sequences (random tokens of this vocabulary)
+        it.input_ids = (it.input_ids * 20)[:len(it.input_ids) * 20]
+        n = len(it.input_ids) - it.prompt_len
+        it.behav_logprobs, it.versions, it.loss_mask = [-1.0] * n, [0] * n, [1] * n
+    b = to_packed(items, "cpu", pad_to=tp * cp, cp=cp)
+    got = saved_bytes(lambda: parallel_token_logprobs(
+        packed, b.input_ids_N, b.position_ids_N, b.seqs, b.rows_M, b.labels_M, b.cp_rows or (0, b.rows_M.numel()),
+        temperature=1.0, chunk_tokens=4096)[0], model)
+    t = TrainShape(tokens=b.input_ids_N.numel(), scored_tokens=b.rows_M.numel(), dp=world // (tp * cp), tp=tp,
+                   cp=cp, attention="sdpa", padded_tokens=b.seqs.n_seqs * b.seqs.max_len)
+    return {"saved": got, "planned": planned_forward_saved(shape_of(model, "tiny"), t)}
+
+
 def main(out_dir: str, run: str) -> None:
     from safetensors.torch import save_file
 
@@ -197,6 +229,7 @@ def main(out_dir: str, run: str) -> None:
         return
     if run == "w2":
         results["vocab_parallel"] = vocab_parallel_check(channel, info.rank, world)
+        results["plan"] = {f"tp{tp}cp{cp}": plan_check(tp, cp, world) for tp, cp in ((2, 1), (1, 2))}
         ckpt = out / "checkpoints" / "trainer.pt"
         a = actor_for(make_model(), tp=2)
         record("tp2", a, command(a, a.train_step, make_items(0), policy_version=0))
