@@ -340,6 +340,7 @@ def parallel_token_logprobs(
     chunk_tokens: int,
     compute_entropy: bool = False,
     kernel: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`tapioca.models.forward.packed_token_logprobs` under tp / cp: the same
     ``(logprobs_M, entropy_M)`` of all ``M`` scored rows, on every rank. ``cp_rows``:
@@ -367,7 +368,8 @@ def parallel_token_logprobs(
     else:
         lp, ent = gather_logprobs_entropy(
             h_mH, weight, labels_m, temperature=temperature, chunk_tokens=chunk_tokens,
-            compute_entropy=compute_entropy, kernel=kernel, matmul_dtype=head_matmul_dtype(weight))
+            compute_entropy=compute_entropy, kernel=kernel, matmul_dtype=head_matmul_dtype(weight),
+            keep_logits=keep_logits)
     if dims.cp > 1:
         counts = [cp_rows[i + 1] - cp_rows[i] for i in range(dims.cp)]
         lp = _GatherRows.apply(lp, dims.cp_group, counts, r)

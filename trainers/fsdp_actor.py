@@ -417,16 +417,7 @@ class ShardedActor(PPOActor):
         context parallelism the parallel forward and (vocabulary-parallel) head."""
         if self.dims is None:
             return PPOActor.logprobs(self, batch, entropy=entropy)
-        from ..models.forward import autocast_context
-        from ..models.parallel import parallel_token_logprobs
-
-        cfg = self.cfg
-        with autocast_context(self.device, cfg.autocast_dtype):
-            lp_M, ent_M = parallel_token_logprobs(
-                self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
-                batch.labels_M, batch.cp_rows or (0, batch.rows_M.numel()), temperature=self.temperature,
-                chunk_tokens=cfg.logprob_chunk_tokens, compute_entropy=entropy, kernel=cfg.logprob_kernel)
-        return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
+        return parallel_batch_logprobs(self, batch, entropy)
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         lp, ent = self.root(batch, entropy)
@@ -435,6 +426,22 @@ class ShardedActor(PPOActor):
             lp = _ScaleGrad.apply(lp, scale)
             ent = _ScaleGrad.apply(ent, scale) if ent is not None else None
         return lp, ent
+
+
+def parallel_batch_logprobs(actor: PPOActor, batch, entropy: bool):
+    """``[B, T-1]`` logprobs (and entropy) of a packed micro-batch through the tensor /
+    context-parallel forward (``actor.packed``: a ParallelPackedCausalLM)."""
+    from ..models.forward import autocast_context
+    from ..models.parallel import parallel_token_logprobs
+
+    cfg = actor.cfg
+    with autocast_context(actor.device, cfg.autocast_dtype):
+        lp_M, ent_M = parallel_token_logprobs(
+            actor.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
+            batch.labels_M, batch.cp_rows or (0, batch.rows_M.numel()), temperature=actor.temperature,
+            chunk_tokens=cfg.logprob_chunk_tokens, compute_entropy=entropy, kernel=cfg.logprob_kernel,
+            keep_logits=cfg.logprob_keep_logits)
+    return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
 
 
 def _resolve_attention(packed, cfg: ActorConfig, fsdp: FSDPConfig, device: torch.device) -> None:
