@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -200,9 +200,16 @@ class ShardedActor(PPOActor):
             self.dims = MeshDims(self.mesh, tp=fsdp.tp, cp=fsdp.cp)
             self.dp_rank = self.mesh.get_local_rank("dp")
             self.reports = self.dims.tp_rank == 0 and self.dims.cp_rank == 0
-        super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
-                         device=str(device), parallel=self.dims, place_model=self.dims is None,
+        # On CUDA the attention kernel is chosen below, for the GPU and the compute dtype:
+        # the model as loaded (host, fp32 masters) would only allow sdpa.
+        built = replace(cfg, attention_backend="sdpa") if device.type == "cuda" else cfg
+        super().__init__(model, built, temperature=temperature, pad_token_id=pad_token_id,
+                         # The weights stay where they were loaded (the host on CUDA):
+                         # fully_shard (and, under tp, distribute_tensor) moves each rank's
+                         # shards to its device, so no GPU ever holds the whole model.
+                         device=str(device), parallel=self.dims, place_model=False,
                          shard=lambda layers: shard_model(model, fsdp, device, self.root, layers, self.mesh))
+        self.cfg = cfg
         if self.packed is not None and device.type == "cuda":
             _resolve_attention(self.packed, cfg, fsdp, device)
 

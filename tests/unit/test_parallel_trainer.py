@@ -174,7 +174,7 @@ def test_32k_tokens_fit_at_cp2_under_a_cap_where_cp1_fails(tmp_path):
     Each process's data segment is capped at its size before the step + 620 MiB
     (RLIMIT_DATA; big allocations mmapped and unmapped on free, so the segment is what
     is live). Measured here: cp 1 needs ~835 MiB and fails; cp 2 peaks at ~435 MiB per
-    rank (the saved activations halve: 732 -> 367 MiB) and trains the step."""
+    rank (the saved activations halve: 764 -> 383 MiB) and trains the step."""
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
     launch(tmp_path, "memory", 1, env)
     launch(tmp_path, "memory", 2, env)
