@@ -223,10 +223,12 @@ def check_parallel_model(model: nn.Module, fsdp) -> None:
                          intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
                          vocab_size=model.get_output_embeddings().weight.shape[0],
                          where=f"the model ({cfg.model_type})")
-    if fsdp.tp > 1 and not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        raise ConfigError(f"fsdp.tensor_parallel_size={fsdp.tp} splits dense SwiGLU MLPs "
-                          f"(gate/up/down); this model's MLP is {type(layer.mlp).__name__}: set "
-                          "tensor_parallel_size=1 (context parallelism still applies)")
+    sparse = [type(lay.mlp).__name__ for lay in decoder_body(model).layers
+              if not all(hasattr(lay.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))]
+    if sparse:
+        raise ConfigError(f"tensor / context parallelism ({fsdp.describe()}) runs dense SwiGLU MLPs "
+                          f"(gate/up/down); this model has {sparse[0]} layers (mixture of experts): "
+                          "train it data parallel (tensor_parallel_size=1, context_parallel_size=1)")
 
 
 # ------------------------------------------------------------------ the forward

@@ -419,8 +419,8 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 
 def valid_layout(m: ModelShape, tp: int, cp: int) -> bool:
     """Whether the trainer takes this model at (tp, cp) (config/distributed.py's rules;
-    tp splits dense MLPs only)."""
-    if m.experts and tp > 1:
+    tensor and context parallelism run dense MLPs only: MoE models train data parallel)."""
+    if m.experts and (tp > 1 or cp > 1):
         return False
     if m.heads % (tp * cp) or m.kv_heads % tp or m.vocab % tp or (m.intermediate % tp and not m.experts):
         return False

@@ -69,8 +69,9 @@ def test_context_and_tensor_parallelism_divide_the_activations():
 
 def test_the_layouts_the_trainer_refuses_are_not_planned():
     moe, dense = mp.PRESETS["qwen3-30b-a3b"], mp.PRESETS["qwen2.5-7b"]
-    assert not mp.valid_layout(moe, 2, 1)  # tp splits dense MLPs only
-    assert mp.valid_layout(moe, 1, 8)  # 4 kv heads, repeated for cp 8
+    assert not mp.valid_layout(moe, 2, 1) and not mp.valid_layout(moe, 1, 2)  # dense MLPs only
+    assert mp.valid_layout(moe, 1, 1)
+    assert mp.valid_layout(mp.PRESETS["qwen2.5-72b"], 1, 16)  # 8 kv heads, repeated for cp 16
     assert not mp.valid_layout(dense, 8, 1)  # 28 heads
     assert mp.valid_layout(dense, 4, 1) and not mp.valid_layout(dense, 4, 2)  # 28 heads / 8
     assert (2, 2, 2) in mp.layouts(8) and (1, 8, 1) in mp.layouts(8)

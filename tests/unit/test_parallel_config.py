@@ -139,3 +139,16 @@ def test_packing_a_stream_that_already_splits_adds_nothing():
     batch = to_packed(_items([6, 6]), "cpu", pad_to=4, cp=2)
     assert batch.seqs.lengths == (6, 6)
     assert batch.cp_rows == (0, 4, 8)
+
+
+def test_a_mixture_of_experts_model_is_refused_under_tp_and_cp():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tapioca.models.parallel import check_parallel_model
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    for fsdp in (FSDPConfig(world_size=2, tensor_parallel_size=2), FSDPConfig(world_size=2, context_parallel_size=2)):
+        with pytest.raises(ConfigError, match="mixture of experts.*train it data parallel"):
+            check_parallel_model(model, fsdp)
