@@ -24,13 +24,22 @@ so all ranks must run the same number of forwards and backwards. A step with few
 sequences than needed gives a rank a one-token dummy micro-batch whose gradient is
 zeroed (``actor/fsdp_dummy_micro_batches`` counts them).
 
+Tensor / context parallelism (``fsdp.tensor_parallel_size`` / ``context_parallel_size``,
+docs/distributed.md §4): the ranks form a (dp, cp, tp) mesh (:func:`build_mesh`); the
+weights are split over tp first (models/parallel.py), then FSDP2 shards them over dp x cp;
+the step is planned per data-parallel replica (its tp and cp ranks share its micro-batches,
+each packed to a multiple of tp x cp tokens) and the logprobs come from the parallel
+forward with the vocabulary-parallel head (:func:`parallel_batch_logprobs`). With
+tp = cp = 1 none of it runs: one data-parallel dimension over every rank, as below.
+
 Loss normalisation (why N ranks equal one process on the same batch): PPOActor scales
 micro-batch i of minibatch m by ``units_i / U_m`` with ``U_m`` the units (trained
 tokens for token-mean, sequences otherwise) of *its own* micro-batches. Each rank's
 gradient is further scaled by ``N * U_m(rank) / U_m(all ranks)`` (applied to the
 gradient of the logprobs, so loss values and metrics are untouched), and FSDP2's
 reduce-scatter averages over N ranks: the sum is the gradient of the step's loss
-normalised by the global unit count, exactly what one process computes. Gradient
+normalised by the global unit count, exactly what one process computes. (Under tp / cp:
+``dp x cp x U_m(replica) / U_m(all replicas)``, FSDP2 averaging over dp x cp.) Gradient
 clipping sees the global norm (DTensor gradients).
 """
 

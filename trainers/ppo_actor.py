@@ -118,8 +118,8 @@ class PPOActor:
                  pad_token_id: int, device: str = "cpu",
                  shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
                  place_model: bool = True) -> None:
-        # place_model=False (the tensor-parallel trainer): the weights stay where they are
-        # loaded (the host) and only each rank's shards move to ``device``.
+        # place_model=False (the sharded trainer): the weights stay where they are loaded
+        # (the host) and only each rank's shards move to ``device``.
         self.model = model.to(device) if place_model else model
         self.cfg = cfg
         self.temperature = temperature
