@@ -104,3 +104,24 @@ def test_tapioca_plan_says_whether_it_fits():
     assert not any(r["fits"] for r in rows)
     tiny = runner.invoke(app, ["plan", "--config", "examples/demo_cpu.yaml", "--gpu-gib", "1"])
     assert tiny.exit_code == 0 and "fits in 1 GiB" in tiny.output, tiny.output
+
+
+# Peaks measured on one H200 (torch.cuda.max_memory_allocated over the timed steps) by
+# benchmarks/trainer_step.py, recorded in benchmarks/RESULTS.md ("Fixed lengths"): the fast
+# path (bf16 weights + fp32 masters, fused AdamW, liger, flash varlen, Triton logprobs
+# keeping the logits, chunks of 8192; FAST_BIG adds recompute_swiglu), 128-token prompts.
+_FAST = dict(param_dtype="bfloat16", liger=True, logprob_kernel="triton", keep_logits=True, chunk_tokens=8192,
+             attention="varlen")
+
+
+@pytest.mark.parametrize("shape, train, measured_gib", [
+    ("qwen2-0.5b", dict(_FAST, tokens=16384, scored_tokens=16 * 896), 26.28),  # 0.5B fast 16 x 1024
+    ("qwen2.5-1.5b", dict(_FAST, recompute_swiglu=True, tokens=16384, scored_tokens=8 * 1920), 49.75),
+    ("qwen2.5-3b", dict(_FAST, recompute_swiglu=True, tokens=4096, scored_tokens=2 * 1920, micro_batches=4),
+     57.47),  # 3B fast mb4k: 4 micro-batches of 2 x 2048
+    ("qwen2.5-3b", dict(_FAST, recompute_swiglu=True, tokens=2048, scored_tokens=1920, micro_batches=8), 52.22),
+    ("qwen2.5-3b", dict(_FAST, checkpoint_every=1, tokens=16384, scored_tokens=8 * 1920), 49.03),  # 3B fast + AC
+])
+def test_the_planner_is_within_15_percent_of_peaks_measured_on_an_h200(shape, train, measured_gib):
+    p = mp.plan(mp.PRESETS[shape], mp.TrainShape(**train))
+    assert p.peak / mp.GIB == pytest.approx(measured_gib, rel=0.15)
