@@ -49,6 +49,9 @@ for s in "$@"; do
     trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
     rl_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
     rl_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
+    plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;
+    trainer_world1_ab) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --world1-ab --steps 5 ;;
+    fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
     *) echo "unknown stage $s" ;;
   esac
 done
