@@ -60,6 +60,9 @@ for s in "$@"; do
     fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only '0.5b/fast,1.5b/fast,3b/fast mb4k,fa4' --budget-s 170" ;;
     moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
     moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
+    plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;
+    trainer_world1_ab) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --world1-ab --steps 5 ;;
+    fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
     *) echo "unknown stage $s" ;;
   esac
 done

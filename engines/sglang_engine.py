@@ -144,7 +144,8 @@ def parse_routed_experts(out: dict, num_layers: int, top_k: int, url: str = ""):
 
 def sglang_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
                    device: str, version: int, extra_args: list[str],
-                   return_routed_experts: bool = False) -> list[str]:
+                   return_routed_experts: bool = False,
+                   tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of an SGLang server with the flags Tapioca relies on."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -153,4 +154,6 @@ def sglang_command(python: str, model_path: str, *, port: int, dtype: str, max_n
         cmd += ["--device", "cpu"]
     if return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if tensor_parallel_size > 1:
+        cmd += ["--tp-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

@@ -226,7 +226,8 @@ def decode_npy_b64(text: str):
 
 
 def vllm_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                 extra_args: list[str], return_routed_experts: bool = False) -> list[str]:
+                 extra_args: list[str], return_routed_experts: bool = False,
+                 tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of a vLLM server with the flags Tapioca relies on."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -235,4 +236,6 @@ def vllm_command(python: str, model_path: str, *, port: int, dtype: str, max_num
            "--generation-config", "vllm", "--max-num-seqs", str(max_num_seqs)]
     if return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

@@ -245,7 +245,10 @@ class RayLauncher(Launcher):
         if role == "trainer":
             options.update(self._trainer_placement())
         elif role in ("rollout", "proxy") and self.cfg.rollout.device.startswith("cuda"):
-            options["num_gpus"] = s.rollout_num_gpus
+            srv = self.cfg.rollout.server
+            # A member that launches a tensor-parallel server needs that server's GPUs.
+            launches = self.cfg.rollout.engine != "torch" and not srv.urls
+            options["num_gpus"] = s.rollout_num_gpus * (srv.tensor_parallel_size if launches else 1)
         actor = self._actor_class().options(**options).remote(
             role_command(role, member, config_path), env, str(log_path))
         child = Child(role, member, RayProc(self.ray, actor, f"{role}-{member}"), log_path)

@@ -90,12 +90,15 @@ class StepResult:
 
 
 def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device,
-                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None):
+                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                        parallel=None):
     """``(packed, optimizer)`` for training ``model`` (already on ``device``):
     the packed forward module (None with ``packed_sequences: false``) and the optimizer.
     ``shard`` (the FSDP2 actor, trainers/fsdp_actor.py) wraps the modules whose forward
     runs per layer -- the packed layers, or the HF decoder layers -- before the optimizer
-    is built over the (then sharded) parameters."""
+    is built over the (then sharded) parameters. ``parallel`` (a
+    :class:`~tapioca.models.parallel.MeshDims`): the tensor / context-parallel forward,
+    which splits the weights over the mesh first."""
     from ..models.moe import router_parameters
     from ..models.packed import PackedCausalLM, unsupported_reason
 
@@ -109,12 +112,18 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
                               f"forward, where {', '.join(on)} do not apply: unset them")
         log.warning("model family %r trains with the padded HF forward: %s", family, reason)
     elif cfg.packed_sequences:
-        packed = PackedCausalLM(
-            model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
+        kwargs = dict(
+            attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,
             moe_router_dtype=cfg.moe_router_dtype)
+        if parallel is None:
+            packed = PackedCausalLM(model, **kwargs)
+        else:
+            from ..models.parallel import ParallelPackedCausalLM
+
+            packed = ParallelPackedCausalLM(model, parallel, torch.device(device), **kwargs)
         if cfg.enable_tree_training:
             check_packed_tree_backend(packed)
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
@@ -145,16 +154,20 @@ class PPOActor:
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
-                 shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
+                 place_model: bool = True) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
-        0: ``lr`` as it is, no schedule (refused by a train step when one is configured)."""
-        self.model = model.to(device)
+        0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
+        ``place_model=False`` (the sharded trainer): the weights stay where they are loaded
+        (the host) and only each rank's shards move to ``device``."""
+        self.model = model.to(device) if place_model else model
         self.cfg = cfg
         self.total_train_steps = total_train_steps
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard)
+        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
+                                                          parallel=parallel)
 
     @property
     def forward_module(self) -> torch.nn.Module:

@@ -146,7 +146,9 @@ def main(out_dir: str) -> None:
             results[name] = {"metrics": result.metrics, "applied": result.applied_minibatches,
                              "skipped": result.skipped_minibatches}
             tensors.update({f"{name}.grad.{k}": v for k, v in grads.items()})
-            tensors.update({f"{name}.w1.{k}": v.contiguous() for k, v in weights1.items()})
+            # Cloned: a tied weight is one tensor under both names (as in the HF model),
+            # which safetensors' save_file refuses.
+            tensors.update({f"{name}.w1.{k}": v.clone() for k, v in weights1.items()})
         if name != "fp32_token":
             continue
         # A sharded checkpoint, a second step, the checkpoint back, the second step again.
@@ -165,8 +167,8 @@ def main(out_dir: str) -> None:
         if info.leader:
             results["rollback_equal"] = all(torch.equal(rolled_back[k], v) for k, v in weights1.items())
             results["adam_cleared"] = adam_cleared
-            tensors.update({f"w2.{k}": v.contiguous() for k, v in weights2.items()})
-            tensors.update({f"w2again.{k}": v.contiguous() for k, v in weights2_again.items()})
+            tensors.update({f"w2.{k}": v.clone() for k, v in weights2.items()})
+            tensors.update({f"w2again.{k}": v.clone() for k, v in weights2_again.items()})
             results["restored"] = restored.__dict__
             results["files"] = sorted(str(p.relative_to(ckpt.parent)) for p in ckpt.parent.rglob("*"))
     if info.leader:
