@@ -403,7 +403,8 @@ def build_agent(cfg: Any) -> Agent:
     if a.workflow == "tir":
         from .tir_agent import SYSTEM_PROMPT, TIRAgent, default_toolbox
 
-        return TIRAgent(toolbox=default_toolbox(a.tool_timeout_s, a.tool_memory_mb),
+        return TIRAgent(toolbox=default_toolbox(a.tool_timeout_s, a.tool_memory_mb, a.tool_max_processes,
+                                                a.tool_sandbox),
                         max_tool_rounds=a.max_turns, system_prompt=a.system_prompt or SYSTEM_PROMPT,
                         **common)
     if a.workflow == "command":
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = runner.run(args.max_groups)
     except TapiocaError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        return 1
+        return exc.exit_code  # EXIT_CONFIG (a config error) is not restarted by the launcher
     log.info("agent runner stopped: %s", stats.summary())
     return 0
 

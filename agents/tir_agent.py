@@ -28,8 +28,10 @@ SYSTEM_PROMPT = ("You can call tools to compute. Think step by step, call the py
                  "as \\boxed{...}.")
 
 
-def default_toolbox(timeout_s: float = 5.0, memory_mb: int = 512) -> Toolbox:
-    return Toolbox.of(PythonExecutor(timeout_s=timeout_s, memory_mb=memory_mb), Calculator())
+def default_toolbox(timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 32,
+                    sandbox: str = "namespace") -> Toolbox:
+    return Toolbox.of(PythonExecutor(timeout_s=timeout_s, memory_mb=memory_mb, max_processes=max_processes,
+                                     sandbox=sandbox), Calculator())
 
 
 @dataclass

@@ -4,39 +4,35 @@ Consumes tool-call arguments (the JSON string of an OpenAI ``tool_calls[i].funct
 emits the text of the tool message the agent sends back. No Kafka, no model: agents
 (:mod:`tapioca.agents.tir_agent`) call these between chat completions.
 
-Python executor: the code runs in a fresh ``python -I`` subprocess (isolated mode: no
-user site-packages, no ``PYTHON*`` environment variables, the script's directory not on
-``sys.path``) in a temporary working directory that is deleted afterwards, with a
-minimal environment, in its own session (so a timeout kills every process it forked).
-A bootstrap inside the child (no ``preexec_fn``, which is unsafe when tools are called
-from threads) sets ``RLIMIT_AS`` (address space = memory), ``RLIMIT_CPU`` (CPU
-seconds), ``RLIMIT_FSIZE`` (bytes a file may grow to), ``RLIMIT_CORE`` = 0 and, for a
-non-root user, ``RLIMIT_NPROC`` (``max_processes`` on top of what the user already
-runs) before the code runs; there is also a wall-clock timeout, and output is read
-incrementally and the program stopped after ``4 * max_output_chars`` bytes (the tool
-message is truncated to ``max_output_chars``).
+Python executor: model-written code is hostile. It runs in a fresh ``python -I``
+subprocess (isolated mode: no user site-packages, no ``PYTHON*`` environment variables,
+the script's directory not on ``sys.path``) in a temporary working directory that is
+deleted afterwards, with a minimal environment, in its own session. A bootstrap inside
+the child (no ``preexec_fn``, which is unsafe when tools are called from threads) sets
+``RLIMIT_AS`` (memory), ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_FSIZE`` (bytes a file may
+grow to), ``RLIMIT_CORE`` = 0 and ``RLIMIT_NPROC`` (processes) before the code runs;
+there is also a wall-clock timeout, and output is read incrementally and the program
+stopped after ``4 * max_output_chars`` bytes (the tool message is truncated to
+``max_output_chars``).
 
-Other processes (``isolate_processes``): when ``unshare --user --map-root-user --pid
---fork --mount-proc`` works (checked once; unprivileged user namespaces, or root), the
-program runs in a new PID namespace with its own /proc: it sees only its own processes
-and cannot signal any other (``kill`` of an outside pid is "no such process"), and when
-the executor kills it, the kernel kills everything it forked, ``setsid()`` escapees
-included. Where namespaces are refused but the agent runs as root, the program runs as
-the user ``nobody`` (a non-root user cannot signal root's processes), if the Python
-installation is readable by other users. Otherwise it runs in its own session only
-and CAN signal other processes of the agent's user (:func:`process_isolation` says
-which applies here; docs/security.md).
-Network (``isolate_network``): when ``unshare --user --map-root-user --net`` works, the
-program has no network (only a down loopback) and no capabilities on the host.
-
-Not isolated: the file system (the program can read, and write, whatever the agent's
-user can; in a user namespace as root, root's files too), and system calls (no seccomp
-filter). Without ``unshare`` there is NO network isolation: the program can open
-sockets. ``RLIMIT_NPROC`` is not enforced for root, so as root a fork bomb runs until
-the wall-clock timeout kills it. Without a PID namespace, a grandchild that calls
-``os.setsid()`` leaves the process group and survives the timeout (its inherited CPU
-limit still applies); the executor does not wait for it. For code untrusted beyond
-arithmetic, run the agent in a container.
+Sandbox (``sandbox="namespace"``, the default; :mod:`tapioca.agents.sandbox_setup`):
+the program runs in its own mount, PID, network and IPC namespaces, as root of a user
+namespace that owns none of them, mapped to an unprivileged uid (a dedicated one,
+``sandbox.SANDBOX_UID``, when the agent is root; the agent's own uid otherwise). Its
+file system is a read-only private tmpfs holding only the system's libraries and the
+interpreter's installation, read-only (:mod:`tapioca.agents.sandbox` lists them), and
+its temporary directory, the only writable path: the run directory, the home directory
+and the host's other files do not exist there. It sees only its own processes, has no
+network (a down loopback), and at most ``max_processes`` processes and threads, itself
+included, counted for this call alone (``RLIMIT_NPROC`` in its own user namespace,
+enforced because its uid is not the host's root). When the executor stops it, the
+kernel kills everything it forked. The executor checks the sandbox once when it is
+made and refuses to start (:class:`~tapioca.schemas.errors.ConfigError`, saying why)
+where it does not work: no silent fallback. ``sandbox="none"`` (config
+``agent.tool_sandbox: none``) runs the code with the limits above only: it can then
+read and write whatever the agent's user can, open sockets and signal the user's
+processes, and as root ``RLIMIT_NPROC`` is not set (the kernel would ignore it). Not
+filtered in either mode: system calls (no seccomp).
 
 Calculator: parses an arithmetic expression with :mod:`ast` and evaluates only numbers,
 ``+ - * / // % **``, unary signs and a fixed set of math functions and constants. No
@@ -46,13 +42,14 @@ Calculator: parses an arithmetic expression with :mod:`ast` and evaluates only n
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import json
+import logging
 import math
 import operator
 import os
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +59,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..schemas.errors import ConfigError, TapiocaError
+from .sandbox import SETUP_FAILED, launcher_argv, resolve_python
+
+log = logging.getLogger(__name__)
+SANDBOXES = ("namespace", "none")
 
 
 class ToolError(TapiocaError):
@@ -106,15 +107,15 @@ class PythonExecutor:
     memory_mb: int = 512
     max_output_chars: int = 4000
     max_file_mb: int = 16
-    # Processes/threads the program may add (RLIMIT_NPROC; not enforced for root).
+    # Processes and threads of one call, the program itself included (RLIMIT_NPROC).
     max_processes: int = 32
-    # Run the program in a new user + network namespace when the OS allows it.
-    isolate_network: bool = True
-    # Run it in its own PID namespace (or, as root without namespaces, as nobody) so it
-    # cannot signal other processes (process_isolation()).
-    isolate_processes: bool = True
+    # "namespace": isolated as the module docstring says, or refuse to start; "none": no
+    # isolation (only the resource limits), chosen explicitly.
+    sandbox: str = "namespace"
     python: str = sys.executable
     name: str = "python"
+    # Try the sandbox once when made (the probe itself is made with False).
+    check_sandbox: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -122,6 +123,25 @@ class PythonExecutor:
         if self.memory_mb < 64:
             raise ConfigError("PythonExecutor.memory_mb must be >= 64 (the interpreter "
                               "alone maps ~30 MB)")
+        if self.max_processes < 1:
+            raise ConfigError("PythonExecutor.max_processes must be >= 1 (the program itself)")
+        if self.sandbox not in SANDBOXES:
+            raise ConfigError(f"agent.tool_sandbox={self.sandbox!r}: use namespace (isolate the "
+                              "model's code) or none (run it without isolation)")
+        self.python = resolve_python(self.python)
+        if self.sandbox == "none":
+            _warn_unsandboxed()
+        elif self.check_sandbox:
+            reason = sandbox_unavailable(self.python)
+            if reason:
+                raise ConfigError(
+                    f"agent.tool_sandbox=namespace: the Python tool cannot isolate model-written "
+                    f"code here ({reason}); it needs Linux user, mount and PID namespaces: run the "
+                    "agent as root or allow unprivileged user namespaces (sysctl "
+                    "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, on Ubuntu "
+                    "kernel.apparmor_restrict_unprivileged_userns=0; in a Docker container, a seccomp "
+                    "profile that allows unshare, e.g. --security-opt seccomp=unconfined), or set "
+                    "agent.tool_sandbox: none to run it without isolation")
 
     def spec(self) -> dict[str, Any]:
         return {"type": "function", "function": {
@@ -139,55 +159,38 @@ class PythonExecutor:
         mem = self.memory_mb * 1024 * 1024
         limits = [("RLIMIT_AS", mem), ("RLIMIT_CPU", int(math.ceil(self.timeout_s)) + 1),
                   ("RLIMIT_FSIZE", self.max_file_mb * 1024 * 1024), ("RLIMIT_CORE", 0)]
-        uid = self._drop_to()[0] if self._isolation() == "nobody" else os.getuid()
-        if uid != 0:
-            # RLIMIT_NPROC caps all processes of the real uid, so the budget is on top of
-            # what this user already runs (the kernel ignores it for root).
-            limits.append(("RLIMIT_NPROC", _processes_of(uid) + self.max_processes))
+        if self.sandbox == "namespace":
+            # Counted in the program's own user namespace: this call's processes only.
+            limits.append(("RLIMIT_NPROC", self.max_processes))
+        elif os.getuid() != 0:
+            # Without a user namespace RLIMIT_NPROC counts every process of the uid, so
+            # the budget is on top of what this user already runs (ignored for root).
+            limits.append(("RLIMIT_NPROC", _processes_of(os.getuid()) + self.max_processes))
         return limits
 
-    def _isolation(self) -> str:
-        return process_isolation(self.python) if self.isolate_processes else "session"
-
-    @staticmethod
-    def _drop_to() -> tuple[int, int]:
-        import pwd
-
-        nobody = pwd.getpwnam("nobody")
-        return nobody.pw_uid, nobody.pw_gid
-
-    def _argv(self) -> list[str]:
-        items = [f"{name}={value}" for name, value in self._limits()]
-        isolation = self._isolation()
-        if isolation == "nobody":
-            uid, gid = self._drop_to()
-            items.append(f"DROP_TO={uid}:{gid}")
-        argv = [self.python, "-I", "-c", _BOOTSTRAP, ",".join(items)]
-        namespaces = []
-        if isolation == "pid-namespace":
-            namespaces += ["--pid", "--fork", "--mount-proc"]
-        if self.isolate_network and network_namespace_available():
-            namespaces.append("--net")
-        if namespaces:
-            argv = ["unshare", "--user", "--map-root-user", *namespaces, "--", *argv]
-        return argv
+    def _command(self, cwd: str, root: str | None) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of one call in ``cwd`` (``root``: the empty
+        directory the sandbox's file system is mounted on)."""
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "TMPDIR": cwd,
+               # One thread for numeric libraries: RLIMIT_AS counts every thread's stack.
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        argv = [self.python, "-I", "-c", _BOOTSTRAP, ",".join(f"{n}={v}" for n, v in self._limits())]
+        if root is None:
+            return argv, env
+        return launcher_argv(self.python, work=cwd, root=root, argv=argv, env=env), {"PATH": "/usr/bin:/bin"}
 
     def run(self, code: str) -> ToolResult:
         if not isinstance(code, str):
             raise ToolError(f"python: 'code' must be a string, got {type(code).__name__}")
         start = time.monotonic()
         cap = 4 * self.max_output_chars  # bytes read before the program is stopped
-        with tempfile.TemporaryDirectory(prefix="tapioca-py-") as cwd:
+        sandboxed = self.sandbox == "namespace"
+        with tempfile.TemporaryDirectory(prefix="tapioca-py-") as cwd, \
+                (tempfile.TemporaryDirectory(prefix="tapioca-root-") if sandboxed
+                 else contextlib.nullcontext(None)) as root:
             with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
-            argv = self._argv()
-            if any(a.startswith("DROP_TO=") for a in argv[-1].split(",")):
-                uid, gid = self._drop_to()  # the program runs as nobody: its directory too
-                os.chown(cwd, uid, gid)
-                os.chown(os.path.join(cwd, "main.py"), uid, gid)
-            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "TMPDIR": cwd,
-                   # One thread for numeric libraries: RLIMIT_AS counts every thread's stack.
-                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+            argv, env = self._command(cwd, root)
             # No preexec_fn (not safe when the agent calls tools from threads): the
             # limits are set by the bootstrap inside the child; start_new_session is
             # done by Popen itself, so a timeout can kill every process it forked.
@@ -220,6 +223,54 @@ class PythonExecutor:
         return self.run(arguments["code"])
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_unsandboxed() -> None:
+    log.warning("agent.tool_sandbox=none: the Python tool runs model-written code WITHOUT "
+                "isolation (it can read the run directory's keys and open sockets)")
+
+
+# The probe's program: whether a file planted next to its directory is visible, and how
+# many children it could fork with max_processes=3 (the program and 2 children).
+_PROBE = """\
+import os, time
+seen = os.path.exists({planted!r})
+kids = 0
+try:
+    for _ in range(8):
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        kids += 1
+except OSError:
+    pass
+print('probe', seen, kids)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_unavailable(python: str) -> str | None:
+    """Why the sandbox does not work for ``python`` here, or None when it does: one
+    sandboxed run (once per interpreter) that must not see a host file and must not
+    fork past its process limit."""
+    with tempfile.NamedTemporaryFile(prefix="tapioca-probe-") as planted:
+        try:
+            probe = PythonExecutor(timeout_s=60.0, memory_mb=256, max_processes=3, python=python,
+                                   check_sandbox=False)
+            r = probe.run(_PROBE.format(planted=planted.name))
+        except (ConfigError, OSError) as exc:
+            return str(exc)
+    last = r.output.strip().splitlines()[-1] if r.output.strip() else "(no output)"
+    if r.exit_code == SETUP_FAILED or not last.startswith("probe "):
+        return last.removeprefix("tapioca-sandbox: ")
+    _, seen, kids = last.split()
+    if seen != "False":
+        return "a host file is visible inside it"
+    if int(kids) > 2:
+        return ("the process limit is not enforced: the agent is root of a user namespace "
+                "mapped to the host's root, which RLIMIT_NPROC exempts")
+    return None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -231,9 +282,10 @@ def _read_capped(proc: subprocess.Popen, timeout_s: float, cap: int,
                  grace_s: float = 1.0) -> tuple[bytes, bool, bool]:
     """Read the child's output until EOF, ``timeout_s`` or ``cap`` bytes; on a timeout or
     an overflow kill its process group and read for at most ``grace_s`` more. A
-    grandchild that left the group (``os.setsid()``) can hold the pipe open after the
-    kill: then the pipe is closed and what was read is returned, so the agent never
-    blocks. Returns (output, timed_out, overflow)."""
+    grandchild that left the group (``os.setsid()``, only possible without the sandbox's
+    PID namespace) can hold the pipe open after the kill: then the pipe is closed and
+    what was read is returned, so the agent never blocks. Returns (output, timed_out,
+    overflow)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     chunks: list[bytes] = []
@@ -292,91 +344,14 @@ def _processes_of(uid: int) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=None)
-def pid_namespace_available() -> bool:
-    """Whether ``unshare --user --map-root-user --pid --fork --mount-proc`` works here
-    (unprivileged user namespaces allowed, or root). Checked once."""
-    return _unshare_works("--pid", "--fork", "--mount-proc")
-
-
-def _readable_by_others(path: str) -> bool:
-    """Whether every directory above ``path`` lets other users through and ``path`` is
-    readable by them (so a program dropped to nobody can still import the stdlib)."""
-    import stat
-
-    p = os.path.realpath(path)
-    parts = [p] + [os.path.dirname(p)]
-    while parts[-1] != os.path.dirname(parts[-1]):
-        parts.append(os.path.dirname(parts[-1]))
-    try:
-        for i, d in enumerate(parts):
-            mode = os.stat(d).st_mode
-            need = stat.S_IROTH if i == 0 else stat.S_IXOTH
-            if not mode & need:
-                return False
-    except OSError:
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def process_isolation(python: str = sys.executable) -> str:
-    """How the sandbox keeps a program from signalling other processes here:
-    "pid-namespace" (its own PID namespace), "nobody" (root without namespaces: the
-    program runs as nobody), or "session" (only its own session: it CAN signal the
-    agent user's processes)."""
-    if pid_namespace_available():
-        return "pid-namespace"
-    if os.geteuid() == 0:
-        import sysconfig
-
-        stdlib = sysconfig.get_paths()["stdlib"]
-        try:
-            import pwd
-
-            pwd.getpwnam("nobody")
-        except KeyError:
-            return "session"
-        if _readable_by_others(python) and _readable_by_others(stdlib):
-            return "nobody"
-    return "session"
-
-
-def _unshare_works(*flags: str) -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        return subprocess.run(["unshare", "--user", "--map-root-user", *flags, "--", "true"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def network_namespace_available() -> bool:
-    """Whether ``unshare --user --map-root-user --net`` works here without privileges
-    (util-linux installed, unprivileged user namespaces allowed). Checked once."""
-    return _unshare_works("--net")
-
-
-# Runs as ``python -I -c _BOOTSTRAP "RLIMIT_AS=...,RLIMIT_CPU=...[,DROP_TO=uid:gid]"`` in
-# the child's working directory: sets the limits on itself, drops to ``uid:gid`` when
-# asked (root without namespaces: nobody), then runs main.py as __main__. A traceback is
-# printed without the bootstrap's own frames.
+# Runs as ``python -I -c _BOOTSTRAP "RLIMIT_AS=...,RLIMIT_CPU=..."`` in the child's
+# working directory: sets the limits on itself, then runs main.py as __main__. A
+# traceback is printed without the bootstrap's own frames.
 _BOOTSTRAP = """\
-import os, resource, runpy, sys, traceback
-drop = None
+import resource, runpy, sys, traceback
 for item in sys.argv[1].split(','):
     name, value = item.split('=')
-    if name == 'DROP_TO':
-        drop = [int(v) for v in value.split(':')]
-        continue
     resource.setrlimit(getattr(resource, name), (int(value), int(value)))
-if drop:
-    os.setgroups([])
-    os.setgid(drop[1])
-    os.setuid(drop[0])
 sys.argv = ['main.py']
 try:
     runpy.run_path('main.py', run_name='__main__')

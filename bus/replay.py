@@ -219,11 +219,13 @@ class Replayer:
 
     def run(self, items: Iterator[ReplayItem] | Callable[[], Iterator[ReplayItem]],
             flt: ReplayFilter, stats: ReplayStats, *, limit: int | None = None,
-            dry_run: bool = False) -> ReplayStats:
+            dry_run: bool = False,
+            progress: Callable[[int, ReplayStats, bool], None] | None = None) -> ReplayStats:
         """Republish the items that pass ``flt``. ``items`` may be a function giving a
         fresh iterator each call: group filtering reads the source twice (a first pass
         decides each group, the second publishes); a plain iterator only filters per
-        event."""
+        event. ``progress(items read in this pass, stats, first_pass)`` is called after
+        each item read."""
         from ..schemas.envelope import encode_event
 
         start = time.monotonic()
@@ -233,9 +235,11 @@ class Replayer:
                 first: dict[tuple[str, int], int] = {}
 
                 def counted(it: Iterator[ReplayItem]) -> Iterator[ReplayItem]:
-                    for item in it:
+                    for n, item in enumerate(it, 1):
                         tp = (item.source.topic, item.source.partition)
                         first[tp] = max(first.get(tp, -1), item.source.offset)
+                        if progress is not None:
+                            progress(n, stats, True)
                         yield item
 
                 undecodable = stats.undecodable
@@ -253,6 +257,8 @@ class Replayer:
                               "returning the items, or set per_event")
         for item in items:
             stats.read += 1
+            if progress is not None:
+                progress(stats.read, stats, False)
             if not flt.keep(item, verdicts):
                 stats.skipped += 1
                 continue

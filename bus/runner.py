@@ -6,8 +6,12 @@ calls ``role.handle``; publishes what it returns; and, once those outputs are
 delivered, commits offsets (as far as ``role.committable`` allows).
 
 Events stamped with another run's ``run_id`` are skipped and counted (``bus/foreign``
-in the member's status metrics); one that names no run (``default``) on an input the
-role lists in ``attributed_inputs`` is dead-lettered instead, when the run has an id.
+in the member's status metrics, ``foreign`` in its heartbeat), before their signature
+is checked: a run before this one on the same broker and prefix signed its weights and
+commands with its own key, and they are no forgeries (one that claims this run's id is
+checked, and dead-lettered when it fails). One that names no run (``default``) on an
+input the role lists in ``attributed_inputs`` is dead-lettered instead, when the run
+has an id.
 
 A record that cannot be decoded or validated, or a record of a signed topic (control,
 weights) whose signature does not verify under the run's key (bus/signing.py), goes to
@@ -21,6 +25,9 @@ handled in order. Faults found late are dead-lettered too: a role's outputs may 
 ``DeadLetter`` items, and an ``on_tick`` that raises ``BadEventError(event=...)`` is
 retried with backoff (ticks wait, events flow), then that event is dead-lettered and
 handed to ``role.on_dead_letter``. Either way the loop goes on and nothing else is lost.
+Two kinds of failure stop the member instead, raised from ``run``: ``FatalRoleError``
+(the role says no retry can help) and an OSError of the disk (full, failing, read-only:
+``StorageError`` with the one-line reason, e.g. ``No space left on device writing <path>``).
 
 SIGTERM / SIGINT (when run in the main thread) or ``stop()`` end the loop after the
 current batch: outputs are flushed, offsets committed, the group left cleanly.
@@ -47,13 +54,21 @@ from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from ..schemas.envelope import Event, decode_event, encode_event, names_a_run, run_reads
+from ..schemas.envelope import (
+    Event,
+    decode_event,
+    encode_event,
+    names_a_run,
+    of_another_run,
+    run_reads,
+)
 from ..schemas.errors import (
     BadEventError,
     FatalRoleError,
     SchemaError,
     TapiocaError,
     UnattributedEventError,
+    storage_error,
 )
 from ..schemas.events import MetricsEvent
 from ..schemas.registry import TopicSpec, topic, topic_for
@@ -80,6 +95,16 @@ class RunnerStats:
     started_at: float = field(default_factory=time.time)
     # Dead letters by error type (e.g. BadEventError, SchemaError): shown in status.
     dead_lettered_by_type: Counter = field(default_factory=Counter)
+
+
+def _raise_storage_error(exc: Exception) -> None:
+    """A full, failing or read-only disk (ENOSPC, EIO, EROFS, ...) is no fault of the event
+    at hand: a retry would fail the same way or, worse, run a handler a second time on
+    state it half changed; dead-lettering would throw the event away. It stops the role
+    with the one-line reason (StorageError) instead."""
+    error = storage_error(exc)
+    if error is not None:
+        raise error from exc
 
 
 class RoleRunner:
@@ -397,8 +422,10 @@ class RoleRunner:
         try:
             event = decode_event(raw, allowed_types=spec.value_types,
                                  max_bytes=self.cfg.max_message_bytes)
-            # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py).
-            self.cfg.verify(spec, raw, msg.headers())
+            # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py);
+            # another run's is skipped unread below, whatever key it was signed with.
+            if not of_another_run(self.cfg.run_id, event.run_id):
+                self.cfg.verify(spec, raw, msg.headers())
         except SchemaError as exc:
             self.dead_letter(raw, source, exc, attempts=1)
         else:
@@ -432,6 +459,7 @@ class RoleRunner:
                 return True
             return self._failed(exc, raw, source, attempt)
         except Exception as exc:
+            _raise_storage_error(exc)
             return self._failed(exc, raw, source, attempt)
         self.stats.handled += 1
         return True
@@ -463,6 +491,7 @@ class RoleRunner:
         except FatalRoleError:
             raise
         except Exception as exc:
+            _raise_storage_error(exc)
             self._tick_failed(exc, now)
             return
         self._tick_failures.clear()

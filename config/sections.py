@@ -33,7 +33,10 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    admission_of,
 )
+from .stats_logger import StatsLoggerConfig
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +56,11 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
+    # Record routed experts on trajectories: rollout.return_routed_experts, or
+    # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
+    # <run_dir>/blobs ("": no run directory, every route inline).
+    record_routes: bool = False
+    run_dir: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +100,13 @@ class TrainerSection:
     bus_run_id: str = ""
     # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # W&B / MLflow besides metrics.jsonl and TensorBoard (trainers/metrics_sink.py).
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    # How the trainer publishes its versions (weights/publisher.py).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    # agent.mode online: a group past the tail gate is trained within
+    # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
+    online: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +122,13 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
+    # agent.mode online: sessions ended without a reward wait on the log for one (no
+    # reward 0 at end); admission: proxy.admission resolved (config/schema.py admission_of).
+    online: bool = False
+    admission: str = "wait"
+    # How long after its end a session still takes a reward: the advantage processor's
+    # wait (advantage.reward_timeout_s, else group_timeout_s) less a margin.
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +180,13 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
-    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed)
+    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
+                          record_routes=records_routes(cfg), run_dir=cfg.run_path)
+
+
+def records_routes(cfg: TrainConfig) -> bool:
+    """Whether the run's engines record routed experts (the rollout workers, the proxy)."""
+    return cfg.rollout.return_routed_experts or cfg.actor.router_replay == "R3"
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:
@@ -178,14 +206,17 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           total_train_steps=cfg.total_train_steps, temperature=temperature,
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
+                          stats_logger=cfg.stats_logger, weights=cfg.weights,
+                          online=cfg.agent.online)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed)
+                        run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
+                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage)
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:

@@ -9,7 +9,13 @@ Global options: ``--bootstrap-server`` (or ``$TAPIOCA_BOOTSTRAP``; else the brok
 ``--run-dir`` (a run's directory: its config.yaml gives the broker, prefix and security
 settings unless the flags do, and its ``secrets/bus.key`` signs commands) or
 ``--key-file`` (the signing key alone; or ``$TAPIOCA_SIGNING_KEY_FILE``). Errors are one
-line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
+line on stderr and a non-zero exit (78 for a config or usage error, else 1), never a
+stack trace (``--debug`` shows it).
+
+Global options go before the command or anywhere after it, as kafka's tools and kubectl
+take them (``tapioca status --run-dir R`` = ``tapioca --run-dir R status``):
+:func:`hoist_global_options` moves them to the front before the parser sees them.
+Everything after a ``--`` stays where it is.
 """
 
 from __future__ import annotations
@@ -21,19 +27,22 @@ from typing import Optional
 import typer
 
 from ..schemas.errors import TapiocaError
-from . import admin_cli, commands, eval_cli, fleet_cli, offline_cli, plot, proxy_cli, replay_cli
+from . import (admin_cli, commands, eval_cli, fleet_cli, plan_cli, plot, proxy_cli, replay_cli, run_cli,
+               supervised_cli)
 from .cli_context import G
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Tapioca: asynchronous RL for LLMs over Kafka.")
 # Each module's top-level commands, in the order `tapioca --help` lists them, then the
 # command groups (Typer lists a group's commands before its sub-groups).
-for _module in (admin_cli, commands, eval_cli, plot, fleet_cli, offline_cli, proxy_cli, replay_cli):
+for _module in (admin_cli, commands, run_cli, eval_cli, plot, fleet_cli, supervised_cli, plan_cli, proxy_cli,
+                replay_cli):
     app.add_typer(_module.app)
 for _name, _group in (("broker", admin_cli.broker_app), ("topics", admin_cli.topics_app),
                       ("schemas", admin_cli.schemas_app),
                       ("checkpoint", admin_cli.checkpoint_app),
-                      ("weights", fleet_cli.weights_app), ("dlq", fleet_cli.dlq_app)):
+                      ("weights", fleet_cli.weights_app), ("dlq", fleet_cli.dlq_app),
+                      ("config", run_cli.config_app)):
     app.add_typer(_group, name=_name)
 
 
@@ -61,14 +70,52 @@ def _main(
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+# The root callback's options: those that take a value, and the flags.
+GLOBAL_VALUE_OPTIONS = ("--bootstrap-server", "-b", "--prefix", "--run-dir", "--key-file")
+GLOBAL_FLAGS = ("--debug",)
+
+
+def _global_width(args: list[str], i: int) -> int:
+    """How many arguments the global option at ``args[i]`` spans (0: not one)."""
+    arg = args[i]
+    if arg in GLOBAL_FLAGS:
+        return 1
+    if arg in GLOBAL_VALUE_OPTIONS:
+        return 2 if i + 1 < len(args) else 1  # a missing value: the parser says so
+    if arg.startswith("--") and arg.split("=", 1)[0] in GLOBAL_VALUE_OPTIONS and "=" in arg:
+        return 1
+    return 0
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """``args`` with the global options that follow the command moved before it."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--":
+            rest += args[i:]
+            break
+        width = _global_width(args, i)
+        if width:
+            front += args[i:i + width]
+            i += width
+        else:
+            rest.append(args[i])
+            i += 1
+    return front + rest
+
+
 def main() -> None:
     try:
-        app()
+        app(args=hoist_global_options(sys.argv[1:]))
     except TapiocaError as exc:
         if G.debug:
             raise
         sys.stderr.write(f"error: {exc}\n")
-        sys.exit(1)
+        # 78 (EXIT_CONFIG) for a config or usage error: `tapioca proxy` as a role of
+        # `tapioca train` is then not restarted, and its line is what the launcher says.
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

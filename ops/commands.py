@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.live import Live
-from rich.table import Table
 
 from .cli_context import EXTRA_ARGS, G, console
-from .eval_cli import held_out_cell, held_out_change
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -21,100 +19,61 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_CONFIG = "demo_cpu.yaml"
 
 
-def _backlogs(status: dict[str, dict]) -> tuple[float, float] | None:
-    """(prompt groups admitted but not yet generated, sample groups emitted but not yet
-    consumed by the trainer), from every member's status event on metrics.v1."""
-    def total(key: str) -> float:
-        return sum(row.get(key, 0.0) for row in status.values())
-
-    if not any("feeder/groups" in r for r in status.values()):
-        return None
-    prompts = total("feeder/groups") - total("rollout/groups_done")
-    samples = (total("advantage/emitted") + total("advantage/dropped")
-               - total("trainer/groups_consumed"))
-    return max(prompts, 0.0), max(samples, 0.0)
-
-
-def _supervision_caption(health: dict | None) -> str | None:
-    """Restarts, pending restarts, alarms (red) and the latest notices of the launcher's
-    supervisor (Launcher.health), or None when there is nothing to say."""
-    if not health:
-        return None
-    lines = [f"[bold red]ALARM[/] {a}" for a in health.get("alarms", [])]
-    restarts = health.get("restarts") or {}
-    if restarts or health.get("pending"):
-        text = "restarts: " + (", ".join(f"{m} x{n}" for m, n in sorted(restarts.items())) or "-")
-        if health.get("pending"):
-            text += f" (restarting: {', '.join(health['pending'])})"
-        lines.append(f"[yellow]{text}[/]")
-    lines += [f"[dim]{n}[/]" for n in health.get("notices", [])]
-    return "\n".join(lines) or None
-
-
-def _progress_table(rows: dict[str, dict], status: dict[str, dict], started: float,
-                    recent: list[float], health: dict | None = None) -> Table:
-    table = Table(title=f"tapioca — {time.monotonic() - started:,.0f} s", expand=False)
-    for col in ("version", "reward (last 20 steps)", "tokens/s (train)", "tokens/s (rollout)",
-                "backlog prompts/samples", "staleness mean/max", "rejected", "step s"):
-        table.add_column(col, justify="right")
-    held_out = held_out_cell(rows.get("evaluator", {}))  # producers/evaluator.py's last result
-    if held_out:
-        table.add_column("held-out pass@1", justify="right")
-    t = rows.get("trainer", {})
-    r = rows.get("rollout", {})
-    fmt = lambda v, f="{:.3f}": f.format(v) if isinstance(v, (int, float)) else "-"  # noqa: E731
-    smoothed = sum(recent[-20:]) / len(recent[-20:]) if recent else None
-    backlog = _backlogs(status)
-    table.add_row(
-        fmt(t.get("step"), "{}"), fmt(smoothed),
-        fmt(t.get("actor/tokens_per_s"), "{:,.0f}"), fmt(r.get("rollout/tokens_per_s"), "{:,.0f}"),
-        f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-",
-        f"{fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
-        f"{fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
-        fmt(t.get("trainer/rejected_stale"), "{:.0f}"), fmt(t.get("actor/step_time_s"), "{:.2f}"),
-        *([held_out] if held_out else []),
-    )
-    table.caption = _supervision_caption(health)
-    table.caption_justify = "left"
-    return table
-
-
-def run_training(config: Optional[str], overrides: list[str], *, live: bool = True) -> None:
+def run_training(config: Optional[str], overrides: list[str], *,
+                 live: Optional[bool] = None, resume: Optional[str] = None) -> None:
+    """Launch the run and show it (ops/train_view.py): a live table on a terminal,
+    progress lines otherwise (``live`` forces either). ``resume``: a run directory whose
+    own config.yaml the run continues from (`tapioca train --resume RUN_DIR`)."""
     from transformers.utils import logging as hf_logging
 
     from ..config.loader import load_config
     from ..config.schema import TrainConfig
+    from ..runtime.run import resolve_run
+    from . import train_view
+    from .broker_state import train_bootstrap
     from .launcher import Launcher
+    from .run_cli import resume_config
 
     hf_logging.disable_progress_bar()
+    values: dict = {}
+    if resume:  # the run's own config.yaml, back where it was (ops/run_cli.py)
+        config, values, note = resume_config(resume, config, overrides)
+        console.print(note)
     cfg = load_config(TrainConfig, config, overrides)
+    if values:
+        cfg = resolve_run(cfg, values=values)
     # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if G.bootstrap and not cfg.bus.bootstrap_servers:
-        from ..runtime.run import resolve_run
-
-        cfg = resolve_run(cfg, bootstrap=G.bootstrap)
-    latest: dict[str, dict] = {}  # role -> its latest step metrics
-    status: dict[str, dict] = {}  # member -> its latest status (bus counters, describe)
-    recent: list[float] = []
-    started = time.monotonic()
+    if not cfg.bus.bootstrap_servers:
+        # The flag / $TAPIOCA_BOOTSTRAP, else `tapioca broker up`'s, else the launcher's own.
+        bootstrap, note = train_bootstrap(G.bootstrap)
+        if note:
+            console.print(note)
+        if bootstrap:
+            cfg = resolve_run(cfg, bootstrap=bootstrap)
+    live = console.is_terminal if live is None else live
+    view = train_view.TrainView(cfg)
     if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
         from .ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)
-    with Live(_progress_table(latest, status, started, recent), console=console,
-              refresh_per_second=2, transient=False, auto_refresh=live) as view:
+    interrupted = False
+    summary = None
+    # On a terminal the live table redraws itself; elsewhere it would print only at the
+    # end, so lines are printed instead (every launcher.log_every_steps / log_every_s).
+    display = (Live(view.table(), console=console, refresh_per_second=2, transient=False)
+               if live else contextlib.nullcontext())
+    with display as table_view:
         def redraw() -> None:
-            view.update(_progress_table(latest, status, started, recent, launcher.health()))
+            if table_view is not None:
+                table_view.update(view.table(launcher.health()))
+                return
+            for line in view.lines_due(launcher.health()):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         def on_metrics(row: dict) -> None:
-            if "bus/handled" in row:
-                status[row["source"]] = row
-            else:
-                role = row["source"].split("-")[0]
-                latest[role] = row
-                if role == "trainer" and "reward/mean" in row:
-                    recent.append(row["reward/mean"])
-            redraw()
+            view.observe(row)
+            if table_view is not None:
+                redraw()
 
         launcher.on_metrics = on_metrics
         # Restarts and alarms change when no metrics arrive (a stall): redraw each turn.
@@ -123,28 +82,38 @@ def run_training(config: Optional[str], overrides: list[str], *, live: bool = Tr
             launcher.start()
             cfg = launcher.cfg  # resolved: trial, run dir, broker, bus run id
             bus_id = "" if cfg.bus.run_id == cfg.run_id else f", bus run id {cfg.bus.run_id}"
+            # soft_wrap: a log file gets each message on one line, whatever its length.
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
-                          f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)")
+                          f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)", soft_wrap=True)
+            if cfg.agent.online:  # docs/online.md
+                console.print(f"online: the proxy serves http://{cfg.proxy.host}:{cfg.proxy.port}/v1 "
+                              f"(admin key: {cfg.proxy.api_key_file or 'proxy.api_key'}); reward an "
+                              f"ended session with `tapioca --run-dir {cfg.run_path} reward "
+                              "SESSION_ID VALUE`", markup=False, soft_wrap=True)
+            resuming = train_view.start_line(cfg, train_view.trainer_checkpoint(cfg.run_path))
+            if resuming:
+                console.print(resuming, markup=False, highlight=False, soft_wrap=True)
             summary = launcher.wait()
         except KeyboardInterrupt:
-            console.print("interrupted: stopping every role")
-            raise typer.Exit(130)
+            console.print("stopping every role (Ctrl-C)")
+            interrupted = True
         finally:
             launcher.stop()
-    if not console.is_terminal:  # there, the live table's last line has no newline
+    if not console.is_terminal and live:  # there, the live table's last line has no newline
         console.print()
-    means = summary.window_means()
-    supervision = summary.supervision_line()
-    supervision = f" ({supervision})" if supervision else ""
-    if means is None:
-        console.print(f"done: no training step completed ({summary.run_dir}){supervision}")
-        return
-    first, last, w = means
-    steps = f"{w} steps" if w > 1 else "step"
-    held_out = held_out_change(summary.held_out)
-    console.print(f"done: {summary.steps} steps in {summary.wall_s:.0f} s; mean reward "
-                  f"{first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
-                  f"{held_out}{supervision}. Metrics: {summary.run_dir}/metrics/metrics.jsonl")
+    for line in ([] if live else view.lines_at_end()):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    cfg = launcher.cfg  # resolved as far as the start got
+    resume = (f"tapioca train --resume {cfg.run_path}" if resume else
+              train_view.resume_command(config, overrides, cfg.trial_name, bootstrap=G.bootstrap,
+                                        demo_config=str(EXAMPLES / DEMO_CONFIG)))
+    # After the stop: the trainer checkpoints on its way out.
+    ckpt = train_view.trainer_checkpoint(cfg.run_path)
+    console.print(train_view.closing_line(summary or launcher.summary, cfg, ckpt, resume=resume,
+                                          interrupted=interrupted),
+                  markup=False, highlight=False, soft_wrap=True)
+    if interrupted:
+        raise typer.Exit(130)
 
 
 @app.command("train", context_settings=EXTRA_ARGS)
@@ -154,10 +123,15 @@ def train(
     launcher: Optional[str] = typer.Option(
         None, "--launcher", help="local (child processes, the default) or ray (Ray actors); "
         "the same as scheduler.type=..."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue the trial in RUN_DIR (runs/EXPERIMENT/TRIAL) from its "
+        "checkpoint, with the config it was started with; overrides apply on top (e.g. "
+        "total_train_steps=1200)."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
-    arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
-    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
+    arguments are dotted overrides, e.g. actor.optimizer.lr=1e-3 gconfig.n_samples=8."""
+    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []),
+                 resume=resume)
 
 
 @app.command("demo", context_settings=EXTRA_ARGS)

@@ -11,18 +11,26 @@ Supervision (``launcher`` config section):
 - a role that crashes (non-zero exit) is restarted after a backoff that doubles per
   restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
   the run stops with an error naming the role and its log. Exit code 78 (a config or
-  file problem, ``EXIT_NO_RESTART``) is never retried. Restarting is safe: every role
-  resumes from the log and its checkpoint. A clean exit (0) of a role is a drain.
+  file problem, ``EXIT_NO_RESTART``) is never retried: the run stops at once with the
+  role's one-line reason; nor is 74 (``EXIT_STORAGE``: a disk full, failing or
+  read-only), which stops the run with the role's one-line reason. Restarting is safe:
+  every role resumes from the log and its checkpoint. A clean exit (0) of a role is a
+  drain.
+- each role gets the write end of a pipe (``$TAPIOCA_REASON_FD``) for the one line that
+  says why it failed (ops/role_main.py): its log may be on the disk that is full.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
-  process group, which the launcher signals when it stops.
+  process group, which the launcher signals when it stops. Members of the run that the
+  launcher did not start (`tapioca role NAME --config RUN/config.yaml`) are drained over
+  control.v1 when the run ends (ops/run_end.py).
 - the broker is watched every ``launcher.topic_check_interval_s``: when the embedded
   broker died it is started again on its port; when topics are missing or have the
   wrong partition count (a broker that lost its data; clients may auto-create them
   with its defaults) they are re-created from the registry, and since the log is gone,
   the run moves to a new bus run id and every role is restarted on it.
 - stall alarm: no role handled or produced anything for ``launcher.stall_alarm_s``
-  although some run unpaused (or none reported at all): shown in the display.
+  although some run unpaused (or none reported at all): shown in the display. Online
+  mode raises only the second (no traffic is no stall).
 
 Bus run ids (one per broker lifetime): a run resumed on a broker that does not hold its
 log (the embedded memory broker keeps nothing across restarts) would number its groups
@@ -34,7 +42,9 @@ gate counts from there (docs/design-choices.md).
 Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
 (``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
 scorers; the launcher fixes the proxy's port and admin key (a 0600 file beside the
-signing key) in the written config so both sides read the same ones.
+signing key) in the written config so both sides read the same ones. Online mode
+(``agent.mode: online``, docs/online.md): the proxy, the advantage processor and the
+trainer, no agent runner; live clients' sessions are the data.
 """
 
 from __future__ import annotations
@@ -57,8 +67,10 @@ from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
-from ..schemas.errors import BusError, TapiocaError
+from ..schemas.errors import EXIT_CONFIG, EXIT_STORAGE, BusError, TapiocaError
+from . import run_record
 from .parent_death import guarded
+from .run_end import end_members, outside_members
 
 # The launcher's parts, re-exported: callers and tests import them from here.
 from .run_setup import last_member_warning, role_command, role_counts  # noqa: F401
@@ -72,8 +84,12 @@ ARCHIVER_CATCH_UP_S = 2.0
 
 
 # A role exits with this code for an error no restart can fix (a bad config, a missing
-# key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
-EXIT_NO_RESTART = 78
+# key file, an old checkpoint format, a port taken): the supervisor does not retry it and
+# says the role's one-line reason (schemas/errors.py EXIT_CONFIG, EX_CONFIG); and with
+# EXIT_STORAGE when a disk is full, failing or read-only (StorageError, EX_IOERR).
+EXIT_NO_RESTART = EXIT_CONFIG
+# The environment variable naming a role's inherited pipe for its one-line failure reason.
+REASON_FD_ENV = "TAPIOCA_REASON_FD"
 
 
 class RoleFailedError(TapiocaError):
@@ -87,10 +103,42 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     started_at: float = field(default_factory=time.monotonic)
+    # Read end of the pipe the role writes its failure reason to (-1: none).
+    reason_fd: int = -1
+    _reason: str | None = None
 
     @property
     def label(self) -> str:
         return f"{self.role}-{self.member}"
+
+    def exit_reason(self) -> str:
+        """The last line the role wrote to its reason pipe ("" if none); closes the pipe.
+        Read after the role exited: what it wrote is in the pipe whatever its disk does."""
+        if self._reason is None:
+            data = b""
+            if self.reason_fd >= 0:
+                try:
+                    while chunk := os.read(self.reason_fd, 65536):
+                        data += chunk
+                except OSError:  # EAGAIN: a process the role started still holds it open
+                    pass
+            self.close_reason()
+            lines = [ln for ln in data.decode(errors="replace").splitlines() if ln.strip()]
+            self._reason = lines[-1].strip() if lines else ""
+        return self._reason
+
+    def close_reason(self) -> None:
+        if self.reason_fd >= 0:
+            os.close(self.reason_fd)
+            self.reason_fd = -1
+
+    def error_line(self) -> str | None:
+        """The role's reason for a config or usage error: the last ``error: ...`` line of
+        its log (role_main, `tapioca proxy` and the agent runner end with one)."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            if line.startswith("error: "):
+                return line[len("error: "):].strip()
+        return None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -133,6 +181,13 @@ class RunSummary:
     # Times the broker lost the run's log and the roles moved to a new bus run id.
     log_recoveries: int = 0
     bus_run_id: str = ""
+    # What the lost logs took with them, from the members' last status before each loss:
+    # groups admitted but not yet trained or rejected (in prompts, trajectories, rewards,
+    # samples or the trainer's buffer), and trained steps that no checkpoint held (the
+    # trainer's last version minus the one it resumed at). None: not known (no feeder or
+    # trainer had reported on that log, or the trainer had not reported since).
+    groups_dropped: int | None = None
+    steps_dropped: int | None = None
 
     def supervision_line(self) -> str:
         """What the closing line says about restarts and recoveries ("" if none)."""
@@ -141,8 +196,12 @@ class RunSummary:
             parts.append("restarts: " + ", ".join(
                 f"{m} x{n}" for m, n in sorted(self.restarts.items())))
         if self.log_recoveries:
+            lost = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in (
+                (self.groups_dropped, "in-flight group"), (self.steps_dropped, "trained step"))
+                if n is not None]
+            dropped = f"; dropped with it: {' and '.join(lost)}" if lost else ""
             parts.append(f"broker lost the log {self.log_recoveries}x (now bus run id "
-                         f"{self.bus_run_id})")
+                         f"{self.bus_run_id}{dropped})")
         return "; ".join(parts)
 
     def window_means(self, window: int = 20) -> tuple[float, float, int] | None:
@@ -175,10 +234,14 @@ class Launcher:
         self.expected_topics: dict[str, int] = {}
         self._next_topic_check = 0.0
         self._status: dict[str, dict] = {}  # member -> its latest bus status metrics
+        # The trainer's last version on a log that was lost, until it reports on the new one.
+        self._version_at_loss: float | None = None
         self._progress = (None, time.monotonic())  # (sum of counters, when it last changed)
         self._last_report = time.monotonic()
         self._reported = False
         self._reader = None
+        self._spawned_pids: set[int] = set()  # every child process started, for run_end
+        self._outcome = "stopped"  # how the run ended, for the run record
 
     # ------------------------------------------------------------------ start
 
@@ -189,6 +252,8 @@ class Launcher:
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
+            log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
         self.summary = RunSummary(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -201,6 +266,9 @@ class Launcher:
                                proxy_endpoint=self.cfg.agent.enabled)
         self.summary.bus_run_id = self.cfg.bus.run_id
         self._write_config()
+        # For `tapioca runs` and `tapioca train --resume` (ops/run_record.py).
+        run_record.write_start(run_dir, bootstrap=self.cfg.bus.bootstrap_servers,
+                               own_broker=self.broker is not None, bus_run_id=self.cfg.bus.run_id)
         self._spawn_all()
         self._progress = (None, time.monotonic())
         self._last_report = time.monotonic()
@@ -234,6 +302,7 @@ class Launcher:
         if kill and old.proc.poll() is None:
             old.proc.kill()
         old.proc.wait(10)
+        old.close_reason()
         self.children.remove(old)
         return self._spawn(role, member, self.config_path)
 
@@ -246,11 +315,23 @@ class Launcher:
         # flush to; the roles are crash-safe).
         sig = signal.SIGKILL if self.broker is not None else signal.SIGTERM
         cmd = guarded(self.command_for(role, member, config_path), sig)
-        with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        child = Child(role, member, proc, log_path)
+        # The role's failure reason comes back through a pipe (kernel memory), not its log.
+        reason_r, reason_w = os.pipe()
+        os.set_blocking(reason_r, False)
+        env[REASON_FD_ENV] = str(reason_w)
+        try:
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        pass_fds=(reason_w,))
+        except BaseException:
+            os.close(reason_r)
+            raise
+        finally:
+            os.close(reason_w)
+        child = Child(role, member, proc, log_path, reason_fd=reason_r)
         self.children.append(child)
+        self._spawned_pids.add(proc.pid)
         return child
 
     # ------------------------------------------------------------------ supervision
@@ -269,6 +350,7 @@ class Launcher:
                 if self._check_children(now):
                     # Its last step's metrics may still be in flight: read to the end.
                     self._read_metrics(idle_s=0.5, timeout_s=3.0)
+                    self._outcome = "finished"
                     return self.summary
                 self._start_due(now)
                 self._check_stall(now)
@@ -276,6 +358,12 @@ class Launcher:
                     self.on_tick()
                 if timeout_s is not None and now - start > timeout_s:
                     raise RoleFailedError(f"the run did not finish within {timeout_s:.0f} s")
+        except KeyboardInterrupt:
+            self._outcome = "interrupted"
+            raise
+        except BaseException:
+            self._outcome = "failed"
+            raise
         finally:
             self._close_reader()
 
@@ -313,6 +401,7 @@ class Launcher:
                 return True
             self.children.remove(child)
             if code == 0:
+                child.close_reason()
                 # A clean exit of another role is a `tapioca drain`: the run goes on
                 # (its work is committed; the rest of the group takes over) -- unless
                 # it was the role's last member, which the user must hear about.
@@ -329,8 +418,22 @@ class Launcher:
         lc = self.cfg.launcher
         record = self.restarts.setdefault(child.label, Restarts())
         recent = record.recent(now, lc.restart_window_s)
+        reason = child.exit_reason()
         tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
+        if code == EXIT_STORAGE:
+            # One line, the reason first: the log may be on the disk that is full.
+            raise RoleFailedError(
+                f"role {child.label} stopped: {reason or 'a disk was full, failing or read-only'}"
+                f"; free space on that disk (or fix it) and run the same command again: the run "
+                f"resumes from its last checkpoint (log: {child.log_path})")
+        if reason:
+            tail = f"{reason}; {tail}"
         if code == EXIT_NO_RESTART:
+            # The pipe's line, or the log's last "error:" line (`tapioca proxy` and the agent
+            # runner have no pipe).
+            reason = reason or child.error_line()
+            if reason:  # one line, as the role said it (not restarted, so no alarm either)
+                raise RoleFailedError(f"{child.label}: {reason} (log: {child.log_path})")
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
         if recent >= lc.max_restarts:
@@ -344,7 +447,8 @@ class Launcher:
         record.last_code = code
         self.summary.restarts[child.label] = record.count
         self.pending.append(PendingRestart(child.role, child.member, now + delay))
-        self._notice(f"{child.label} exited with code {code}; restart "
+        said = f" ({reason})" if reason else ""
+        self._notice(f"{child.label} exited with code {code}{said}; restart "
                      f"{recent + 1}/{lc.max_restarts} in {delay:.1f} s (log: {child.log_path})")
 
     def _start_due(self, now: float) -> None:
@@ -403,6 +507,7 @@ class Launcher:
             raise RoleFailedError(f"{reason}, again: {record.count} times within "
                                   f"{lc.restart_window_s:.0f} s; stopping the run")
         record.times.append(now)
+        self._count_dropped()
         created, recreated = repair_topics(self.cfg.bus, self.expected_topics)
         self._close_reader()
         self._stop_children(list(self.children), timeout_s=5.0)
@@ -423,6 +528,23 @@ class Launcher:
         self._notice(f"{reason}: topics {fixed}; every role restarted on bus run id "
                      f"{self.cfg.bus.run_id} (was {old})")
 
+    def _count_dropped(self) -> None:
+        """What the log being lost drops, from the members' last status on it: the groups
+        the feeder (or the agent proxy) admitted that the trainer had not trained or
+        rejected; and, once the restarted trainer reports, the steps it lost."""
+        status = self._status.values()
+
+        def total(*keys: str) -> float | None:
+            found = [row[k] for row in status for k in keys if k in row]
+            return sum(found) if found else None
+
+        admitted = total("feeder/groups", "proxy-weights/admitted")
+        done = total("trainer/groups_done_on_log")
+        s = self.summary
+        if admitted is not None and done is not None:
+            s.groups_dropped = (s.groups_dropped or 0) + int(max(admitted - done, 0))
+        self._version_at_loss = total("trainer/version")
+
     # ------------------------------------------------------------------ stall alarm
 
     def _check_stall(self, now: float) -> None:
@@ -440,7 +562,8 @@ class Launcher:
             self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
                                     f"{now - self._last_report:.0f} s although {len(alive)} "
                                     "are alive (is the broker up? `tapioca topics list`)")
-        elif running and now - since > lc.stall_alarm_s:
+        elif running and now - since > lc.stall_alarm_s and not self.cfg.agent.online:
+            # (Online, a quiet log is a quiet hour of traffic, not a stall.)
             self.alarms["stall"] = (f"stalled: no role handled or produced an event for "
                                     f"{now - since:.0f} s although {len(running)} report "
                                     "running (`tapioca status`; `tapioca topics list`)")
@@ -457,6 +580,11 @@ class Launcher:
         # counters move even while the run is stalled, so they are no sign of progress.
         if "bus/handled" in metrics and not source.startswith("evaluator"):
             self._status[source] = metrics
+            if self._version_at_loss is not None and "trainer/version" in metrics:
+                # The restarted trainer's first report on the new log: its resumed version.
+                lost = max(self._version_at_loss - metrics["trainer/version"], 0)
+                s.steps_dropped = (s.steps_dropped or 0) + int(lost)
+                self._version_at_loss = None
             total = sum(m.get("bus/handled", 0.0) + m.get("bus/produced", 0.0)
                         for m in self._status.values())
             if total != self._progress[0]:
@@ -495,17 +623,33 @@ class Launcher:
         self.pending.clear()
         self._close_reader()
         archivers = [c for c in self.children if c.role == "archiver"]
+        # Members of the run that this launcher did not start (a `tapioca role` a user
+        # started, e.g. after the drain warning) end with the run too (ops/run_end.py).
+        outside = self._outside_members()
         # Agent runners before the proxy they talk to (else every open episode logs a
         # connection error on the way down).
         self._stop_children([c for c in self.children if c.role == "agent"], timeout_s)
         self._stop_children([c for c in self.children if c.role not in ("archiver", "agent")],
                             timeout_s)
-        if any(c.proc.poll() is None for c in archivers):
+        end_members(self.cfg.bus, [m for m in outside if m.event.role != "archiver"])
+        if any(c.proc.poll() is None for c in archivers) or outside:
             time.sleep(ARCHIVER_CATCH_UP_S)
+        end_members(self.cfg.bus, [m for m in outside if m.event.role == "archiver"])
         self._stop_children(archivers, timeout_s)
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        if self.summary is not None:
+            run_record.write_end(self.summary.run_dir, self._outcome)
+
+    def _outside_members(self) -> list:
+        """This run's live members that are not this launcher's children (none when its
+        own broker is down, or the run never reached a broker: nothing could reach them)."""
+        if not self.expected_topics or (self.broker is not None and (
+                self.broker.proc is None or self.broker.proc.poll() is not None)):
+            return []
+        own = self._spawned_pids | {c.proc.pid for c in self.children}
+        return outside_members(self.cfg.bus, own)
 
     def _stop_children(self, children: list[Child], timeout_s: float) -> None:
         for child in children:
@@ -518,6 +662,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(child.proc, signal.SIGKILL)
                 child.proc.wait(5)
+            child.close_reason()
 
     def __enter__(self) -> "Launcher":
         self.start()

@@ -1,10 +1,14 @@
-"""Readable renderings of records for `tapioca tail` (table rows and JSON lines)."""
+"""Readable renderings of records for `tapioca tail` (table rows and JSON lines), and
+the narrow table and compact numbers that keep `tapioca train`'s live table and
+`tapioca status` whole on an 80-column terminal."""
 
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from ..bus.reader import Record
@@ -63,3 +67,42 @@ def record_json(record: Record) -> dict[str, Any]:
         return {**meta, **record.event.to_dict()}
     return {**meta, "_error": str(record.error),
             "_raw": (record.raw or b"")[:200].decode(errors="replace")}
+
+
+# ---------------------------------------------------------------------- narrow tables
+
+
+def narrow_table(title: str | None = None) -> Table:
+    """A table for 80 columns: no borders, a rule under the header, two spaces between
+    columns. Its number columns come from :func:`number_column` (never wrapped), so a
+    narrow terminal wraps the text columns and headers, never a number."""
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 padding=(0, 0, 0, 1), expand=False, caption_justify="left")
+
+
+def number_column(table: Table, header: str) -> None:
+    table.add_column(header, justify="right", no_wrap=True)
+
+
+def compact(value: Any, digits: int = 1) -> str:
+    """A rate or a count in at most 5 characters: 950, 1.2k, 123k, 4.5M ("-" when it is
+    not a number)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            v = value / scale
+            return f"{v:.{digits if abs(v) < 10 else 0}f}{suffix}"
+    return f"{value:.0f}" if abs(value) >= 10 or float(value).is_integer() else f"{value:.{digits}f}"
+
+
+def duration(seconds: float | None) -> str:
+    """``45s``, ``12m05s``, ``3h20m``; ``-`` for None."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

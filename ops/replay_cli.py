@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import typer
 
+from ..bus.archive import count_records
 from ..bus.replay import (
     Replayer,
     ReplayFilter,
@@ -29,7 +30,17 @@ from ..bus.replay import (
     items_from_topic,
 )
 from ..schemas.errors import BusError, ConfigError
-from .cli_context import EXTRA_ARGS, OUTPUT_HELP, G, bus_config, check_output, console, emit_json
+from .cli_context import (
+    EXTRA_ARGS,
+    OUTPUT_HELP,
+    G,
+    bus_config,
+    check_output,
+    console,
+    emit_json,
+    err_console,
+)
+from .progress import CommandProgress
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -140,15 +151,24 @@ def replay(
     if not dry_run:
         ensure_topics(dest_cfg)
         replayer.producer = EventProducer(dest_cfg, "tapioca-replay")
+    total = count_records(archive, topic=list(topic) or None) if archive is not None else None
+    verb = "would publish" if dry_run else "published"
+
+    def progress(read: int, st: ReplayStats, first_pass: bool) -> None:
+        shown.update(read, info="pass 1 of 2: deciding whole groups" if first_pass
+                     else f"{verb} {st.published:,}")
+
     try:
-        replayer.run(items, flt, stats, limit=limit, dry_run=dry_run)
+        # -o json keeps stdout one document: the bar (or lines) go to stderr there.
+        with CommandProgress("replay", "events read", total=total,
+                             console=console if output == "table" else err_console) as shown:
+            replayer.run(items, flt, stats, limit=limit, dry_run=dry_run, progress=progress)
     finally:
         if replayer.producer is not None:
             replayer.producer.close()
     if output == "json":
         emit_json(stats.__dict__)
         return
-    verb = "would publish" if dry_run else "published"
     console.print(f"{verb} {stats.published} of {stats.read} events in {stats.wall_s:.1f} s "
                   f"({stats.skipped} filtered out, {stats.undecodable} undecodable)")
     if stats.groups_kept is not None:
@@ -260,17 +280,41 @@ def train_offline(
         samples = samples_from_log(
             iter_events(from_archive, topic=["trajectories", "rewards"], order="time"),
             build_role("advantage", cfg))
+    # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
+    # the archive's groups make (their count is read from the Parquet footers).
+    if source == "samples":
+        groups = count_records(from_archive, topic="samples")
+    else:
+        groups = count_records(from_archive, topic="trajectories") // cfg.gconfig.n_samples
+    bound = groups // cfg.train_dataset.prompts_per_step
+
+    def shown_total(result) -> int:
+        left = max(cfg.total_train_steps - result.start_version, 0)
+        return min(left, bound, max_steps if max_steps is not None else left)
+
     try:
-        result = OfflineTrainer(trainer, publish=producer.publish if producer else None,
-                                max_steps=max_steps).run(samples)
+        with CommandProgress("train-offline", "steps",
+                             console=console if output == "table" else err_console) as shown:
+            result = OfflineTrainer(
+                trainer, publish=producer.publish if producer else None, max_steps=max_steps,
+                progress=lambda r: shown.update(r.steps, shown_total(r),
+                                                info=f"{r.groups_read:,} groups read")
+            ).run(samples)
     finally:
         if producer is not None:
             producer.close()
     summary = {"run_dir": str(run_dir), "steps": result.steps, "groups_read": result.groups_read,
                "final_version": result.final_version, "losses": result.losses,
-               "weights": result.weights[-1].path if result.weights else None}
+               "weights": result.weights[-1].path if result.weights else None,
+               "already_complete": result.already_complete}
     if output == "json":
         emit_json(summary)
+        return
+    if result.already_complete:
+        console.print(f"train-offline: already complete: trial {cfg.trial_name} ({run_dir}) is at "
+                      f"version {result.start_version} of total_train_steps="
+                      f"{cfg.total_train_steps}; nothing to train (raise total_train_steps to go "
+                      "on, or pass --trial NEW for a new offline run)", soft_wrap=True)
         return
     console.print(f"offline: {result.steps} steps from {result.groups_read} groups of "
                   f"{from_archive}; version {result.final_version}; weights "

@@ -1,10 +1,15 @@
 """Entry point of one role process: `tapioca role NAME --config FILE [key=value ...]`
-(the launcher runs ``python -m tapioca.ops.role_main`` the same way)."""
+(the launcher runs ``python -m tapioca.ops.role_main`` the same way).
+
+Its exit status tells the launcher whether a restart can help (``EXIT_NO_RESTART``,
+``EXIT_STORAGE``: no), and a failure's one-line reason also goes to the pipe the launcher
+passed in ``$TAPIOCA_REASON_FD``: the role's log may be on the disk that is full."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -13,12 +18,31 @@ from ..config.loader import load_config
 from ..config.schema import TrainConfig
 from ..runtime.builders import ROLES, build_role
 from ..runtime.run import resolve_run
-from ..schemas.errors import ConfigError, TapiocaError
-from ..trainers.checkpoint import CheckpointFormatError
-from .launcher import EXIT_NO_RESTART
+from ..schemas.errors import ConfigError, TapiocaError, storage_error
+from .launcher import REASON_FD_ENV
+
+
+def _report(exc: BaseException, reason_fd: str) -> None:
+    """The traceback and ``error: ...`` on stderr (the role's log) when it can be written,
+    and the one line to the launcher's pipe (``reason_fd``) whatever the disk does."""
+    line = str(exc).replace("\n", " ") if isinstance(exc, TapiocaError) else \
+        f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    try:
+        traceback.print_exc()
+        sys.stderr.write(f"error: {line}\n")
+        sys.stderr.flush()
+    except OSError:  # the log is on a full disk: the pipe below still says why
+        pass
+    if reason_fd.isdigit():
+        try:
+            os.write(int(reason_fd), f"{line[:4000]}\n".encode())
+        except OSError:
+            pass
 
 
 def run_role_process(role: str, config: str, overrides: list[str], member: int = 0) -> int:
+    # The pipe is this process's alone: processes it starts do not inherit the fd.
+    reason_fd = os.environ.pop(REASON_FD_ENV, "")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {role}-{member} %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
@@ -40,18 +64,13 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         runner.run()
         logging.info("stopped cleanly: %s", runner.stats)
         return 0
-    except (ConfigError, CheckpointFormatError) as exc:
-        # No restart can fix these (the launcher does not retry EXIT_NO_RESTART).
-        traceback.print_exc()
-        sys.stderr.write(f"error: {exc}\n")
-        return EXIT_NO_RESTART
-    except TapiocaError as exc:
-        traceback.print_exc()
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-    except Exception:
-        traceback.print_exc()
-        return 1
+    except Exception as exc:
+        # A TapiocaError exits with its exit_code: EXIT_CONFIG (a config error, a checkpoint
+        # format) and EXIT_STORAGE (a full or failing disk, raised by the role or met here)
+        # are not retried by the launcher (schemas/errors.py).
+        err = storage_error(exc) or exc
+        _report(err, reason_fd)
+        return err.exit_code if isinstance(err, TapiocaError) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,15 +1,32 @@
 """The one exception hierarchy of Tapioca.
 
 Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
+A process that ends with one exits with its ``exit_code``: 1, or :data:`EXIT_CONFIG` for an
+error no restart can fix (a bad config or usage, a missing key file, a port taken), which
+the launcher does not retry and reports as that error's one line.
 """
+
+import errno
+import os
+
+# sysexits.h EX_CONFIG: a config or usage error. `tapioca` exits with it for such errors,
+# and `tapioca train`'s supervisor never restarts a role that did (ops/launcher.py).
+EXIT_CONFIG = 78
+# sysexits.h EX_IOERR: a disk full, failing or read-only (StorageError): the run stops,
+# saying which file could not be written, until a person frees space.
+EXIT_STORAGE = 74
 
 
 class TapiocaError(Exception):
     """Base of every Tapioca error."""
 
+    exit_code = 1
+
 
 class ConfigError(TapiocaError):
     """A configuration value is missing or invalid."""
+
+    exit_code = EXIT_CONFIG
 
 
 class SchemaError(TapiocaError):
@@ -60,6 +77,30 @@ class BadEventError(TapiocaError):
 class FatalRoleError(TapiocaError):
     """Raised by a role when retrying or dead-lettering cannot help (a bad config, a
     failed training step, lost model files): the role stops and reports it."""
+
+
+class StorageError(FatalRoleError):
+    """A file could not be written because of its disk: full (``ENOSPC``, ``EDQUOT``,
+    or a file size limit, ``EFBIG``), failing (``EIO``) or read-only (``EROFS``). No retry
+    fixes it, so it stops the role; the message is one line, ``<strerror> writing <path>``
+    (e.g. ``No space left on device writing runs/x/weights/v000028.safetensors``)."""
+
+    exit_code = EXIT_STORAGE
+
+
+# The OSError numbers :func:`storage_error` turns into a StorageError.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
+
+
+def storage_error(exc: BaseException, path: object = None) -> "StorageError | None":
+    """``exc`` as a :class:`StorageError` naming ``path`` (default: the error's own file
+    name) when it is an OSError of the disk (``STORAGE_ERRNOS``); else None."""
+    if isinstance(exc, StorageError):
+        return exc
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_ERRNOS:
+        return None
+    where = path if path is not None else (exc.filename or "a file")
+    return StorageError(f"{os.strerror(exc.errno)} writing {where}")
 
 
 def require_config(cond: bool, message: str) -> None:

@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..schemas.errors import TapiocaError
+from ..schemas.errors import EXIT_CONFIG, TapiocaError
+from ..weights.files import atomic_write
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"
@@ -42,6 +43,8 @@ LEGACY_SUFFIX = ".pt"
 
 class CheckpointFormatError(TapiocaError):
     """A checkpoint is in a format Tapioca will not load (an old pickle) or is damaged."""
+
+    exit_code = EXIT_CONFIG  # no restart can fix it
 
 
 def fsync_path(path: Path) -> None:
@@ -60,6 +63,39 @@ def durable_replace(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
     fsync_path(Path(path).parent)
 
+
+# safetensors' dtype names (the inverse of weights/files.py's reader table).
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
+             torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` (contiguous, on the CPU) as a safetensors file with this module's
+    ``FORMAT``, atomically and durably (:func:`durable_replace`). Written here rather than
+    by ``safetensors.torch.save_file``, whose Rust writer reports a full disk as a
+    SafetensorError string: Python's writes raise the OSError (ENOSPC, EIO, ...) that
+    ``atomic_write`` turns into StorageError, removing the temp file. Tensors are laid out
+    widest dtype first, so each is aligned to its element size."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors pads
+    with atomic_write(path, durable_replace) as tmp, open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in order:
+            if tensors[name].numel():
+                f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+
+
 @dataclass
 class TrainerProgress:
     version: int = 0
@@ -71,19 +107,22 @@ class TrainerProgress:
     weights_sha256: str = ""
     # Groups of the step that made `version`, re-announced after a restart.
     last_group_ids: list[str] = field(default_factory=list)
-    # Rejected groups named on the latest step's weights event, and those not yet named
+    # Rejected groups named on the latest step's progress event, and those not yet named
     # on any: both are announced again after a restart (the event may not have made it).
     last_rejected_ids: list[str] = field(default_factory=list)
     unannounced_rejections: list[str] = field(default_factory=list)
-    # Versions that were rollbacks (WeightsEvent.rollbacks).
+    # Versions that were rollbacks (ProgressEvent.rollbacks).
     rollbacks: int = 0
     # The bus run id (one per broker lifetime, ops/launcher.py) the offsets above belong
     # to; "" for checkpoints written before it was recorded.
     bus_run_id: str = ""
     # Trained steps and rejected groups when this bus run id's log began: the head gate
-    # counts only what happened on this log (WeightsEvent.base_steps / base_rejected).
+    # counts only what happened on this log (ProgressEvent.base_steps / base_rejected).
     base_steps: int = 0
     base_rejected: int = 0
+    # Groups trained or rejected when this log began: the launcher counts the groups a
+    # lost log dropped from the trainer's count of this log's (Trainer.describe).
+    base_groups: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainerProgress":
@@ -164,9 +203,9 @@ def _optimizer_state(meta: dict[str, Any], prefix: str,
 def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None,
                meta: dict[str, Any] | None = None, rng: bool = False) -> None:
-    """Write a module (and its optimizer) with a JSON document, atomically."""
+    """Write a module (and its optimizer) with a JSON document, atomically; a full disk
+    raises StorageError and leaves the previous file (and no temp file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     doc: dict[str, Any] = {"meta": meta or {}}
     if model is not None:
@@ -184,9 +223,7 @@ def save_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
     blob = json.dumps(_jsonable(doc)).encode()
     tensors["meta/json"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else \
         torch.zeros(0, dtype=torch.uint8)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    durable_replace(tmp, path)
+    write_tensors(path, tensors)
 
 
 def _check_format(path: Path) -> None:
@@ -293,7 +330,7 @@ def refuse_legacy(path: Path) -> None:
 
 
 def migrate_legacy(path: str | os.PathLike) -> Path:
-    """Convert one old ``*.pt`` checkpoint (a trainer's, an offline trainer's or a
+    """Convert one old ``*.pt`` checkpoint (a trainer's, a supervised trainer's or a
     critic's) to the safetensors format beside it; the old file is kept. Reads it with
     ``torch.load(weights_only=True)``: a file that needs anything but tensors, plain
     containers and NumPy arrays is refused, never executed."""
@@ -327,7 +364,5 @@ def migrate_legacy(path: str | os.PathLike) -> Path:
                       "numpy": [kind, [int(k) for k in keys], pos, has_gauss, gauss]}
     blob_json = json.dumps(_jsonable(doc)).encode()
     tensors["meta/json"] = torch.frombuffer(bytearray(blob_json), dtype=torch.uint8)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    durable_replace(tmp, target)
+    write_tensors(target, tensors)
     return target

@@ -16,7 +16,10 @@ Why the staleness gate is disabled (``max_head_offpolicyness`` = :data:`OFFLINE_
 the recorded ``output_versions`` count the *online* trainer's steps, while the offline
 trainer counts its own from its checkpoint (usually 0). ``v - min_version`` then
 measures nothing (it is even negative), and a real gate would reject most of a log
-that was off-policy by construction. Off-policyness is instead corrected the way the
+that was off-policy by construction. For the same reason the trainer's arrival check
+(trainers/sample_checks.py) accepts versions ahead of its own here: online they mean a
+forged weights event, offline every group made after the online trainer's first step
+has one. Off-policyness is instead corrected the way the
 decoupled objective always corrects it: the recorded behaviour logprobs
 (``behav_logprobs``, from the rollout that sampled each token) weight every token by
 ``w = pi_prox / pi_behav``, with ``pi_prox`` recomputed from the current weights
@@ -55,6 +58,10 @@ class OfflineResult:
     rewards: list[float] = field(default_factory=list)
     weights: list[WeightsEvent] = field(default_factory=list)
     final_version: int = 0
+    # The trainer's version when the run began (its checkpoint's), and whether it had
+    # nothing left to train then (total_train_steps reached by an earlier run).
+    start_version: int = 0
+    already_complete: bool = False
 
 
 def samples_from_log(events: Iterable[tuple[Source, Event]], advantage: Role | None = None
@@ -84,10 +91,13 @@ class OfflineTrainer:
     over samples from a log, publishing its outputs."""
 
     def __init__(self, trainer: Role, *, publish: Publish | None = None,
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None,
+                 progress: Callable[[OfflineResult], None] | None = None) -> None:
         self.trainer = trainer
         self.publish = publish or (lambda _event: None)
         self.max_steps = max_steps
+        # Called with the result so far after each group (a CLI's progress bar).
+        self.progress = progress or (lambda _result: None)
 
     def _emit(self, events: Iterable[Event] | None, result: OfflineResult) -> None:
         for event in events or ():
@@ -103,8 +113,11 @@ class OfflineTrainer:
     def run(self, samples: Iterable[tuple[Source, SampleEvent]]) -> OfflineResult:
         role, result = self.trainer, OfflineResult()
         state = role.init_state()
+        result.start_version = int(role.describe(state).get("version", 0))
+        result.already_complete = role.finished(state)
         try:
             self._emit(role.on_tick(state, 0.0), result)
+            self.progress(result)
             for source, sample in samples:
                 if role.finished(state) or (self.max_steps is not None
                                             and result.steps >= self.max_steps):
@@ -112,6 +125,7 @@ class OfflineTrainer:
                 result.groups_read += 1
                 self._emit(role.handle(sample, state, source), result)
                 self._emit(role.on_tick(state, 0.0), result)
+                self.progress(result)
         finally:
             self._emit(role.on_stop(state), result)
         return result

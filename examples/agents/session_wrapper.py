@@ -39,11 +39,25 @@ def wait_ready(proxy: str, key: str, wait_s: float) -> None:
             with urllib.request.urlopen(req, timeout=10):
                 return
         except urllib.error.HTTPError:
-            raise  # it answers, but refuses (a wrong admin key): say so
+            raise  # it answers, but refuses (a wrong admin key): main() says so
         except OSError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"no proxy answered at {proxy} within {wait_s:.0f} s")
+                raise SystemExit(f"error: no proxy answered at {proxy} within {wait_s:.0f} s")
             time.sleep(1.0)
+
+
+def refused(exc: urllib.error.HTTPError, proxy: str) -> str:
+    """One line for a request the proxy refused: its own message, and what to do."""
+    try:
+        message = json.loads(exc.read()).get("error", {}).get("message", "")
+    except (ValueError, AttributeError, OSError):
+        message = ""
+    line = f"error: the proxy at {proxy} refused {exc.url.removeprefix(proxy)} (HTTP {exc.code}"
+    line += f": {message})" if message else ")"
+    if exc.code in (401, 403):
+        line += ("; pass the proxy's admin key with --admin-key or $TAPIOCA_PROXY_KEY (a run of "
+                 "`tapioca train` keeps it in RUN_DIR/secrets/proxy-admin.key, or proxy.api_key)")
+    return line
 
 
 def main() -> None:
@@ -63,6 +77,20 @@ def main() -> None:
     if not command:
         ap.error("give the agent program after --, e.g. -- python examples/agents/openai_agent.py")
 
+    # Errors are one line (what failed and what to do), never a stack trace.
+    try:
+        episode(args, command)
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(refused(exc, args.proxy)) from None
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or "").strip().splitlines()[-1:] or [""]
+        raise SystemExit(f"error: the agent program {exc.cmd[0]!r} exited with code "
+                         f"{exc.returncode}" + (f": {tail[0]}" if tail[0] else "")) from None
+    except OSError as exc:
+        raise SystemExit(f"error: cannot reach the proxy at {args.proxy}: {exc}") from None
+
+
+def episode(args: argparse.Namespace, command: list[str]) -> None:
     wait_ready(args.proxy, args.admin_key, args.wait_s)
     # 1. A session: its api_key is an OpenAI key that only reaches this session.
     session = post(f"{args.proxy}/sessions", args.admin_key, {
@@ -73,8 +101,11 @@ def main() -> None:
 
     # 2. The unmodified program, pointed at the proxy by its environment only.
     env = {**os.environ, "OPENAI_BASE_URL": args.proxy, "OPENAI_API_KEY": key}
-    out = subprocess.run(command + [args.question], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    try:
+        out = subprocess.run(command + [args.question], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except OSError as exc:  # before the OSError of an unreachable proxy, in main()
+        raise SystemExit(f"error: cannot run the agent program {command[0]!r}: {exc}") from None
 
     # 3. Score it (here: exact match of the first line) and hand the reward back.
     reward = 1.0 if out.splitlines()[0:1] == [args.answer] else 0.0

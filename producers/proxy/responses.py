@@ -93,9 +93,24 @@ class ResponseText:
         return out
 
     def chat_logprobs(self, result: GenResult) -> dict[str, Any]:
+        """Chat ``logprobs`` with ``top_logprobs: 0`` (the only value the proxy accepts:
+        the engines return the sampled token's logprob, not the alternatives)."""
         pieces = self.token_pieces(result.output_ids)
         return {"content": [{"token": p, "logprob": float(lp), "bytes": list(p.encode()), "top_logprobs": []}
                             for p, lp in zip(pieces, result.output_logprobs)]}
+
+    def text_logprobs(self, result: GenResult) -> dict[str, Any]:
+        """Legacy completions ``logprobs`` for ``logprobs: 0``: each token's text, its
+        logprob, its offset in the returned text, and ``top_logprobs`` holding the
+        sampled token alone (OpenAI returns up to logprobs + 1 entries)."""
+        pieces = self.token_pieces(result.output_ids)
+        offsets, at = [], 0
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        lps = [float(lp) for lp in result.output_logprobs]
+        return {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets,
+                "top_logprobs": [{p: lp} for p, lp in zip(pieces, lps)]}
 
 
 @dataclass
@@ -145,12 +160,14 @@ def build_chat_choices(text: ResponseText, call_id: str, prompt_ids: list[int],
 
 
 def build_text_choices(text: ResponseText, call_id: str, prompt_ids: list[int],
-                       results: list[GenResult], stops: tuple[str, ...], *, stream: bool) -> BuiltChoices:
+                       results: list[GenResult], stops: tuple[str, ...], *, stream: bool,
+                       logprobs: bool = False) -> BuiltChoices:
     """Choices of ``/v1/completions`` (plain text, never re-rendered from messages)."""
     out = BuiltChoices()
     for i, r in enumerate(results):
         raw, decoded = text.texts(r.output_ids, stops)
-        out.choices.append({"index": i, "text": decoded, "finish_reason": r.finish_reason, "logprobs": None})
+        out.choices.append({"index": i, "text": decoded, "finish_reason": r.finish_reason,
+                            "logprobs": text.text_logprobs(r) if logprobs else None})
         out.completions.append(_completion(call_id, i, prompt_ids, r, r.finish_reason))
         out.raws.append(raw)
         out.contents.append(None)

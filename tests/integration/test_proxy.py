@@ -29,10 +29,10 @@ from tapioca.config.schema import GenerationConfig, ProxyConfig
 from tapioca.config.sections import ProxySection
 from tapioca.engines.base import GenRequest, GenResult, InferenceEngine
 from tapioca.models.tokenizer import load_tokenizer
-from tapioca.models.weight_files import save_weights
 from tapioca.producers.proxy import ProxyServer, ProxyService
 from tapioca.runtime.run import create_tiny_checkpoint
-from tapioca.schemas.events import RewardEvent, TrajectoryEvent, WeightsEvent
+from tapioca.schemas.events import ProgressEvent, RewardEvent, TrajectoryEvent, WeightsEvent
+from tapioca.weights.files import save_weights
 
 pytestmark = pytest.mark.integration
 
@@ -106,6 +106,27 @@ def test_models_and_chat(proxy):
     assert choice.finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == len("<bos>2+3=") - 4  # <bos> is one token
     assert 1 <= out.usage.completion_tokens <= 5
+
+
+def test_session_wrapper_with_a_wrong_admin_key_is_a_one_line_error(proxy):
+    """examples/agents/session_wrapper.py against the real proxy with a key it refuses:
+    one line that says what to pass, no stack trace."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, _ = proxy
+    wrapper = Path(__file__).resolve().parents[2] / "examples" / "agents" / "session_wrapper.py"
+    proc = subprocess.run([sys.executable, str(wrapper), "--proxy", server.base_url, "--admin-key",
+                           "not-the-key", "--question", "max(3,7)=", "--answer", "7", "--wait-s",
+                           "30", "--", sys.executable, "-c", "print(7)"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: the proxy at {server.base_url} refused /models (HTTP 401"), \
+        lines[0]
+    assert "--admin-key or $TAPIOCA_PROXY_KEY" in lines[0] and "proxy-admin.key" in lines[0]
 
 
 def test_streaming_and_n(proxy):
@@ -290,7 +311,8 @@ def test_head_gate_holds_a_session_until_weights_free_a_slot(start_proxy, model_
         waiter.start()
         time.sleep(1.0)
         assert waiter.is_alive(), "the second group was admitted past the head gate"
-        # Requests keep being served while a new version is loaded; the gate opens.
+        # Requests keep being served while a new version is loaded; the gate opens (the
+        # trainer's version 1: its bytes on weights.v1, its counts on progress.v1).
         engine = server.svc.engine
         model_weights = (engine.decoder.hf_state_dict() if hasattr(engine, "decoder")
                          else engine.model.state_dict())
@@ -298,6 +320,7 @@ def test_head_gate_holds_a_session_until_weights_free_a_slot(start_proxy, model_
         with EventProducer(bus) as producer:
             producer.publish(WeightsEvent(version=1, path=str(tmp_path / "v1.safetensors"), sha256=sha,
                                           num_bytes=size))
+            producer.publish(ProgressEvent(version=1))
         out = client.chat.completions.create(model="tapioca", messages=[{"role": "user", "content": "5="}],
                                              max_tokens=3)
         assert out.choices[0].finish_reason in ("stop", "length")
@@ -381,6 +404,139 @@ def test_malformed_requests_and_token_limits(proxy):
     client.chat.completions.create(model="tapioca", messages=[{"role": "user", "content": "1"}], max_tokens=2)
 
 
+def test_top_logprobs_is_checked_never_silently_empty(proxy):
+    """top_logprobs: an integer in [0, 20] (OpenAI's range), > 0 only with logprobs;
+    the engines give no alternatives, so > 0 is a 400 that says so, never 200 with [].
+    Legacy completions' logprobs (OpenAI: [0, 5]) likewise; 0 returns each token's
+    logprob. Streams carry the logprobs they were asked for on each choice's last chunk."""
+    server, _ = proxy
+    key = _session(server, group_size=1)["api_key"]
+    ask = {"messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}
+    for bad in (1e9, -3, 21, "2", True, 2.5):
+        status, body = _post(server.base_url, "/chat/completions", {**ask, "logprobs": True, "top_logprobs": bad}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["param"] == "top_logprobs" and "[0, 20]" in body["error"]["message"], body
+    status, body = _post(server.base_url, "/chat/completions", {**ask, "top_logprobs": 2}, key)
+    _assert_openai_error(status, body, 400)
+    assert "logprobs: true" in body["error"]["message"]
+    for k in (1, 5, 20):
+        status, body = _post(server.base_url, "/chat/completions", {**ask, "logprobs": True, "top_logprobs": k}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["code"] == "unsupported_value" and "not supported" in body["error"]["message"]
+
+    client = _client(server, _session(server, group_size=1))
+    out = client.chat.completions.create(model="tapioca", logprobs=True, top_logprobs=0, **ask)
+    tokens = out.choices[0].logprobs.content
+    assert len(tokens) == out.usage.completion_tokens and all(t.top_logprobs == [] and t.logprob < 0 for t in tokens)
+    chunks = list(client.chat.completions.create(model="tapioca", logprobs=True, stream=True, **ask))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert 1 <= len(streamed) <= 3 and all(t.logprob < 0 for t in streamed)
+
+    for bad in (6, -1, 1e9, 3):
+        status, body = _post(server.base_url, "/completions", {"prompt": "2+2=", "max_tokens": 3, "logprobs": bad}, key)
+        _assert_openai_error(status, body, 400)
+        assert body["error"]["param"] == "logprobs", body
+    text = client.completions.create(model="tapioca", prompt="2+2=", max_tokens=3, logprobs=0)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == text.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(x < 0 for x in lp.token_logprobs)
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
+
+
+HEADER_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def http_proxy(start_proxy, model_dir):
+    # Short HTTP timeouts and a cap of 3 connections (this module's other proxy keeps
+    # the defaults).
+    server, _ = start_proxy(model_dir, api_key=ADMIN, run_id="proxytest.http",
+                            proxy__header_timeout_s=HEADER_TIMEOUT_S, proxy__keep_alive_timeout_s=2.0,
+                            proxy__max_connections=3)
+    return server
+
+
+def _until_closed(sock, limit_s: float = 60.0) -> tuple[bytes, float]:
+    """Read ``sock`` until the server closes it; (what it sent, time.monotonic() then)."""
+    sock.settimeout(limit_s)
+    data = b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data, time.monotonic()
+        data += chunk
+
+
+def _connect(server):
+    import socket
+
+    return socket.create_connection((server.host, server.port), timeout=30)
+
+
+def test_half_sent_requests_are_closed_after_the_header_timeout(http_proxy):
+    """Half a request line, a request line with unfinished headers, nothing at all, and
+    a half second request on a kept-alive connection: each gets 408 and is closed
+    within proxy.header_timeout_s (never before it; at most the read limit after it on a
+    loaded box). Before the fix they stayed open for good."""
+    first = _connect(http_proxy)
+    first.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    reply = first.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    began = []  # when each one's deadline started, at the latest
+    socks = []
+    for head in (b"POST /v1/chat/compl", b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: appl"):
+        socks.append(_connect(http_proxy))
+        began.append(time.monotonic())
+        socks[-1].sendall(head)
+    first.sendall(b"GET /hea")  # the kept-alive connection starts a second request
+    began.append(time.monotonic())
+    silent = _connect(http_proxy)
+    began.append(time.monotonic())
+    try:
+        for sock, start in zip((*socks, first, silent), began):
+            data, closed = _until_closed(sock)  # (first: the rest of its 200 comes before)
+            assert b"HTTP/1.1 408 Request Timeout\r\n" in data, data
+            assert data.endswith(b"\r\n\r\nthe request line and headers took too long"), data
+            # A lower bound only (the close is seen when read, which may be later).
+            assert closed - start >= HEADER_TIMEOUT_S * 0.9
+    finally:
+        for sock in (*socks, first, silent):
+            sock.close()
+
+
+def test_idle_kept_alive_connections_close_and_the_connection_cap_holds(http_proxy):
+    """proxy.keep_alive_timeout_s closes a connection idle after its response;
+    proxy.max_connections (3) answers 503 while the open connections reach it, and the
+    header timeout frees those slots."""
+    sock = _connect(http_proxy)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    data, _ = _until_closed(sock)  # after proxy.keep_alive_timeout_s (2 s) idle; 60 s read limit
+    assert data.startswith(b"HTTP/1.1 200") and b"408" not in data, data
+    sock.close()
+
+    holders = [_connect(http_proxy) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # the server has accepted them
+        status, _ = _get_health(http_proxy)
+        assert status == 503
+        for h in holders:  # freed by the header timeout
+            _until_closed(h)
+        status, body = _get_health(http_proxy)
+        assert status == 200 and body["ok"], body
+    finally:
+        for h in holders:
+            h.close()
+
+
+def _get_health(server) -> tuple[int, dict]:
+    base = server.base_url.removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
 
 
@@ -413,19 +569,22 @@ class ScriptedEngine(InferenceEngine):
     def shutdown(self) -> None: ...
 
 
-def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
-    reply = "Let me compute.\n" + CALL
-    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
-                            + [tokenizer.eos_token_id])
+def _scripted_server(engine: InferenceEngine, tokenizer, bus_cfg, run_id: str) -> ProxyServer:
     section = ProxySection(
         proxy=ProxyConfig(api_key=ADMIN, served_model_name="tapioca", max_tokens_per_request=4096,
                           max_tokens_per_session=100_000, max_request_bytes=1 << 20,
                           session_ttl_s=600.0),
         gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
-        prompts_per_step=100, run_id="scripted", seed=0)
-    svc = ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
-                       load_weights=lambda e: None)
-    with ProxyServer(svc) as server:
+        prompts_per_step=100, run_id=run_id, seed=0)
+    return ProxyServer(ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
+                                    load_weights=lambda e: None))
+
+
+def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
+    reply = "Let me compute.\n" + CALL
+    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+                            + [tokenizer.eos_token_id])
+    with _scripted_server(engine, tokenizer, bus_cfg, "scripted") as server:
         session = _session(server, group_size=1)
         client = _client(server, session)
         messages = [{"role": "user", "content": "What is 12*7?"}]
@@ -462,3 +621,44 @@ def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
         assert len(traj.turn_boundaries) == 2 and sum(traj.loss_mask) == 2 * len(engine.output_ids)
         assert traj.output_ids[:len(engine.output_ids)] == engine.output_ids
         assert "<tool_response>\n84\n</tool_response>" in tokenizer.decode(traj.output_ids)
+
+
+def test_tool_turns_then_raw_completions_train_as_one_group(bus_cfg, tokenizer, wait_until):
+    """Issue 22's bug as a new user meets it, with the openai SDK: one session (group_size
+    1) makes a chat call with tools, a tool-result turn and a /v1/completions call, and
+    ends per_completion. The chat template's prompts and the raw prompt share no first
+    token: the group was dropped (``published: false``) and a run waiting for it never
+    finished. It is published with an empty shared prompt, every context in its output
+    with loss mask 0, one trajectory per completion, each with its session reward."""
+    engine = ScriptedEngine(list(tokenizer(CALL, add_special_tokens=False)["input_ids"])
+                            + [tokenizer.eos_token_id])
+    with _scripted_server(engine, tokenizer, bus_cfg, "issue22") as server:
+        session = _session(server, group_size=1)
+        client = _client(server, session)
+        messages = [{"role": "user", "content": "What is 12*7?"}]
+        first = client.chat.completions.create(model="tapioca", messages=messages, tools=TOOLS)
+        [call] = first.choices[0].message.tool_calls
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{
+                         "id": call.id, "type": "function",
+                         "function": {"name": "calculator", "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        client.chat.completions.create(model="tapioca", messages=messages, tools=TOOLS)
+        client.completions.create(model="tapioca", prompt="12*7=", max_tokens=8)
+        status, _ = _post(server.base_url, f"/sessions/{session['session_id']}/reward",
+                          {"reward": 1.0}, session["api_key"])
+        assert status == 200
+        status, ended = _post(server.base_url, f"/sessions/{session['session_id']}/end",
+                              {"mode": "per_completion"}, session["api_key"])
+        assert status == 200 and ended["published"] and ended["reason"] == "", ended
+        trajs = _wait_trajectories(bus_cfg, session["group_id"], 3, wait_until)
+    assert [t.prompt_ids for t in trajs] == [[], [], []]
+    assert [t.group_size for t in trajs] == [3, 3, 3]
+    raw = list(tokenizer("12*7=", add_special_tokens=False)["input_ids"])
+    third = trajs[2]
+    assert third.output_ids[:len(raw)] == raw and third.loss_mask[:len(raw)] == [0] * len(raw)
+    assert third.output_ids[len(raw):] == engine.output_ids  # (the script ignores max_tokens)
+    for t in trajs:  # the context is masked, the model's tokens are trained
+        assert t.loss_mask[0] == 0 and t.loss_mask[-1] == 1 and t.session_id == session["session_id"]
+    rewards = {e.traj_id: e.reward for e in read_events(bus_cfg, "rewards", idle_s=0.3)
+               if isinstance(e, RewardEvent) and e.group_id == session["group_id"]}
+    assert sorted(rewards) == sorted(t.traj_id for t in trajs)

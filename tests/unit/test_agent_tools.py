@@ -1,5 +1,6 @@
 """The agent tools: the Python sandbox enforces its limits (wall time, CPU time, memory,
-file size, working directory, isolated mode) and reports exceptions; the calculator
+file size, working directory, isolated mode, no network, its own processes) and reports
+exceptions (its file system and process cap: test_agent_sandbox.py); the calculator
 evaluates arithmetic and refuses everything else without calling eval."""
 
 from __future__ import annotations
@@ -39,26 +40,56 @@ def test_python_wall_timeout_kills_the_program(py):
     assert "start" in r.output and "TimeoutError" in r.output
 
 
-def test_python_timeout_also_kills_forked_children(py, tmp_path):
-    marker = tmp_path / "child_alive"
-    code = ("import os, time\n"
+def _alive_with(token: str) -> list[int]:
+    """Host pids whose command line contains ``token`` (the host sees every process,
+    also those in the sandbox's PID namespace)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    pids.append(int(name))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def _sleeper(token: str, detach: bool) -> str:
+    """A program that forks a child (which leaves the session when ``detach``) that
+    execs a 60 s sleep carrying ``token`` on its command line, then sleeps itself."""
+    return ("import os, sys, time\n"
             "if os.fork() == 0:\n"
-            "    time.sleep(3)\n"
-            f"    open({str(marker)!r}, 'w').write('x')\n"
-            "    os._exit(0)\n"
+            + ("    os.setsid()\n" if detach else "")
+            + f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])\n"
             "time.sleep(30)\n")
-    r = py.run(code)
-    assert r.timed_out
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["child", "setsid_child"])
+def test_python_timeout_also_kills_forked_children(py, detach):
+    """The sandbox's PID namespace dies with the program: a forked child, even one that
+    called setsid(), does not outlive the call."""
     import time
+    import uuid
 
-    time.sleep(3.5)
-    assert not marker.exists(), "the forked child survived the timeout"
+    token = f"tapioca-survivor-{uuid.uuid4().hex}"
+    try:
+        r = py.run(_sleeper(token, detach))
+        assert r.timed_out
+        deadline = time.monotonic() + 10  # SIGKILL of a namespace's processes is not instant
+        while _alive_with(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive_with(token), "a forked child survived the call"
+    finally:
+        for pid in _alive_with(token):
+            os.kill(pid, 9)
 
 
-def test_python_timeout_does_not_wait_for_a_detached_grandchild(tmp_path):
+@pytest.mark.parametrize("sandbox", ["namespace", "none"])
+def test_python_timeout_does_not_wait_for_a_detached_grandchild(sandbox):
     """A grandchild that leaves the process group (setsid) keeps the output pipe open
-    after the kill: the executor closes it and returns within the timeout + grace."""
-    ex = PythonExecutor(timeout_s=1.0, memory_mb=256)
+    after the kill when there is no PID namespace (sandbox none): the executor closes it
+    and returns within the timeout + grace."""
+    ex = PythonExecutor(timeout_s=1.0, memory_mb=256, sandbox=sandbox)
     code = ("import os, time\n"
             "if os.fork() == 0:\n"
             "    os.setsid()\n"
@@ -96,11 +127,7 @@ def test_python_limits_are_set_without_preexec_fn_from_threads(py):
     assert all(r.ok and r.output == "256 3" for r in outs), [r.output for r in outs]
 
 
-def test_python_has_no_network_when_namespaces_work(py):
-    from tapioca.agents.tools import network_namespace_available
-
-    if not network_namespace_available():
-        pytest.skip("unshare --user --net is not available here: no network isolation")
+def test_python_has_no_network(py):
     r = py.run("import socket\n"
                "try:\n"
                "    socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
@@ -114,17 +141,12 @@ def test_python_has_no_network_when_namespaces_work(py):
 
 
 def test_python_cannot_signal_a_sibling_process(py):
-    """The program runs in its own PID namespace (or as nobody when root has no
-    namespaces): another process of the agent's user is out of its reach."""
+    """The program runs in its own PID namespace: another process of the agent's user is
+    out of its reach and absent from its /proc."""
     import signal
     import subprocess
     import sys
 
-    from tapioca.agents.tools import process_isolation
-
-    if process_isolation() == "session":
-        pytest.skip("no PID namespace and not root here: the sandbox can signal the user's "
-                    "processes (documented in agents/tools.py and docs/security.md)")
     sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         r = py.run("import os, signal\n"
@@ -135,46 +157,11 @@ def test_python_cannot_signal_a_sibling_process(py):
                    "    print('no such process')\n"
                    "except PermissionError:\n"
                    "    print('not permitted')\n"
-                   f"print(os.path.exists('/proc/{sibling.pid}'))")
+                   f"print(os.path.exists('/proc/{sibling.pid}/cmdline'))")
         assert r.ok, r.output
         assert r.output.splitlines()[0] in ("no such process", "not permitted"), r.output
         assert sibling.poll() is None, "the sandboxed program killed a sibling process"
-        if process_isolation() == "pid-namespace":  # its /proc shows its own processes only
-            assert r.output.splitlines()[1] == "False"
-    finally:
-        sibling.send_signal(signal.SIGKILL)
-        sibling.wait(10)
-
-
-def test_python_as_nobody_when_root_has_no_namespaces(monkeypatch):
-    """The fallback for root where unshare is refused: the program runs as nobody."""
-    import sys
-
-    from tapioca.agents import tools
-
-    if os.geteuid() != 0:
-        pytest.skip("the nobody fallback is for root")
-    import signal
-    import subprocess
-
-    # A Python that nobody may run (this one may live under a private /root).
-    python = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
-                   if os.path.exists(p) and tools._readable_by_others(p)
-                   and tools._readable_by_others(os.path.dirname(os.path.realpath(p)))), None)
-    if python is None:
-        pytest.skip("no Python here that the user nobody can read")
-    monkeypatch.setattr(tools, "process_isolation", lambda python=None: "nobody")
-    monkeypatch.setattr(tools, "network_namespace_available", lambda: False)
-    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    try:
-        r = PythonExecutor(timeout_s=5.0, memory_mb=256, python=python).run(
-            "import os\nprint(os.getuid(), os.getgid())\n"
-            f"try:\n    os.kill({sibling.pid}, 9)\nexcept PermissionError:\n    print('denied')")
-        import pwd
-
-        nobody = pwd.getpwnam("nobody")
-        assert r.ok and r.output.splitlines() == [f"{nobody.pw_uid} {nobody.pw_gid}", "denied"], r.output
-        assert sibling.poll() is None
+        assert r.output.splitlines()[1] == "False", r.output
     finally:
         sibling.send_signal(signal.SIGKILL)
         sibling.wait(10)
