@@ -193,6 +193,25 @@ def check_model_parallel(fsdp: FSDPConfig, *, n_heads: int, n_kv_heads: int, int
                  f"or is a multiple of it")
 
 
+def check_parallel_model(model, fsdp: FSDPConfig) -> None:
+    """Refuse a model the mesh cannot split (``model``: a transformers causal LM)."""
+    from ..models.forward import decoder_body
+
+    cfg = model.config
+    attn = decoder_body(model).layers[0].self_attn
+    check_model_parallel(fsdp, n_heads=attn.q_proj.out_features // attn.head_dim,
+                         n_kv_heads=attn.k_proj.out_features // attn.head_dim,
+                         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
+                         vocab_size=model.get_output_embeddings().weight.shape[0],
+                         where=f"the model ({cfg.model_type})")
+    sparse = [type(lay.mlp).__name__ for lay in decoder_body(model).layers
+              if not all(hasattr(lay.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))]
+    if sparse:
+        raise ConfigError(f"tensor / context parallelism ({fsdp.describe()}) runs dense SwiGLU MLPs "
+                          f"(gate/up/down); this model has {sparse[0]} layers (mixture of experts): "
+                          "train it data parallel (tensor_parallel_size=1, context_parallel_size=1)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     """The machines of a run (AReaL's ``cluster`` names): what the Ray launcher asks for

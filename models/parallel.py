@@ -211,26 +211,6 @@ def apply_tensor_parallel(model: nn.Module, dims: MeshDims, device: torch.device
         head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
 
 
-def check_parallel_model(model: nn.Module, fsdp) -> None:
-    """Refuse a model the mesh cannot split (``fsdp``: the FSDPConfig)."""
-    from ..config.distributed import check_model_parallel
-
-    cfg = model.config
-    layer = decoder_body(model).layers[0]
-    attn = layer.self_attn
-    check_model_parallel(fsdp, n_heads=attn.q_proj.out_features // attn.head_dim,
-                         n_kv_heads=attn.k_proj.out_features // attn.head_dim,
-                         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
-                         vocab_size=model.get_output_embeddings().weight.shape[0],
-                         where=f"the model ({cfg.model_type})")
-    sparse = [type(lay.mlp).__name__ for lay in decoder_body(model).layers
-              if not all(hasattr(lay.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))]
-    if sparse:
-        raise ConfigError(f"tensor / context parallelism ({fsdp.describe()}) runs dense SwiGLU MLPs "
-                          f"(gate/up/down); this model has {sparse[0]} layers (mixture of experts): "
-                          "train it data parallel (tensor_parallel_size=1, context_parallel_size=1)")
-
-
 # ------------------------------------------------------------------ the forward
 
 

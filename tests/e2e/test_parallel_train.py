@@ -73,7 +73,7 @@ def test_the_tensor_parallel_trainer_trains_and_publishes_every_version(run):
 def test_each_version_names_one_group_set_and_no_group_is_trained_twice(run):
     cfg, _ = run
     sets: dict[int, set[frozenset]] = {}
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):  # each version's groups (progress.v1)
         if ev.group_ids:
             sets.setdefault(ev.version, set()).add(frozenset(ev.group_ids))
     assert sorted(sets) == list(range(1, STEPS + 1))
