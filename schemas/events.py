@@ -12,6 +12,29 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from .envelope import Event
+from .errors import SchemaError
+
+
+@dataclass(kw_only=True)
+class ImageRef:
+    """One image by content address (docs/vlm.md): its encoded bytes (PNG, JPEG, WebP,
+    GIF or BMP as sent) are in the run's image store under ``sha256``, the hex SHA-256 of
+    those bytes. ``width`` / ``height``: its pixels as decoded, before any resize.
+    ``data_b64``: the same bytes in base64, also on the event when they are at most
+    ``vlm.inline_image_max_bytes`` (a reader needs no store for those); empty otherwise.
+    An event lists its images in the order of their placeholders in its tokens."""
+
+    sha256: str
+    mime: str = "image/png"
+    width: int = 0
+    height: int = 0
+    data_b64: str = ""
+
+    def __post_init__(self) -> None:
+        h = self.sha256
+        if not (isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)):
+            raise SchemaError(f"image sha256 {str(h)[:80]!r} is not 64 lowercase hex digits (the "
+                              "SHA-256 of the image's bytes)")
 
 
 @dataclass(kw_only=True)
@@ -44,6 +67,8 @@ class PromptEvent(Event):
     # from weights.v1 up to offset ``weights_offset`` (-1: none).
     freed_groups: int = 0
     weights_offset: int = -1
+    # The prompt's images, in the order of their placeholders in prompt_ids (empty: text).
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -80,6 +105,8 @@ class TrajectoryEvent(Event):
     group_index: int = 0
     # Wall-clock facts, seconds: queued_s, generate_s, ...
     timings: dict[str, float] = field(default_factory=dict)
+    # The images of prompt_ids + output_ids, in the order of their placeholders.
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -123,6 +150,9 @@ class SampleSequence:
     # The reward after advantage.reward_norm, the value the estimator (and the trainer's
     # GAE) used; ``reward`` stays the shaped, un-normalised reward. None: no reward_norm.
     norm_reward: Optional[float] = None
+    # The images of the sample's prompt_ids + this output_ids, in placeholder order
+    # (copied from the TrajectoryEvent); the trainer recomputes the pixels from the bytes.
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

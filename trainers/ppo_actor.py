@@ -38,6 +38,11 @@ is the step on already-built micro-batches. The loss is
 :func:`tapioca.algorithms.policy_losses.policy_loss` (PPO, GSPO, SAPO, CISPO, M2PO,
 rejection sampling, entropy bonus, selected by :class:`ActorConfig`).
 
+Vision-language policies (Qwen2.5-VL, Qwen3-VL; docs/vlm.md): ``images`` (an
+:class:`~tapioca.models.vision.ImageLoader`) recomputes each micro-batch's pixels from
+the bytes (trainers/vision_batch.py), packed or padded alike; ``freeze_vision_encoder``
+keeps the vision tower out of the optimizer (its weights are still published).
+
 Gradients accumulate over token-balanced micro-batches (whole sequences) of each of
 ``ppo_n_minibatches`` minibatches (one optimizer step each). Each micro-batch's loss
 is scaled by its share of the minibatch's aggregation units (trained tokens for
@@ -107,12 +112,19 @@ class PPOActor:
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu",
-                 shard: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                 images=None, freeze_vision_encoder: bool = False) -> None:
+        from ..models.vision import vision_spec, vision_tower
+
         self.model = model.to(device)
         self.cfg = cfg
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
+        self.vision = vision_spec(model.config)
+        self.images = images if self.vision is not None else None
+        if freeze_vision_encoder and self.vision is not None:
+            vision_tower(self.model).requires_grad_(False)
         self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard)
 
     @property
@@ -124,9 +136,25 @@ class PPOActor:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
         tokens) or right-padded (count x longest), per ``packed_sequences``."""
         if self.packed is not None:
-            return [to_packed(mb, self.device) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
-        return [to_tensors(mb, self.pad_token_id, self.device)
-                for mb in micro_batches(items, self.cfg.mb_max_tokens)]
+            groups = packed_micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_packed(mb, self.device) for mb in groups]
+        else:
+            groups = micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_tensors(mb, self.pad_token_id, self.device) for mb in groups]
+        if self.images is not None:
+            from .vision_batch import packed_images, padded_images
+
+            build = packed_images if self.packed is not None else padded_images
+            for batch, mb in zip(out, groups):
+                batch.images = build(mb, self.images, self.vision, self.device)
+        return out
+
+    def check_images(self, event) -> None:
+        """Raise BadEventError for a sample whose images cannot be trained on here
+        (trainers/vision_batch.py ``check_images``)."""
+        from .vision_batch import check_images
+
+        check_images(event, self.images, self.vision)
 
     # The weights as the trainer role sees them (publishing, rollback, checkpoints);
     # the sharded actor (trainers/fsdp_actor.py) gathers and scatters them across ranks.
@@ -166,12 +194,12 @@ class PPOActor:
                     self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
                     batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
                     compute_entropy=entropy, kernel=cfg.logprob_kernel,
-                    keep_logits=cfg.logprob_keep_logits)
+                    keep_logits=cfg.logprob_keep_logits, images=batch.images)
                 return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
                 temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                compute_entropy=entropy, kernel=cfg.logprob_kernel)
+                compute_entropy=entropy, kernel=cfg.logprob_kernel, images=batch.images)
 
     def _loss_kwargs(self) -> dict:
         cfg = self.cfg

@@ -323,6 +323,17 @@ class Trainer(Role[TrainerState]):
         if not event.dropped_reason:
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
                             version=state.progress.version)
+            self._check_images(event)
+
+    def _check_images(self, event: SampleEvent) -> None:
+        """Images only for a policy that reads them, each usable (trainers/vision_batch.py)."""
+        check = getattr(self.actor, "check_images", None)
+        if check is not None:
+            check(event)
+        elif any(s.images for s in event.sequences):
+            raise BadEventError(f"group {event.group_id} has images, which this trainer's actor "
+                                "does not train on (a vision-language policy needs the single-process "
+                                "trainer: fsdp.world_size 1)")
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:

@@ -70,6 +70,8 @@ class Completion:
     finish_reason: str
     reward: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # The prompt's images (ImageRef, placeholder order; producers/proxy/images.py).
+    images: list = field(default_factory=list)
 
     @property
     def completion_id(self) -> str:
@@ -92,6 +94,7 @@ class _Piece:
     reward: float
     details: dict[str, Any]
     timings: dict[str, float]
+    images: list = field(default_factory=list)
 
 
 @dataclass
@@ -164,8 +167,11 @@ def concat_chain(completions: list[Completion], leaf: Completion) -> list[Comple
     """The completions the conversation ending at ``leaf`` actually went through."""
     chain = [leaf]
     current = leaf.prompt_ids
+    images = leaf.images
     for c in reversed(completions[:completions.index(leaf)]):
-        if _is_prefix(c.prompt_ids + c.output_ids, current):
+        # The same tokens with other images are another conversation (placeholders are
+        # the same token whatever the image).
+        if _is_prefix(c.prompt_ids + c.output_ids, current) and c.images == images[:len(c.images)]:
             chain.append(c)
             current = c.prompt_ids
     return chain[::-1]
@@ -424,13 +430,14 @@ class SessionStore:
                                      reward=returns[id(chain[0])], timings=timings,
                                      details={**details, "turns": len(chain),
                                               "completion_ids": [c.completion_id for c in chain]},
-                                     **built)]
+                                     images=list(leaf.images), **built)]
         elif mode == "per_completion":
             session.pieces = [
                 _Piece(f"{base}:{c.completion_id}", i, list(c.prompt_ids), list(c.output_ids),
                        [float(x) for x in c.output_logprobs], list(c.output_versions),
                        [1] * len(c.output_ids), [0], c.finish_reason, returns[id(c)],
-                       {**details, "completion_ids": [c.completion_id]}, dict(c.timings))
+                       {**details, "completion_ids": [c.completion_id]}, dict(c.timings),
+                       list(c.images))
                 for i, c in enumerate(comps)]
         else:
             raise bad_request(f"mode {mode!r}: use concat or per_completion", "mode")
@@ -466,7 +473,7 @@ class SessionStore:
                 finish_reason=(p.finish_reason if p.finish_reason in ("stop", "length", "abort", "tool_calls")
                                else "stop"),
                 output_text=self.decode(p.output_ids), task=group.task, task_data=group.task_data,
-                group_index=group.group_index, timings=p.timings))
+                group_index=group.group_index, timings=p.timings, images=list(p.images)))
         for p in pieces:
             events.append(RewardEvent(traj_id=p.traj_id, group_id=group.group_id, reward=p.reward,
                                       scorer="session", details=p.details))
