@@ -33,7 +33,7 @@ from ..algorithms.head_gate import head_gate_capacity, log_counts
 from ..bus.role import Role, Source
 from ..config.sections import FeederSection
 from ..schemas.envelope import Event
-from ..schemas.errors import ConfigError
+from ..schemas.errors import ConfigError, TapiocaError
 from ..schemas.events import ImageRef, PromptEvent, WeightsEvent
 
 
@@ -227,7 +227,12 @@ def tokenize_records(
     images needs the latter."""
     records = []
     for row in rows:
-        encoded = encode_prompt(row)
+        try:
+            encoded = encode_prompt(row)
+        except ConfigError:
+            raise
+        except TapiocaError as exc:  # an image the run cannot use (media/images.py)
+            raise ConfigError(f"dataset row {row.get('prompt_id')}: {exc}") from None
         ids, text = encoded[0], encoded[1]
         images = list(encoded[2]) if len(encoded) > 2 else []
         if row.get("images") and not images:
