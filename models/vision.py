@@ -148,12 +148,12 @@ def image_runs(mask: np.ndarray, grids: Sequence[Sequence[int]], spec: VisionSpe
         raise ImageError(f"the tokens hold {have} image placeholder token(s) but the {len(grids)} image(s) "
                          f"need {sum(want)} ({' + '.join(map(str, want)) or '0'}); the prompt's "
                          "placeholders must be expanded for exactly these images, in order")
-    starts, i, n = [], 0, len(mask)
+    starts: list[int] = []
     positions = np.flatnonzero(mask)
     k = 0
     for need in want:
         i = int(positions[k])
-        if not mask[i:i + need].all() or i + need > n:
+        if not mask[i:i + need].all():
             raise ImageError("an image's placeholder tokens are not one contiguous run of "
                              f"{need}; expand each <|image_pad|> for its own image")
         starts.append(i)
@@ -167,7 +167,7 @@ def mrope_positions(ids: Sequence[int], mask: np.ndarray, grids: Sequence[Sequen
     placeholders are ``mask`` (see the module docstring), and the decode offset."""
     n = len(ids)
     pos = np.empty((3, n), dtype=np.int64)
-    starts = image_runs(mask, grids, spec) if grids else []
+    starts = image_runs(mask, grids, spec)
     cur, i = 0, 0
     m = spec.merge_size
     for start, grid in zip(starts, grids):
@@ -257,8 +257,12 @@ class ImageProcessor:
 
         images = []
         for data in blobs:
-            with Image.open(io.BytesIO(data)) as im:
-                images.append(im.convert("RGB"))
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    images.append(im.convert("RGB"))
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                # Stored bytes that are no image (a writer outside Tapioca): the event's fault.
+                raise ImageError(f"the image bytes cannot be decoded ({type(exc).__name__}: {exc})") from None
         out = self._proc(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 

@@ -254,6 +254,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     set_torch_threads(sec.actor.torch_threads)
     torch.manual_seed(sec.seed)
     if sec.fsdp.world_size > 1:
+        from ..models.vision import is_vision_dir
+
+        if is_vision_dir(sec.model.path):
+            raise ConfigError("the FSDP2 trainer does not train vision-language models yet (its "
+                              "micro-batches carry no images): set fsdp.world_size=1 (docs/vlm.md)")
         from ..trainers.fsdp_actor import build_sharded_actor
 
         return build_sharded_actor(cfg, sec)
