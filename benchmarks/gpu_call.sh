@@ -49,7 +49,7 @@ for s in "$@"; do
     trainer) stage $s 480 python3 benchmarks/trainer_step.py --device cuda --budget-s 450 ;;
     rl_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --out "$OUT/rl_eta0.json" ;;
     rl_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --out "$OUT/rl_eta4.json" ;;
-    vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py ;;
+    vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py -k cuda ;;
     vlm) stage $s 420 python3 benchmarks/vlm.py --device cuda ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -18,14 +18,17 @@ Generation systems (``--systems``): ``paged`` (PagedEngine: vision tower once pe
 at prefill, the group's prompt prefilled once, CUDA-graph decode), ``torch``
 (TorchEngine: the HF forward with its vision tower, KV slots of our own), ``hf`` (one
 ``model.generate(pixel_values=..., num_return_sequences=samples, do_sample=True)``,
-left-padded). One warm-up call each on 2 prompts (graph captures), then one timed call;
+left-padded). Our engines get one warm-up call of the whole workload (CUDA-graph
+captures; no prefix cache, so the timed call prefills everything again), HF one on 2
+prompts; then one timed call each;
 tokens/s = new tokens / wall seconds; peak memory = ``torch.cuda.max_memory_allocated``.
 
 Training (``--train``): ``--train-seqs`` (64) of the generated sequences (8 groups x 8
 samples: 280 prompt + 256 output tokens each, the image's pixels recomputed from its
 bytes), one warm-up step then ``--train-steps`` timed steps (median), a fresh model each:
 ``ours`` = PPOActor, packed VL forward (flash varlen, liger kernels when installed,
-Triton logprobs, bf16 weights + fp32 masters, fused AdamW, recompute SwiGLU); ``hf`` =
+Triton logprobs, bf16 weights + fp32 masters, fused AdamW, recompute SwiGLU; micro-batches
+of 4,096 tokens = 7 sequences and their images); ``hf`` =
 the plain HF step of benchmarks/trainer_systems.py with images (fp32 weights, bf16
 autocast, ``model(input_ids, pixel_values, image_grid_thw)``'s full logits, fp32
 log-softmax, fused AdamW) in micro-batches of ``--hf-mb-rows`` rows. tokens/s counts
@@ -86,7 +89,7 @@ TINY = dict(
     mrope_section=[4, 6, 6])
 FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", attention_backend="auto",
             logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192,
-            logprob_keep_logits=True, recompute_swiglu=True, mb_max_tokens=16384)
+            logprob_keep_logits=True, recompute_swiglu=True, mb_max_tokens=4096)
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -179,13 +182,14 @@ def gen_ours(system: str, model, w: Workload, args) -> tuple[dict, list]:
     if system == "paged":
         eng = PagedEngine(model, device=args.device, max_batch_size=rows, max_prefill_tokens=32768,
                           kv_cache_tokens=rows * longest + 64 * 16, cuda_graphs=args.device.startswith("cuda"),
-                          seed=0)
+                          prefix_caching=False, seed=0)
     else:
         eng = TorchEngine(model, device=args.device, max_batch_size=rows, seed=0)
     try:
-        eng.generate(w.requests(min(2, args.prompts), args.samples, min(8, args.new_tokens)))  # warm-up
-        reset_memory(args.device)
         requests = w.requests(args.prompts, args.samples, args.new_tokens)
+        eng.generate(requests)  # warm-up: every graph width the timed call needs
+        reset_memory(args.device)
+        before = eng.stats() if system == "paged" else {}
 
         def run() -> int:
             futures = []
@@ -201,9 +205,9 @@ def gen_ours(system: str, model, w: Workload, args) -> tuple[dict, list]:
                "peak_mem_gib": peak_gib(args.device)}
         if system == "paged":
             st = eng.stats()
-            out.update(decode_step_ms=st["decode_only_step_ms"],
-                       prefill_tokens_computed=st["prefill_tokens_computed"],
-                       prefill_tokens_requested=st["prefill_tokens_requested"])
+            out.update(decode_step_ms=st["decode_only_step_ms"],  # warm-up and timed calls
+                       prefill_tokens_computed=st["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+                       prefill_tokens_requested=st["prefill_tokens_requested"] - before["prefill_tokens_requested"])
         return out, results
     finally:
         eng.shutdown()

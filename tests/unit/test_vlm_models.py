@@ -153,6 +153,27 @@ def test_engine_logprobs_match_the_reference_forward(vl, engine):
         assert torch.allclose(ref, torch.tensor(r.output_logprobs), atol=ATOL), r.request_id
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU box: gpu_call.sh vlm_tests)")
+def test_paged_engine_on_cuda_with_graphs(vl):
+    """The VL prefill and the graph-replayed decode (rope positions + delta) on a GPU."""
+    import copy
+
+    reqs = []
+    for k in range(3):
+        ids, _, refs = vl.prompt(k, two_images=k == 0)
+        reqs += [(vl.request(f"r{k}-{j}", ids, refs), refs) for j in range(2)]
+    model = copy.deepcopy(vl.model).cuda()
+    eng = PagedEngine(model, device="cuda", seed=1, max_batch_size=8, kv_cache_tokens=4096, cuda_graphs=True)
+    try:
+        results = eng.generate([q for q, _ in reqs])
+        assert eng.stats()["cuda_graphs"] >= 1
+    finally:
+        eng.shutdown()
+    for (q, refs), r in zip(reqs, results):  # the CPU fp32 reference of the same weights
+        ref = vl.reference_logprobs(q.prompt_ids + r.output_ids, len(r.output_ids), refs)
+        assert torch.allclose(ref, torch.tensor(r.output_logprobs), atol=1e-3), r.request_id
+
+
 def test_paged_prefix_cache_is_keyed_by_the_images(vl):
     ids, _, refs = vl.prompt(0)
     other = vl.vp.refs([_png(56, 56, (0, 0, 250))])
