@@ -44,7 +44,6 @@ CPU plumbing check (a tiny random Qwen2.5-VL, < 2 min): ``python benchmarks/vlm.
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import random
 import statistics
@@ -56,7 +55,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark helpers
-from engine_generate import env_info, print_table, timed, write_json  # noqa: E402
+from engine_generate import env_info, peak_gib, print_table, timed, write_json  # noqa: E402
+from engine_generate import reset_peak as reset_memory  # noqa: E402
 
 from tapioca.config.schema import ActorConfig  # noqa: E402
 from tapioca.engines.base import GenRequest, RequestImages, SamplingParams  # noqa: E402
@@ -152,22 +152,6 @@ class Workload:
             images = RequestImages([ref.sha256], grids, pv)
             out += [GenRequest(f"p{k}:{j}", self.prompts[k], sp, images) for j in range(samples)]
         return out
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def reset_memory(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib(device: str) -> float | None:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
 
 
 # ---------------------------------------------------------------------- generation

@@ -39,8 +39,8 @@ from ..schemas.errors import EngineError
 from . import kernels
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-# Vision-language models whose text model is one of those (the tower runs as HF's).
-VL_TEXT_MODEL_TYPES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+# Vision-language models whose text model is a Qwen2 / Qwen3 (the tower runs as HF's).
+VL_TEXT_MODEL_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text")
 
 
 def text_config(model: torch.nn.Module):

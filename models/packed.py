@@ -130,6 +130,9 @@ class PackedCausalLM(nn.Module):
         # VL models: the tower (trained unless its parameters are frozen) and the sections.
         self.visual = vision_tower(model) if is_vision_model(model) else None
         self.mrope_section = mrope_section_of(model.config) if self.visual is not None else None
+        # vlm.freeze_vision_encoder froze it before this module was built: no graph for it.
+        self.visual_frozen = self.visual is not None and not any(
+            p.requires_grad for p in self.visual.parameters())
         param = self.embed_tokens.weight
         # Attention runs in the autocast dtype, else in the parameters' dtype.
         attn_dtype = getattr(torch, autocast_dtype) if autocast_dtype else param.dtype
@@ -182,7 +185,6 @@ class PackedCausalLM(nn.Module):
 
         if self.visual is None:
             raise ConfigError("this micro-batch has images but the model has no vision tower")
-        frozen = not any(p.requires_grad for p in self.visual.parameters())
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.visual_frozen):
             feats_ID, deep = image_features(self, images.pixel_values, images.grid_thw)
         return h_NH.index_copy(0, images.index_I, feats_ID.to(h_NH.dtype)), deep

@@ -176,8 +176,12 @@ def test_paged_engine_on_cuda_with_graphs(vl):
 
 def test_paged_prefix_cache_is_keyed_by_the_images(vl):
     ids, _, refs = vl.prompt(0)
+    # The same image, a shorter text: its one cached block ends inside the image's 4
+    # placeholders (blocks of 4: <bos> <|vision_start|> pad pad | pad pad <|vision_end|> c).
+    short, _, _ = vl.vp.encode({"messages": [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "c"}]}], "images": [draw("color", 0)[0]]})
     other = vl.vp.refs([_png(56, 56, (0, 0, 250))])
-    eng = PagedEngine(vl.model, seed=1, max_batch_size=8, kv_cache_tokens=4096, kv_block_size_tokens=2)
+    eng = PagedEngine(vl.model, seed=1, max_batch_size=8, kv_cache_tokens=4096, kv_block_size_tokens=4)
     try:
         first = eng.generate([vl.request("a", ids, refs, temperature=0.0)])[0]
         hits = eng.stats()["prefix_cache_hit_blocks"]
@@ -186,11 +190,13 @@ def test_paged_prefix_cache_is_keyed_by_the_images(vl):
         hits = eng.stats()["prefix_cache_hit_blocks"]
         swapped = eng.generate([vl.request("c", ids, other, temperature=0.0)])[0]
         assert eng.stats()["prefix_cache_hit_blocks"] == hits  # same tokens, another image: not
+        split = eng.generate([vl.request("d", short, refs, temperature=0.0)])[0]
+        assert eng.stats()["prefix_cache_hit_blocks"] == hits + 1  # half the image from the cache
     finally:
         eng.shutdown()
     assert again.output_ids == first.output_ids
-    for r, rr in ((first, refs), (again, refs), (swapped, other)):
-        ref = vl.reference_logprobs(ids + r.output_ids, len(r.output_ids), rr)
+    for r, rr, p in ((first, refs, ids), (again, refs, ids), (swapped, other, ids), (split, refs, short)):
+        ref = vl.reference_logprobs(p + r.output_ids, len(r.output_ids), rr)
         assert torch.allclose(ref, torch.tensor(r.output_logprobs), atol=ATOL)
 
 
