@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = runner.run(args.max_groups)
     except TapiocaError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        return 1
+        return exc.exit_code  # EXIT_CONFIG (a config error) is not restarted by the launcher
     log.info("agent runner stopped: %s", stats.summary())
     return 0
 

@@ -53,6 +53,7 @@ from engine_generate import (  # noqa: E402
 )
 
 from tapioca.config.distributed import FSDPConfig  # noqa: E402
+from tapioca.config.optimizer import OptimizerConfig  # noqa: E402
 from tapioca.config.schema import ActorConfig  # noqa: E402
 from tapioca.trainers.batching import SeqItem  # noqa: E402
 from tapioca.trainers.checkpoint import TrainerProgress  # noqa: E402
@@ -128,11 +129,11 @@ def main() -> None:
         model = build_model(args.tiny, torch.float32, "cpu" if name == "sharded_ws1" else device)
         n_params = sum(p.numel() for p in model.parameters())
         if name == "ppo_actor":
-            cfg = ActorConfig(lr=LR, mb_max_tokens=mb_tokens, device=device,
+            cfg = ActorConfig(optimizer=OptimizerConfig(lr=LR), mb_max_tokens=mb_tokens, device=device,
                               autocast_dtype="bfloat16" if bf16 else "")
             actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=device)
         else:
-            cfg = ActorConfig(lr=LR, mb_max_tokens=mb_tokens, device=device)
+            cfg = ActorConfig(optimizer=OptimizerConfig(lr=LR), mb_max_tokens=mb_tokens, device=device)
             actor = sharded_actor(model, cfg, device)
         try:
             r = measure(step_fn(actor, items), device, args.steps)

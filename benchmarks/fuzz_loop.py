@@ -25,8 +25,10 @@ Kinds, and where each is caught (its "edge"):
   another run's key (the signature check); the next version with a missing file, or
   with a wrong sha256 (alternately), signed with the run's key as a key holder's broken
   event would be (the rollout worker's load checks);
+* progress (the feeder's and the proxy's head gate): the next version unsigned, and
+  signed with another run's key (the signature check);
 * control (every role): an unsigned command pausing every role;
-* garbage bytes on prompts, trajectories, rewards, samples and weights.
+* garbage bytes on prompts, trajectories, rewards, samples, weights and progress.
 
 The fuzzer is a client of the bus without the run's key (``outsider_bus``), but for the
 two key-holder kinds. Its rounds are paced by the trainer's versions and end by half the
@@ -78,10 +80,12 @@ KINDS: dict[str, str] = {
     "weights_next_other_key": "dlq",
     "weights_next_missing_file": "dlq",
     "weights_next_bad_sha256": "dlq",
+    "progress_next_unsigned": "dlq",
+    "progress_next_other_key": "dlq",
     "control_unsigned_pause": "dlq",
     "garbage": "dlq",
 }
-GARBAGE_TOPICS = ("prompts", "trajectories", "rewards", "samples", "weights")
+GARBAGE_TOPICS = ("prompts", "trajectories", "rewards", "samples", "weights", "progress")
 FUZZ = "poison"  # every fuzz group id (and the fuzzer's producer id) starts with this
 
 
@@ -286,6 +290,7 @@ class Fuzzer(threading.Thread):
         """Round ``r``'s records, given the genuine weights records read so far."""
         from tapioca.schemas import (
             ControlEvent,
+            ProgressEvent,
             PromptEvent,
             RewardEvent,
             SampleEvent,
@@ -360,8 +365,7 @@ class Fuzzer(threading.Thread):
         def forged_next(**kw):
             return dataclasses.replace(
                 latest, event_id=uuid.uuid4().hex, produced_at=time.time(), version=v + 1,
-                step=v + 1, group_ids=[], rejected_group_ids=[],
-                producer_id=f"{FUZZ}-producer", **kw)
+                step=v + 1, producer_id=f"{FUZZ}-producer", **kw)
 
         # The next version, naming the latest genuine file (loadable: a worker that took
         # it would label its tokens one version ahead): unsigned, and signed with another
@@ -376,6 +380,14 @@ class Fuzzer(threading.Thread):
         else:
             kind, broken = "weights_next_bad_sha256", forged_next(sha256="0" * 64)
         out.append(self._out(kind, broken, key=self.run_key))
+
+        # The trainer's progress one version ahead, which would open the head gates a
+        # batch: unsigned, and signed with another run's key. Both fail the signature check.
+        def forged_progress():
+            return ProgressEvent(version=v + 1, producer_id=f"{FUZZ}-producer")
+
+        out.append(self._out("progress_next_unsigned", forged_progress()))
+        out.append(self._out("progress_next_other_key", forged_progress(), key=self.other_key))
 
         # An unsigned command pausing every role: dead-lettered by each, obeyed by none.
         out.append(self._out("control_unsigned_pause", ControlEvent(
@@ -402,7 +414,7 @@ def build_config(run_dir: str, steps: int, *, bootstrap: str = "", prefix: str =
         # Copy the first operand: the synthetic op a tiny model learns fastest.
         "train_dataset.task_options.op=copy", "train_dataset.prompts_per_step=32",
         "gconfig.n_samples=8", "gconfig.max_new_tokens=3", "rollout.max_head_offpolicyness=1",
-        "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        "actor.optimizer.lr=3e-3", "actor.checkpoint_every_steps=1",
         # Fast retries; fake reward fragments dropped within the run.
         "bus.handler_backoff_s=0.05", "advantage.group_timeout_s=15",
     ]
@@ -473,7 +485,7 @@ def _run(run_dir, steps, rounds, last_round_fraction, bootstrap, prefix, timeout
 def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     from tapioca.bus import TopicReader, consumer_lag, read_events
     from tapioca.bus.dlq import original_payload
-    from tapioca.schemas import SampleEvent, WeightsEvent
+    from tapioca.schemas import ProgressEvent, SampleEvent
     from tapioca.schemas import topic as topic_spec
     from tapioca.trainers.trainer import read_metrics
 
@@ -523,12 +535,12 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
             res.missed.setdefault(s.kind, []).append(str(match[1])[:60])
     res.dead_lettered = {k: per_kind.get(k, 0) for k in KINDS}
 
-    # The trainer's bookkeeping, from the weights and samples topics.
-    weights = [e for e in read_events(cfg.bus, "weights") if isinstance(e, WeightsEvent)
-               and not e.producer_id.startswith(FUZZ)]
-    latest: dict[int, WeightsEvent] = {}
+    # The trainer's bookkeeping, from the progress and samples topics.
+    progress = [e for e in read_events(cfg.bus, "progress") if isinstance(e, ProgressEvent)
+                and not e.producer_id.startswith(FUZZ)]
+    latest: dict[int, ProgressEvent] = {}
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in weights:
+    for ev in progress:
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
             if ev.version not in latest or ev.produced_at > latest[ev.version].produced_at:
@@ -539,7 +551,7 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     res.trained_twice += len(trained) - len(set(trained))
     res.trained_groups = len(set(trained))
     res.fuzz_groups_trained = sorted(g for g in trained if g.startswith(FUZZ))
-    rejected = {g for ev in weights for g in ev.rejected_group_ids}
+    rejected = {g for ev in progress for g in ev.rejected_group_ids}
     res.rejected_groups = len(rejected)
     samples: dict[str, SampleEvent] = {}
     first_offset: dict[str, tuple[int, int]] = {}
@@ -563,7 +575,7 @@ def read_figures(cfg, sent: list[Sent], summary) -> FuzzResult:
     prompts = [e for e in read_events(cfg.bus, "prompts") if not e.group_id.startswith(FUZZ)]
     admitted = {e.group_id for e in prompts}
     res.admitted_groups = len(admitted)
-    final_w = max(weights, key=lambda e: (e.version, e.produced_at))
+    final_w = max(progress, key=lambda e: (e.version, e.produced_at))
     B = cfg.train_dataset.prompts_per_step
     res.gate_bound = ((cfg.rollout.max_head_offpolicyness + final_w.version - final_w.rollbacks + 1)
                       * B + len(rejected & admitted))

@@ -44,7 +44,7 @@ ALGOS = REPO / "examples" / "algorithms"
 
 
 def flatten(d: dict, prefix: str = "") -> list[str]:
-    """``{"actor": {"lr": 1}}`` -> ``["actor.lr=1"]`` (dotted overrides)."""
+    """``{"actor": {"optimizer": {"lr": 1}}}`` -> ``["actor.optimizer.lr=1"]`` (dotted overrides)."""
     out = []
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="append one JSON line per algorithm here")
     ap.add_argument("--warm-start", default="",
                     help="start from the newest weights of this earlier run directory")
-    ap.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. actor.lr=1e-3")
+    ap.add_argument("overrides", nargs="*", help="extra dotted overrides, e.g. actor.optimizer.lr=1e-3")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -93,7 +93,7 @@ def measure(broker: EmbeddedBroker, client: str, profile: str, events: int,
     ensure_topics(bus)
     watcher = RewardWatcher(bus)
     cmd = [sys.executable, str(SERVICES[client]), "-b", broker.bootstrap,
-           "--prefix", bus.topic_prefix]
+           "--prefix", bus.topic_prefix, "--run-id", bus.run_id]
     if profile == "client defaults":
         for key, value in DEFAULTS[client].items():
             cmd += ["--consumer-config", f"{key}={value}"]

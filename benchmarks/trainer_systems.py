@@ -143,7 +143,10 @@ def hf_plain_step(model, batch: Batch, device: str, *, checkpointing: bool = Fal
 
 
 def actor_config(device: str, **overrides) -> ActorConfig:
-    kw = dict(lr=LR, max_grad_norm=MAX_GRAD_NORM, device=device)
+    from tapioca.config.optimizer import OptimizerConfig
+
+    opt = dict(lr=overrides.pop("lr", LR), gradient_clipping=overrides.pop("max_grad_norm", MAX_GRAD_NORM))
+    kw = dict(optimizer=OptimizerConfig(**opt), device=device)
     kw.update(overrides)
     return ActorConfig(**kw)
 

@@ -1,5 +1,6 @@
-"""DESIGN.md §9 row 4: weight version switch, trainer step end -> engine generating on the
-new version, for every transport side by side in one invocation.
+"""The weight switch row of docs/design.md#9-performance-targets: weight version switch,
+trainer step end -> engine generating on the new version, for every transport side by
+side in one invocation.
 
 Consumes nothing (random weights); prints a table and writes ``$OUT/weight_switch.json``
 (or ``--out``). Each variant runs ``--repeats`` switches while the engine generates in
@@ -7,11 +8,11 @@ the background (the switch lands mid-batch, at a decode-step boundary, as in the
 worker). Timestamps cross processes (``time.monotonic``, one clock per host). Parts:
 
 - publish: the trainer's side, from the end of its step (weights updated, device
-  synchronised) to the weights event's bytes being ready (models/weight_sync/publisher.py);
+  synchronised) to the weights event's bytes being ready (weights/publisher.py);
 - handoff: the event from the trainer process to the engine's (a pipe here) and decoded;
-  the Kafka hop is NOT included (bus benchmark: p50 2-7 ms, KAFKA_NOTES.md);
+  the Kafka hop is NOT included (bus benchmark: p50 2-7 ms, docs/kafka-clients.md);
 - fetch: the receiver's copy of the bytes into its buffer and the checksum check
-  (models/weight_sync/receiver.py); for file: reading the file and its sha256;
+  (weights/receiver.py); for file: reading the file and its sha256;
 - update: ``TorchEngine.update_weights``: waiting for the running decode step to end, then
   the copy into the parameters; ``stall`` is the copy alone, the time generation stops.
 
@@ -162,7 +163,7 @@ def timed_copies(engine: TorchEngine) -> list[float]:
 def engine_matches(engine: TorchEngine, event, device: str) -> bool:
     """The engine's parameters, packed with the event's layout, have the trainer's
     checksums: bit for bit what the trainer sent."""
-    from tapioca.models.weight_sync.layout import Layout, bucket_checksums
+    from tapioca.weights.layout import Layout, bucket_checksums
 
     layout = Layout.from_event(event.tensors)
     buf = torch.zeros(layout.padded_bytes, dtype=torch.uint8, device=device)
@@ -178,9 +179,9 @@ def engine_matches(engine: TorchEngine, event, device: str) -> bool:
 def trainer_proc(conn, cfg: dict) -> None:
     """A trainer: builds the model, publishes a version on each "go"."""
     try:
-        from tapioca.models.weight_sync import WeightPublisher
         from tapioca.schemas.envelope import encode_event
         from tapioca.schemas.events import WeightsEvent
+        from tapioca.weights import WeightPublisher
 
         torch.set_num_threads(cfg.get("threads", 4))
         device = cfg["device"]
@@ -220,8 +221,8 @@ def receiver_proc(conn, member: str) -> None:
     """A CPU rollout stand-in for the gloo variant: fetch, verify, copy into its own
     parameters (allocated from the first event's layout)."""
     try:
-        from tapioca.models.weight_sync import WeightReceiver
         from tapioca.schemas.envelope import decode_event
+        from tapioca.weights import WeightReceiver
 
         torch.set_num_threads(4)
         rec = WeightReceiver("cpu", member=member)
@@ -280,7 +281,7 @@ def engine_for(shape: str, device: str, args) -> tuple[TorchEngine, int]:
 def run_file_before(args, shape: str, workdir: Path) -> dict:
     from safetensors.torch import load_file
 
-    from tapioca.models.weight_files import save_weights, sha256_file
+    from tapioca.weights.files import save_weights, sha256_file
 
     dev = args.device
     trainer = build(shape, torch.float32, dev)
@@ -312,9 +313,9 @@ def run_file_before(args, shape: str, workdir: Path) -> dict:
 
 
 def run_file(args, shape: str, workdir: Path) -> dict:
-    from tapioca.models.weight_sync import WeightPublisher, WeightReceiver
     from tapioca.schemas.envelope import decode_event, encode_event
     from tapioca.schemas.events import WeightsEvent
+    from tapioca.weights import WeightPublisher, WeightReceiver
 
     dev = args.device
     trainer = build(shape, torch.float32, dev)
@@ -351,8 +352,8 @@ def run_file(args, shape: str, workdir: Path) -> dict:
 def run_remote_trainer(args, shape: str, transport: str, workdir: Path, *, trainer_device: str,
                        engine_device: str, master_dtype: str, file_every: int, name: str) -> dict:
     """The trainer in a child process; this process is the engine (ipc, or nccl on GPUs)."""
-    from tapioca.models.weight_sync import WeightReceiver
     from tapioca.schemas.envelope import decode_event
+    from tapioca.weights import WeightReceiver
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

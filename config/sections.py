@@ -31,7 +31,10 @@ from .schema import (
     RolloutConfig,
     TrainConfig,
     VlmConfig,
+    admission_of,
 )
+from .stats_logger import StatsLoggerConfig
+from .weights import WeightsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +58,11 @@ class RolloutSection:
     seed: int
     # The image store the prompts' images are read from (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
+    # Record routed experts on trajectories: rollout.return_routed_experts, or
+    # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
+    # <run_dir>/blobs ("": no run directory, every route inline).
+    record_routes: bool = False
+    run_dir: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +104,13 @@ class TrainerSection:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     # The image store and freeze_vision_encoder of a vision-language policy (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
+    # W&B / MLflow besides metrics.jsonl and TensorBoard (trainers/metrics_sink.py).
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    # How the trainer publishes its versions (weights/publisher.py).
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    # agent.mode online: a group past the tail gate is trained within
+    # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
+    online: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +128,13 @@ class ProxySection:
     seed: int
     # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
+    # agent.mode online: sessions ended without a reward wait on the log for one (no
+    # reward 0 at end); admission: proxy.admission resolved (config/schema.py admission_of).
+    online: bool = False
+    admission: str = "wait"
+    # How long after its end a session still takes a reward: the advantage processor's
+    # wait (advantage.reward_timeout_s, else group_timeout_s) less a margin.
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +169,12 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
     return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
-                          vlm=cfg.vlm)
+                          vlm=cfg.vlm, record_routes=records_routes(cfg), run_dir=cfg.run_path)
+
+
+def records_routes(cfg: TrainConfig) -> bool:
+    """Whether the run's engines record routed experts (the rollout workers, the proxy)."""
+    return cfg.rollout.return_routed_experts or cfg.actor.router_replay == "R3"
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:
@@ -168,14 +195,17 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
-                          vlm=cfg.vlm)
+                          stats_logger=cfg.stats_logger, weights=cfg.weights,
+                          online=cfg.agent.online, vlm=cfg.vlm)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed, vlm=cfg.vlm)
+                        run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
+                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage,
+                        vlm=cfg.vlm)
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:

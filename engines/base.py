@@ -17,7 +17,8 @@ Behaviour-logprob convention (every backend must follow it):
     the logprob is taken at temperature 1.
 
 Policy versions: ``output_versions[t]`` is the version of the weights whose forward
-pass produced the logits ``output_ids[t]`` was sampled from (DESIGN.md §3). With
+pass produced the logits ``output_ids[t]`` was sampled from
+(docs/design.md#3-policy-versions-and-the-staleness-window). With
 interruptible generation a sequence may span versions (``0, 0, 1, 1, ...``); the KV
 cache of earlier tokens is kept, nothing is recomputed (as in AReaL).
 """
@@ -126,7 +127,10 @@ class GenResult:
 
     ``output_ids``, ``output_logprobs`` and ``output_versions`` have equal lengths.
     ``timings``: ``queued_s`` (submit -> admitted into a batch) and ``generate_s``
-    (admitted -> finished), in seconds.
+    (admitted -> finished), in seconds. ``routed_experts``: with an engine recording
+    routes (MoE models), the expert ids of every token it fed (prompt + output but the
+    last sampled token) in every MoE layer, an integer array ``[tokens, MoE layers,
+    top_k]``; None otherwise.
     """
 
     request_id: str
@@ -136,6 +140,7 @@ class GenResult:
     output_versions: list[int]
     finish_reason: FinishReason
     timings: dict[str, float] = field(default_factory=dict)
+    routed_experts: Any = None
 
 
 class InferenceEngine(abc.ABC):

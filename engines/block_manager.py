@@ -24,7 +24,8 @@ Reservations: the engine admits a sequence only when its worst case (prompt +
 ``max_new_tokens``) fits in the free blocks not already reserved by running sequences,
 and reserves the difference; decode steps then take reserved blocks and never run out.
 No preemption: a preempted sequence would be recomputed under newer weights, which
-breaks the per-token version semantics (nothing is recomputed, DESIGN.md §3).
+breaks the per-token version semantics (nothing is recomputed,
+docs/design.md#3-policy-versions-and-the-staleness-window).
 """
 
 from __future__ import annotations

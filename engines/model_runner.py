@@ -1,4 +1,4 @@
-"""A hand-written decoder (Qwen2, Qwen3, Llama) over the paged KV cache.
+"""A hand-written decoder (Qwen2, Qwen3, Llama, Mistral, Qwen3-MoE) over the paged KV cache.
 
 Consumes a ``transformers`` causal LM once, at construction (its config and tensors),
 then packed token batches: :class:`PrefillInputs` (variable-length prompts, no padding,
@@ -12,6 +12,25 @@ gate/up into one ``[2 * intermediate, hidden]``; everything else is the HF model
 tensor (moved to the device; on the same device no copy). :meth:`load_hf_state_dict`
 takes the HF state-dict names and copies each tensor IN PLACE into its slice of the
 fused parameter, so CUDA graphs captured over these tensors stay valid.
+
+MoE layers (Qwen3-MoE; dense layers of ``mlp_only_layers`` / ``decoder_sparse_step``
+stay dense): the router runs in fp32 (its own fp32 copy of ``mlp.gate.weight``, as the
+trainer's ``actor.moe_router_dtype`` default: rollout and training route alike), then
+:func:`kernels.moe_route` (top-k) and :func:`kernels.fused_moe` (the experts, from the
+fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors). Expert weights load under either naming:
+the fused names of transformers 5 (``mlp.experts.gate_up_proj``) or one tensor per
+expert (``mlp.experts.{e}.gate_proj.weight``: checkpoints on disk, transformers 4),
+each a view into the fused tensors (:func:`tapioca.models.moe.expert_aliases`). With
+``record_routes`` set, every forward that runs Python (prefill; decode without CUDA
+graphs; a graph's capture) leaves the top-k expert ids of each of its tokens in each MoE
+layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer); a replay does not update
+``last_routes`` by itself. What the engine records for routing replay is the route cache
+(:meth:`attach_route_cache`): one row ``[MoE layers, k]`` per KV-cache slot, written at
+the slots the step writes its keys and values to, by the forward itself (so inside a
+captured decode graph too: a replay writes its routes there, and padding rows write to
+a spare last row). Routes therefore follow the KV cache: a prompt prefix reused from the
+prefix cache, or shared by the samples of a group, keeps the routes of the forward that
+computed it, and :meth:`read_routes` gathers any sequence's routes from its slots.
 
 The rotary table is built from the HF model's own ``rotary_emb`` (every rope scaling
 type the model supports, at the model's own inv_freq precision) for positions up to
@@ -32,13 +51,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..models.moe import expert_aliases, fuse_expert_tensors
 from ..schemas.errors import EngineError
 from . import kernels
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
 # Vision-language models whose text model is a Qwen2 / Qwen3 (the tower runs as HF's).
 VL_TEXT_MODEL_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text")
 
@@ -58,6 +79,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
         return "sliding-window attention layers"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and window < cfg.max_position_embeddings:
+        return (f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+                f"{cfg.max_position_embeddings})")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
     body = _text_body(model)
@@ -95,8 +120,14 @@ def _hf_names(model: torch.nn.Module) -> list[str]:
     for i in range(len(_text_body(model).layers)):
         p = f"{pre}layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        projs = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+        if p + "mlp.gate.weight" in sd:  # an MoE layer: router + experts (fused or per expert)
+            names.append(p + "mlp.gate.weight")
+            fused = [p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
+            names += fused if fused[0] in sd else [n for n in sd if n.startswith(p + "mlp.experts.")]
+        else:
+            projs += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+        for proj in projs:
             names.append(p + proj + ".weight")
             if p + proj + ".bias" in sd:
                 names.append(p + proj + ".bias")
@@ -144,6 +175,15 @@ class DecodeInputs:
 
 
 @dataclass
+class _MoE:
+    router_w: torch.Tensor  # fp32 [E, H]
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    top_k: int
+    norm_topk_prob: bool
+
+
+@dataclass
 class _Layer:
     input_norm: torch.Tensor
     qkv_w: torch.Tensor
@@ -153,14 +193,15 @@ class _Layer:
     o_w: torch.Tensor
     o_b: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_w: torch.Tensor
+    gate_up_w: torch.Tensor | None  # dense MLP (None in an MoE layer)
     gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: torch.Tensor | None
     down_b: torch.Tensor | None
+    moe: _MoE | None = None
 
 
 class PagedDecoder(torch.nn.Module):
-    """Qwen2 / Qwen3 / Llama decoder over a paged KV cache; see the module docstring.
+    """Qwen2 / Qwen3 / Llama / Mistral / Qwen3-MoE decoder over a paged KV cache; see the module docstring.
 
     Calling the module (``decoder(inputs)``) runs :meth:`forward_prefill` or
     :meth:`forward_decode` by the inputs' type, so forward hooks see every eager
@@ -182,11 +223,21 @@ class PagedDecoder(torch.nn.Module):
         self.max_positions = int(cfg.max_position_embeddings)
         self.scale = float(getattr(_text_body(model).layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.dtype = next(model.parameters()).dtype
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.norm_topk_prob = bool(getattr(cfg, "norm_topk_prob", True))
         self._targets: dict[str, list[torch.Tensor]] = {}
         self.prefix = _prefix(model)
         # VL models: the HF vision tower (run at prefill) and the text rotary (3-D tables).
         self.visual: torch.nn.Module | None = None
         self.rotary = _text_body(model).rotary_emb
+        # Names that load into the targets without being the model's own (the other
+        # naming of MoE experts); never returned by hf_state_dict.
+        self._aliases: dict[str, torch.Tensor] = {}
+        self.record_routes = False
+        self.last_routes: list[torch.Tensor] = []
+        # [slots + 1, MoE layers, k] (None: routes not recorded); the last row takes padding's.
+        self.route_cache: torch.Tensor | None = None
+        self.num_experts = 0
         with torch.no_grad():
             sd = model.state_dict()
             self._build(model, sd)
@@ -205,9 +256,9 @@ class PagedDecoder(torch.nn.Module):
 
     # ------------------------------------------------------------------ construction
 
-    def _own(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _own(self, name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The HF tensor itself on the engine's device (no copy when already there)."""
-        out = t.detach().to(self.device)
+        out = t.detach().to(self.device, dtype)
         self._targets.setdefault(name, []).append(out)
         return out
 
@@ -252,11 +303,29 @@ class PagedDecoder(torch.nn.Module):
                 o_w=opt("self_attn.o_proj.weight"),
                 o_b=opt("self_attn.o_proj.bias"),
                 post_norm=opt("post_attention_layernorm.weight"),
-                gate_up_w=self._fuse([mlp + "gate_proj.weight", mlp + "up_proj.weight"], sd),
+                gate_up_w=opt("", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
                 gate_up_b=opt("", [mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
                 down_w=opt("mlp.down_proj.weight"),
                 down_b=opt("mlp.down_proj.bias"),
+                moe=self._moe(mlp, sd) if mlp + "gate.weight" in sd else None,
             ))
+
+    def _moe(self, mlp: str, sd: dict) -> _MoE:
+        """An MoE layer's router (fp32) and fused experts, whichever naming ``sd`` has."""
+        fused = {"gate_up_proj": mlp + "experts.gate_up_proj", "down_proj": mlp + "experts.down_proj"}
+        if fused["gate_up_proj"] in sd:
+            w13, w2 = (self._own(fused[k], sd[fused[k]]) for k in ("gate_up_proj", "down_proj"))
+            self._aliases.update(expert_aliases({fused["gate_up_proj"]: w13, fused["down_proj"]: w2}))
+        else:  # one tensor per expert (transformers 4): stack them; those names stay the targets
+            stacked = fuse_expert_tensors(sd, mlp)
+            w13, w2 = (stacked[k].to(self.device) for k in ("gate_up_proj", "down_proj"))
+            views = {fused["gate_up_proj"]: w13, fused["down_proj"]: w2}
+            for name, view in expert_aliases(views).items():
+                self._targets.setdefault(name, []).append(view)
+            self._aliases.update(views)
+        router = self._own(mlp + "gate.weight", sd[mlp + "gate.weight"], torch.float32)
+        self.num_experts = int(router.shape[0])
+        return _MoE(router_w=router, w13=w13, w2=w2, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
 
     def _rope_table(self, model: torch.nn.Module) -> torch.Tensor:
         """fp32 ``[max_positions, head_dim]``: cos then sin of the first half's frequencies."""
@@ -279,25 +348,75 @@ class PagedDecoder(torch.nn.Module):
         self.k_caches = [kv_L2NBKD[i, 0] for i in range(self.num_layers)]
         self.v_caches = [kv_L2NBKD[i, 1] for i in range(self.num_layers)]
 
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(layer.moe is not None for layer in self.layers)
+
+    def attach_route_cache(self, num_slots: int) -> None:
+        """Record routes per KV slot from now on (before any graph is captured): uint8 ids
+        up to 256 experts, else int16 (the bits of uint16)."""
+        if not self.num_moe_layers:
+            raise EngineError("routed experts were asked for (rollout.return_routed_experts or "
+                              "actor.router_replay R3) but the model has no MoE layer; turn them off")
+        dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
+        self.route_cache = torch.zeros((num_slots + 1, self.num_moe_layers, self.top_k), dtype=dtype,
+                                       device=self.device)
+
+    def _store_routes(self, routes: list[torch.Tensor], slots_T: torch.Tensor) -> None:
+        cache = self.route_cache
+        ids_TLK = torch.stack(routes, 1).to(cache.dtype)
+        # Padding rows (slot -1) write to the spare last row: no host read, graph safe.
+        dst_T = torch.where(slots_T >= 0, slots_T, cache.shape[0] - 1)
+        cache.index_copy_(0, dst_T, ids_TLK)
+
+    def copy_route_blocks(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, block_size: int) -> None:
+        """The routes of whole KV blocks, as the engine copies their keys and values."""
+        if self.route_cache is None:
+            return
+        blocks = self.route_cache[:-1].view(-1, block_size, *self.route_cache.shape[1:])
+        blocks.index_copy_(0, dst_blocks, blocks.index_select(0, src_blocks))
+
+    def read_routes(self, slots: np.ndarray) -> np.ndarray:
+        """The routes recorded at ``slots`` (host int64), as a host array ``[n, MoE layers,
+        k]`` (uint8, or uint16). On CUDA the gather runs on a side stream: its one host
+        wait is for itself, not for the decode step the main stream is running (the
+        slots read hold routes of steps the host has already waited for)."""
+        cache = self.route_cache
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        if self.device.type != "cuda":
+            out = cache.index_select(0, idx)
+        else:
+            stream = self._route_stream = getattr(self, "_route_stream", None) or torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                out = cache.index_select(0, idx.to(self.device)).cpu()
+        host = out.numpy()
+        return host.view(np.uint16) if host.dtype == np.int16 else host
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The decoder's weights under HF names (views into the fused tensors)."""
         return {name: ts[0] for name, ts in self._targets.items()}
 
+    def _destinations(self, name: str) -> list[torch.Tensor] | None:
+        if name in self._targets:
+            return self._targets[name]
+        return [self._aliases[name]] if name in self._aliases else None
+
     def load_hf_state_dict(self, state_dict) -> None:
-        """Copy HF-named tensors into the decoder in place (checked before any copy)."""
-        unexpected = [k for k in state_dict if k not in self._targets]
+        """Copy HF-named tensors into the decoder in place (checked before any copy).
+        MoE experts may come under either naming (see the module docstring)."""
+        unexpected = [k for k in state_dict if self._destinations(k) is None]
         if unexpected:
             raise EngineError(
                 f"update_weights got {len(unexpected)} names the model does not have "
                 f"(e.g. {unexpected[:3]}); publish the policy's own state_dict() names")
         for name, tensor in state_dict.items():
-            want = tuple(self._targets[name][0].shape)
+            want = tuple(self._destinations(name)[0].shape)
             if tuple(tensor.shape) != want:
                 raise EngineError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                   f"the model expects {want}")
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                for dst in self._targets[name]:
+                for dst in self._destinations(name):
                     dst.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -335,15 +454,45 @@ class PagedDecoder(torch.nn.Module):
         deep = images.deepstack if images is not None else None
         table = self.cos_sin_PD if table is None else table
         residual_TD = None
+        routes: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers):
             x_TD, residual_TD = kernels.rms_norm(h_TD, layer.input_norm, self.eps, residual_TD)
             attn_TD = self._attention_block(layer, idx, x_TD, positions_T, slots_T, attend, table)
             x_TD, residual_TD = kernels.rms_norm(attn_TD, layer.post_norm, self.eps, residual_TD)
-            gate_up_TI2 = F.linear(x_TD, layer.gate_up_w, layer.gate_up_b)
-            h_TD = F.linear(kernels.silu_and_mul(gate_up_TI2), layer.down_w, layer.down_b)
+            if layer.moe is not None:
+                h_TD, ids_TK = self._moe_block(layer.moe, x_TD)
+                routes.append(ids_TK)
+            else:
+                gate_up_TI2 = F.linear(x_TD, layer.gate_up_w, layer.gate_up_b)
+                h_TD = F.linear(kernels.silu_and_mul(gate_up_TI2), layer.down_w, layer.down_b)
             if deep is not None and idx < len(deep):  # the hidden state is h + residual
                 h_TD = h_TD.index_add(0, images.index_I, deep[idx].to(h_TD.dtype))
+        if self.route_cache is not None and routes:
+            self._store_routes(routes, slots_T)
+        if self.record_routes:
+            self.last_routes = routes
         return h_TD, residual_TD
+
+    @torch.inference_mode()
+    def warm_moe_kernels(self, rows: list[int]) -> None:
+        """Run the first MoE layer's kernels once per decode row count on random tokens
+        whose routes spread over the experts (what the kernels tune their tiles on)."""
+        moe = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+        if moe is None:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        num_experts, _, hidden = moe.w13.shape
+        for n in rows:
+            x_TD = torch.randn(n, hidden, device=self.device, generator=gen).to(self.dtype) * 0.1
+            logits_TE = torch.randn(n, num_experts, device=self.device, generator=gen)
+            weights_TK, ids_TK = kernels.moe_route(logits_TE, moe.top_k, moe.norm_topk_prob)
+            kernels.fused_moe(x_TD, moe.w13, moe.w2, weights_TK, ids_TK)
+
+    def _moe_block(self, moe: _MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out_TD, ids_TK)``: the experts' output and the top-k expert ids of each token."""
+        logits_TE = F.linear(x_TD.float(), moe.router_w)  # fp32 router (see the module docstring)
+        weights_TK, ids_TK = kernels.moe_route(logits_TE, moe.top_k, moe.norm_topk_prob)
+        return kernels.fused_moe(x_TD, moe.w13, moe.w2, weights_TK, ids_TK), ids_TK
 
     # ------------------------------------------------------------------ vision (VL models)
 

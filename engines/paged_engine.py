@@ -32,6 +32,14 @@ each sequence's rope delta; decode steps feed text positions plus that delta. A 
 images key its prefix-cache chain and its group (block_manager.images_root): the same
 tokens with another image share nothing.
 
+Routed experts (``record_routes``, MoE models): the decoder writes every computed
+token's top-k expert ids per MoE layer into a route cache beside the KV cache, at the
+token's slot (in the decode graph too); a finished sequence's routes are gathered from
+its slots (prompt + output but the last sampled token, whose KV is never written) onto
+its :class:`~tapioca.engines.base.GenResult`. The group's copied partial block carries
+its routes too. That gather, for all rows finishing in a step, is the one host wait it
+adds, on a side stream (:meth:`~tapioca.engines.model_runner.PagedDecoder.read_routes`).
+
 Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
 seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
 the whole batch takes :func:`~tapioca.engines.sampling.sample_next` (torch, seeded
@@ -53,7 +61,7 @@ import torch
 
 from ..schemas.errors import EngineError
 from . import kernels
-from .base import Decode, GenRequest
+from .base import Decode, GenRequest, GenResult
 from .block_manager import (
     BlockManager,
     allocate_kv_cache,
@@ -91,8 +99,10 @@ class PagedEngine(EngineLoop):
     always goes). KV cache: ``kv_block_size_tokens`` tokens per block; ``kv_cache_tokens``
     fixes its size, else ``kv_cache_memory_fraction`` of the GPU's memory (CUDA) or 64k
     tokens (CPU). ``cuda_graphs``: replay decode steps as CUDA graphs (CUDA only).
-    ``prefix_caching``: reuse cached full blocks across requests. ``eos_token_id``,
-    ``decode``, ``seed``, ``version``, ``interruptible``: as :class:`TorchEngine`.
+    ``prefix_caching``: reuse cached full blocks across requests. ``record_routes``: each
+    result carries its routed experts (MoE models; see the module docstring).
+    ``eos_token_id``, ``decode``, ``seed``, ``version``, ``interruptible``: as
+    :class:`TorchEngine`.
     """
 
     def __init__(
@@ -114,6 +124,7 @@ class PagedEngine(EngineLoop):
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
         overlap: bool = True,
+        record_routes: bool = False,
     ) -> None:
         del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
         device = engine_device(device)
@@ -134,6 +145,8 @@ class PagedEngine(EngineLoop):
         self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
                                           dec.num_kv_heads, dec.head_dim, dec.dtype, device)
         dec.attach_kv_cache(self.kv_cache)
+        if record_routes:  # before any graph is captured: the graphs write into it
+            dec.attach_route_cache(num_blocks * kv_block_size_tokens)
         self.block_size = int(kv_block_size_tokens)
         self.bm = BlockManager(num_blocks, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.bm, max_rows=self.max_batch_size,
@@ -146,6 +159,11 @@ class PagedEngine(EngineLoop):
         self._generator.manual_seed(int(seed))
         self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
                                    seed_1=self._seed_1, use_graphs=cuda_graphs)
+        if device.type == "cuda":
+            # MoE kernels tune their tiles at a shape's first call; a decode graph's first
+            # call is its capture's warm-up, on padding rows that all route alike: tune on
+            # spread-out routes first.
+            dec.warm_moe_kernels(self.graphs.buckets)
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None
         self._last_tokens = torch.zeros(1, dtype=torch.int64, device=device)
@@ -399,6 +417,7 @@ class PagedEngine(EngineLoop):
         version, bs = launched.version, self.block_size
         now = time.monotonic()
         delivered: Delivered = []
+        routed: list[tuple[GenResult, np.ndarray]] = []  # results whose routes are read below
         for seq, tok, lp in zip(launched.rows, toks, lps):
             if seq.done:  # stopped at an earlier step; this token was sampled past its end
                 continue
@@ -420,8 +439,18 @@ class PagedEngine(EngineLoop):
             if reason == "stop" and n_out + 1 < seq.max_new:
                 self._stopped_since_compact = True  # still a running row: _compact drops it
             seq.done = True
+            result = seq.result(reason, now)
+            if self.decoder.route_cache is not None:  # slots before finish() frees the blocks
+                pos = np.arange(len(seq.tokens) - 1)
+                routed.append((result, np.asarray(seq.blocks, np.int64)[pos // bs] * bs + pos % bs))
             self.scheduler.finish(seq)
-            delivered.append((seq.pending.future, seq.result(reason, now)))
+            delivered.append((seq.pending.future, result))
+        if routed:
+            ids_SLK = self.decoder.read_routes(np.concatenate([slots for _, slots in routed]))
+            start = 0
+            for result, slots in routed:
+                result.routed_experts = ids_SLK[start:start + len(slots)]
+                start += len(slots)
         return delivered
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
@@ -546,3 +575,4 @@ class PagedEngine(EngineLoop):
             src_t = self._to_device(np.asarray(src, dtype=np.int64))
             dst_t = self._to_device(np.asarray(dst, dtype=np.int64))
             kv.index_copy_(1, dst_t, kv.index_select(1, src_t))
+            self.decoder.copy_route_blocks(src_t, dst_t, self.block_size)

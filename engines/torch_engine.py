@@ -101,7 +101,9 @@ class _Batch:
 
 
 class TorchEngine(EngineLoop):
-    """Batched, interruptible generation with any transformers causal LM (Qwen2, Qwen3, Llama),
+    """Batched, interruptible generation with a transformers causal LM whose layers are
+    full or sliding-window attention (Qwen2, Qwen3, Llama, Mistral, the MoE families,
+    Gemma 3, gpt-oss; not linear attention: :func:`tapioca.models.families.in_process_reason`),
     and vision-language models (Qwen2.5-VL, Qwen3-VL: a request's ``images`` go through the
     model's own forward at prefill, with 3-D rotary positions; decode steps feed text
     positions offset by each row's rope delta, models/vision.py).
@@ -137,13 +139,23 @@ class TorchEngine(EngineLoop):
                          version=version, vocab_size=int(getattr(config, "vocab_size", 0)) or None,
                          max_positions=getattr(config, "max_position_embeddings", None), name="torch-engine")
         self._num_layers = int(config.num_hidden_layers)
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self._num_layers
-        if any(t != "full_attention" for t in layer_types):
+        from ..models.families import in_process_reason
+
+        reason = in_process_reason(config)
+        if reason is not None:
+            raise EngineError(reason)
+        window = getattr(config, "sliding_window", None)
+        declared = getattr(config, "layer_types", None)
+        # Mistral-style configs have no layer_types: a sliding_window then applies to all layers.
+        layer_types = declared or ["sliding_attention" if window else "full_attention"] * self._num_layers
+        if set(layer_types) - {"full_attention", "sliding_attention"}:
             raise EngineError(
-                "TorchEngine supports full-attention layers only, got "
-                f"layer_types={sorted(set(layer_types))}; "
-                "disable sliding window attention in the model config (e.g. use_sliding_window=False)"
-            )
+                "TorchEngine runs full- and sliding-window attention layers, got "
+                f"layer_types={sorted(set(layer_types))}; use rollout.engine=vllm or sglang for this model")
+        # Sliding layers keep every key (the cache is one buffer per layer); the engine's
+        # mask hides keys more than the window behind the query.
+        self._window = int(window) if window and "sliding_attention" in layer_types else None
+        self._per_type_masks = bool(declared) and len(set(layer_types)) > 1
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.model = model.to(self.device).eval()
         self.pad_token_id = int(pad_token_id)
@@ -164,6 +176,9 @@ class TorchEngine(EngineLoop):
         if use_decode_attention(self.model):  # GQA decode without repeat_kv (attention.py)
             attn_impl = "sdpa"  # the same mask convention
         self._mask_mode = {"sdpa": "bool", "eager": "additive"}.get(attn_impl)
+        if self._window is not None and self._mask_mode is None:
+            raise EngineError(f"TorchEngine runs sliding-window models with attn_implementation sdpa or "
+                              f"eager (the engine builds their masks), not {attn_impl!r}")
         self._dtype = next(model.parameters()).dtype
         from ..models.vision import vision_spec
 
@@ -184,7 +199,10 @@ class TorchEngine(EngineLoop):
         return load_file(path, device=str(self.device))
 
     def _load_state_dict(self, state_dict) -> None:
+        from ..models.moe import expert_aliases
+
         own = self.model.state_dict()
+        own.update((k, v) for k, v in expert_aliases(own).items() if k not in own)  # the other expert naming
         unexpected = [k for k in state_dict if k not in own]
         if unexpected:
             raise EngineError(
@@ -264,17 +282,32 @@ class TorchEngine(EngineLoop):
     # ------------------------------------------------------------------ forward passes
 
     def _attention_mask(self, mask_BL: torch.Tensor, cache: SlotKVCache, q_len: int):
-        """The model's attention mask for ``q_len`` new tokens; ``mask_BL`` covers past + new."""
+        """The model's attention mask for ``q_len`` new tokens; ``mask_BL`` covers past + new.
+        Sliding-window models: the window applied too (per layer type, as a dict, when the
+        model has both kinds of layers)."""
         if self._mask_mode is None:
             return mask_BL  # transformers pads it to the cache's bucketed length
         kv_len = cache.view_length(q_len)
         mask_BK = torch.nn.functional.pad(mask_BL, (0, kv_len - mask_BL.shape[1]), value=False)
+        # Query columns: a prefill starts from an empty cache (query i at column i), a decode
+        # step's query is the last column. A row's tokens are contiguous columns, so column
+        # distance is position distance.
+        q_Q1 = torch.arange(mask_BL.shape[1] - q_len, mask_BL.shape[1], device=self.device).unsqueeze(-1)
+        k_1K = torch.arange(kv_len, device=self.device).unsqueeze(0)
         if q_len == 1:
-            mask_B1QK = mask_BK[:, None, None, :]
-        else:  # a prefill always starts from an empty cache: query i sits at column i
-            q_Q1 = torch.arange(q_len, device=self.device).unsqueeze(-1)
-            k_1K = torch.arange(kv_len, device=self.device).unsqueeze(0)
-            mask_B1QK = (mask_BK[:, None, None, :] & (k_1K <= q_Q1)) | (k_1K == q_Q1)
+            full_B1QK = mask_BK[:, None, None, :]
+        else:
+            full_B1QK = (mask_BK[:, None, None, :] & (k_1K <= q_Q1)) | (k_1K == q_Q1)
+        if self._window is None:
+            return self._mask_values(full_B1QK)
+        # HF's sliding overlay: key k is seen from query q when k > q - window.
+        sliding_B1QK = (full_B1QK & (k_1K > q_Q1 - self._window)) | (k_1K == q_Q1)
+        if not self._per_type_masks:
+            return self._mask_values(sliding_B1QK)
+        return {"full_attention": self._mask_values(full_B1QK),
+                "sliding_attention": self._mask_values(sliding_B1QK)}
+
+    def _mask_values(self, mask_B1QK: torch.Tensor) -> torch.Tensor:
         if self._mask_mode == "additive":
             zero = torch.zeros((), dtype=self._dtype, device=self.device)
             return zero.masked_fill(~mask_B1QK, torch.finfo(self._dtype).min)

@@ -45,6 +45,15 @@ placeholder run collapsed to the one ``<|image_pad|>`` vLLM's processor expands 
 must equal Tapioca's (else the trainer would see other placeholders than the server
 did: an EngineError says so). The server must be able to load the model's processor.
 
+Routed experts (MoE routing replay, R3): a server started with
+``--enable-return-routed-experts`` (added when this role launches it with
+``rollout.return_routed_experts`` or ``actor.router_replay`` R3; vLLM needs its model
+runner V2 and prefix caching for it, and has no per-request switch) answers each choice
+with ``routed_experts``: base64 of a ``.npy`` array ``[prompt + output - 1, hidden layers,
+top_k]`` (uint8 / uint16; vLLM 0.32 ``entrypoints/scale_out/token_in_token_out/protocol.py``),
+cut here to the model's MoE layers. A server that returns none (the flag off) gives
+results without routes.
+
 Device-to-device updates (``--weight-transfer-config`` with ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``; NCCL or CUDA IPC)
 are not wired yet: every update reloads the trainer's weights file from disk.
@@ -187,10 +196,12 @@ class VLLMEngine(ServerEngine):
             spans = [(str(w["version"]), int(w["start"]), int(w["end"]))
                      for w in choice.get("weight_versions") or []] or None
             finish = choice.get("finish_reason") or "abort"
+            routes = (decode_npy_b64(choice["routed_experts"])
+                      if self.return_routed_experts and choice.get("routed_experts") else None)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EngineError(f"vLLM server {server.url} answered generate with an unexpected "
                               f"shape ({exc!r}): {str(out)[:300]}") from None
-        return RawOutput(ids, logprobs, finish, spans)
+        return RawOutput(ids, logprobs, finish, spans, routes)
 
     async def _pause(self, server: Server) -> None:
         await self._post(server, "/pause", params={"mode": "keep"})
@@ -240,12 +251,27 @@ def image_body(request: GenRequest, spec) -> dict:
     return {"token_ids": collapsed, "content_parts": parts, "return_token_ids": True}
 
 
+def decode_npy_b64(text: str):
+    """vLLM's routed experts: base64 of an ``.npy`` file (no pickles)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
 def vllm_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                 extra_args: list[str]) -> list[str]:
+                 extra_args: list[str], return_routed_experts: bool = False,
+                 tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of a vLLM server with the flags Tapioca relies on."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
            # Sampling defaults come from the request only, not generation_config.json.
            "--generation-config", "vllm", "--max-num-seqs", str(max_num_seqs)]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

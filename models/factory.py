@@ -25,29 +25,8 @@ from typing import Any
 import torch
 
 from ..schemas.errors import ConfigError, TapiocaError
+from .families import VL_ARCHS, tiny_config
 from .tokenizer import build_char_tokenizer
-
-ARCHS = ("qwen2", "qwen3", "llama", "qwen2_5_vl", "qwen3_vl")
-# Vision-language archs (models/vision.py): a tiny vision tower in front of the decoder.
-VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
-
-
-def _config_class(arch: str):
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config
-    if arch == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig
-    if arch in VL_ARCHS:
-        return None  # built by _vl_config
-    raise ConfigError(f"unknown model arch {arch!r}; use one of {', '.join(ARCHS)}")
 
 
 def build_tiny_model(
@@ -59,6 +38,10 @@ def build_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 256,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    head_dim: int | None = None,
     max_position_embeddings: int = 256,
     seed: int = 0,
     tie_word_embeddings: bool = True,
@@ -69,32 +52,34 @@ def build_tiny_model(
     device: str | torch.device = "cpu",
     vision: dict[str, int] | None = None,
 ) -> torch.nn.Module:
-    """A random-weight ``transformers`` causal LM (Qwen2 / Qwen3 / Llama architecture), or
-    a vision-language model (``qwen2_5_vl`` / ``qwen3_vl``: a tiny vision tower, whose
-    ``depth`` and ``hidden_size`` ``vision`` may set, in front of that decoder; the vision
-    tokens are the vocabulary's last four ids, :func:`vision_token_ids`).
+    """A random-weight ``transformers`` causal LM of family ``arch`` (:data:`ARCHS`:
+    Qwen2 / Qwen3 / Llama / Mistral, the MoE families, Gemma 3's text model, the hybrid
+    linear-attention Qwen3-Next / Qwen3.5, gpt-oss; :mod:`tapioca.models.families`), or
+    a vision-language model (:data:`VL_ARCHS`, ``qwen2_5_vl`` / ``qwen3_vl``: a tiny vision
+    tower, whose ``depth`` and ``hidden_size`` ``vision`` may set, in front of a Qwen2 /
+    Qwen3 decoder; the vision tokens are the vocabulary's last four ids,
+    :func:`vision_token_ids`).
 
     Deterministic in ``seed`` within one library version, and leaves the caller's global
     torch RNG untouched. ``head_dim`` is ``hidden_size // num_heads`` for every arch
-    (Qwen3's config would otherwise default it to 128). ``device``: where the weights
+    unless given (Qwen3's config would otherwise default it to 128). ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``: MoE families only. ``device``: where the weights
     are created and initialised (a GPU initialises billions of weights in milliseconds).
     """
     from transformers import AutoModelForCausalLM
 
     if vocab_size <= 0:
         raise ConfigError(f"vocab_size must be positive, got {vocab_size}")
-    if hidden_size % num_heads:
+    if head_dim is None and hidden_size % num_heads:
         raise ConfigError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
-    text = dict(
+    sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                 num_key_value_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads,
+                 intermediate_size=intermediate_size, num_experts=num_experts,
+                 num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size)
+    common = dict(
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         pad_token_id=pad_token_id,
@@ -106,9 +91,11 @@ def build_tiny_model(
     if arch in VL_ARCHS:
         from transformers import AutoModelForImageTextToText
 
+        text = {**{k: sizes[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "intermediate_size")}, **common}
         config, auto = _vl_config(arch, text, **(vision or {})), AutoModelForImageTextToText
     else:
-        config = _config_class(arch)(**text)
+        config = tiny_config(arch, sizes, **common)
     device = torch.device(device)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), device:

@@ -4,7 +4,7 @@ Consumes a ``transformers`` causal LM (Qwen2 / Qwen3 / Llama: a decoder body plu
 LM head) and right-padded token batches (``input_ids_BT``, ``attention_mask_BT``,
 ``labels_BT`` over the ``T-1`` predicting positions, -100 where not scored); emits
 per-token log-probabilities (and entropy) of the labels. Every trainer that scores
-tokens goes through here: the PPO actor, the frozen reference / teacher, the offline
+tokens goes through here: the PPO actor, the frozen reference / teacher, the supervised
 trainers (SFT, DPO, distillation); the critic shares :func:`autocast_context`.
 
 The packed (padding-free) variant, :func:`packed_token_logprobs`, takes a
@@ -112,15 +112,16 @@ def packed_token_logprobs(
     kernel: str = "auto",
     keep_logits: bool = False,
     images=None,
+    replay_topk_LNK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs_M, entropy_M)`` of ``labels_M`` predicted at packed positions
     ``rows_M`` (the hidden state of packed token ``rows_M[m]`` scores ``labels_M[m]``).
     Only those ``M`` rows go through the LM head: prompt positions and the last token
     of each sequence cost nothing there. Differentiable; the caller picks ``no_grad``
-    and autocast. ``images``: a VL micro-batch's
-    :class:`~tapioca.models.packed.PackedImages`."""
-    hidden_NH = packed(input_ids_N, position_ids_N, seqs, images) if images is not None else \
-        packed(input_ids_N, position_ids_N, seqs)
+    and autocast. ``replay_topk_LNK``: routes for the MoE layers (routing replay).
+    ``images``: a VL micro-batch's :class:`~tapioca.models.packed.PackedImages`."""
+    extra = {k: v for k, v in (("images", images), ("replay_topk_LNK", replay_topk_LNK)) if v is not None}
+    hidden_NH = packed(input_ids_N, position_ids_N, seqs, **extra)
     weight_VH = packed.lm_head.weight
     return gather_logprobs_entropy(
         hidden_NH.index_select(0, rows_M), weight_VH, labels_M, temperature=temperature,

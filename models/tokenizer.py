@@ -141,7 +141,7 @@ def prompt_encoder(tokenizer) -> Callable[[dict[str, Any]], tuple[list[int], str
     """``encode(row) -> (prompt token ids, prompt text)`` for dataset rows (``messages``,
     or ``prompt`` as one user turn): the tokenizer's chat template with a generation
     prompt when it has one, else the contents joined by newlines. How the feeder encodes
-    prompts (and the offline trainers' data, so a fine-tuned model sees RL's layout)."""
+    prompts (and the supervised trainers' data, so a fine-tuned model sees RL's layout)."""
 
     def encode(row: dict[str, Any]) -> tuple[list[int], str]:
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]

@@ -75,6 +75,30 @@ def resolve_bootstrap(flag: str | None, configured: str | None = None) -> str:
     )
 
 
+def broker_up_bootstrap() -> str | None:
+    """The address of the broker `tapioca broker up` started, if it runs and answers
+    (`tapioca train` then uses it rather than starting a private one)."""
+    state = read_state()
+    if not state:
+        return None
+    host, port = state["bootstrap"].rsplit(":", 1)
+    return state["bootstrap"] if port_open(host, int(port)) else None
+
+
+def train_bootstrap(flag: str | None) -> tuple[str | None, str]:
+    """The broker a `tapioca train` with no ``bus.bootstrap_servers`` runs on, and what to
+    say about it: ``--bootstrap-server`` / ``$TAPIOCA_BOOTSTRAP``, else the broker of
+    `tapioca broker up` (so `tail`, `lag` and `status` see the run), else None (the
+    launcher starts an embedded broker of the run's own)."""
+    if flag:
+        return flag, ""
+    up = broker_up_bootstrap()
+    if up is None:
+        return None, ""
+    return up, (f"using the broker of `tapioca broker up` at {up} (`tapioca broker down` "
+                "first for a broker of the run's own)")
+
+
 def broker_up(port: int, storage: str) -> dict:
     existing = read_state()
     if existing:

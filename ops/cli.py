@@ -9,7 +9,8 @@ Global options: ``--bootstrap-server`` (or ``$TAPIOCA_BOOTSTRAP``; else the brok
 ``--run-dir`` (a run's directory: its config.yaml gives the broker, prefix and security
 settings unless the flags do, and its ``secrets/bus.key`` signs commands) or
 ``--key-file`` (the signing key alone; or ``$TAPIOCA_SIGNING_KEY_FILE``). Errors are one
-line on stderr and a non-zero exit, never a stack trace (``--debug`` shows it).
+line on stderr and a non-zero exit (78 for a config or usage error, else 1), never a
+stack trace (``--debug`` shows it).
 
 Global options go before the command or anywhere after it, as kafka's tools and kubectl
 take them (``tapioca status --run-dir R`` = ``tapioca --run-dir R status``):
@@ -26,19 +27,20 @@ from typing import Optional
 import typer
 
 from ..schemas.errors import TapiocaError
-from . import admin_cli, commands, fleet_cli, offline_cli, plot, proxy_cli, replay_cli
+from . import admin_cli, commands, fleet_cli, plan_cli, plot, proxy_cli, replay_cli, run_cli, supervised_cli
 from .cli_context import G
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Tapioca: asynchronous RL for LLMs over Kafka.")
 # Each module's top-level commands, in the order `tapioca --help` lists them, then the
 # command groups (Typer lists a group's commands before its sub-groups).
-for _module in (admin_cli, commands, plot, fleet_cli, offline_cli, proxy_cli, replay_cli):
+for _module in (admin_cli, commands, run_cli, plot, fleet_cli, supervised_cli, plan_cli, proxy_cli, replay_cli):
     app.add_typer(_module.app)
 for _name, _group in (("broker", admin_cli.broker_app), ("topics", admin_cli.topics_app),
                       ("schemas", admin_cli.schemas_app),
                       ("checkpoint", admin_cli.checkpoint_app),
-                      ("weights", fleet_cli.weights_app), ("dlq", fleet_cli.dlq_app)):
+                      ("weights", fleet_cli.weights_app), ("dlq", fleet_cli.dlq_app),
+                      ("config", run_cli.config_app)):
     app.add_typer(_group, name=_name)
 
 
@@ -109,7 +111,9 @@ def main() -> None:
         if G.debug:
             raise
         sys.stderr.write(f"error: {exc}\n")
-        sys.exit(1)
+        # 78 (EXIT_CONFIG) for a config or usage error: `tapioca proxy` as a role of
+        # `tapioca train` is then not restarted, and its line is what the launcher says.
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

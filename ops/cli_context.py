@@ -2,7 +2,7 @@
 invocation (``G``, set by the root callback in ops/cli.py), the bus settings they name
 (``bus_config()``) and the output helpers (``emit_json``, ``check_output``).
 
-The command modules (admin_cli, commands, plot, fleet_cli, offline_cli, proxy_cli,
+The command modules (admin_cli, commands, plot, fleet_cli, supervised_cli, proxy_cli,
 replay_cli) import this module and never ops/cli.py, which imports them and composes
 them into the one ``tapioca`` command: no import circle.
 """
@@ -78,6 +78,17 @@ def bus_config(**overrides):
             section["signing_key_path"] = str(default)
     section.update(overrides)
     return BusConfig(**section)
+
+
+def run_dir_run_id() -> str:
+    """The bus run id of ``--run-dir``'s run (its config.yaml's ``bus.run_id``, which
+    `tapioca train` writes), or ANY_RUN without one: `status` and the fleet commands
+    narrow the fleet to that run's members (runs before it on the prefix reuse the same
+    member ids), and commands carry it, so other runs' members skip them."""
+    from ..schemas.envelope import ANY_RUN
+
+    run_id = run_bus_section(G.run_dir).get("run_id") if G.run_dir else None
+    return run_id if isinstance(run_id, str) and run_id else ANY_RUN
 
 
 def emit_json(obj) -> None:

@@ -20,24 +20,37 @@ DEMO_CONFIG = "demo_cpu.yaml"
 
 
 def run_training(config: Optional[str], overrides: list[str], *,
-                 live: Optional[bool] = None) -> None:
+                 live: Optional[bool] = None, resume: Optional[str] = None) -> None:
     """Launch the run and show it (ops/train_view.py): a live table on a terminal,
-    progress lines otherwise (``live`` forces either)."""
+    progress lines otherwise (``live`` forces either). ``resume``: a run directory whose
+    own config.yaml the run continues from (`tapioca train --resume RUN_DIR`)."""
     from transformers.utils import logging as hf_logging
 
     from ..config.loader import load_config
     from ..config.schema import TrainConfig
+    from ..runtime.run import resolve_run
     from . import train_view
+    from .broker_state import train_bootstrap
     from .launcher import Launcher
+    from .run_cli import resume_config
 
     hf_logging.disable_progress_bar()
+    values: dict = {}
+    if resume:  # the run's own config.yaml, back where it was (ops/run_cli.py)
+        config, values, note = resume_config(resume, config, overrides)
+        console.print(note)
     cfg = load_config(TrainConfig, config, overrides)
+    if values:
+        cfg = resolve_run(cfg, values=values)
     # `docker stop` / systemd send SIGTERM: stop the roles as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if G.bootstrap and not cfg.bus.bootstrap_servers:
-        from ..runtime.run import resolve_run
-
-        cfg = resolve_run(cfg, bootstrap=G.bootstrap)
+    if not cfg.bus.bootstrap_servers:
+        # The flag / $TAPIOCA_BOOTSTRAP, else `tapioca broker up`'s, else the launcher's own.
+        bootstrap, note = train_bootstrap(G.bootstrap)
+        if note:
+            console.print(note)
+        if bootstrap:
+            cfg = resolve_run(cfg, bootstrap=bootstrap)
     live = console.is_terminal if live is None else live
     view = train_view.TrainView(cfg)
     if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
@@ -72,6 +85,11 @@ def run_training(config: Optional[str], overrides: list[str], *,
             # soft_wrap: a log file gets each message on one line, whatever its length.
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
                           f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)", soft_wrap=True)
+            if cfg.agent.online:  # docs/online.md
+                console.print(f"online: the proxy serves http://{cfg.proxy.host}:{cfg.proxy.port}/v1 "
+                              f"(admin key: {cfg.proxy.api_key_file or 'proxy.api_key'}); reward an "
+                              f"ended session with `tapioca --run-dir {cfg.run_path} reward "
+                              "SESSION_ID VALUE`", markup=False, soft_wrap=True)
             resuming = train_view.start_line(cfg, train_view.trainer_checkpoint(cfg.run_path))
             if resuming:
                 console.print(resuming, markup=False, highlight=False, soft_wrap=True)
@@ -86,8 +104,9 @@ def run_training(config: Optional[str], overrides: list[str], *,
     for line in ([] if live else view.lines_at_end()):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     cfg = launcher.cfg  # resolved as far as the start got
-    resume = train_view.resume_command(config, overrides, cfg.trial_name, bootstrap=G.bootstrap,
-                                       demo_config=str(EXAMPLES / DEMO_CONFIG))
+    resume = (f"tapioca train --resume {cfg.run_path}" if resume else
+              train_view.resume_command(config, overrides, cfg.trial_name, bootstrap=G.bootstrap,
+                                        demo_config=str(EXAMPLES / DEMO_CONFIG)))
     # After the stop: the trainer checkpoints on its way out.
     ckpt = train_view.trainer_checkpoint(cfg.run_path)
     console.print(train_view.closing_line(summary or launcher.summary, cfg, ckpt, resume=resume,
@@ -104,10 +123,15 @@ def train(
     launcher: Optional[str] = typer.Option(
         None, "--launcher", help="local (child processes, the default) or ray (Ray actors); "
         "the same as scheduler.type=..."),
+    resume: Optional[str] = typer.Option(
+        None, "--resume", help="Continue the trial in RUN_DIR (runs/EXPERIMENT/TRIAL) from its "
+        "checkpoint, with the config it was started with; overrides apply on top (e.g. "
+        "total_train_steps=1200)."),
 ) -> None:
     """Run training: every role as its own process, meeting on the log. Extra
-    arguments are dotted overrides, e.g. actor.lr=1e-3 gconfig.n_samples=8."""
-    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []))
+    arguments are dotted overrides, e.g. actor.optimizer.lr=1e-3 gconfig.n_samples=8."""
+    run_training(config, list(ctx.args) + ([f"scheduler.type={launcher}"] if launcher else []),
+                 resume=resume)
 
 
 @app.command("demo", context_settings=EXTRA_ARGS)

@@ -1,5 +1,6 @@
 """Fleet control from the CLI: `tapioca status`, `tapioca pause|resume|drain TARGET`,
-`tapioca weights list|rollback`, `tapioca dlq list|show|retry`.
+`tapioca reward SESSION_ID VALUE`, `tapioca weights list|rollback`, `tapioca dlq
+list|show|retry`.
 
 Reads ``fleet.v1`` (heartbeats), ``weights.v1`` and ``dlq.v1``; publishes
 ``ControlEvent`` on ``control.v1`` and waits for the members' ``ControlAckEvent``; `dlq
@@ -17,9 +18,9 @@ import orjson
 import typer
 from rich.table import Table
 
-from ..schemas.envelope import names_a_run
+from ..schemas.envelope import ANY_RUN, names_a_run
 from ..schemas.errors import TapiocaError
-from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json
+from .cli_context import OUTPUT_HELP, bus_config, check_output, console, emit_json, run_dir_run_id
 from .render import compact, duration, narrow_table, number_column
 
 # This module's top-level commands and its two command groups; ops/cli.py adds them to
@@ -62,7 +63,9 @@ def status(
     cfg = bus_config()
     admin_client(cfg)
     window = None if all_members else max(since_s, TARGETABLE_STALE_S)
-    members = [m for m in read_fleet(cfg, window_s=window) if all_members or m.age_s <= since_s]
+    run_id = run_dir_run_id()  # --run-dir: that run's members only
+    members = [m for m in read_fleet(cfg, window_s=window, run_id=run_id)
+               if all_members or m.age_s <= since_s]
     alarm = stall(members, stall_after_s)
     if output == "json":
         emit_json([m.to_json() for m in members])
@@ -71,7 +74,8 @@ def status(
     # Short headers and compact numbers: the numbers stay whole on 80 columns (the text
     # columns wrap instead). A member id names its role ("rollout-0"): the role is said
     # only where it does not.
-    table = narrow_table(f"fleet ({cfg.topic_prefix}); -o json has hosts, pids and "
+    run = f", run {run_id}" if names_a_run(run_id) else ""
+    table = narrow_table(f"fleet ({cfg.topic_prefix}{run}); -o json has hosts, pids and "
                          "per-partition lag")
     for col in ("member", "status"):
         table.add_column(col, overflow="fold")
@@ -91,6 +95,9 @@ def status(
     table.caption = ("ver: policy version; in/out/s: events per second; lag~: approximate "
                      "(broker watermarks); stale: mean/max staleness of the trainer's last "
                      "step; idle: since it last moved; seen: since its last heartbeat")
+    foreign = sum(m.to_json()["foreign"] for m in members)
+    if foreign:  # e.g. an earlier run's weights on the same prefix: skipped, not forgeries
+        table.caption += f"; {foreign} events of other runs skipped"
     if not members:
         table.caption = "no heartbeats on fleet.v1 (are roles running under this --prefix?)"
     console.print(table)
@@ -122,7 +129,10 @@ def _command(command: str, target: str, *, args: dict | None = None, timeout_s: 
     )
 
     cfg = bus_config()
-    chosen = resolve_target(members if members is not None else read_fleet(cfg), target)
+    # --run-dir: that run's members, and a command only they obey (other runs skip it).
+    run_id = run_id or (rid if names_a_run(rid := run_dir_run_id()) else None)
+    chosen = resolve_target(members if members is not None else read_fleet(
+        cfg, run_id=run_id or ANY_RUN), target)
     check_signing(cfg, chosen)
     expect = [m.event.member_id for m in chosen]
     event, acks = send_command(cfg, command, target, expect, args=args, timeout_s=timeout_s,
@@ -172,6 +182,35 @@ _control_command("pause", "Pause members: their input partitions are paused and 
 _control_command("resume", "Resume paused members.")
 _control_command("drain", "Drain members: they take no new input, finish their in-flight "
                  "work, commit, report status stopped and exit.")
+
+
+@app.command("reward", context_settings={"ignore_unknown_options": True})  # VALUE may be -1
+def reward(
+    session_id: str = typer.Argument(..., help="The session (sess-..., from POST /v1/sessions)."),
+    value: float = typer.Argument(..., help="The reward: a finite number within +-1e9."),
+    timeout: float = typer.Option(10.0, "--timeout", help=TIMEOUT_HELP),
+    output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
+) -> None:
+    """Reward an ended agent session (online mode: seconds to days after its end): the
+    signed `reward` command to the run's proxy, which publishes the session's rewards (as
+    POST /v1/sessions/SESSION_ID/reward with the admin key would). Refused with the
+    proxy's reason: an unknown or expired session, a second reward (docs/online.md)."""
+    import math
+
+    from ..bus.fleet import ControlError, read_fleet
+
+    check_output(output)
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"the reward must be a finite number, not {value}")
+    live = [m for m in read_fleet(bus_config()) if m.event.role == "proxy-sessions" and m.live]
+    if not live:
+        raise ControlError("no proxy of this run is running (no live proxy-sessions member in "
+                           "`tapioca status`): start the run (`tapioca train` with agent.mode "
+                           "online), check --run-dir / --prefix, or POST the reward to "
+                           "/v1/sessions/SESSION_ID/reward")
+    newest = max(live, key=lambda m: m.event.produced_at)  # one proxy answers, not each
+    _command("reward", newest.event.member_id, args={"session_id": session_id, "reward": value},
+             timeout_s=timeout, output=output, members=[newest])
 
 
 # ---------------------------------------------------------------------- weights
@@ -248,7 +287,7 @@ def weights_list(
                   caption=(f"{len(rows)} of {len(every)} versions: the newest {last} and those "
                            "on disk here; --all shows every one. " if hidden else "")
                   + "The trainer keeps only the last keep_weight_versions files "
-                    "(ipc / nccl: every actor.weight_file_every_versions-th version has "
+                    "(ipc / nccl: every weights.file_every_versions-th version has "
                     "one); -o json has full paths")
     for r in rows:
         table.add_row(str(r["version"]), _when(r["time"]),
@@ -278,7 +317,7 @@ def weights_rollback(
     target = versions[version]
     if not target["sha256"]:
         raise TapiocaError(f"version {version} of run {run_id} has no durable weights file on "
-                           "the log (ipc / nccl write one every actor.weight_file_every_versions "
+                           "the log (ipc / nccl write one every weights.file_every_versions "
                            "versions, in the background); roll back to a version that has one "
                            "(`tapioca weights list`)")
     _command("rollback", "trainer", args={"version": version, "sha256": target["sha256"]},
@@ -397,6 +436,26 @@ def _already_retried(cfg, letters: list) -> set[int]:
     return found
 
 
+def _duplicate_letters(letters: list) -> dict[int, int]:
+    """For each dead letter of a record that an earlier one in ``letters`` (lower dlq.v1
+    offset) also dead-lettered -- the same source topic, partition and offset: one
+    letter per consumer group that failed on it -- the earlier one's offset. A record is
+    republished once however many groups dead-lettered it. Letters without a source
+    position (an event found bad in a tick, offset -1) are never merged."""
+    first: dict[tuple[str, int, int], int] = {}
+    duplicate_of: dict[int, int] = {}
+    for r in sorted(letters, key=lambda r: r.source.offset):
+        e = r.event
+        if e.source_offset < 0 or not e.payload_b64 or e.payload_truncated:
+            continue
+        where = (e.source_topic, e.source_partition, e.source_offset)
+        if where in first:
+            duplicate_of[r.source.offset] = first[where]
+        else:
+            first[where] = r.source.offset
+    return duplicate_of
+
+
 @dlq_app.command("retry")
 def dlq_retry(
     source: Optional[str] = typer.Option(None, "--source", help="Only dead letters of this topic."),
@@ -410,7 +469,9 @@ def dlq_retry(
     e.g. after fixing what made their handler fail. Consumers de-duplicate by event
     identity, so a retry of an event that was in fact handled changes nothing. A dead
     letter retried before (its source topic holds a record marked ``tapioca.retry_of``
-    with its offset) is republished again, with a warning listing such letters."""
+    with its offset) is republished again, with a warning listing such letters. A record
+    that several consumer groups dead-lettered (one letter each, the same source topic,
+    partition and offset) is republished once, for the first of its letters."""
     import sys
 
     from ..bus.producer import EventProducer
@@ -433,6 +494,7 @@ def dlq_retry(
             "before (their source topics hold records marked tapioca.retry_of); they are "
             "republished again: consumers de-duplicate, so a handled event changes nothing"
             + (" (dry run: nothing is republished)" if dry_run else "") + "\n")
+    duplicate_of = _duplicate_letters(chosen)
     results = []
     with EventProducer(cfg, f"tapioca-dlq-retry-{cfg.client_id}") as producer:
         for r in chosen:
@@ -440,7 +502,12 @@ def dlq_retry(
             row = {"offset": r.source.offset, "source_topic": e.source_topic,
                    "source_offset": e.source_offset,
                    "retried_before": r.source.offset in before}
-            if e.payload_truncated:
+            if r.source.offset in duplicate_of:
+                first = duplicate_of[r.source.offset]
+                row.update(retried=False, duplicate_of=first,
+                           reason=f"the same record as the dead letter at @{first} (another "
+                                  "consumer group's); republished once")
+            elif e.payload_truncated:
                 row.update(retried=False, reason="payload was truncated in the dead letter; the "
                            f"original is at {e.source_topic}[{e.source_partition}]"
                            f"@{e.source_offset} (while retention keeps it)")
@@ -465,7 +532,8 @@ def dlq_retry(
         if not results:
             table.caption = "nothing matched"
         console.print(table)
-    skipped = [row for row in results if not row["retried"] and not dry_run]
+    skipped = [row for row in results if not row["retried"] and not dry_run
+               and "duplicate_of" not in row]
     if skipped:
         raise TapiocaError(f"{len(skipped)} dead letter(s) could not be retried: "
                            + "; ".join(f"@{row['offset']}: {row['reason']}" for row in skipped))

@@ -11,22 +11,26 @@ Supervision (``launcher`` config section):
 - a role that crashes (non-zero exit) is restarted after a backoff that doubles per
   restart, up to ``launcher.max_restarts`` within ``launcher.restart_window_s``; then
   the run stops with an error naming the role and its log. Exit code 78 (a config or
-  file problem, ``EXIT_NO_RESTART``) is never retried, nor is 74 (``EXIT_STORAGE``: a
-  disk full, failing or read-only, which the run stops on with the role's one-line
-  reason). Restarting is safe: every role resumes from the log and its checkpoint. A
-  clean exit (0) of a role is a drain.
+  file problem, ``EXIT_NO_RESTART``) is never retried: the run stops at once with the
+  role's one-line reason; nor is 74 (``EXIT_STORAGE``: a disk full, failing or
+  read-only), which stops the run with the role's one-line reason. Restarting is safe:
+  every role resumes from the log and its checkpoint. A clean exit (0) of a role is a
+  drain.
 - each role gets the write end of a pipe (``$TAPIOCA_REASON_FD``) for the one line that
   says why it failed (ops/role_main.py): its log may be on the disk that is full.
 - children die with the launcher even when it is killed with SIGKILL: each arms
   PR_SET_PDEATHSIG before it starts (ops/parent_death.py); each role leads its own
-  process group, which the launcher signals when it stops.
+  process group, which the launcher signals when it stops. Members of the run that the
+  launcher did not start (`tapioca role NAME --config RUN/config.yaml`) are drained over
+  control.v1 when the run ends (ops/run_end.py).
 - the broker is watched every ``launcher.topic_check_interval_s``: when the embedded
   broker died it is started again on its port; when topics are missing or have the
   wrong partition count (a broker that lost its data; clients may auto-create them
   with its defaults) they are re-created from the registry, and since the log is gone,
   the run moves to a new bus run id and every role is restarted on it.
 - stall alarm: no role handled or produced anything for ``launcher.stall_alarm_s``
-  although some run unpaused (or none reported at all): shown in the display.
+  although some run unpaused (or none reported at all): shown in the display. Online
+  mode raises only the second (no traffic is no stall).
 
 Bus run ids (one per broker lifetime): a run resumed on a broker that does not hold its
 log (the embedded memory broker keeps nothing across restarts) would number its groups
@@ -38,7 +42,9 @@ gate counts from there (docs/design-choices.md).
 Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
 (``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
 scorers; the launcher fixes the proxy's port and admin key (a 0600 file beside the
-signing key) in the written config so both sides read the same ones.
+signing key) in the written config so both sides read the same ones. Online mode
+(``agent.mode: online``, docs/online.md): the proxy, the advantage processor and the
+trainer, no agent runner; live clients' sessions are the data.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
-from ..schemas.errors import BusError, TapiocaError
+from ..schemas.errors import EXIT_CONFIG, EXIT_STORAGE, BusError, TapiocaError
+from . import run_record
 from .parent_death import guarded
+from .run_end import end_members, outside_members
 
 # The launcher's parts, re-exported: callers and tests import them from here.
 from .run_setup import last_member_warning, role_command, role_counts  # noqa: F401
@@ -76,11 +84,10 @@ ARCHIVER_CATCH_UP_S = 2.0
 
 
 # A role exits with this code for an error no restart can fix (a bad config, a missing
-# key file, an old checkpoint format): the supervisor does not retry it (EX_CONFIG).
-EXIT_NO_RESTART = 78
-# ... and with this one when a disk is full, failing or read-only (StorageError, EX_IOERR):
-# the run stops, saying which file could not be written, until a person frees space.
-EXIT_STORAGE = 74
+# key file, an old checkpoint format, a port taken): the supervisor does not retry it and
+# says the role's one-line reason (schemas/errors.py EXIT_CONFIG, EX_CONFIG); and with
+# EXIT_STORAGE when a disk is full, failing or read-only (StorageError, EX_IOERR).
+EXIT_NO_RESTART = EXIT_CONFIG
 # The environment variable naming a role's inherited pipe for its one-line failure reason.
 REASON_FD_ENV = "TAPIOCA_REASON_FD"
 
@@ -124,6 +131,14 @@ class Child:
         if self.reason_fd >= 0:
             os.close(self.reason_fd)
             self.reason_fd = -1
+
+    def error_line(self) -> str | None:
+        """The role's reason for a config or usage error: the last ``error: ...`` line of
+        its log (role_main, `tapioca proxy` and the agent runner end with one)."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            if line.startswith("error: "):
+                return line[len("error: "):].strip()
+        return None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -224,6 +239,8 @@ class Launcher:
         self._last_report = time.monotonic()
         self._reported = False
         self._reader = None
+        self._spawned_pids: set[int] = set()  # every child process started, for run_end
+        self._outcome = "stopped"  # how the run ended, for the run record
 
     # ------------------------------------------------------------------ start
 
@@ -234,6 +251,8 @@ class Launcher:
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
+            log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
         self.summary = RunSummary(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -246,6 +265,9 @@ class Launcher:
                                proxy_endpoint=self.cfg.agent.enabled)
         self.summary.bus_run_id = self.cfg.bus.run_id
         self._write_config()
+        # For `tapioca runs` and `tapioca train --resume` (ops/run_record.py).
+        run_record.write_start(run_dir, bootstrap=self.cfg.bus.bootstrap_servers,
+                               own_broker=self.broker is not None, bus_run_id=self.cfg.bus.run_id)
         self._spawn_all()
         self._progress = (None, time.monotonic())
         self._last_report = time.monotonic()
@@ -308,6 +330,7 @@ class Launcher:
             os.close(reason_w)
         child = Child(role, member, proc, log_path, reason_fd=reason_r)
         self.children.append(child)
+        self._spawned_pids.add(proc.pid)
         return child
 
     # ------------------------------------------------------------------ supervision
@@ -326,6 +349,7 @@ class Launcher:
                 if self._check_children(now):
                     # Its last step's metrics may still be in flight: read to the end.
                     self._read_metrics(idle_s=0.5, timeout_s=3.0)
+                    self._outcome = "finished"
                     return self.summary
                 self._start_due(now)
                 self._check_stall(now)
@@ -333,6 +357,12 @@ class Launcher:
                     self.on_tick()
                 if timeout_s is not None and now - start > timeout_s:
                     raise RoleFailedError(f"the run did not finish within {timeout_s:.0f} s")
+        except KeyboardInterrupt:
+            self._outcome = "interrupted"
+            raise
+        except BaseException:
+            self._outcome = "failed"
+            raise
         finally:
             self._close_reader()
 
@@ -398,6 +428,11 @@ class Launcher:
         if reason:
             tail = f"{reason}; {tail}"
         if code == EXIT_NO_RESTART:
+            # The pipe's line, or the log's last "error:" line (`tapioca proxy` and the agent
+            # runner have no pipe).
+            reason = reason or child.error_line()
+            if reason:  # one line, as the role said it (not restarted, so no alarm either)
+                raise RoleFailedError(f"{child.label}: {reason} (log: {child.log_path})")
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
         if recent >= lc.max_restarts:
@@ -526,7 +561,8 @@ class Launcher:
             self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
                                     f"{now - self._last_report:.0f} s although {len(alive)} "
                                     "are alive (is the broker up? `tapioca topics list`)")
-        elif running and now - since > lc.stall_alarm_s:
+        elif running and now - since > lc.stall_alarm_s and not self.cfg.agent.online:
+            # (Online, a quiet log is a quiet hour of traffic, not a stall.)
             self.alarms["stall"] = (f"stalled: no role handled or produced an event for "
                                     f"{now - since:.0f} s although {len(running)} report "
                                     "running (`tapioca status`; `tapioca topics list`)")
@@ -582,17 +618,33 @@ class Launcher:
         self.pending.clear()
         self._close_reader()
         archivers = [c for c in self.children if c.role == "archiver"]
+        # Members of the run that this launcher did not start (a `tapioca role` a user
+        # started, e.g. after the drain warning) end with the run too (ops/run_end.py).
+        outside = self._outside_members()
         # Agent runners before the proxy they talk to (else every open episode logs a
         # connection error on the way down).
         self._stop_children([c for c in self.children if c.role == "agent"], timeout_s)
         self._stop_children([c for c in self.children if c.role not in ("archiver", "agent")],
                             timeout_s)
-        if any(c.proc.poll() is None for c in archivers):
+        end_members(self.cfg.bus, [m for m in outside if m.event.role != "archiver"])
+        if any(c.proc.poll() is None for c in archivers) or outside:
             time.sleep(ARCHIVER_CATCH_UP_S)
+        end_members(self.cfg.bus, [m for m in outside if m.event.role == "archiver"])
         self._stop_children(archivers, timeout_s)
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        if self.summary is not None:
+            run_record.write_end(self.summary.run_dir, self._outcome)
+
+    def _outside_members(self) -> list:
+        """This run's live members that are not this launcher's children (none when its
+        own broker is down, or the run never reached a broker: nothing could reach them)."""
+        if not self.expected_topics or (self.broker is not None and (
+                self.broker.proc is None or self.broker.proc.poll() is not None)):
+            return []
+        own = self._spawned_pids | {c.proc.pid for c in self.children}
+        return outside_members(self.cfg.bus, own)
 
     def _stop_children(self, children: list[Child], timeout_s: float) -> None:
         for child in children:

@@ -26,6 +26,7 @@ this host's file system; on a multi-node Ray cluster, use a shared run directory
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -35,10 +36,31 @@ from pathlib import Path
 from typing import Any
 
 from ..bus.settings import BOOTSTRAP_ENV
-from ..schemas.errors import ConfigError
-from .launcher import Child, Launcher, role_command
+from ..schemas.errors import ConfigError, TapiocaError
+from .launcher import EXIT_NO_RESTART, Child, Launcher, role_command
 
 log = logging.getLogger(__name__)
+
+
+class RayStartError(TapiocaError):
+    """Ray failed to start, join or place the run (said in one line, with what to do)."""
+
+
+@contextlib.contextmanager
+def _ray_failure(what: str):
+    """Ray's exception as one line: what failed, Ray's first line of why, where Ray's logs
+    are, and the local launcher, which needs no Ray."""
+    try:
+        yield
+    except TapiocaError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        tmp = os.environ.get("RAY_TMPDIR") or "/tmp"
+        raise RayStartError(
+            f"{what} ({type(exc).__name__}: {first}); Ray's logs: {tmp}/ray/session_latest/logs; "
+            "to train without Ray use the local launcher: drop --launcher ray "
+            "(scheduler.type=local)") from None
 
 
 def _require_ray():
@@ -66,8 +88,9 @@ class _RoleActorImpl:
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                          preexec_fn=_parent_death_only)
         code = self.proc.wait()
-        if code != 0 and not self.stopping:
-            # End the actor: Ray restarts it (max_restarts) and retries run() there.
+        if code not in (0, EXIT_NO_RESTART) and not self.stopping:
+            # End the actor: Ray restarts it (max_restarts) and retries run() there. A
+            # config error is returned instead: no restart fixes it, the launcher says it.
             os._exit(code if 0 < code < 256 else 1)
         return code
 
@@ -186,8 +209,13 @@ class RayLauncher(Launcher):
         ray, s = self.ray, self.cfg.scheduler
         if ray.is_initialized():
             return
+        # Ray's own driver logging only with --debug: the live table is the display.
+        quiet = dict(log_to_driver=False, logging_level=logging.DEBUG
+                     if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.ERROR)
         if s.ray_address:
-            ray.init(address=s.ray_address, log_to_driver=False)
+            with _ray_failure(f"could not join the Ray cluster at scheduler.ray_address="
+                              f"{s.ray_address}"):
+                ray.init(address=s.ray_address, **quiet)
             return
         from .launcher import role_counts
 
@@ -195,9 +223,10 @@ class RayLauncher(Launcher):
         # share its cores as they do under the local launcher).
         need = sum(n * s.num_cpus_per_role * (self.cfg.fsdp.world_size if role == "trainer" else 1)
                    for role, n in role_counts(self.cfg))
-        ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False,
-                 object_store_memory=128 * 1024 * 1024)
+        with _ray_failure("Ray could not start its local node on 127.0.0.1"):
+            ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", object_store_memory=128 * 1024 * 1024,
+                     **quiet)
         self._own_cluster = True
 
     def _actor_class(self):
@@ -216,7 +245,10 @@ class RayLauncher(Launcher):
         if role == "trainer":
             options.update(self._trainer_placement())
         elif role in ("rollout", "proxy") and self.cfg.rollout.device.startswith("cuda"):
-            options["num_gpus"] = s.rollout_num_gpus
+            srv = self.cfg.rollout.server
+            # A member that launches a tensor-parallel server needs that server's GPUs.
+            launches = self.cfg.rollout.engine != "torch" and not srv.urls
+            options["num_gpus"] = s.rollout_num_gpus * (srv.tensor_parallel_size if launches else 1)
         actor = self._actor_class().options(**options).remote(
             role_command(role, member, config_path), env, str(log_path))
         child = Child(role, member, RayProc(self.ray, actor, f"{role}-{member}"), log_path)
@@ -233,7 +265,9 @@ class RayLauncher(Launcher):
         gpus = n if self.cfg.actor.device.startswith("cuda") else 0
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{self.cfg.run_id}:trainer")
-        self.ray.get(pg.ready(), timeout=self.cfg.scheduler.start_timeout_s)
+        with _ray_failure(f"Ray could not place the trainer's {bundle} on one node within "
+                          f"scheduler.start_timeout_s={self.cfg.scheduler.start_timeout_s:.0f} s"):
+            self.ray.get(pg.ready(), timeout=self.cfg.scheduler.start_timeout_s)
         self._groups.append(pg)
         return dict(num_cpus=cpus, num_gpus=gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(

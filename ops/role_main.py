@@ -19,8 +19,7 @@ from ..config.schema import TrainConfig
 from ..runtime.builders import ROLES, build_role
 from ..runtime.run import resolve_run
 from ..schemas.errors import ConfigError, TapiocaError, storage_error
-from ..trainers.checkpoint import CheckpointFormatError
-from .launcher import EXIT_NO_RESTART, EXIT_STORAGE, REASON_FD_ENV
+from .launcher import REASON_FD_ENV
 
 
 def _report(exc: BaseException, reason_fd: str) -> None:
@@ -65,16 +64,13 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         runner.run()
         logging.info("stopped cleanly: %s", runner.stats)
         return 0
-    except (ConfigError, CheckpointFormatError) as exc:
-        # No restart can fix these (the launcher does not retry EXIT_NO_RESTART).
-        _report(exc, reason_fd)
-        return EXIT_NO_RESTART
     except Exception as exc:
-        # A full or failing disk (raised by the role, or met anywhere else here): no
-        # restart either, until a person frees space (the launcher stops the run).
-        disk = storage_error(exc)
-        _report(disk or exc, reason_fd)
-        return EXIT_STORAGE if disk is not None else 1
+        # A TapiocaError exits with its exit_code: EXIT_CONFIG (a config error, a checkpoint
+        # format) and EXIT_STORAGE (a full or failing disk, raised by the role or met here)
+        # are not retried by the launcher (schemas/errors.py).
+        err = storage_error(exc) or exc
+        _report(err, reason_fd)
+        return err.exit_code if isinstance(err, TapiocaError) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,10 @@ def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
     if cfg.agent.enabled:
         # Agent mode: the proxy generates and publishes trajectories + session rewards;
         # agent runners play the dataset's prompts through it (no feeder/rollout/reward).
+        # Online mode: the traffic is the data, so no agent runner plays the dataset.
+        agents = 0 if cfg.agent.online else cfg.agent.workers
         counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
-                  ("agent", cfg.agent.workers)]
+                  ("agent", agents)]
     return [(role, n) for role, n in counts if n > 0]
 
 
@@ -49,4 +51,4 @@ def last_member_warning(role: str, config_path: Path) -> str:
     else:
         start = f"tapioca role {role} --config {config_path}"
     return (f"warning: no {role} member left: the run cannot progress; start one with "
-            f"`{start}` or stop the run (Ctrl-C)\n")
+            f"`{start}` (it stops when the run ends) or stop the run (Ctrl-C)\n")

@@ -1,13 +1,15 @@
 """The prompt feeder: dataset records in, prompt groups out, under the head gate.
 
-Consumes ``weights.v1`` (broadcast: the latest policy version and its counts).
-Emits ``PromptEvent`` on ``prompts.v1``, keyed by ``group_id``.
+Consumes ``progress.v1`` (broadcast: the trainer's version, its rejected groups and
+counts; the feeder reads nothing of ``weights.v1``). Emits ``PromptEvent`` on
+``prompts.v1``, keyed by ``group_id``.
 
-Head gate (DESIGN.md §3, algorithms/head_gate.py): group k is published only while
+Head gate (docs/design.md#3-policy-versions-and-the-staleness-window,
+algorithms/head_gate.py): group k is published only while
 ``k - freed < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
 ``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``).
 ``freed`` counts the groups *this feeder admitted* that the trainer named as rejected
-(``rejected_group_ids`` on weights events): they free their slots — as rejected rollouts
+(``rejected_group_ids`` on progress events): they free their slots — as rejected rollouts
 do in AReaL — so over-stale groups cannot stall it. Rejections of groups it never
 admitted (fake "dropped" samples, a reward service keyed wrongly) free nothing and are
 counted (``ignored_rejections``); the trainer's own total (``groups_rejected``) is shown,
@@ -15,9 +17,9 @@ not trusted.
 
 Everything comes from the log, nothing from in-process counters or broker watermarks:
 k (with the epoch and dataset position, so a restart neither repeats nor skips prompts)
-and ``freed`` (with the weights offset it was counted through) are recovered from the
-feeder's own latest prompt event at start; v from the weights topic, whose versions
-only go forward (an older weights event moves nothing but its rejection names). The
+and ``freed`` (with the progress.v1 offset it was counted through) are recovered from
+the feeder's own latest prompt event at start; v from the progress topic, whose versions
+only go forward (an older progress event moves nothing but its rejection names). The
 recovered k is bounded by what the feeder itself published: a prompt event counts only
 if it carries the feeder's own group id for its index and its predecessor is there too,
 so one forged prompt with group_index 10^9 cannot shut the gate.
@@ -34,7 +36,7 @@ from ..bus.role import Role, Source
 from ..config.sections import FeederSection
 from ..schemas.envelope import Event
 from ..schemas.errors import ConfigError, TapiocaError
-from ..schemas.events import ImageRef, PromptEvent, WeightsEvent
+from ..schemas.events import ImageRef, ProgressEvent, PromptEvent
 
 
 def head_gate_open(next_group_index: int, version: int, eta: int, prompts_per_step: int,
@@ -69,10 +71,10 @@ class FeederState:
     # Groups this feeder admitted that the trainer named as rejected: they free slots.
     freed: int = 0
     freed_ids: set[str] = field(default_factory=set)
-    # weights.v1 offset whose rejections ``freed`` includes: recovered from the last
-    # prompt event, so the weights history read again after a restart is not recounted.
+    # progress.v1 offset whose rejections ``freed`` includes: recovered from the last
+    # prompt event, so the progress history read again after a restart is not recounted.
     counted_through: int = -1
-    weights_offset: int = -1  # the last weights.v1 offset handled
+    progress_offset: int = -1  # the last progress.v1 offset handled
     ignored_rejections: int = 0  # named rejections of groups it never admitted
     trainer_rejected: int = 0  # the trainer's own total, shown only
     exhausted: bool = False
@@ -82,7 +84,7 @@ class FeederState:
 
 class PromptFeeder(Role[FeederState]):
     name = "feeder"
-    broadcast_inputs = ("weights",)
+    broadcast_inputs = ("progress",)
     recover_from = ("prompts",)
 
     def __init__(
@@ -138,10 +140,12 @@ class PromptFeeder(Role[FeederState]):
         state.epoch = last.epoch
         state.position = last.dataset_position + 1
         state.freed = last.freed_groups
-        state.counted_through = last.weights_offset
+        # A prompt event of a feeder before progress.v1 counted through weights.v1 (its
+        # weights_offset): nothing of progress.v1 is in its count.
+        state.counted_through = last.progress_offset
 
     def handle(self, event: Event, state: FeederState, source: Source) -> Iterable[Event]:
-        if not isinstance(event, WeightsEvent):
+        if not isinstance(event, ProgressEvent):
             return ()
         # Judged before a restart (its rejections are in the recovered count): read again
         # only to remember which ids were counted.
@@ -149,7 +153,7 @@ class PromptFeeder(Role[FeederState]):
         # The version never goes back (an older event, re-published or not, moves
         # nothing); its rejection names still count: a rejection of one of this feeder's
         # groups is a fact whatever the version (after a forged newer version, the
-        # trainer's re-announcements of its real one carry them).
+        # trainer's progress events of its real one carry them).
         if event.version >= state.latest_version:
             state.latest_version = event.version
             # Only trained steps of this run id's log count (a run resumed on a new log:
@@ -165,7 +169,7 @@ class PromptFeeder(Role[FeederState]):
                 continue
             state.freed_ids.add(gid)
             state.freed += not replayed
-        state.weights_offset = max(state.weights_offset, source.offset)
+        state.progress_offset = max(state.progress_offset, source.offset)
         return ()
 
     def _order(self, state: FeederState) -> list[int]:
@@ -203,7 +207,7 @@ class PromptFeeder(Role[FeederState]):
                 sampling=self.sampling,
                 admitted_at_version=state.latest_version,
                 freed_groups=state.freed,
-                weights_offset=state.weights_offset,
+                progress_offset=state.progress_offset,
                 images=list(record.images),
             ))
             state.next_group_index += 1

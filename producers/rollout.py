@@ -1,17 +1,18 @@
 """The rollout worker: prompt groups in, one trajectory per completion out.
 
 Consumes ``prompts.v1`` (consumer group: each group goes to one worker) and
-``weights.v1`` (broadcast: every worker follows every version).
+``weights.v1`` (broadcast: every worker follows every version; the trainer's counts are
+on ``progress.v1``, which a worker does not read).
 Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
 ``traj_id`` is ``{group_id}:{sample_index}``, so a redelivered prompt produces the
 same identities and downstream de-duplication absorbs it.
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
-(models/weight_sync/) and loaded between decode steps: in-flight sequences continue and
+(weights/) and loaded between decode steps: in-flight sequences continue and
 their later tokens carry the new version. Which weights event is loaded, refused or
-dead-lettered is decided in producers/weights_follow.py (shared with the agent proxy):
-versions only go forward (algorithms/versions.py), so an event older than the loaded
+dead-lettered is decided in weights/follow.py (shared with the agent proxy):
+versions only go forward (weights/versions.py), so an event older than the loaded
 version is dead-lettered, never loaded, and so is another claim of the loaded version.
 Newer events are candidates, the highest loaded first: one that cannot be loaded (file
 missing, checksum wrong) is retried with backoff by the bus, then dead-lettered, and the
@@ -22,6 +23,13 @@ not started before the worker has loaded the version the feeder admitted it unde
 (``admitted_at_version``): the head gate's bound assumes it, and without it a prompt
 that overtakes its weights event is generated one version too old and later rejected as
 over-stale. A prompt's offset is committed only after all its trajectories are delivered.
+
+Routed experts (``rollout.return_routed_experts``, or ``actor.router_replay`` R3): the
+engine's routes of each completion ride on its trajectory (``routed_experts``, the compact
+encoding of :mod:`tapioca.schemas.routes`), inline up to
+``rollout.routed_experts_inline_max_bytes`` and otherwise in the run's blob store, written
+before the trajectory is published. A completion the engine returns without routes goes
+out without them (the trainer's ``actor.router_replay_missing`` decides).
 
 Fleet control: paused, the engine is paused too (the runner hands the worker no events
 and no ticks, so nothing is published); draining, no waiting prompt is started and the
@@ -49,7 +57,7 @@ from ..engines.base import GenRequest, GenResult, InferenceEngine, RequestImages
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
-from .weights_follow import WeightsFollow
+from ..weights.follow import WeightsFollow
 
 LoadWeights = Callable[[WeightsEvent], Any]
 # A prompt's image references -> what the engine takes (runtime/builders.py).
@@ -63,11 +71,14 @@ class _Group:
     # Empty while the prompt waits for the weights it was admitted under.
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     published: set[int] = field(default_factory=set)
+    # Wall-clock facts for the trajectories' timings (ops/timeline.py): when the group
+    # went to the engine, and the weights switch it was generated after.
+    submit_timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class RolloutState:
-    # The following of weights.v1 (producers/weights_follow.py): the loaded version and
+    # The following of weights.v1 (weights/follow.py): the loaded version and
     # the candidates, the first loaded on the next tick.
     weights: WeightsFollow
     inflight: dict[str, _Group] = field(default_factory=dict)
@@ -78,6 +89,9 @@ class RolloutState:
     window_tokens: int = 0
     groups_done: int = 0
     draining: bool = False
+    # version -> wall clock when its weights event arrived; the last switch's facts.
+    weights_seen_at: dict[int, float] = field(default_factory=dict)
+    last_switch: dict[str, float] = field(default_factory=dict)
 
     @property
     def loaded_version(self) -> int:
@@ -124,6 +138,13 @@ class RolloutWorker(Role[RolloutState]):
         self.decode = decode
         self.member_id = member_id
         self.metrics_every_s = metrics_every_s
+        self.record_routes = section.record_routes
+        self.routes_inline_max_bytes = section.rollout.routed_experts_inline_max_bytes
+        self.blobs = None
+        if section.record_routes and section.run_dir:
+            from ..bus.blobs import run_blob_store
+
+            self.blobs = run_blob_store(section.run_dir)
 
     def init_state(self) -> RolloutState:
         return RolloutState(WeightsFollow("this rollout worker", loaded_version=self.engine.version))
@@ -137,6 +158,7 @@ class RolloutWorker(Role[RolloutState]):
         if isinstance(event, WeightsEvent):
             if state.weights.replayed(event):
                 return ()
+            state.weights_seen_at.setdefault(event.version, time.time())
             return state.weights.offer(event, source)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
@@ -159,8 +181,15 @@ class RolloutWorker(Role[RolloutState]):
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
-        state.inflight[event.group_id] = _Group(event, source, futures)
+        state.inflight[event.group_id] = _Group(event, source, futures, submit_timings=self._submitted(state))
         return ()
+
+    @staticmethod
+    def _submitted(state: RolloutState) -> dict[str, float]:
+        """Timings of a group submitted now: ``submitted_at`` and, when this worker has
+        switched weights, that switch (``weights_version``, ``weights_received_at``: the
+        event's arrival, ``weights_loaded_at``, ``weights_switch_s``: the load's duration)."""
+        return {"submitted_at": time.time(), **state.last_switch}
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
@@ -191,17 +220,26 @@ class RolloutWorker(Role[RolloutState]):
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
         out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
+            before, t0 = state.loaded_version, time.time()
             out += state.weights.load_head(self.load_weights)
+            v = state.loaded_version
+            if v != before:
+                t1 = time.time()
+                state.last_switch = {"weights_version": float(v),
+                                     "weights_received_at": state.weights_seen_at.get(v, t0),
+                                     "weights_loaded_at": t1, "weights_switch_s": t1 - t0}
+                state.weights_seen_at = {k: t for k, t in state.weights_seen_at.items() if k > v}
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
                 if state.draining or group.prompt.admitted_at_version > state.loaded_version:
                     continue
                 group.futures = self._submit(group.prompt)
+                group.submit_timings = self._submitted(state)
             for i, fut in enumerate(group.futures):
                 if i in group.published or not fut.done():
                     continue
-                out.append(self._trajectory(group.prompt, i, fut.result()))
+                out.append(self._trajectory(group.prompt, i, fut.result(), group.submit_timings))
                 group.published.add(i)
                 state.trajectories += 1
                 n_tokens = len(out[-1].output_ids)
@@ -220,7 +258,8 @@ class RolloutWorker(Role[RolloutState]):
             state.window_start, state.window_tokens = now, 0
         return out
 
-    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult) -> TrajectoryEvent:
+    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult,
+                    submit_timings: dict[str, float] | None = None) -> TrajectoryEvent:
         return TrajectoryEvent(
             traj_id=f"{prompt.group_id}:{index}",
             group_id=prompt.group_id,
@@ -236,9 +275,18 @@ class RolloutWorker(Role[RolloutState]):
             task=prompt.task,
             task_data=prompt.task_data,
             group_index=prompt.group_index,
-            timings={k: float(v) for k, v in result.timings.items()},
+            timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
             images=list(prompt.images),
+            routed_experts=self._routes(result),
         )
+
+    def _routes(self, result: GenResult):
+        if not self.record_routes or result.routed_experts is None:
+            return None
+        from ..schemas.routes import encode_routes
+
+        return encode_routes(result.routed_experts, inline_max_bytes=self.routes_inline_max_bytes,
+                             store=self.blobs)
 
     def committable(self, state: RolloutState, topic: str, partition: int, next_offset: int) -> int:
         held = [g.source.offset for g in state.inflight.values()

@@ -103,12 +103,18 @@ def request_images(model_path: str, vlm, *, pixels: bool):
 
 
 def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
-                      decode: Callable[[list[int]], str]):
+                      decode: Callable[[list[int]], str], record_routes: bool = False):
     """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
-    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
+    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`.
+    ``record_routes``: results carry their routed experts (the paged engine only)."""
     from ..engines.model_runner import unsupported_reason
     from ..engines.paged_engine import PagedEngine
     from ..engines.torch_engine import TorchEngine
+    from ..models.families import in_process_reason
+
+    cannot = in_process_reason(hf_model.config)
+    if cannot is not None:
+        raise ConfigError(cannot)
 
     common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
                   interruptible=rollout.interruptible, seed=seed, decode=decode,
@@ -120,8 +126,15 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                            kv_cache_tokens=rollout.kv_cache_tokens,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
-                           **common)
-    log.info("TorchEngine instead of the paged engine: %s", reason)
+                           record_routes=record_routes, **common)
+    if record_routes:
+        raise ConfigError(
+            f"routed experts are recorded by the paged engine (Qwen3-MoE), which cannot run model "
+            f"family {getattr(hf_model.config, 'model_type', '?')!r} ({reason}); turn off "
+            "rollout.return_routed_experts / actor.router_replay=R3, or use rollout.engine=vllm or "
+            "sglang with a server that returns routed experts")
+    log.info("model family %r: TorchEngine instead of the paged engine: %s",
+             getattr(hf_model.config, "model_type", "?"), reason)
     return TorchEngine(hf_model, **common)
 
 
@@ -137,12 +150,13 @@ class EngineBundle:
 
 
 def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout") -> EngineBundle:
+                 name: str = "rollout", record_routes: bool = False) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
-    models/weight_sync, or a vLLM / SGLang server adapter (launching the server when
-    ``rollout.server.urls`` is empty) that reloads verified files. Shared by the rollout
-    workers and the proxy."""
+    weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
+    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared
+    by the rollout workers and the proxy. ``record_routes``: results carry their routed
+    experts."""
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -150,12 +164,13 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
     eos = tokenizer.eos_token_id
     if rollout.engine == "torch":
         from ..models.factory import load_model_and_tokenizer
-        from ..models.weight_sync import make_weight_loader
+        from ..weights import make_weight_loader
 
         set_torch_threads(rollout.torch_threads)
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
         context = getattr(hf_model.config, "max_position_embeddings", None)
-        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
+        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode,
+                                   record_routes=record_routes)
         del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
         # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
         return EngineBundle(engine, make_weight_loader(engine, rollout.device,
@@ -164,7 +179,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
     from ..engines.server_launch import launch_server
     from ..engines.sglang_engine import SGLangEngine
     from ..engines.vllm_engine import VLLMEngine
-    from ..models.weight_files import check_weights_file
+    from ..weights import make_server_weight_loader
 
     if not rollout.interruptible:
         raise ConfigError(f"rollout.engine={rollout.engine} always continues in-flight requests "
@@ -177,29 +192,20 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         launched.append(launch_server(
             rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
             max_num_seqs=per_server, threads=rollout.torch_threads,
-            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log"))
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log",
+            return_routed_experts=record_routes))
         urls = [launched[0].url]
     cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
     try:
         engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
                      eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
-                     seed=seed, launched=launched)
+                     seed=seed, launched=launched, return_routed_experts=record_routes)
     except BaseException:
         for server in launched:
             server.stop()
         raise
-
-    def load_server_weights(event) -> None:
-        if event.transport != "file" or not event.path:
-            raise ConfigError(
-                f"weights version {event.version} comes over {event.transport!r}; the "
-                f"{rollout.engine} adapter reloads safetensors files only (device-to-device "
-                "updates to servers are not wired yet): set actor.weight_transport=file")
-        # The server reads the file itself; it is checked here first, as the torch path does.
-        check_weights_file(event.path, event.sha256)
-        engine.update_weights(event.path, event.version)
-
-    return EngineBundle(engine, load_server_weights, engine.max_context_tokens)
+    return EngineBundle(engine, make_server_weight_loader(engine, rollout.engine),
+                        engine.max_context_tokens)
 
 
 # ---------------------------------------------------------------- the trainer's models
@@ -224,7 +230,8 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
                           "model for now (they would score its tokens without the images): use an "
                           "outcome estimator (grpo, ...) with actor.kl_ctl=0 and no distillation")
     frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
-                  autocast_dtype=a.autocast_dtype, device=device)
+                  autocast_dtype=a.autocast_dtype, device=device,
+                  tree_training=a.enable_tree_training, attention_backend=a.attention_backend)
     vocab = actor.model.get_output_embeddings().weight.shape[0]
     models: dict[str, Any] = {}
     if adv.estimator == "gae":
@@ -269,16 +276,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
-                    images=trainer_images(sec), freeze_vision_encoder=sec.vlm.freeze_vision_encoder)
-
-
-def trainer_images(sec: TrainerSection):
-    """The trainer's image loader (refs -> the processor's tensors), None for a text model."""
-    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
-
-    if not is_vision_dir(sec.model.path):
-        return None
-    return ImageLoader(image_store(sec.vlm), ImageProcessor.from_dir(sec.model.path))
+                    total_train_steps=sec.total_train_steps)
 
 
 # ---------------------------------------------------------------- the roles
@@ -304,7 +302,7 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member)
+                          member=member, record_routes=sec.record_routes)
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}",

@@ -1,8 +1,8 @@
 """Resolving a run before (and while) its processes run: the one place a loaded config
 changes.
 
-Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or an
-offline :class:`~tapioca.config.offline.OfflineTrainConfig`) and the facts of this start
+Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or a
+supervised :class:`~tapioca.config.supervised.SupervisedTrainConfig`) and the facts of this start
 (the broker's address, the trial to name, the bus run id a resumed run continues on, ...);
 returns a new config built with ``dataclasses.replace`` (each changed section validated
 by its own ``__post_init__``) and makes what the new values name: the run directory, the
@@ -11,7 +11,7 @@ tiny model, the run's signing key, the proxy's admin key file. Emits nothing on 
 broker still holds a resumed run's log.
 
 Every caller that used to assign to a config (`tapioca train`'s launcher, `tapioca proxy`,
-the offline trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
+the supervised trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
 instead; nothing else changes a config after :func:`~tapioca.config.loader.load_config`.
 """
 
@@ -109,21 +109,31 @@ def _prepare(cfg: C) -> C:
         path = create_tiny_checkpoint(
             run_dir / "model", _tiny_task(cfg), arch=m.arch, hidden_size=m.hidden_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size, seed=m.init_seed,
-            tie_word_embeddings=m.tie_word_embeddings, **vision)
+            intermediate_size=m.intermediate_size, num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
+            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings, **vision)
         cfg = replace_path(cfg, "model.path", str(path.resolve()))
     vlm = getattr(cfg, "vlm", None)
     if vlm is not None and not vlm.image_store:  # images beside the run (docs/vlm.md)
         cfg = replace_path(cfg, "vlm.image_store", str(run_dir.resolve() / "images"))
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
+        # Fail here, not in a rollout worker's log.
+        from ..models.families import check_in_process
+
+        check_in_process(cfg.model.path)
     return replace_path(cfg, "bus.run_id", cfg.run_id)
 
 
 def _tiny_task(cfg: Any) -> str:
-    """The task whose alphabet the tiny model's tokenizer covers: an offline config's
-    ``tiny_task``; an RL run's dataset (synthetic, else the printable alphabet of gsm8k)."""
+    """The task whose alphabet the tiny model's tokenizer covers: a supervised config's
+    ``tiny_task``; online mode's live text (the printable alphabet of gsm8k); an RL run's
+    dataset (synthetic or visual, else gsm8k's)."""
     task = getattr(cfg, "tiny_task", "")
     if task:
         return task
+    if getattr(getattr(cfg, "agent", None), "online", False):  # live users type any text
+        return "gsm8k"
     kind = cfg.train_dataset.type
     return kind if kind in ("synthetic", "visual") else "gsm8k"
 

@@ -30,6 +30,7 @@ from .events import (
     DlqRecord,
     FleetEvent,
     MetricsEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,

@@ -74,6 +74,21 @@ TRAJECTORY: dict[str, str] = {
               "store of vlm.image_store); data_b64 carries the same bytes in base64 when "
               "they are at most vlm.inline_image_max_bytes (default 4096), else is empty. "
               "A reader checks the SHA-256 of the bytes it got (docs/reward-services.md).",
+    "session_id": "The agent proxy's session this completion came from (empty otherwise). "
+                  "A service rewarding sessions (online mode) finds a session's "
+                  "trajectories by it.",
+    "delayed_reward_factor": "What a reward given to the whole session after it ended is "
+                             "multiplied by for this trajectory (AReaL's turn discount, "
+                             "discount ** completions after it; 1 without one).",
+    "routed_experts": "MoE models: the experts the engine routed each token to in each MoE "
+                      "layer (rollout routing replay): num_tokens = len(prompt_ids) + "
+                      "len(output_ids) - 1 (every token but the last sampled one), num_layers "
+                      "(MoE layers), top_k, dtype (uint8 up to 256 experts, else uint16), and "
+                      "the ids as one little-endian token-major array [num_tokens, num_layers, "
+                      "top_k]: base64 in data_b64, or named by its SHA-256 in blob_sha256 (the "
+                      "run's blob store, <run dir>/blobs). null: not recorded; a trainer with "
+                      "actor.router_replay R3 then routes the sequence live or rejects it "
+                      "(actor.router_replay_missing).",
 }
 
 REWARD: dict[str, str] = {
@@ -93,17 +108,50 @@ REWARD: dict[str, str] = {
 
 # Fields kept only for readers of older schemas: exported with ``"deprecated": true``
 # and this description, whether or not the event has a FIELD_DESCRIPTIONS table.
+_ON_PROGRESS = ("Deprecated: on progress.v1 now (the progress event's field of this name); "
+                "no longer written (left at its default), still decoded so that an archive "
+                "written before is read as it was.")
+
 DEPRECATED_FIELDS: dict[str, dict[str, str]] = {
     "weights": {
         "step": "Deprecated: always equal to version; read version. Still written (filled "
                 "in from version when a writer leaves it out or sends 0) for readers of "
                 "older schemas.",
+        **{name: _ON_PROGRESS for name in ("group_ids", "groups_rejected", "rejected_group_ids",
+                                           "rollbacks", "base_steps", "base_rejected")},
     },
+    "prompt": {
+        "weights_offset": "Deprecated: the weights.v1 offset a feeder before progress.v1 had "
+                          "counted rejections through; read progress_offset. No longer "
+                          "written (-1).",
+    },
+}
+
+# The trainer's verdicts on the groups it read: what a dashboard or an outside admission
+# controller reads (producers/feeder.py is Tapioca's).
+PROGRESS: dict[str, str] = {
+    "version": "The trainer's policy version (optimizer steps and rollbacks so far); only "
+               "goes forward within a run.",
+    "group_ids": "The groups trained to make this version; every progress event of the "
+                 "version names them again (empty for a rollback's version).",
+    "groups_rejected": "Groups the trainer has rejected so far in this run (over-stale, "
+                       "filtered, dead-lettered). A total for display: the feeder frees "
+                       "head-gate slots by the names in rejected_group_ids.",
+    "rejected_group_ids": "The groups rejected since the trainer's previous progress event; "
+                          "a restarted trainer names its last ones again, so readers "
+                          "de-duplicate by id.",
+    "rollbacks": "Versions so far, this one included, that were rollbacks rather than "
+                 "training steps: the head gate counts version - rollbacks trained steps.",
+    "base_steps": "Trained steps of this run made before this run id's log began (a run "
+                  "resumed on a broker that lost its log): not counted by the head gate.",
+    "base_rejected": "Rejected groups of this run from before this run id's log began: not "
+                     "counted by the head gate.",
 }
 
 FIELD_DESCRIPTIONS: dict[str, dict[str, str]] = {
     "trajectory": {**ENVELOPE, **TRAJECTORY},
     "reward": {**ENVELOPE, **REWARD},
+    "progress": {**ENVELOPE, **PROGRESS},
 }
 
 

@@ -63,6 +63,14 @@ def run_reads(own_run_id: str, event_run_id: str) -> bool:
     return not names_a_run(own_run_id) or event_run_id == own_run_id
 
 
+def of_another_run(own_run_id: str, event_run_id: str) -> bool:
+    """Whether an event names a run other than ``own_run_id`` (which names one): an
+    earlier or neighbouring run's on the same topics, skipped by this run's members, and
+    signed (if at all) under that run's key, so its signature is not this run's to check;
+    one that claims this run's id (or none) is."""
+    return names_a_run(own_run_id) and names_a_run(event_run_id) and event_run_id != own_run_id
+
+
 def run_addresses(own_run_id: str, event_run_id: str) -> bool:
     """Whether an event of ``event_run_id`` is meant for a member of ``own_run_id``:
     :func:`run_reads`, or the event names no run (a command for every run)."""

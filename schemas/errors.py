@@ -1,18 +1,32 @@
 """The one exception hierarchy of Tapioca.
 
 Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
+A process that ends with one exits with its ``exit_code``: 1, or :data:`EXIT_CONFIG` for an
+error no restart can fix (a bad config or usage, a missing key file, a port taken), which
+the launcher does not retry and reports as that error's one line.
 """
 
 import errno
 import os
 
+# sysexits.h EX_CONFIG: a config or usage error. `tapioca` exits with it for such errors,
+# and `tapioca train`'s supervisor never restarts a role that did (ops/launcher.py).
+EXIT_CONFIG = 78
+# sysexits.h EX_IOERR: a disk full, failing or read-only (StorageError): the run stops,
+# saying which file could not be written, until a person frees space.
+EXIT_STORAGE = 74
+
 
 class TapiocaError(Exception):
     """Base of every Tapioca error."""
 
+    exit_code = 1
+
 
 class ConfigError(TapiocaError):
     """A configuration value is missing or invalid."""
+
+    exit_code = EXIT_CONFIG
 
 
 class SchemaError(TapiocaError):
@@ -70,6 +84,8 @@ class StorageError(FatalRoleError):
     or a file size limit, ``EFBIG``), failing (``EIO``) or read-only (``EROFS``). No retry
     fixes it, so it stops the role; the message is one line, ``<strerror> writing <path>``
     (e.g. ``No space left on device writing runs/x/weights/v000028.safetensors``)."""
+
+    exit_code = EXIT_STORAGE
 
 
 # The OSError numbers :func:`storage_error` turns into a StorageError.

@@ -38,11 +38,75 @@ class ImageRef:
 
 
 @dataclass(kw_only=True)
+class RoutedExperts:
+    """The top-k expert ids a mixture-of-experts model routed each token to, in each of
+    its MoE layers, during one generation (rollout routing replay, R3; docs/models.md).
+
+    Tokens are those the engine fed through the model: ``prompt_ids + output_ids`` but
+    the last sampled token, so ``num_tokens = len(prompt_ids) + len(output_ids) - 1`` (vLLM's
+    and SGLang's convention). The ids are one little-endian array ``[num_tokens,
+    num_layers, top_k]``, token-major, of ``dtype`` (uint8 when the model has at most 256
+    experts, else uint16): 48 MoE layers x top-8 are 384 bytes a token in uint8 (512 in
+    base64). ``num_layers`` counts MoE layers only, in layer order. The bytes are on the
+    event (``data_b64``) or, beyond the writer's inline limit, in the run's blob store
+    under ``blob_sha256``, the hex SHA-256 of the raw bytes (:mod:`tapioca.bus.blobs`);
+    exactly one of the two is set."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    dtype: Literal["uint8", "uint16"] = "uint8"
+    data_b64: str = ""
+    blob_sha256: str = ""
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the raw array (before base64)."""
+        return self.num_tokens * self.num_layers * self.top_k * (1 if self.dtype == "uint8" else 2)
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "top_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (0 if name == "num_tokens" else 1):
+                raise SchemaError(f"routed_experts.{name} is {value!r}; it counts "
+                                  f"{'tokens (>= 0)' if name == 'num_tokens' else name + ' (>= 1)'}")
+        if self.dtype not in ("uint8", "uint16"):
+            raise SchemaError(f"routed_experts.dtype {self.dtype!r}: expected one of uint8, uint16")
+        inline, blob = bool(self.data_b64), bool(self.blob_sha256)
+        if inline == blob and self.num_bytes:
+            raise SchemaError("routed_experts needs exactly one of data_b64 (the ids inline) and "
+                              f"blob_sha256 (their blob), got {'both' if inline else 'neither'}")
+        if blob and not (len(self.blob_sha256) == 64
+                         and all(c in "0123456789abcdef" for c in self.blob_sha256)):
+            raise SchemaError(f"routed_experts.blob_sha256 {self.blob_sha256[:80]!r} is not 64 "
+                              "lowercase hex digits (the SHA-256 of the ids' bytes)")
+        want = 4 * ((self.num_bytes + 2) // 3)  # base64 of num_bytes bytes, padded
+        if inline and len(self.data_b64) != want:
+            raise SchemaError(
+                f"routed_experts.data_b64 has {len(self.data_b64)} characters, but {self.num_tokens} "
+                f"tokens x {self.num_layers} layers x top-{self.top_k} in {self.dtype} are "
+                f"{self.num_bytes} bytes, {want} in base64")
+
+
+def check_routed_tokens(routes: "RoutedExperts | None", prompt_len: int, output_len: int,
+                        where: str) -> None:
+    """Routes must cover every token the engine fed: prompt + output - 1."""
+    if routes is None:
+        return
+    want = max(0, prompt_len + output_len - 1)
+    if routes.num_tokens != want:
+        raise SchemaError(
+            f"{where}: routed_experts covers {routes.num_tokens} tokens, but {prompt_len} prompt + "
+            f"{output_len} output tokens need {want} (every token but the last sampled one)")
+
+
+@dataclass(kw_only=True)
 class PromptEvent(Event):
     """One prompt to be completed ``n_samples`` times (a GRPO group).
 
     ``group_index`` is the feeder's own sequence number k of this group; the head gate
-    (DESIGN.md §3) recovers it from the last prompt event after a restart.
+    (docs/design.md#3-policy-versions-and-the-staleness-window) recovers it from the last
+    prompt event after a restart.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -64,9 +128,12 @@ class PromptEvent(Event):
     admitted_at_version: int = 0
     # The feeder's own bookkeeping, recovered from its last prompt event at a restart:
     # how many of its groups the trainer had rejected (freeing head-gate slots), counted
-    # from weights.v1 up to offset ``weights_offset`` (-1: none).
+    # from progress.v1 up to offset ``progress_offset`` (-1: none).
     freed_groups: int = 0
+    # Deprecated: the weights.v1 offset older feeders counted rejections through (they
+    # read them from weights events); no longer written (-1), read as -1 by this feeder.
     weights_offset: int = -1
+    progress_offset: int = -1
     # The prompt's images, in the order of their placeholders in prompt_ids (empty: text).
     images: list[ImageRef] = field(default_factory=list)
 
@@ -107,6 +174,20 @@ class TrajectoryEvent(Event):
     timings: dict[str, float] = field(default_factory=dict)
     # The images of prompt_ids + output_ids, in the order of their placeholders.
     images: list[ImageRef] = field(default_factory=list)
+    # Agent proxy: the session this trajectory came from ("" otherwise), and what a reward
+    # given to the whole session after it ended (``POST /v1/sessions/{id}/reward``,
+    # ``tapioca reward``) is multiplied by for this trajectory: AReaL's turn discount,
+    # ``discount ** (completions after this trajectory's last one)``.
+    session_id: str = ""
+    delayed_reward_factor: float = 1.0
+    # The experts every token was routed to in every MoE layer (rollout.return_routed_experts;
+    # None: not recorded). The trainer replays them with actor.router_replay R3.
+    routed_experts: Optional[RoutedExperts] = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_routed_tokens(self.routed_experts, len(self.prompt_ids), len(self.output_ids),
+                            f"trajectory {self.traj_id}")
 
 
 @dataclass(kw_only=True)
@@ -153,6 +234,9 @@ class SampleSequence:
     # The images of the sample's prompt_ids + this output_ids, in placeholder order
     # (copied from the TrajectoryEvent); the trainer recomputes the pixels from the bytes.
     images: list[ImageRef] = field(default_factory=list)
+    # The rollout's routes over the group's prompt_ids + this output_ids (copied from the
+    # TrajectoryEvent; None: not recorded). The trainer checks them (sample_checks.py).
+    routed_experts: Optional[RoutedExperts] = None
 
 
 @dataclass(kw_only=True)
@@ -184,6 +268,15 @@ class SampleEvent(Event):
     # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
     # trainer counts it as rejected, which frees its slot in the feeder's head gate.
     dropped_reason: str = ""
+    # Seconds from the group's last trajectory to its last reward (producers' clocks,
+    # ``produced_at``; 0 when a reward came first): how late its rewards came.
+    reward_delay_s: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        for seq in self.sequences:
+            check_routed_tokens(seq.routed_experts, len(self.prompt_ids), len(seq.output_ids),
+                                f"group {self.group_id} sequence {seq.traj_id}")
 
 
 @dataclass(kw_only=True)
@@ -209,17 +302,27 @@ class WeightsFile:
 
 @dataclass(kw_only=True)
 class WeightsEvent(Event):
-    """Policy version ``version`` is ready; ``transport`` says how its bytes reach an
-    engine. Keyed by ``run_id`` on one partition, so versions are read in order.
+    """The bytes of policy version ``version``: where they are and how to check them.
+    Keyed by ``run_id`` on one partition, so versions are read in order.
 
-    ``file``: the safetensors file ``path`` (``sha256`` of the file); ``ipc``:
-    a shared buffer on this host (CUDA IPC or a shared-memory file, ``transport_info``);
-    ``nccl``: pulled from the trainer over a process group (nccl, or gloo on CPU) whose
-    rendezvous is ``transport_info["store"]``. Fast transports carry the buffer's
-    ``tensors``, ``data_bytes`` and one checksum per ``bucket_bytes`` of it
-    (models/weight_sync/layout.py); their ``path``/``sha256`` are empty until the
-    background writer has written this version's file (then a later event lists it in
-    ``files``)."""
+    ``transport`` says how the bytes reach an engine. ``file``: the safetensors file
+    ``path`` (``sha256`` of the file); ``ipc``: a shared buffer on this host (CUDA IPC or
+    a shared-memory file, ``transport_info``); ``nccl``: pulled from the trainer over a
+    process group (nccl, or gloo on CPU) whose rendezvous is ``transport_info["store"]``.
+    Fast transports carry the buffer's ``tensors``, ``data_bytes`` and one checksum per
+    ``bucket_bytes`` of it (weights/layout.py); their ``path``/``sha256`` are empty until
+    the background writer has written this version's file (then a later event lists it
+    in ``files``).
+
+    The trainer publishes one per new version and, for a version already published,
+    again only to say "a durable file for this version is ready" (``files``, or its
+    ``path`` once written) or, at its start, to name its current version's bytes; a
+    repeat carries no other news. What the trainer made of the groups it read (trained,
+    rejected) and the counts of the head gate are on ``progress.v1``
+    (:class:`ProgressEvent`). The fields that carried them here (``group_ids``,
+    ``groups_rejected``, ``rejected_group_ids``, ``rollbacks``, ``base_steps``,
+    ``base_rejected``) are deprecated: still decoded (an archive from before keeps them),
+    no longer written (left at their defaults)."""
 
     TYPE: ClassVar[str] = "weights"
 
@@ -233,24 +336,14 @@ class WeightsEvent(Event):
     # (0): it is filled in from ``version``, so it stays on the wire for readers of the
     # older schema, and a value read from an older event is kept as it was.
     step: int = 0
-    # Set when an operator republishes an older version as current.
+    # Set when an operator republishes an older version as current: this version's
+    # bytes are those of version ``rollback_of``.
     rollback_of: Optional[int] = None
-    # Groups trained to make this version (audit: no group is trained twice).
+    # --- deprecated: on progress.v1 now (ProgressEvent); not written, still decoded ---
     group_ids: list[str] = field(default_factory=list)
-    # Groups the trainer has rejected so far in this run (over-stale or filtered). The
-    # feeder's head gate frees their slots; the trainer re-announces its current version
-    # when this count changes, so the gate never waits on groups that will not come.
     groups_rejected: int = 0
-    # The groups rejected since the trainer's previous weights event: with group_ids,
-    # every group the trainer read has its fate on the log.
     rejected_group_ids: list[str] = field(default_factory=list)
-    # Versions so far (this one included) that were rollbacks, not training steps: the
-    # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
     rollbacks: int = 0
-    # Trained steps (version - rollbacks) and rejected groups of this run made before
-    # this run id's log began: a run resumed on a broker that lost its log gets a new
-    # run id (ops/launcher.py), its producers number groups from 0 again, and the head
-    # gate counts only what happened on this log (algorithms/head_gate.py).
     base_steps: int = 0
     base_rejected: int = 0
     # --- weight transports (docs/weight-sync.md) ---
@@ -271,6 +364,42 @@ class WeightsEvent(Event):
         super().__post_init__()
         if self.step == 0:  # the deprecated field (see ``step``)
             self.step = self.version
+
+
+@dataclass(kw_only=True)
+class ProgressEvent(Event):
+    """The trainer's progress: its version and what it made of every group it read.
+
+    Keyed by ``run_id`` on ``progress.v1`` (one partition, so it is read in order). The
+    trainer publishes one with every new version (a training step, a rollback, a resume
+    above the log), one whenever the groups it rejected change, and one at its start.
+    The head gates (the prompt feeder, the agent proxy) read this topic only, and the
+    feeder recovers its count of freed slots by offset on it (algorithms/head_gate.py,
+    producers/feeder.py). Where the version's bytes are is on ``weights.v1``.
+    """
+
+    TYPE: ClassVar[str] = "progress"
+
+    version: int
+    # The groups trained to make ``version`` (every progress event of a version names
+    # them; a rollback's version trained none). With ``rejected_group_ids``, every group
+    # the trainer read has its fate on the log (audit: no group is trained twice).
+    group_ids: list[str] = field(default_factory=list)
+    # Groups the trainer has rejected so far in this run (over-stale, filtered,
+    # dead-lettered): shown, not trusted, by the feeder, which frees slots by name.
+    groups_rejected: int = 0
+    # The groups rejected since the trainer's previous progress event (a restarted
+    # trainer names its last ones again; readers de-duplicate by id).
+    rejected_group_ids: list[str] = field(default_factory=list)
+    # Versions so far (this one included) that were rollbacks, not training steps: the
+    # head gate counts trained steps, version - rollbacks (algorithms/head_gate.py).
+    rollbacks: int = 0
+    # Trained steps (version - rollbacks) and rejected groups of this run made before
+    # this run id's log began: a run resumed on a broker that lost its log gets a new
+    # run id (ops/launcher.py), its producers number groups from 0 again, and the head
+    # gate counts only what happened on this log (algorithms/head_gate.py).
+    base_steps: int = 0
+    base_rejected: int = 0
 
 
 @dataclass(kw_only=True)

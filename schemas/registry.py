@@ -1,4 +1,4 @@
-"""The topic registry: every topic of DESIGN.md §1 as one table.
+"""The topic registry: every topic of docs/design.md#1-the-event-flow as one table.
 
 Each row gives the topic's base name and version (the full name is
 ``{prefix}.{name}.v{version}``, prefix ``tapioca`` by default), the event field it is
@@ -19,6 +19,7 @@ from .events import (
     DlqRecord,
     FleetEvent,
     MetricsEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
@@ -51,7 +52,7 @@ class TopicSpec:
 
 
 # Group-keyed topics get several partitions so consumer groups can scale out; the
-# weights topic has one so every reader sees versions in order.
+# weights and progress topics have one so every reader sees versions in order.
 TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("prompts", 1, "group_id", 4, "delete", (PromptEvent,),
               "prompt groups admitted by the feeder under the head gate"),
@@ -62,7 +63,11 @@ TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("samples", 1, "group_id", 4, "delete", (SampleEvent,),
               "complete groups with advantages, ready for training"),
     TopicSpec("weights", 1, "run_id", 1, "compact", (WeightsEvent,),
-              "policy versions published by the trainer", signed=True),
+              "policy versions published by the trainer: where their bytes are", signed=True),
+    # Each event names the rejections since the previous one: nothing to compact away.
+    TopicSpec("progress", 1, "run_id", 1, "delete", (ProgressEvent,),
+              "the trainer's version, trained and rejected groups: the head gates' counts",
+              signed=True),
     TopicSpec("control", 1, "target", 1, "delete", (ControlEvent, ControlAckEvent),
               "operator commands and their acknowledgements", signed=True),
     TopicSpec("fleet", 1, "member_id", 1, "compact", (FleetEvent,),

@@ -34,7 +34,8 @@ OPS: dict[str, tuple[Callable[[int, int], str], Callable[[int, int], str]]] = {
     # "copy the first", so the reward climbs from the first hundred steps
     "max": (lambda a, b: f"max({a},{b})=", lambda a, b: str(max(a, b))),
     "min": (lambda a, b: f"min({a},{b})=", lambda a, b: str(min(a, b))),
-    # DESIGN.md §5b's reference points: copy is the easiest, add the one RL alone fails
+    # docs/design.md#5b-the-embedded-default-task has the reference points: copy is the
+    # easiest, add the one RL alone fails
     "copy": (lambda a, b: f"{a}+{b}=", lambda a, b: str(a)),
     "add": (lambda a, b: f"{a}+{b}=", lambda a, b: str(a + b)),
 }

@@ -405,3 +405,20 @@ def stub_server():
     yield make
     for server in started:
         server.kill()
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter for a test that runs Triton kernels on CPU tensors: skips
+    unless tests/conftest.py set TRITON_INTERPRET (no GPU), and works around Triton 3.6's
+    ``int()`` of 1-element arrays, which numpy 2.4 refuses (triton-lang/triton#9171)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set without a GPU)")
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)

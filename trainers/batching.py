@@ -37,6 +37,11 @@ class SeqItem:
     token_returns: list[float] | None = None
     # The sequence's images (ImageRef, placeholder order): trainers/vision_batch.py.
     images: list = field(default_factory=list)
+    # The rollout's routed experts (routing replay R3): base64 of the token-major ids
+    # [length - 1, MoE layers, top_k] in ``routes_dtype`` (the wire form of
+    # schemas/routes.py, checked by the trainer); "" when the sequence has none.
+    routes: str = ""
+    routes_dtype: str = "uint8"
 
     @property
     def length(self) -> int:
@@ -59,6 +64,8 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 bounds = sorted({max(b - 1, 0) for b in bounds})
             if not out:
                 continue
+            # Routes cover prompt + output tokens however the two are split above.
+            routes = seq.routed_experts
             items.append(SeqItem(
                 group_id=s.group_id,
                 input_ids=prompt + out,
@@ -71,6 +78,8 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 reward=seq.reward if seq.norm_reward is None else seq.norm_reward,
                 turn_boundaries=bounds,
                 images=list(seq.images),
+                routes=routes.data_b64 if routes is not None else "",
+                routes_dtype=routes.dtype if routes is not None else "uint8",
             ))
     return items
 
@@ -78,7 +87,7 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
 def pack(lengths: Sequence[int], max_tokens: int, *, padded: bool = True) -> list[list[int]]:
     """Indices packed greedily by padded size (count x longest) <= max_tokens, longest
     first; an item longer than the budget gets a micro-batch of its own. Shared by the
-    RL trainer (:func:`micro_batches`) and the offline trainers. ``padded=False``
+    RL trainer (:func:`micro_batches`) and the supervised trainers. ``padded=False``
     budgets the sum of lengths instead (packed micro-batches, no padding:
     :mod:`tapioca.trainers.packing`)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)

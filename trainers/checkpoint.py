@@ -33,8 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..models.weight_files import atomic_write
-from ..schemas.errors import TapiocaError
+from ..schemas.errors import EXIT_CONFIG, TapiocaError
+from ..weights.files import atomic_write
 
 FORMAT = "tapioca-checkpoint-v1"
 SUFFIX = ".safetensors"
@@ -43,6 +43,8 @@ LEGACY_SUFFIX = ".pt"
 
 class CheckpointFormatError(TapiocaError):
     """A checkpoint is in a format Tapioca will not load (an old pickle) or is damaged."""
+
+    exit_code = EXIT_CONFIG  # no restart can fix it
 
 
 def fsync_path(path: Path) -> None:
@@ -62,7 +64,7 @@ def durable_replace(tmp: Path, path: Path) -> None:
     fsync_path(Path(path).parent)
 
 
-# safetensors' dtype names (the inverse of models/weight_files.py's reader table).
+# safetensors' dtype names (the inverse of weights/files.py's reader table).
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16",
              torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -105,17 +107,17 @@ class TrainerProgress:
     weights_sha256: str = ""
     # Groups of the step that made `version`, re-announced after a restart.
     last_group_ids: list[str] = field(default_factory=list)
-    # Rejected groups named on the latest step's weights event, and those not yet named
+    # Rejected groups named on the latest step's progress event, and those not yet named
     # on any: both are announced again after a restart (the event may not have made it).
     last_rejected_ids: list[str] = field(default_factory=list)
     unannounced_rejections: list[str] = field(default_factory=list)
-    # Versions that were rollbacks (WeightsEvent.rollbacks).
+    # Versions that were rollbacks (ProgressEvent.rollbacks).
     rollbacks: int = 0
     # The bus run id (one per broker lifetime, ops/launcher.py) the offsets above belong
     # to; "" for checkpoints written before it was recorded.
     bus_run_id: str = ""
     # Trained steps and rejected groups when this bus run id's log began: the head gate
-    # counts only what happened on this log (WeightsEvent.base_steps / base_rejected).
+    # counts only what happened on this log (ProgressEvent.base_steps / base_rejected).
     base_steps: int = 0
     base_rejected: int = 0
     # Groups trained or rejected when this log began: the launcher counts the groups a
@@ -328,7 +330,7 @@ def refuse_legacy(path: Path) -> None:
 
 
 def migrate_legacy(path: str | os.PathLike) -> Path:
-    """Convert one old ``*.pt`` checkpoint (a trainer's, an offline trainer's or a
+    """Convert one old ``*.pt`` checkpoint (a trainer's, a supervised trainer's or a
     critic's) to the safetensors format beside it; the old file is kept. Reads it with
     ``torch.load(weights_only=True)``: a file that needs anything but tensors, plain
     containers and NumPy arrays is refused, never executed."""

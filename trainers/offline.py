@@ -16,7 +16,10 @@ Why the staleness gate is disabled (``max_head_offpolicyness`` = :data:`OFFLINE_
 the recorded ``output_versions`` count the *online* trainer's steps, while the offline
 trainer counts its own from its checkpoint (usually 0). ``v - min_version`` then
 measures nothing (it is even negative), and a real gate would reject most of a log
-that was off-policy by construction. Off-policyness is instead corrected the way the
+that was off-policy by construction. For the same reason the trainer's arrival check
+(trainers/sample_checks.py) accepts versions ahead of its own here: online they mean a
+forged weights event, offline every group made after the online trainer's first step
+has one. Off-policyness is instead corrected the way the
 decoupled objective always corrects it: the recorded behaviour logprobs
 (``behav_logprobs``, from the rollout that sampled each token) weight every token by
 ``w = pi_prox / pi_behav``, with ``pi_prox`` recomputed from the current weights

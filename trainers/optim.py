@@ -1,8 +1,10 @@
 """The trainer's optimizer: AdamW, fused on CUDA, with fp32 master weights for bf16 models.
 
-Consumes a model's parameters and :class:`~tapioca.config.schema.ActorConfig`; emits an
-optimizer with the ``torch.optim`` surface the trainer uses (``zero_grad``, ``step``,
-``state_dict`` / ``load_state_dict``, ``state.clear()``) plus ``clip_grad_norm_``.
+Consumes a model's parameters and :class:`~tapioca.config.schema.ActorConfig` (its
+``optimizer`` section, AReaL's names); emits an optimizer with the ``torch.optim``
+surface the trainer uses (``zero_grad``, ``step``, ``state_dict`` / ``load_state_dict``,
+``state.clear()``) plus ``clip_grad_norm_``, and the learning-rate schedule
+(:func:`lr_factor`, :func:`set_lr`).
 
 * ``param_dtype: float32``: ``torch.optim.AdamW`` on the model's own parameters
   (``fused=True`` on CUDA with ``fused_optimizer``). This is also what an FSDP2 trainer
@@ -23,10 +25,12 @@ model); the masters receive them once per optimizer step, after clipping in fp32
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 
+from ..config.optimizer import OptimizerConfig
 from ..config.schema import ActorConfig
 
 # Master-weight updates run in buckets of this many elements, so the fp32 copies of
@@ -38,7 +42,8 @@ def build_optimizer(model: torch.nn.Module, cfg: ActorConfig, device: torch.devi
     """The optimizer ``cfg`` asks for over ``model``'s trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     cuda = torch.device(device).type == "cuda"
-    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
+    opt = cfg.optimizer
+    kw = dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=opt.betas, eps=opt.eps)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     if low_precision and cfg.fp32_master_weights:
         return MasterAdamW(params, fused=cfg.fused_optimizer and (cuda or cfg.offload_optimizer),
@@ -48,12 +53,66 @@ def build_optimizer(model: torch.nn.Module, cfg: ActorConfig, device: torch.devi
     return torch.optim.AdamW(params, **kw)
 
 
+def lr_factor(step: int, total_steps: int, opt: OptimizerConfig) -> float:
+    """The multiple of ``opt.lr`` for the optimizer step taken after ``step`` steps (0-based)
+    of ``total_steps``: AReaL's schedules (Hugging Face's ``get_*_schedule_with_warmup``).
+
+    Warm-up: the first ``int(warmup_steps_proportion * total_steps)`` steps rise linearly
+    from 0 (``step / warmup``). Then ``constant``: 1; ``linear``: from 1 down to
+    ``min_lr_ratio`` at ``total_steps``; ``cosine``: ``min + (1 - min) * (1 + cos(pi * p)) / 2``
+    with p the fraction of the post-warm-up steps done. E.g. cosine, 10 steps, warm-up
+    0.2, min 0.1: steps 0, 1 give 0, 0.5; step 2 gives 1; step 6 (p = 0.5) gives 0.55.
+    A function of the step count alone, so a resumed run continues the same curve."""
+    warmup = int(opt.warmup_steps_proportion * total_steps)
+    if step < warmup:
+        return step / max(1, warmup)
+    if opt.lr_scheduler_type == "constant":
+        return 1.0
+    done = min(max(step - warmup, 0) / max(1, total_steps - warmup), 1.0)
+    decay = 1.0 - done if opt.lr_scheduler_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate (``torch.optim`` or :class:`MasterAdamW`)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def clip_grad_norm_(optimizer, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients the next ``optimizer.step()`` applies; returns the total norm
     before clipping (a device tensor: reading it is the caller's one host sync)."""
     if isinstance(optimizer, MasterAdamW):
         return optimizer.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if len({_mesh_of(p.grad) for p in params}) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = total_grad_norm([p.grad for p in params])
+    for group in _by_mesh(params, lambda p: p.grad).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _by_mesh(items: list, grad=lambda g: g) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for x in items:
+        out.setdefault(id(_mesh_of(grad(x))), []).append(x)
+    return out
+
+
+def _mesh_of(t: torch.Tensor):
+    return getattr(t, "device_mesh", None)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (fp32), also when they are DTensors on several device
+    meshes (FSDP2's and the expert-parallel one), which one foreach norm cannot mix."""
+    squares = []
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float().square())
+    return torch.stack(squares).sum().sqrt()
 
 
 class _StateView:
@@ -143,8 +202,11 @@ class MasterAdamW:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        if len({_mesh_of(g) for g in grads}) > 1:
+            total = total_grad_norm(grads)
+        else:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack(norms))
         self._clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         return total
 
@@ -161,7 +223,8 @@ class MasterAdamW:
                 continue
             grads = [self.params[i].grad.to(self.masters[i].device, torch.float32) for i in live]
             if coef is not None:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                for group in _by_mesh(grads).values():  # one foreach per device mesh
+                    torch._foreach_mul_(group, coef.to(group[0].device))
             for i, g in zip(live, grads):
                 self.masters[i].grad = g
             inner.step()

@@ -1,27 +1,41 @@
 """The trainer: training samples in, new policy versions out.
 
-Consumes ``samples.v1`` (consumer group; one trainer member). Emits ``WeightsEvent``
-on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` on
+Consumes ``samples.v1`` (consumer group; one trainer member). Emits, keyed by ``run_id``:
+``WeightsEvent`` on ``weights.v1`` (the bytes of each new version, and again only when a
+durable file for a version is ready, or at start), ``ProgressEvent`` on ``progress.v1``
+(the version, the trained and rejected groups, the head gate's counts: with every new
+version, whenever the rejected groups change, and at start), and ``MetricsEvent`` on
 ``metrics.v1``.
 
 - B groups (``train_dataset.prompts_per_step``) make one step; version v = steps done.
 - Tail gate: a group whose staleness ``v - min(output_versions)`` exceeds eta
   (``rollout.max_head_offpolicyness``) is not trained. It stays in the log, is counted
-  (``trainer/rejected_stale``), and its slot is freed at the feeder by re-announcing
-  the current version with the new ``groups_rejected`` count.
+  (``trainer/rejected_stale``), and its slot is freed at the feeder by the next progress
+  event, which names it (``rejected_group_ids``).
 - De-duplication by ``group_id`` against the groups trained or rejected so far, which
   the checkpoint records; offsets are committed only up to what the last checkpoint
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
 - Tail gate at training time too: the buffer is gated again before every step (a
   rollback bumps the version while groups wait), so no group trains beyond eta.
+- Online mode (``agent.mode: online``, docs/online.md): a group past eta is a real
+  user's session whose reward may have come hours late. It trains with decoupled PPO's
+  behaviour-weight correction while its staleness is at most
+  ``actor.late_reward_max_offpolicyness`` (``trainer/trained_late``); beyond, or with
+  that unset (the default), it is rejected and dead-lettered with the reason
+  (``trainer/dead_lettered_stale``).
 - A sample no step could use safely is dead-lettered (``BadEventError``), counted
   (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
   the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
   vocabulary, numbers beyond float32-safe bounds, versions newer than the trainer's
-  (negative staleness), a sample made for another advantage config
+  (negative staleness; except offline, with the gate off, where the versions are the
+  online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
-  advantages).
+  advantages). With ``actor.router_replay`` R3, routed experts that do not fit the model
+  (an expert id out of range, another layer count or top-k, another token count) too; a
+  sequence without its routes is dead-lettered with ``actor.router_replay_missing``
+  reject, else routed live and counted (``trainer/routes_missing``). Routes kept in the
+  run's blob store are read at arrival (``sample_checks.check_routes``).
 - A step whose loss or gradient norm is not finite is not applied: the optimizer step is
   skipped (``trainer/skipped_steps``), the batch's groups are dead-lettered and rejected,
   and the version does not move.
@@ -35,16 +49,19 @@ on ``weights.v1`` (keyed by ``run_id``) after every step, and ``MetricsEvent`` o
   (a new broker lifetime), the offsets are dropped and the head-gate counts restart.
 - A step computes, writes the version's weights file, writes the checkpoint, and only
   then commits the version, the trained groups, the buffer and the offsets, and sends
-  the weights event (:meth:`Trainer._write_version`). A write that fails (a full disk:
+  the weights and progress events (:meth:`Trainer._write_version`). A write that fails (a full disk:
   ``StorageError``, ``No space left on device writing <path>``) changes none of them and
   stops the trainer (not retried); the launcher prints the reason. A version is
-  re-announced only with its own file (models/weight_sync/publisher.py).
+  re-announced only with its own file (weights/publisher.py).
 - At start the trainer reads the highest version on ``weights.v1``: a checkpoint below
   it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
+- A finished run (``total_train_steps`` or ``stop_at_reward``) leaves ``final/``, a
+  Hugging Face directory of the trained policy (trainers/final_model.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -58,11 +75,11 @@ import torch
 from ..bus.role import DeadLetter, Role, Source
 from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
-from ..models.weight_files import WEIGHTS_DIR, weights_file
-from ..models.weight_sync import WeightPublisher
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, FatalRoleError, storage_error
-from ..schemas.events import MetricsEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..schemas.events import MetricsEvent, ProgressEvent, SampleEvent, WeightsEvent, WeightsFile
+from ..weights import WeightPublisher
+from ..weights.files import WEIGHTS_DIR, weights_file
 from .batching import flatten_groups
 from .checkpoint import (
     SUFFIX,
@@ -72,10 +89,12 @@ from .checkpoint import (
     save_state,
 )
 from .critic import Critic
+from .final_model import FINAL_DIR, write_final_model
 from .metrics_sink import MetricsSink
+from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
-from .sample_checks import check_made_for, check_trainable
+from .sample_checks import check_made_for, check_routes, check_trainable
 from .token_advantages import TokenAdvantages
 
 log = logging.getLogger(__name__)
@@ -98,7 +117,16 @@ class TrainerState:
     dead_lettered: int = 0
     dead_lettered_config: int = 0
     skipped_steps: int = 0
-    announce_rejections: bool = False
+    # Due on the next tick: a progress event (at start; the rejected groups changed) and
+    # the current version's weights event (at start).
+    announce_progress: bool = False
+    announce_weights: bool = False
+    # Online mode: groups past the staleness bound, dead-lettered with the reason; and
+    # groups trained past eta within actor.late_reward_max_offpolicyness.
+    dead_lettered_stale: int = 0
+    trained_late: int = 0
+    # R3: sequences trained without the rollout's routes (actor.router_replay_missing live).
+    routes_missing: int = 0
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
@@ -106,7 +134,7 @@ class TrainerState:
     files_to_announce: list[WeightsFile] = field(default_factory=list)
     # Events made before the loop could publish them (the version a trainer resumed below
     # the log publishes in ``recover``): sent ahead of the next outputs.
-    pending: list[Event] = field(default_factory=list)
+    pending: list[Event | DeadLetter] = field(default_factory=list)
 
     def draft(self) -> "TrainerState":
         """A copy of everything a step (or a rollback) changes. The step changes the copy,
@@ -147,12 +175,14 @@ class Trainer(Role[TrainerState]):
                                          device=actor.device, critic=critic,
                                          reference=reference, teacher=teacher)
         self.critic = critic
-        self.sink = MetricsSink(self.run_dir / "metrics")
+        self.sink = MetricsSink(self.run_dir / "metrics", section.stats_logger,
+                                config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
-        # How versions reach the engines (actor.weight_transport; docs/weight-sync.md).
+        # How versions reach the engines (the weights section; docs/weight-sync.md).
         self.weights_out = WeightPublisher.from_config(
-            section.actor, self.weights_dir, publish_dtype=getattr(torch, section.model.dtype),
+            section.weights, self.weights_dir, device=section.actor.device,
+            publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
         # The facts a sample is checked against (sample_checks.py).
@@ -162,6 +192,14 @@ class Trainer(Role[TrainerState]):
                  if m is not None]
         self._vocab_size = min(sizes)
         self._max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        # R3: the routes a sample carries are checked against the model (and read from the
+        # run's blob store when they are there).
+        self._moe_shape = None
+        if section.actor.router_replay == "R3" and getattr(actor, "packed", None) is not None:
+            from ..bus.blobs import run_blob_store
+
+            self._moe_shape = actor.packed.moe_shape
+            self._blobs = run_blob_store(section.run_dir)
 
     # ------------------------------------------------------------------ start
 
@@ -179,7 +217,9 @@ class Trainer(Role[TrainerState]):
             state.handled_to[(topic, int(part))] = off
         state.unannounced = list(dict.fromkeys(progress.last_rejected_ids
                                                + progress.unannounced_rejections))
-        state.announce_rejections = True  # announce the current version at start
+        # At start: the current version's bytes and progress (a restart names its last
+        # rejections again, and the log may have lost the events of its last step).
+        state.announce_progress = state.announce_weights = True
         state.done = progress.version >= self.cfg.total_train_steps
         self._resumed = resumed
         return state
@@ -188,7 +228,7 @@ class Trainer(Role[TrainerState]):
         """A checkpoint made on another log (its bus run id differs: the broker lost the
         run's log and the launcher gave the run a new id, config/schema.py) resumes its
         model, optimizer and version, but its offsets belong to the old log's partitions:
-        they are dropped, and the head gate counts from here (WeightsEvent.base_*)."""
+        they are dropped, and the head gate counts from here (ProgressEvent.base_*)."""
         own = self.cfg.bus_run_id
         if not own:
             return
@@ -227,36 +267,38 @@ class Trainer(Role[TrainerState]):
         new.progress.version = highest + 1
         new.progress.rollbacks += highest + 1 - p.version
         new.progress.last_group_ids = []
-        weights = self._write_version(state, new, [], f"resuming above version {highest}",
-                                      checkpoint=True, regate=True)
+        weights, progress = self._write_version(state, new, f"resuming above version {highest}",
+                                                checkpoint=True, regate=True)
         weights.rollback_of = p.version
-        state.pending.append(weights)  # published on the first tick (or with the first step)
+        state.pending += [weights, progress]  # published on the first tick (or with the first step)
         state.done = state.progress.version >= self.cfg.total_train_steps
 
-    def _publish_weights(self, state: TrainerState, group_ids: list[str]) -> WeightsEvent:
+    def _publish_weights(self, state: TrainerState) -> WeightsEvent:
+        """The bytes of the state's version, published over the transport."""
         p = state.progress
         # file: written (sha256) before the event; ipc / nccl: the file, if this version
         # gets one, is written in the background after the event (on_tick polls for it).
         fields = self.weights_out.publish(self.actor.full_state_dict(), p.version)
         path = weights_file(self.weights_dir, p.version)
         p.weights_path, p.weights_sha256 = fields["path"] or str(path.resolve()), fields["sha256"]
-        return WeightsEvent(version=p.version, **fields, group_ids=group_ids,
-                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected,
-                            files=self._take_files(state))
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
 
     def _announce(self, state: TrainerState) -> WeightsEvent:
+        """The current version's bytes again (at start; with the durable files finished)."""
         p = state.progress
         fields = self.weights_out.announcement(p.version, p.weights_path, p.weights_sha256)
         if fields is None:  # its file is gone, or a restarted trainer's buffers are empty
-            return self._publish_weights(state, [])
-        return WeightsEvent(version=p.version, **fields,
-                            group_ids=list(p.last_group_ids),
-                            groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
-                            rejected_group_ids=self._take_unannounced(state, p),
-                            base_steps=p.base_steps, base_rejected=p.base_rejected,
-                            files=self._take_files(state))
+            return self._publish_weights(state)
+        return WeightsEvent(version=p.version, **fields, files=self._take_files(state))
+
+    def _progress(self, state: TrainerState) -> ProgressEvent:
+        """The state's version, the groups that made it, the rejections not yet named,
+        and the head gate's counts."""
+        p = state.progress
+        return ProgressEvent(version=p.version, group_ids=list(p.last_group_ids),
+                             groups_rejected=len(state.rejected), rollbacks=p.rollbacks,
+                             rejected_group_ids=self._take_unannounced(state, p),
+                             base_steps=p.base_steps, base_rejected=p.base_rejected)
 
     @staticmethod
     def _take_files(state: TrainerState) -> list[WeightsFile]:
@@ -287,7 +329,7 @@ class Trainer(Role[TrainerState]):
         new = not (gid in state.trained or gid in state.rejected
                    or any(s.group_id == gid for s, _ in state.buffer))
         try:
-            self._admit(event, state)
+            routes_missing = self._admit(event, state)
         except BadEventError:
             # Dead-lettered by the bus; a new group is also rejected, which frees its
             # head-gate slot (if the feeder admitted it) and names it on the log.
@@ -298,21 +340,24 @@ class Trainer(Role[TrainerState]):
         if not new:
             state.duplicates += 1
             return ()
+        state.routes_missing += routes_missing
         if event.dropped_reason:  # given up upstream; nothing to train
             self._reject(state, gid)
             state.rejected_dropped += 1
             return ()
-        if state.progress.version - event.min_version > self.cfg.max_head_offpolicyness:
+        stale = self._too_stale(event, state.progress.version)
+        if stale is not None:
             self._reject(state, gid)
             state.rejected_stale += 1
-            return ()
+            return self._stale_letters(state, [(event, source)], stale)
         state.buffer.append((event, source))
         if len(state.buffer) < self.cfg.prompts_per_step or state.done:
             return ()
         return self._step(state)
 
-    def _admit(self, event: SampleEvent, state: TrainerState) -> None:
-        """Raise BadEventError for a sample this trainer must not train (sample_checks)."""
+    def _admit(self, event: SampleEvent, state: TrainerState) -> int:
+        """Raise BadEventError for a sample this trainer must not train (sample_checks);
+        the number of its sequences that will route live for want of their routes (R3)."""
         try:
             check_made_for(event, estimator=self.cfg.advantage.estimator,
                            norm_spec=self._norm_spec, reward_norm_spec=self._reward_norm_spec)
@@ -321,9 +366,16 @@ class Trainer(Role[TrainerState]):
             log.error("dead-lettered (%d so far): %s", state.dead_lettered_config, exc)
             raise
         if not event.dropped_reason:
+            # Gate off (offline, trainers/offline.py): the recorded versions count the
+            # online trainer's steps, so one ahead of this trainer's is no forgery.
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
-                            version=state.progress.version)
+                            version=state.progress.version,
+                            recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
             self._check_images(event)
+            if self._moe_shape is not None:
+                return check_routes(event, moe_shape=self._moe_shape,
+                                    missing=self.cfg.actor.router_replay_missing, store=self._blobs)
+        return 0
 
     def _check_images(self, event: SampleEvent) -> None:
         """Images only for a policy that reads them, each usable (trainers/vision_batch.py)."""
@@ -339,21 +391,55 @@ class Trainer(Role[TrainerState]):
     def _reject(state: TrainerState, gid: str) -> None:
         state.rejected.add(gid)
         state.unannounced.append(gid)
-        state.announce_rejections = True
+        state.announce_progress = True
 
     def _gate_buffer(self, state: TrainerState) -> None:
         """The tail gate over the groups waiting in the buffer, at the current version:
         a rollback (or any version change) while a group waits can push it over eta, and
-        DESIGN §3's guarantee is about the step that trains it, not its arrival."""
-        eta = self.cfg.max_head_offpolicyness
-        keep = []
+        the guarantee (docs/design.md#3-policy-versions-and-the-staleness-window)
+        is about the step that trains it, not its arrival."""
+        keep, late = [], []
         for sample, src in state.buffer:
-            if state.progress.version - sample.min_version > eta:
+            if self._too_stale(sample, state.progress.version) is not None:
                 self._reject(state, sample.group_id)
                 state.rejected_stale += 1
+                late.append((sample, src))
             else:
                 keep.append((sample, src))
         state.buffer = keep
+        state.pending += self._stale_letters(state, late, "the version moved while it waited")
+
+    def _too_stale(self, sample: SampleEvent, version: int) -> str | None:
+        """Why ``sample`` is past the tail gate at ``version`` (None: it may train). Online
+        mode (agent.mode online): up to actor.late_reward_max_offpolicyness versions it
+        trains, with decoupled PPO's behaviour-weight correction."""
+        staleness, eta = version - sample.min_version, self.cfg.max_head_offpolicyness
+        cap = self.cfg.actor.late_reward_max_offpolicyness if self.cfg.online else None
+        bound = eta if cap is None else cap
+        if staleness <= bound:
+            return None
+        late = (f" (its rewards came {sample.reward_delay_s:.0f} s after its trajectories)"
+                if sample.reward_delay_s >= 1 else "")
+        fix = ("raise actor.late_reward_max_offpolicyness" if cap is not None else
+               "set actor.late_reward_max_offpolicyness to train such groups with the "
+               "decoupled-PPO correction, or raise rollout.max_head_offpolicyness")
+        return (f"group {sample.group_id} is {staleness} versions behind the trainer (version "
+                f"{version}, its oldest token {sample.min_version}), past the staleness bound "
+                f"of {bound}{late}: not trained; {fix}")
+
+    def _stale_letters(self, state: TrainerState, stale: list[tuple[SampleEvent, Source]],
+                       why: str) -> list[DeadLetter]:
+        """Online mode: a group past the bound is a real user's session: dead-lettered
+        with the reason (a batch run only counts it, ``trainer/rejected_stale``)."""
+        if not self.cfg.online:
+            return []
+        out = []
+        for sample, src in stale:
+            reason = self._too_stale(sample, state.progress.version) or why
+            state.dead_lettered_stale += 1
+            log.warning("dead-lettered: %s", reason)
+            out.append(DeadLetter(sample, BadEventError(reason), src))
+        return out
 
     def _step(self, state: TrainerState) -> list[Event | DeadLetter]:
         self._gate_buffer(state)
@@ -363,9 +449,11 @@ class Trainer(Role[TrainerState]):
         samples = [s for s, _ in batch]
         v_before = state.progress.version
         t0 = time.perf_counter()
+        ready_at = time.time()  # the batch is complete: the step timeline's "trainer wait" ends
         try:
             items = flatten_groups(samples)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
+            t_adv = time.perf_counter() - t0
             result = self.actor.train_step(items, policy_version=state.progress.version)
             if self.critic is not None and result.applied_minibatches:
                 token_metrics.update(self.critic.train_step(items))
@@ -388,6 +476,7 @@ class Trainer(Role[TrainerState]):
         samples = [s for s in samples if s.group_id not in result.skipped_group_ids]
         for s in samples:
             step.staleness_hist[v_before - s.min_version] += 1
+            step.trained_late += v_before - s.min_version > self.cfg.max_head_offpolicyness
         p = step.progress
         p.version += 1
         if not samples:
@@ -400,7 +489,7 @@ class Trainer(Role[TrainerState]):
         p.last_group_ids = group_ids
         rewards = [seq.reward for s in samples for seq in s.sequences]
         step.last_reward = sum(rewards) / max(len(rewards), 1)
-        weights = self._write_version(state, step, group_ids, f"training step {p.version}")
+        weights, progress = self._write_version(state, step, f"training step {p.version}")
         p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
@@ -416,31 +505,42 @@ class Trainer(Role[TrainerState]):
             "trainer/dead_lettered": float(state.dead_lettered),
             "trainer/dead_lettered_config": float(state.dead_lettered_config),
             "trainer/skipped_steps": float(state.skipped_steps),
+            "trainer/dead_lettered_stale": float(state.dead_lettered_stale),
+            "trainer/trained_late": float(state.trained_late),
             "trainer/step_wall_s": time.perf_counter() - t0,
+            # For the step timeline (ops/timeline.py): when the batch was complete (epoch
+            # seconds) and the token-level advantages' time (then the actor's step, then
+            # the publish: the weights event's produced_at).
+            "trainer/batch_ready_at": ready_at,
+            "trainer/token_advantages_s": t_adv,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })
+        if self._moe_shape is not None:
+            metrics["trainer/routes_missing"] = float(state.routes_missing)
         for lag, count in sorted(state.staleness_hist.items()):
             metrics[f"trainer/staleness_hist/{lag}"] = float(count)
         self.sink.write(p.version, metrics)
         if p.version >= self.cfg.total_train_steps or (
                 self.cfg.stop_at_reward is not None and state.last_reward >= self.cfg.stop_at_reward):
             state.done = True
-        # The step's weights event names the rejections so far; more came only if some
+        # The step's progress event names the rejections so far; more came only if some
         # of this batch was dead-lettered (announced on the next tick).
-        state.announce_rejections = bool(state.unannounced)
+        state.announce_progress = bool(state.unannounced)
         return self._take_pending(state) + dead + [
-            weights, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
+            weights, progress, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
                                   metrics=metrics)]
 
-    def _write_version(self, state: TrainerState, new: TrainerState, group_ids: list[str],
-                       what: str, *, checkpoint: bool | None = None,
-                       regate: bool = False) -> WeightsEvent:
-        """Make ``new`` (a draft of ``state`` with the next version) the state: its weights
-        file first, then (when due: ``actor.checkpoint_every_steps``, the last step, or
-        ``checkpoint``) the checkpoint that covers it, and only then the commit of the
-        version, the trained groups, the buffer and the offsets; the weights event goes out
-        after that. A write that fails leaves ``state`` as it was and is fatal: the model in
+    def _write_version(self, state: TrainerState, new: TrainerState, what: str, *,
+                       checkpoint: bool | None = None,
+                       regate: bool = False) -> tuple[WeightsEvent, ProgressEvent]:
+        """Make ``new`` (a draft of ``state`` with the next version, its
+        ``last_group_ids`` set) the state: its weights file first, then (when due:
+        ``actor.checkpoint_every_steps``, the last step, or ``checkpoint``) the checkpoint
+        that covers it, and only then the commit of the version, the trained groups, the
+        buffer and the offsets; the weights and progress events go out after that (the
+        checkpoint records the rejections the progress event names, which a restart names
+        again). A write that fails leaves ``state`` as it was and is fatal: the model in
         memory took a step no file holds, so the role stops (StorageError, with its
         one-line reason, for a full or failing disk) instead of being retried, which would
         see the batch's groups as trained. ``regate``: the tail gate again after the version
@@ -450,8 +550,9 @@ class Trainer(Role[TrainerState]):
             checkpoint = (v % self.cfg.actor.checkpoint_every_steps == 0
                           or v >= self.cfg.total_train_steps)
         try:
-            weights = self._publish_weights(new, group_ids)
-            if regate:
+            weights = self._publish_weights(new)
+            progress = self._progress(new)
+            if regate:  # its rejections are named by the next progress event
                 self._gate_buffer(new)
             if checkpoint:
                 self._checkpoint(new)
@@ -461,10 +562,10 @@ class Trainer(Role[TrainerState]):
             raise storage_error(exc) or FatalRoleError(
                 f"{what}: writing version {v} failed: {type(exc).__name__}: {exc}") from exc
         state.commit(new)
-        return weights
+        return weights, progress
 
     @staticmethod
-    def _take_pending(state: TrainerState) -> list[Event]:
+    def _take_pending(state: TrainerState) -> list[Event | DeadLetter]:
         taken, state.pending = state.pending, []
         return taken
 
@@ -527,13 +628,20 @@ class Trainer(Role[TrainerState]):
 
     def on_tick(self, state: TrainerState, now: float) -> Iterable[Event]:
         self._note_files(state, self.weights_out.poll())
-        if state.pending:  # instead of the announcement at start; it names the rejections so far
-            state.announce_rejections = bool(state.unannounced)
+        if state.pending:  # instead of the announcements at start; they name the rejections so far
+            state.announce_weights = False
+            state.announce_progress = bool(state.unannounced)
             return self._take_pending(state)
-        if state.announce_rejections or state.files_to_announce:
-            state.announce_rejections = False
-            return (self._announce(state),)
-        return ()
+        out: list[Event] = []
+        # weights.v1 hears of a version already published only at start or when one of
+        # its durable files is ready; progress.v1 of every change in the rejections.
+        if state.announce_weights or state.files_to_announce:
+            state.announce_weights = False
+            out.append(self._announce(state))
+        if state.announce_progress:
+            state.announce_progress = False
+            out.append(self._progress(state))
+        return out
 
     def committable(self, state: TrainerState, topic: str, partition: int, next_offset: int) -> int:
         # Both bounds: what the last checkpoint covers (a restart resumes from there), and
@@ -553,10 +661,15 @@ class Trainer(Role[TrainerState]):
         # transport, where the publish itself wrote them.
         if state.progress.weights_path and state.progress.version > 0:
             self._checkpoint(state)
+        if state.done and state.progress.version > 0 and self.cfg.model.path:
+            # The run's result as a Hugging Face directory (trainers/final_model.py).
+            write_final_model(self.cfg.model.path, self.actor.full_state_dict(),
+                              self.run_dir / FINAL_DIR, dtype=getattr(torch, self.cfg.model.dtype))
         try:
             # The final version gets its durable file (offline use) before the last event.
             self._note_files(state, self.weights_out.finish(state.progress.version))
-            return [self._announce(state)] if state.unannounced or state.files_to_announce else []
+            out: list[Event] = [self._announce(state)] if state.files_to_announce else []
+            return out + ([self._progress(state)] if state.unannounced else [])
         finally:
             try:
                 self.weights_out.close()
@@ -572,7 +685,7 @@ class Trainer(Role[TrainerState]):
         The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
         of that version when one exists, else keeps its weights with a fresh optimizer
         state (a warning says so; see :meth:`_rollback_critic`)."""
-        from ..models.weight_files import load_verified
+        from ..weights.files import load_verified
 
         if command.command != "rollback":
             return super().on_control(command, state)
@@ -606,15 +719,15 @@ class Trainer(Role[TrainerState]):
         new.progress.rollbacks += 1  # a version that trained no batch: the head gate must not count it
         new.progress.last_group_ids = []
         # The version moves with no step: waiting groups may be over eta now (regate).
-        weights = self._write_version(state, new, [], f"rollback to version {target}",
-                                      checkpoint=True, regate=True)
+        weights, progress = self._write_version(state, new, f"rollback to version {target}",
+                                                checkpoint=True, regate=True)
         weights.rollback_of = target
         p = state.progress
         # The rollback's version counts like a step, so it can reach the step budget.
         if p.version >= self.cfg.total_train_steps:
             state.done = True
         return (True, f"version {p.version} published with the weights of version {target}"
-                f"{critic_note}", [*self._take_pending(state), weights])
+                f"{critic_note}", [*self._take_pending(state), weights, progress])
 
     def _rollback_critic(self, target: int, current: int) -> str:
         """Bring the critic back to ``target`` with the policy: its checkpoint of that
@@ -638,6 +751,7 @@ class Trainer(Role[TrainerState]):
                 # Of this bus run id's log: the launcher's count of what a lost log dropped.
                 "groups_done_on_log": len(state.trained) + len(state.rejected)
                 - state.progress.base_groups,
+                "groups_trained": len(state.trained),
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 

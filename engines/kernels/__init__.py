@@ -14,6 +14,8 @@ context); ``context_lens`` int32 = tokens in the cache including this forward's.
 rows of a captured graph have context 0 and slot -1 and produce zeros. ``T`` = packed
 tokens of a forward, ``H`` query heads, ``K`` KV heads, ``D`` head dim.
 
+MoE layers: :func:`moe_route` (top-k routing) and :func:`fused_moe` (the experts).
+
 Every op is CUDA-graph safe on both paths except :func:`paged_prefill_attention`, whose
 reference reads the lengths on the host (prefill is never captured).
 """
@@ -32,7 +34,7 @@ from . import reference
 
 __all__ = [
     "rms_norm", "rope_and_store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "silu_and_mul", "sample_tokens", "backend",
+    "silu_and_mul", "sample_tokens", "moe_route", "fused_moe", "backend",
 ]
 
 _ENV = "TAPIOCA_KERNELS"
@@ -41,6 +43,7 @@ _MODULES = {
     "rope": "tapioca.engines.kernels.triton_rope",
     "attention": "tapioca.engines.kernels.triton_attention",
     "sampling": "tapioca.engines.kernels.triton_sampling",
+    "moe": "tapioca.engines.kernels.triton_moe",
 }
 _loaded: dict[str, ModuleType | None] = {}
 _warned: list[str] = []
@@ -153,3 +156,21 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: 
     reproducible per backend (the reference and Triton draw different streams).
     """
     return backend("sampling", logits_BV).sample_tokens(logits_BV, temperature_B, seed_1, offset)
+
+
+def moe_route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of an MoE layer: ``(weights_TK fp32, ids_TK int32)`` from the router
+    logits ``[T, E]`` (softmax in fp32, the k largest, renormalised to sum 1 when
+    ``norm_topk_prob``; HF's Qwen3-MoE router)."""
+    return backend("moe", logits_TE).moe_route(logits_TE, top_k, norm_topk_prob)
+
+
+def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+              weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """The experts of an MoE layer: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
+
+    ``x_TH`` ``[T, H]``; ``w13_E2IH`` ``[E, 2I, H]`` (each expert's gate rows, then its up
+    rows), ``w2_EHI`` ``[E, H, I]``; SwiGLU experts; ``weights_TK`` fp32, ``ids_TK`` int
+    ``[T, k]``. Returns ``[T, H]`` in x's dtype. Graph safe (Triton: grouped GEMMs over
+    pairs laid out by expert; reference: gathered weights on CUDA)."""
+    return backend("moe", x_TH).fused_moe(x_TH, w13_E2IH, w2_EHI, weights_TK, ids_TK)

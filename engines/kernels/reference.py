@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of the paged engine's six fused ops (the CPU path and the oracle).
+"""Plain-PyTorch reference of the paged engine's fused ops (the CPU path and the oracle).
 
 Consumes activations, the paged KV cache and the per-forward metadata the engine builds
 (block tables, context lengths, slot mapping; layout in :mod:`tapioca.engines.kernels`);
@@ -10,7 +10,11 @@ Numerics follow Hugging Face's Qwen2 modules where they are the contract: RMSNor
 normalises in fp32, casts to the input dtype, then multiplies by the weight; rotary casts
 cos/sin to the activation dtype and rounds every product like ``q * cos +
 rotate_half(q) * sin``; the MLP is ``silu(gate) * up`` in the activation dtype.
-Attention and sampling compute softmax in fp32.
+Attention and sampling compute softmax in fp32. MoE (Qwen3-MoE): the router's softmax,
+top-k and renormalisation are :func:`tapioca.models.moe.route` (the trainer's); each
+expert's SwiGLU rounds like HF's (gate / up, ``silu(gate)``, the product, the down
+projection in the activation dtype), each pair's output times its fp32 routing weight is
+rounded once to the activation dtype, and a token's k pairs are summed in fp32.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...models.moe import route
+
 __all__ = [
     "rms_norm", "rope_and_store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "silu_and_mul", "sample_tokens", "gumbel_noise",
+    "silu_and_mul", "sample_tokens", "gumbel_noise", "moe_route", "fused_moe",
 ]
 
 
@@ -169,6 +175,44 @@ def silu_and_mul(x_TI2: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` in x's dtype (HF's ``act_fn(gate) * up``)."""
     inter = x_TI2.shape[-1] // 2
     return F.silu(x_TI2[..., :inter]) * x_TI2[..., inter:]
+
+
+def moe_route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights_TK fp32, ids_TK int32)``: softmax (fp32), top-k, renormalised when
+    ``norm_topk_prob`` (HF's Qwen3-MoE router, :func:`tapioca.models.moe.route`)."""
+    weights_TK, ids_TK, _ = route(logits_TE, top_k, norm_topk_prob)
+    return weights_TK.float(), ids_TK.int()
+
+
+def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+              weights_TK: torch.Tensor, ids_TK: torch.Tensor, gather: bool | None = None) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every token: ``[T, H]`` in x's
+    dtype. ``w13_E2IH`` ``[E, 2I, H]`` (gate rows then up rows), ``w2_EHI`` ``[E, H, I]``.
+
+    ``gather`` (default: on CUDA) gathers every pair's expert weights and runs batched
+    matmuls: no host reads (graph safe), ``T * k`` weight copies. Otherwise pairs are
+    sorted by expert and each expert's rows go through one matmul (the per-expert counts
+    are read on the host, which costs nothing on a CPU)."""
+    num_tokens, top_k = ids_TK.shape
+    ids_P = ids_TK.reshape(-1).long()
+    x_PH = x_TH.repeat_interleave(top_k, dim=0)
+    if gather if gather is not None else x_TH.is_cuda:
+        h_P2I = torch.bmm(w13_E2IH[ids_P], x_PH.unsqueeze(-1)).squeeze(-1)
+        y_PH = torch.bmm(w2_EHI[ids_P], silu_and_mul(h_P2I).unsqueeze(-1)).squeeze(-1)
+    else:
+        order_P = torch.argsort(ids_P, stable=True)
+        counts = torch.bincount(ids_P, minlength=w13_E2IH.shape[0]).tolist()
+        y_sorted = torch.empty_like(x_PH)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = order_P[start:start + n]
+                a_NI = silu_and_mul(x_PH[rows] @ w13_E2IH[e].T)
+                y_sorted[start:start + n] = a_NI @ w2_EHI[e].T
+            start += n
+        y_PH = torch.empty_like(y_sorted).index_copy_(0, order_P, y_sorted)
+    weighted_PH = (y_PH.float() * weights_TK.reshape(-1, 1).float()).to(x_TH.dtype)
+    return weighted_PH.view(num_tokens, top_k, -1).float().sum(1).to(x_TH.dtype)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -102,23 +102,39 @@ class RewardCore:
         self.dlq = Contract(schemas, "dlq", args.prefix)
         self.scorer = args.scorer
         self.budget = args.budget_tokens
-        self.run_id = args.run_id
-        self.group = args.group or f"{args.prefix}.reward-service.{args.scorer}"
+        self.run_id = args.run_id  # "" with --all-runs
+        # One group per run: a service left running for an earlier run must not share
+        # (and commit past) the partitions of this run's service.
+        self.group = args.group or (f"{args.prefix}.reward-service.{args.scorer}"
+                                    + (f".{args.run_id}" if args.run_id else ""))
         self.producer_id = f"{args.scorer}-{socket.gethostname()}-{os.getpid()}"
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.seen_capacity = 1_000_000
         self.counts = {"scored": 0, "duplicates": 0, "dead_lettered": 0, "other_runs": 0}
+
+    def of_our_run(self, run_id: object) -> bool:
+        """Whether a trajectory's ``run_id`` is the run this service scores: the run id
+        itself, or one of its later broker lifetimes (``RUN@2``, a run resumed on a new
+        log), or any with --all-runs."""
+        return not self.run_id or run_id == self.run_id or (
+            isinstance(run_id, str) and run_id.startswith(f"{self.run_id}@"))
 
     def handle(self, rec: Record) -> list[Output]:
         try:
             trajectory = json.loads(rec.value or b"", parse_constant=_reject_constant)
         except (TypeError, ValueError) as exc:
             return [self.dead_letter(rec, f"not valid JSON: {exc}", "JSONDecodeError")]
+        # Another run's trajectory is skipped before the (slower) validation: a broker
+        # with history holds many of them before this run's first.
+        other = trajectory.get("run_id") if isinstance(trajectory, dict) else None
+        if isinstance(other, str) and other != "default" and not self.of_our_run(other):
+            self.counts["other_runs"] += 1
+            return []
         problem = self.trajectories.error(trajectory)
         if problem is not None:
             return [self.dead_letter(rec, f"not a valid {self.trajectories.type} event: "
                                           f"{problem}", "SchemaValidationError")]
-        if self.run_id and trajectory.get("run_id", "default") != self.run_id:
+        if not self.of_our_run(trajectory.get("run_id", "default")):  # names no run
             self.counts["other_runs"] += 1
             return []
         traj_id = trajectory["traj_id"]
@@ -205,7 +221,13 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument("--scorer", default="length_penalty",
                    help="RewardEvent.scorer (the key of advantage.reward_weights).")
     p.add_argument("--budget-tokens", type=int, default=64)
-    p.add_argument("--run-id", default="", help="Only score this run's trajectories.")
+    p.add_argument("--run-id", default="",
+                   help="Score only this run's trajectories: its experiment_name.trial_name "
+                        "(e.g. demo.ls1 for `tapioca train ... trial_name=ls1`); required "
+                        "unless --all-runs.")
+    p.add_argument("--all-runs", action="store_true",
+                   help="Score every run's trajectories on the prefix, from the start of "
+                        "the topic (old runs' included).")
     p.add_argument("--group", default="", help="Consumer group (default per scorer).")
     p.add_argument("--schemas", default=str(DEFAULT_SCHEMAS),
                    help="Directory of Tapioca's exported *.schema.json files.")
@@ -218,6 +240,14 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.budget_tokens < 1:
         p.error("--budget-tokens must be >= 1")
+    # Without a run the service would score every old trajectory on the topic before the
+    # new run's first (a broker with history holds many), and the run would wait for it.
+    if not args.run_id and not args.all_runs:
+        p.error("pass --run-id RUN (the run's experiment_name.trial_name, e.g. demo.ls1 with "
+                "`tapioca train ... trial_name=ls1`), or --all-runs to score every run's "
+                "trajectories on the topic, old ones included")
+    if args.run_id and args.all_runs:
+        p.error("--run-id and --all-runs exclude each other; pass one")
     args.consumer_config = dict(args.consumer_config)
     args.producer_config = dict(args.producer_config)
     return args

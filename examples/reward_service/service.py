@@ -7,8 +7,9 @@ Schemas (``schemas/json/*.schema.json``, validated with ``jsonschema`` in
 follows is docs/reward-services.md; the client settings are docs/kafka-clients.md:
 
 - consumes ``<prefix>.trajectories.v1`` in its own consumer group
-  (``<prefix>.reward-service.<scorer>``), so it sees every trajectory independently
-  of the built-in scorer and the advantage processor;
+  (``<prefix>.reward-service.<scorer>.<run>``), so it sees every trajectory independently
+  of the built-in scorer and the advantage processor, and scores those of its run
+  (``--run-id``; or of every run, ``--all-runs``);
 - publishes one ``RewardEvent`` JSON per trajectory to ``<prefix>.rewards.v1``, keyed
   by ``group_id`` with the murmur2 partitioner (the Java client's, and Tapioca's), so a
   reward lands on the same partition number as its trajectory;
@@ -27,7 +28,9 @@ answer falling linearly to 0 at ``--budget-tokens`` output tokens. Replace
 Run::
 
     python examples/reward_service/service.py --bootstrap-server 127.0.0.1:29092 \\
-        --prefix tapioca --scorer length_penalty
+        --prefix tapioca --scorer length_penalty --run-id demo.ls1
+
+(``--run-id``: the run's ``experiment_name.trial_name``; or ``--all-runs``.)
 """
 
 from __future__ import annotations
@@ -94,8 +97,9 @@ class RewardService:
     def run(self, exit_when_idle_s: float | None = None) -> int:
         core = self.core
         self.consumer.subscribe([core.trajectories.topic])
-        log.info("scoring %s -> %s as %r (group %s)", core.trajectories.topic,
-                 core.rewards.topic, core.scorer, core.group)
+        log.info("scoring %s -> %s as %r for %s (group %s)", core.trajectories.topic,
+                 core.rewards.topic, core.scorer,
+                 f"run {core.run_id}" if core.run_id else "every run", core.group)
         last = time.monotonic()
         try:
             while not self.stopping:

@@ -21,7 +21,8 @@ docs/kafka-clients.md. What differs from confluent-kafka:
 Run::
 
     python examples/reward_service/service_kafka_python.py \\
-        --bootstrap-server 127.0.0.1:29092 --prefix tapioca --scorer length_penalty
+        --bootstrap-server 127.0.0.1:29092 --prefix tapioca --scorer length_penalty \\
+        --run-id demo.ls1
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class RewardService:
     def run(self, exit_when_idle_s: float | None = None) -> int:
         core = self.core
         self.consumer.subscribe([core.trajectories.topic])
-        log.info("scoring %s -> %s as %r (group %s)", core.trajectories.topic,
-                 core.rewards.topic, core.scorer, core.group)
+        log.info("scoring %s -> %s as %r for %s (group %s)", core.trajectories.topic,
+                 core.rewards.topic, core.scorer,
+                 f"run {core.run_id}" if core.run_id else "every run", core.group)
         last = time.monotonic()
         try:
             while not self.stopping:

@@ -1,17 +1,20 @@
-"""The proxy's head gate and its follower of ``weights.v1``.
+"""The proxy's head gate and its follower of ``weights.v1`` and ``progress.v1``.
 
-Consumes ``weights.v1`` (broadcast, through a :class:`~tapioca.bus.runner.RoleRunner`
-in a background thread): each new version is loaded into the proxy's engine and its
-``version`` / ``groups_rejected`` move the gate once loaded. Which weights event is
+Consumes ``weights.v1`` and ``progress.v1`` (broadcast, through a
+:class:`~tapioca.bus.runner.RoleRunner` in a background thread): each new version on
+``weights.v1`` is loaded into the proxy's engine; the gate's counts come from
+``progress.v1`` only, each progress event moving the gate once the proxy's engine has
+loaded its version (a later version's counts wait for its load). Which weights event is
 loaded, refused or dead-lettered is the rule the rollout workers follow too
-(producers/weights_follow.py): versions only go forward, another claim of the loaded
+(weights/follow.py): versions only go forward, another claim of the loaded
 version is refused, one that fails to load is retried, then dead-lettered, and the
 proxy keeps its version. Emits nothing but dead letters and the runner's status metrics.
 
-Gate (DESIGN.md §3, the feeder's rule, algorithms/head_gate.py): a session that starts
+Gate (docs/design.md#3-policy-versions-and-the-staleness-window, the feeder's rule,
+algorithms/head_gate.py): a session that starts
 a new group waits until ``k - rejected - abandoned < (eta + v + 1) * B`` with k the
 groups this proxy has admitted in the run, v (trained steps: version - rollbacks) and
-``rejected`` from the latest weights event, eta =
+``rejected`` from the latest progress event of a loaded version, eta =
 ``rollout.max_head_offpolicyness`` and B = ``train_dataset.prompts_per_step``.
 ``abandoned`` counts admitted groups that ended without a trajectory (every session
 expired): the trainer never sees them, so nothing else would free their slot.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ...algorithms.head_gate import head_gate_capacity, log_counts
@@ -33,10 +37,12 @@ from ...bus.role import DeadLetter, Role, Source
 from ...bus.settings import BusConfig
 from ...schemas.envelope import Event, run_reads
 from ...schemas.errors import BadEventError
-from ...schemas.events import TrajectoryEvent, WeightsEvent
-from ..weights_follow import WeightsFollow
+from ...schemas.events import ProgressEvent, TrajectoryEvent, WeightsEvent
+from ...weights.follow import WeightsFollow
 
 PROXY_PRODUCER_PREFIX = "proxy"
+# Progress events of versions not loaded yet, kept at most (the oldest are dropped).
+MAX_PENDING_PROGRESS = 64
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +104,30 @@ def recover_admitted(cfg: BusConfig, per_partition: int = 256) -> int:
     return k
 
 
-class WeightsFollower(Role[WeightsFollow]):
-    """Loads every new version into the engine (``load``) and moves the gate once loaded.
+@dataclass
+class ProxyFollow(WeightsFollow):
+    """The proxy's following of ``weights.v1`` (:class:`WeightsFollow`) and of
+    ``progress.v1``: the progress event that moved the gate last, and the later ones
+    waiting for their version to load."""
 
-    Which event is loaded, refused or dead-lettered is :class:`WeightsFollow`'s rule, as
-    for the rollout workers; the gate takes v and the counts of the version loaded (or of
-    its re-announcements). The newest recovered version is loaded at start, before the
-    gate opens; later ones on the tick."""
+    progress: ProgressEvent | None = None
+    waiting: list[ProgressEvent] = field(default_factory=list)
+    # Older progress events on the replayed broadcast topic are skipped up to this one.
+    progress_skip_until: str = ""
+
+
+class WeightsFollower(Role[ProxyFollow]):
+    """Loads every new version into the engine (``load``) and moves the gate with the
+    trainer's progress events of the versions loaded.
+
+    Which weights event is loaded, refused or dead-lettered is :class:`WeightsFollow`'s
+    rule, as for the rollout workers; the gate takes v and the counts of the newest
+    progress event whose version the engine has loaded. The newest recovered version is
+    loaded at start, before the gate opens; later ones on the tick."""
 
     name = "proxy-weights"
-    broadcast_inputs = ("weights",)
-    recover_from = ("weights",)
+    broadcast_inputs = ("weights", "progress")
+    recover_from = ("weights", "progress")
 
     def __init__(self, gate: HeadGate, load: Callable[[WeightsEvent], Any],
                  current_version: Callable[[], int]) -> None:
@@ -116,49 +135,81 @@ class WeightsFollower(Role[WeightsFollow]):
         self.load = load
         self.current_version = current_version
 
-    def init_state(self) -> WeightsFollow:
-        return WeightsFollow("the agent proxy", loaded_version=self.current_version())
+    def init_state(self) -> ProxyFollow:
+        return ProxyFollow("the agent proxy", loaded_version=self.current_version())
 
-    def recover(self, state: WeightsFollow, latest: list[Event]) -> None:
-        newest = state.recover(latest)
+    def recover(self, state: ProxyFollow, latest: list[Event]) -> None:
+        state.recover(latest)
         if state.head is not None:
             try:
                 self._load_head(state)
             except BadEventError as exc:  # serve what the engine has; the tick retries it
                 log.error("%s; serving version %d meanwhile", exc, state.loaded_version)
-        elif newest is not None and newest.version == state.loaded_version:
-            self._move_gate(newest)
+        progress = [e for e in latest if isinstance(e, ProgressEvent)]
+        if progress:
+            # The highest version (the latest of equals): a re-published old event must
+            # not set the counts a restarted proxy starts with.
+            newest = max(progress, key=lambda e: e.version)
+            state.progress_skip_until = newest.event_id
+            self._offer_progress(state, newest)
         self.gate.ready.set()
 
-    def handle(self, event: Event, state: WeightsFollow, source: Source) -> Iterable[Event | DeadLetter]:
+    def handle(self, event: Event, state: ProxyFollow, source: Source) -> Iterable[Event | DeadLetter]:
+        if isinstance(event, ProgressEvent):
+            if not self._progress_replayed(state, event):
+                self._offer_progress(state, event)
+            return ()
         if not isinstance(event, WeightsEvent) or state.replayed(event):
             return ()
-        out = state.offer(event, source)
-        if event.version == state.loaded_version:  # a re-announcement: the counts move
-            self._move_gate(event)
-        return out
+        return state.offer(event, source)
 
-    def on_tick(self, state: WeightsFollow, now: float) -> Iterable[Event | DeadLetter]:
+    def on_tick(self, state: ProxyFollow, now: float) -> Iterable[Event | DeadLetter]:
         return self._load_head(state) if state.head is not None else ()
 
-    def _load_head(self, state: WeightsFollow) -> list[DeadLetter]:
+    def _load_head(self, state: ProxyFollow) -> list[DeadLetter]:
         # Loading waits for a decode-step boundary; requests queue meanwhile and
         # continue on the new weights (interruptible generation), none fails.
-        event = state.head
         out = state.load_head(self.load)
-        if state.loaded_version == event.version:
-            self._move_gate(event)
+        self._move_gate(state)
         return out
 
-    def _move_gate(self, event: WeightsEvent) -> None:
+    @staticmethod
+    def _progress_replayed(state: ProxyFollow, event: ProgressEvent) -> bool:
+        """True: a progress event at or before the recovered one on the replayed topic."""
+        if not state.progress_skip_until:
+            return False
+        if event.event_id == state.progress_skip_until:
+            state.progress_skip_until = ""
+        return True
+
+    def _offer_progress(self, state: ProxyFollow, event: ProgressEvent) -> None:
+        # Versions never go back: an older progress event (re-published) moves nothing.
+        if state.progress is not None and event.version < state.progress.version:
+            return
+        state.waiting.append(event)
+        del state.waiting[:-MAX_PENDING_PROGRESS]
+        self._move_gate(state)
+
+    def _move_gate(self, state: ProxyFollow) -> None:
+        """The newest waiting progress event of a loaded version (the highest version,
+        the latest of equals) moves the gate."""
+        ready = [e for e in state.waiting if e.version <= state.loaded_version]
+        if not ready:
+            return
+        event = ready[0]
+        for e in ready[1:]:
+            if e.version >= event.version:
+                event = e
+        state.progress = event
+        state.waiting = [e for e in state.waiting if e.version > state.loaded_version]
         rollbacks, rejected = log_counts(event.rollbacks, event.groups_rejected,
                                          event.base_steps, event.base_rejected)
         self.gate.update(event.version, rejected, rollbacks)
 
-    def on_dead_letter(self, state: WeightsFollow, event: Event, error: BaseException) -> None:
+    def on_dead_letter(self, state: ProxyFollow, event: Event, error: BaseException) -> None:
         state.forget(event)  # the proxy keeps its version; the next candidate is tried
 
-    def describe(self, state: WeightsFollow) -> dict[str, Any]:
+    def describe(self, state: ProxyFollow) -> dict[str, Any]:
         return {"version": self.gate.version, "admitted": self.gate.admitted,
                 "rejected": self.gate.rejected, "weight_loads": state.loads,
                 "weight_load_failures": state.load_failures,

@@ -11,7 +11,7 @@ synthetic ``copy`` task (``a+b=`` -> ``a``, operands 0..3, one-token answers), i
 0.5. Everything is checked from the events on the topics and the trainer's metrics.
 
 Budget: 20 steps of 8 prompts x 8 sessions (~300 HTTP requests per step: start, chat
-x ~1.6, reward, end per episode) with ``actor.lr=3e-3`` (the example's 2e-3 needs ~30
+x ~1.6, reward, end per episode) with ``actor.optimizer.lr=3e-3`` (the example's 2e-3 needs ~30
 steps for the same rise). Measured on the shared 2-core box while nearly idle (load
 average 2.5-3, 2026-11-30): ~15 s to start the processes and load the model, then
 ~1.5 s per step, of which the trainer's update is ~0.06 s; the rest is the rollout
@@ -49,7 +49,7 @@ def run(broker, tmp_path_factory):
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=agent-e2e", "trial_name=t0",
         f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
         f"bus.topic_prefix=agent{uuid.uuid4().hex[:8]}", f"agent.turn_discount={DISCOUNT}",
-        "actor.checkpoint_every_steps=50", "actor.lr=3e-3",
+        "actor.checkpoint_every_steps=50", "actor.optimizer.lr=3e-3",
     ])
     assert [r for r, _ in role_counts(cfg)] == ["trainer", "advantage", "proxy", "agent"]
     launcher = Launcher(cfg)

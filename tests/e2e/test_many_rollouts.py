@@ -46,7 +46,7 @@ def run(broker, tmp_path_factory):
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", f"gconfig.n_samples={N}", "gconfig.max_new_tokens=2",
         f"rollout.max_head_offpolicyness={ETA}", f"rollout.workers={WORKERS}",
-        "actor.lr=3e-3", "fsdp.world_size=2", "fsdp.param_dtype=float32",
+        "actor.optimizer.lr=3e-3", "fsdp.world_size=2", "fsdp.param_dtype=float32",
     ])
     launcher = Launcher(cfg)
     started = time.monotonic()
@@ -84,8 +84,8 @@ def test_every_rollout_member_generated(run):
 
 def test_head_gate_held_for_every_admitted_group(run):
     cfg, _ = run
-    weights = read_events(cfg.bus, "weights")
-    freed = max((ev.groups_rejected for ev in weights), default=0)
+    progress = read_events(cfg.bus, "progress")
+    freed = max((ev.groups_rejected for ev in progress), default=0)
     prompts = read_events(cfg.bus, "prompts")
     assert prompts
     for ev in prompts:
@@ -107,7 +107,7 @@ def test_each_version_names_one_group_set_and_groups_trained_once_within_eta(run
     cfg, _ = run
     samples = {e.group_id: e for e in read_events(cfg.bus, "samples")}
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
     assert sorted(sets) == list(range(1, STEPS + 1))

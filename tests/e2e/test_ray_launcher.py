@@ -44,7 +44,7 @@ def ray_run(broker, tmp_path_factory):
         # Copy the first of two operands 0..3, one new token: learnt in ~40 steps.
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=1",
-        "rollout.max_head_offpolicyness=2", "actor.lr=3e-3", "actor.checkpoint_every_steps=1",
+        "rollout.max_head_offpolicyness=2", "actor.optimizer.lr=3e-3", "actor.checkpoint_every_steps=1",
         "scheduler.type=ray", "scheduler.max_restarts=3",
     ])
     launcher = RayLauncher(cfg)
@@ -93,10 +93,34 @@ def test_killed_trainer_actor_is_restarted_and_reported(ray_run):
     assert any("trainer-0 restarted by Ray" in n for n in launcher.notices)
     # Every version 1..STEPS published, none trained twice, no group in two versions.
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
     assert sorted(sets) == list(range(1, STEPS + 1))
     assert all(len(v) == 1 for v in sets.values()), "a version was trained twice"
     trained = [g for v in sets.values() for g in next(iter(v))]
     assert len(trained) == len(set(trained)) == STEPS * B
+
+
+def test_a_ray_node_that_fails_to_start_is_one_line_naming_the_local_launcher(tmp_path):
+    """Ray's own exception (here its node's temp dir is a file, so the node cannot start)
+    is said in one line: what failed, why, where Ray's logs are, and the local launcher
+    (before: a 60-line traceback; issue 29, item 7)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "RAY_TMPDIR": str(not_a_dir)}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    done = subprocess.run([str(Path(sys.executable).parent / "tapioca"), "train", "--launcher",
+                           "ray", f"run_dir={tmp_path / 'runs'}"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Ray could not start its local node"), \
+        done.stderr
+    assert "NotADirectoryError" in lines[0] and "drop --launcher ray" in lines[0]

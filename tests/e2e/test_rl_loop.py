@@ -16,7 +16,7 @@ from tapioca.bus import read_events
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.ops.launcher import Launcher
-from tapioca.schemas import SampleEvent, WeightsEvent
+from tapioca.schemas import ProgressEvent, SampleEvent
 from tapioca.schemas import topic as topic_spec
 from tapioca.trainers.trainer import read_metrics
 
@@ -38,7 +38,7 @@ def run(broker, tmp_path_factory):
         # copy-the-first-operand: the synthetic op a tiny model learns fastest
         "train_dataset.task_options.op=copy",
         f"train_dataset.prompts_per_step={B}", "gconfig.n_samples=8", "gconfig.max_new_tokens=3",
-        f"rollout.max_head_offpolicyness={ETA}", "actor.lr=1e-3", "actor.checkpoint_every_steps=1",
+        f"rollout.max_head_offpolicyness={ETA}", "actor.optimizer.lr=1e-3", "actor.checkpoint_every_steps=1",
     ])
     launcher = Launcher(cfg)
     launcher.start()
@@ -61,9 +61,9 @@ def run(broker, tmp_path_factory):
     return cfg, summary, killed_at
 
 
-def _latest_per_version(cfg) -> dict[int, WeightsEvent]:
-    latest: dict[int, WeightsEvent] = {}
-    for ev in read_events(cfg.bus, "weights"):
+def _latest_per_version(cfg) -> dict[int, ProgressEvent]:
+    latest: dict[int, ProgressEvent] = {}
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids and (ev.version not in latest or ev.produced_at > latest[ev.version].produced_at):
             latest[ev.version] = ev
     return latest
@@ -105,19 +105,19 @@ def test_no_group_trained_twice_or_lost(run):
     # A version announced twice (the restart's re-announcement) must name the same
     # groups: a redone step would show up here as a different set.
     sets: dict[int, set[frozenset]] = defaultdict(set)
-    for ev in read_events(cfg.bus, "weights"):
+    for ev in read_events(cfg.bus, "progress"):
         if ev.group_ids:
             sets[ev.version].add(frozenset(ev.group_ids))
     assert all(len(v) == 1 for v in sets.values()), "a version was trained twice"
     trained = [g for ev in latest.values() for g in ev.group_ids]
     assert len(trained) == len(set(trained)) == STEPS * B
     # Lost: a group the trainer read (below its committed offset, which is exact) that
-    # is neither trained in some version nor named as rejected on a weights event.
-    weights = read_events(cfg.bus, "weights")
-    rejected = {g for ev in weights for g in ev.rejected_group_ids}
+    # is neither trained in some version nor named as rejected on a progress event.
+    progress = read_events(cfg.bus, "progress")
+    rejected = {g for ev in progress for g in ev.rejected_group_ids}
     trained_set = set(trained)
     assert not rejected & trained_set
-    assert len(rejected) == max(ev.groups_rejected for ev in weights)
+    assert len(rejected) == max(ev.groups_rejected for ev in progress)
     first_offset: dict[str, tuple[int, int]] = {}
     from tapioca.bus import TopicReader, consumer_lag
 
@@ -139,13 +139,13 @@ def test_no_group_trained_twice_or_lost(run):
 
 def test_trainer_killed_mid_run_resumes_without_repeating(run):
     cfg, _, killed_at = run
-    weights = [e for e in read_events(cfg.bus, "weights") if e.group_ids]
+    weights = [e for e in read_events(cfg.bus, "progress") if e.group_ids]
     before = [e for e in weights if e.produced_at < killed_at]
     after = [e for e in weights if e.produced_at >= killed_at]
     assert before and after, "the kill must fall in the middle of the run"
     # The restarted trainer first re-announces the version of its checkpoint.
     resumed_from = min(e.version for e in after)
-    # A checkpoint is written every step, before the step's weights event: no published
+    # A checkpoint is written every step, before the step's progress event: no published
     # version is older than the checkpoint it resumes from.
     assert resumed_from >= max(e.version for e in before)
     trained_up_to_checkpoint = {g for e in before + after if e.version <= resumed_from

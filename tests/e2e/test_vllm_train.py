@@ -10,7 +10,14 @@ fleet.v1."""
 from __future__ import annotations
 
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +40,7 @@ def test_tapioca_train_rollout_through_vllm(broker, vllm_server, tmp_path):
         f"bus.topic_prefix=v{uuid.uuid4().hex[:8]}",
         f"model.path={vllm_server.model_dir}",
         "train_dataset.prompts_per_step=4", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-        "rollout.max_head_offpolicyness=0", "actor.lr=1e-3",
+        "rollout.max_head_offpolicyness=0", "actor.optimizer.lr=1e-3",
         "rollout.engine=vllm", f"rollout.server.urls=[{vllm_server.url}]",
         "rollout.server.health_interval_s=1.0",
     ])
@@ -64,3 +71,65 @@ def test_tapioca_train_rollout_through_vllm(broker, vllm_server, tmp_path):
     beats = [e for e in read_events(cfg.bus, "fleet") if isinstance(e, FleetEvent)
              and e.role == "rollout" and "servers_up" in e.detail.get("describe", {})]
     assert beats and beats[-1].detail["describe"]["servers_up"] == 1
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+                found.append(int(name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_ctrl_c_of_tapioca_train_leaves_no_vllm_server(tmp_path):
+    """`tapioca train rollout.engine=vllm` (the role launches the server) interrupted
+    while the server starts -- the launcher's SIGTERM reaches the rollout role before
+    its handlers are installed, so the role cannot stop the server itself: the server's
+    process group (API server and engine process) is gone soon after the launcher."""
+    root = Path(__file__).resolve().parents[2]
+    python = os.environ.get("TAPIOCA_VLLM_PYTHON") or str(root / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        pytest.skip(f"no vLLM venv at {python}")
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    run = tmp_path / "runs" / "demo" / "sigint"
+    launcher = subprocess.Popen(
+        [str(Path(sys.executable).parent / "tapioca"), "train", "--config",
+         str(root / "examples" / "demo_cpu.yaml"), f"run_dir={tmp_path / 'runs'}",
+         "trial_name=sigint", "rollout.engine=vllm", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.tie_word_embeddings=false", f"rollout.server.python={python}",
+         "rollout.server.extra_args=[--enforce-eager,--max-model-len,256]"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 300
+        while server_pid is None and time.monotonic() < deadline:
+            assert launcher.poll() is None, "tapioca train exited before starting the server"
+            log = run / "logs" / "rollout-0.log"
+            found = re.search(r"started vllm server pid (\d+)", log.read_text()) \
+                if log.exists() else None
+            server_pid = int(found.group(1)) if found else None
+            time.sleep(0.2)
+        assert server_pid is not None, "the rollout role never started its vLLM server"
+        assert _group_members(server_pid)
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C
+        assert launcher.wait(120) == 130
+        # Before the watchdog the server stayed up, listening, reparented to init.
+        deadline = time.monotonic() + 90
+        while _group_members(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _group_members(server_pid), "the vLLM server outlived `tapioca train`"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if server_pid is not None:
+            for pid in _group_members(server_pid):
+                os.kill(pid, signal.SIGKILL)

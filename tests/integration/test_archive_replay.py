@@ -35,12 +35,12 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.models.weight_files import sha256_file
 from tapioca.ops.cli import app
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import SampleEvent, topic
 from tapioca.schemas.errors import ConfigError
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
 
@@ -82,24 +82,28 @@ class Run:
         self.truth = truth  # topic base name -> records read back from the broker
 
 
-@pytest.fixture(scope="module")
-def run(broker, tmp_path_factory, one_torch_thread) -> Run:
-    root = tmp_path_factory.mktemp("archived")
+def _run_and_archive(broker, root: Path, run_id: str, *, trainer_steps: int = 0) -> Run:
+    """A short real run through the module's broker, archived: feeder, rollout, advantage
+    processor and archiver as the launcher builds them, the hash scorer, and (with
+    ``trainer_steps``) the trainer, so that groups are made at several policy versions."""
     model = str(create_tiny_checkpoint(root / "model"))
     bus = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:12]}",
-                    run_id="arch.run")
+                    run_id=run_id)
     ensure_topics(bus)
     archive = root / "archive"
+    experiment, trial = run_id.split(".")
     cfg = TrainConfig(
-        experiment_name="arch", trial_name="run", run_dir=str(root / "runs"), bus=bus,
+        experiment_name=experiment, trial_name=trial, run_dir=str(root / "runs"), bus=bus,
         model=ModelConfig(path=model), train_dataset=DatasetConfig(prompts_per_step=2),
         gconfig=GenerationConfig(n_samples=2, max_new_tokens=3),
         rollout=RolloutConfig(max_head_offpolicyness=1),
+        **({"total_train_steps": trainer_steps} if trainer_steps else {}),
         # Small files: both the size and the time roll happen in a run this short.
         archive=ArchiveConfig(enabled=True, dir=str(archive), roll_bytes=2048,
                               roll_interval_s=0.5))
     assert cfg.run_id == bus.run_id
-    roles = ["archiver", "advantage", "reward", "rollout", "feeder"]
+    roles = ["archiver", "advantage", "reward", "rollout", "feeder"] + (
+        ["trainer"] if trainer_steps else [])
     built = {name: build_role(name, cfg) for name in roles if name != "reward"}
     # The tiny untrained model almost never solves a task: the task's reward would be 0.0
     # everywhere, and the replay checks below would compare zeros. A deterministic
@@ -115,13 +119,19 @@ def run(broker, tmp_path_factory, one_torch_thread) -> Run:
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
+    def done() -> bool:
+        if trainer_steps:  # the trainer has published its last version
+            return any(r.event.version >= trainer_steps for r in _read(bus, "weights"))
+        return len(_read(bus, "samples")) >= GROUPS
+
     threads = {n: threading.Thread(target=go, args=(r,), daemon=True) for n, r in runners.items()}
     for t in threads.values():
         t.start()
     try:
-        _wait(lambda: len(_read(bus, "samples")) >= GROUPS or errors, 180, "4 samples")
+        _wait(lambda: done() or errors, 180, "the run")
         assert not errors, errors
-        _wait(lambda: len(list(iter_events(archive, topic="samples"))) >= GROUPS, 60,
+        wanted = len(_read(bus, "samples"))
+        _wait(lambda: len(list(iter_events(archive, topic="samples"))) >= wanted, 60,
               "the archiver to roll the samples into a file")
     finally:
         for name in roles[1:]:
@@ -134,6 +144,11 @@ def run(broker, tmp_path_factory, one_torch_thread) -> Run:
     assert not errors, errors
     truth = {name: _read(bus, name) for name in DATA_TOPICS}
     return Run(cfg, archive, truth)
+
+
+@pytest.fixture(scope="module")
+def run(broker, tmp_path_factory, one_torch_thread) -> Run:
+    return _run_and_archive(broker, tmp_path_factory.mktemp("archived"), "arch.run")
 
 
 def test_archive_holds_every_record_and_commits_after_the_files(run):
@@ -373,3 +388,58 @@ def test_train_offline_from_the_archive(run, tmp_path):
                        "--source", "trajectories", "--trial", "offline2", "--max-steps", "1",
                        "-o", "json", f"run_dir={tmp_path / 'runs'}"))
     assert again["steps"] == 1 and math.isfinite(again["losses"][0])
+
+
+TRAINED_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def trained_run(broker, tmp_path_factory, one_torch_thread) -> Run:
+    """A run with its trainer (4 steps of B 2, eta 1): groups made at versions 0..3."""
+    return _run_and_archive(broker, tmp_path_factory.mktemp("trained"), "arch.trained",
+                            trainer_steps=TRAINED_STEPS)
+
+
+def test_train_offline_from_an_archive_of_many_policy_versions(trained_run, tmp_path):
+    """Issue 29: the offline trainer starts at version 0, but a real run's samples were
+    made at the online trainer's versions 0..3; the arrival check refused the first one
+    made at version 1 ("its staleness would be -1 ... forged weights event?")."""
+    run = trained_run
+    made_at = [e.min_version for _, e in iter_events(run.archive, topic="samples")]
+    # eta 1 over 4 steps: the groups of step 3 (version 2 -> 3) were made at >= 1.
+    assert len(made_at) >= 2 * TRAINED_STEPS and max(made_at) >= 1, made_at
+    config = tmp_path / "config.yaml"
+    config.write_text(to_yaml(run.cfg))
+    common = ("-b", run.bus.bootstrap_servers, "--prefix", f"o{uuid.uuid4().hex[:12]}",
+              "train-offline", "--config", str(config), "--from-archive", str(run.archive),
+              "-o", "json")
+    # The documented command as it is: every step of the config from the archive.
+    result = _json(_cli(*common, f"run_dir={tmp_path / 'runs'}"))
+    assert result["steps"] == TRAINED_STEPS and result["final_version"] == TRAINED_STEPS
+    assert all(math.isfinite(x) for x in result["losses"])
+    # One step over every archived group at once: the trainer is at version 0 while it
+    # takes each of them, those made at versions >= 1 included.
+    everything = _json(_cli(*common, "--trial", "all-at-once", f"run_dir={tmp_path / 'runs'}",
+                            f"train_dataset.prompts_per_step={len(made_at)}",
+                            "total_train_steps=1"))
+    assert everything["steps"] == 1 and everything["groups_read"] == len(made_at)
+
+
+def test_step_timeline_from_a_real_runs_archive(trained_run):
+    """Issue 28: the step timeline (ops/timeline.py) reads a real run's archive: one row
+    per trained version, every stage found, the clock order the roles' own timestamps
+    imply (durations >= 0; prompt wait may be < 0 at eta 1: generated before the switch)."""
+    from tapioca.ops.timeline import events_from_archive, format_table, step_timelines
+
+    rows = step_timelines(events_from_archive(trained_run.archive))
+    assert [r.version for r in rows] == list(range(1, TRAINED_STEPS + 1)), format_table(rows)
+    for r in rows:
+        for name in ("generation_s", "reward_s", "advantage_s", "sample_hop_s", "trainer_wait_s", "step_s",
+                     "cycle_s"):
+            value = getattr(r, name)
+            assert value is not None and value >= 0, (name, format_table(rows))
+        assert r.step_s >= r.train_s > 0
+    switched = [r for r in rows if r.generated_under is not None and r.generated_under >= 1]
+    assert switched, format_table(rows)  # the rollout worker loaded the trainer's versions
+    for r in switched:
+        assert r.weights_hop_s >= 0 and r.switch_s >= 0 and r.publish_s > 0, format_table(rows)

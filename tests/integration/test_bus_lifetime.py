@@ -24,7 +24,7 @@ from tapioca.config.schema import TrainConfig
 from tapioca.ops.launcher import Launcher
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint, resolve_bus_run_id
-from tapioca.schemas.events import SampleEvent, SampleSequence, WeightsEvent
+from tapioca.schemas.events import ProgressEvent, SampleEvent, SampleSequence
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +59,8 @@ def sample(gid: str, min_version: int) -> SampleEvent:
                        min_version=min_version, max_version=min_version)
 
 
-def admitted(feeder, state, weights: WeightsEvent) -> list[str]:
-    feeder.handle(weights, state, Source("w", 0, 0, broadcast=True))
+def admitted(feeder, state, progress: ProgressEvent) -> list[str]:
+    feeder.handle(progress, state, Source("p", 0, 0, broadcast=True))
     return [e.group_id for e in feeder.on_tick(state, time.time())]
 
 
@@ -77,7 +77,7 @@ def test_resumed_on_a_fresh_broker_the_run_gets_a_new_bus_run_id_and_no_group_co
     # Lifetime 1: the feeder admits groups, the trainer trains two steps and checkpoints.
     feeder = build_role("feeder", first)
     fs = feeder.init_state()
-    ids1 = admitted(feeder, fs, WeightsEvent(version=0, path="", sha256=""))
+    ids1 = admitted(feeder, fs, ProgressEvent(version=0))
     assert len(ids1) == (ETA + 1) * B
     trainer = build_role("trainer", first)
     ts = trainer.init_state()
@@ -95,7 +95,7 @@ def test_resumed_on_a_fresh_broker_the_run_gets_a_new_bus_run_id_and_no_group_co
     trainer2 = build_role("trainer", second)
     ts2 = trainer2.init_state()
     assert ts2.progress.version == 2 and ts2.progress.offsets == {}  # the old log's offsets
-    (hello,) = trainer2.on_tick(ts2, 0.0)
+    (hello,) = [e for e in trainer2.on_tick(ts2, 0.0) if isinstance(e, ProgressEvent)]
     assert (hello.version, hello.base_steps, hello.base_rejected) == (2, 2, 0)
     feeder2 = build_role("feeder", second)
     ids2 = admitted(feeder2, feeder2.init_state(), hello)
@@ -107,7 +107,7 @@ def test_resumed_on_a_fresh_broker_the_run_gets_a_new_bus_run_id_and_no_group_co
     for k, gid in enumerate(ids2[:B]):
         out += trainer2.handle(sample(gid, min_version=2), ts2, Source("b.samples.v1", 0, k))
     assert ts2.duplicates == 0 and ts2.progress.version == 3
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = [e for e in out if isinstance(e, ProgressEvent)]
     assert w.group_ids == ids2[:B] and w.base_steps == 2
     trainer2.sink.close()
 

@@ -319,3 +319,51 @@ def test_broker_status_after_down(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert orjson.loads(cli(env, "broker", "status", "-o", "json").stdout) == {"running": False}
+
+
+def test_train_uses_the_broker_of_broker_up_so_tail_and_lag_see_the_run(tmp_path):
+    """The command block of docs/cli.md as written: `broker up`, `topics create`, `train`,
+    then `tail` and `lag` with no flags. `train` runs on that broker (before: a private one of its own, so
+    `tail` showed nothing; issue 29, item 10). A broker of its own, as above."""
+    env = _env(tmp_path / "home")
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    ok(env, "broker", "up", "--port", str(free_port()))
+    try:
+        ok(env, "topics", "create")
+        train = cli(env, "train", "--config", str(examples / "demo_cpu.yaml"),
+                    f"run_dir={tmp_path / 'runs'}", "trial_name=cli", "total_train_steps=1",
+                    "train_dataset.prompts_per_step=2", "gconfig.n_samples=2", timeout=300)
+        assert train.returncode == 0, train.stderr
+        events = json_lines(ok(env, "tail", "tapioca.trajectories.v1", "-n", "1", "-o", "json"))
+        assert [e["run_id"] for e in events] == ["demo.cli"]
+        groups = {r["group"] for r in orjson.loads(ok(env, "lag", "-o", "json"))}
+        assert any("trainer" in g for g in groups), groups
+        assert "using the broker of `tapioca broker up`" in train.stdout
+    finally:
+        gc.collect()
+        cli(env, "broker", "down")
+
+
+def test_train_resume_continues_a_trial_whose_own_broker_is_gone(tmp_path):
+    """`tapioca train --resume RUN_DIR`: the run's own config.yaml (which names the first
+    run's embedded broker, stopped with it), from its checkpoint, further than it went;
+    `tapioca runs` then shows it finished at the new total (issue 29, item 12)."""
+    env = _env(tmp_path / "home")  # no `broker up`: each run starts its own broker
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    first = cli(env, "train", "--config", str(examples / "demo_cpu.yaml"),
+                f"run_dir={tmp_path / 'runs'}", "trial_name=r", "total_train_steps=1",
+                "train_dataset.prompts_per_step=2", "gconfig.n_samples=2", timeout=300)
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "runs" / "demo" / "r"
+    again = cli(env, "train", "--resume", str(run), "total_train_steps=2", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resuming trial r from step 1" in again.stdout
+    steps = [orjson.loads(line)["step"] for line in
+             (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # step 1 not trained again
+    (row,) = orjson.loads(ok(env, "runs", str(tmp_path / "runs"), "-o", "json"))
+    assert (row["state"], row["step"], row["total_steps"], row["final"]) == \
+        ("finished", 2, 2, True)
+    refused = cli(env, "train", "--resume", str(tmp_path / "runs" / "demo" / "nope"))
+    assert_one_line_error(refused, "train --resume of a missing run")
+    assert "tapioca runs" in refused.stderr

@@ -33,12 +33,12 @@ from tapioca.config.schema import (
     RolloutConfig,
     TrainConfig,
 )
-from tapioca.models.weight_files import sha256_file, weights_file
 from tapioca.ops.launcher import Launcher, RoleFailedError
 from tapioca.ops.run_setup import role_command
 from tapioca.runtime.run import create_tiny_checkpoint
-from tapioca.schemas import SampleEvent, SampleSequence, WeightsEvent
+from tapioca.schemas import ProgressEvent, SampleEvent, SampleSequence, WeightsEvent
 from tapioca.trainers.checkpoint import read_progress
+from tapioca.weights.files import sha256_file, weights_file
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit is Linux")]
@@ -71,7 +71,7 @@ def only_the_trainer(role: str, member: int, config: Path) -> list[str]:
 
 class GroupSource:
     """Feeder, rollout and advantage in one: publishes sample groups while the head gate
-    (computed as the feeder computes it, from the weights events) has room, each made
+    (computed as the feeder computes it, from the progress events) has room, each made
     "at" the latest version seen. ``limit``: stop after that many groups."""
 
     def __init__(self, bus: BusConfig, tokenizer, limit: int | None = None) -> None:
@@ -80,11 +80,10 @@ class GroupSource:
         # Answers differ from group to group, so no two steps give the same weights.
         self.outs = [tokenizer(str(d), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                      for d in range(10)]
-        self.reader = TopicReader(bus, "weights")
-        self.weights: list[WeightsEvent] = []
+        self.reader = TopicReader(bus, "progress")
         self.admitted = 0
         self.freed: set[str] = set()
-        self.latest: WeightsEvent | None = None
+        self.latest: ProgressEvent | None = None
 
     def capacity(self) -> int:
         v = self.latest
@@ -96,9 +95,8 @@ class GroupSource:
 
     def tick(self) -> None:
         for r in self.reader.records(idle_s=0.05, timeout_s=2):
-            if isinstance(r.event, WeightsEvent):
+            if isinstance(r.event, ProgressEvent):
                 ev = r.event
-                self.weights.append(ev)
                 if self.latest is None or ev.version >= self.latest.version:
                     self.latest = ev
                 self.freed |= {g for g in ev.rejected_group_ids if g.startswith("full-g")}
@@ -132,7 +130,7 @@ def tokenizer(tiny_ckpt):
     return AutoTokenizer.from_pretrained(tiny_ckpt, local_files_only=True)
 
 
-def one_sha_per_version(weights: list[WeightsEvent]) -> dict[int, str]:
+def one_sha_per_version(weights: list[WeightsEvent], progress: list[ProgressEvent]) -> dict[int, str]:
     """{version: sha256}, after checking that no version was announced with two sets of
     bytes, nor two versions that trained groups with the same bytes (one announced with
     another's file). A rollback's version has its target's bytes, by design."""
@@ -141,14 +139,14 @@ def one_sha_per_version(weights: list[WeightsEvent]) -> dict[int, str]:
         shas[ev.version].add(ev.sha256)
     assert all(len(s) == 1 for s in shas.values()), f"a version with two sets of bytes: {dict(shas)}"
     by_version = {v: s.pop() for v, s in shas.items()}
-    trained = {e.version for e in weights if e.group_ids}
+    trained = {e.version for e in progress if e.group_ids}
     assert len({by_version[v] for v in trained}) == len(trained), "two versions with the same bytes"
     return by_version
 
 
-def trained_once(weights: list[WeightsEvent], versions) -> list[str]:
+def trained_once(progress: list[ProgressEvent], versions) -> list[str]:
     """The groups trained by ``versions`` (each version's latest event), none twice."""
-    latest = {e.version: e for e in weights}
+    latest = {e.version: e for e in progress}
     groups = [g for v in versions for g in latest[v].group_ids]
     assert len(groups) == len(set(groups)), "a group was trained twice"
     return groups
@@ -200,8 +198,9 @@ def test_a_full_disk_stops_the_trainer_with_its_reason_and_the_resume_finishes(
     # The state is the last version's: checkpointed, announced with its own file, no .tmp.
     assert sorted(run.rglob("*.tmp")) == []
     weights = read_events(launcher.cfg.bus, "weights")
+    progress = read_events(launcher.cfg.bus, "progress")
     assert max(e.version for e in weights) == v == read_progress(run / "checkpoints" / "trainer.safetensors").version
-    shas = one_sha_per_version(weights)
+    shas = one_sha_per_version(weights, progress)
     for ev in weights:
         assert Path(ev.path) == weights_file(run / "weights", ev.version).resolve()
     source.close()
@@ -222,17 +221,18 @@ def test_a_full_disk_stops_the_trainer_with_its_reason_and_the_resume_finishes(
         source.close()
     assert summary.steps == STEPS
     weights = read_events(again.cfg.bus, "weights")
-    shas = one_sha_per_version(weights)
+    progress = read_events(again.cfg.bus, "progress")
+    shas = one_sha_per_version(weights, progress)
     assert sorted(shas) == list(range(STEPS + 1)), "a version was skipped"
     for version, sha in shas.items():
         path = weights_file(run / "weights", version)
         assert sha256_file(path) == sha  # each announced file holds its version's bytes
-    trained = trained_once(weights, range(1, STEPS + 1))
+    trained = trained_once(progress, range(1, STEPS + 1))
     # The failed step's groups were not lost (no offset committed past the checkpoint):
     # read again, they trained the next version.
-    latest = {e.version: e for e in weights}
-    assert set(latest[v + 1].group_ids) <= before_fill - set(trained_once(weights, range(1, v + 1)))
-    rejected = {g for e in weights for g in e.rejected_group_ids}
+    latest = {e.version: e for e in progress}
+    assert set(latest[v + 1].group_ids) <= before_fill - set(trained_once(progress, range(1, v + 1)))
+    rejected = {g for e in progress for g in e.rejected_group_ids}
     published = {e.group_id for e in read_events(again.cfg.bus, "samples")}
     assert not rejected & set(trained)
     print(f"\ndisk filled at version {v}; {len(trained)} groups trained, {len(rejected)} "
@@ -255,16 +255,18 @@ def test_a_trainer_killed_above_its_checkpoint_publishes_above_the_log_and_finis
         source.close()
     assert killed == [3] and summary.steps == STEPS
     weights = read_events(launcher.cfg.bus, "weights")
-    shas = one_sha_per_version(weights)
+    progress = read_events(launcher.cfg.bus, "progress")
+    shas = one_sha_per_version(weights, progress)
     # The restart published the checkpoint's weights (version 2's) as version 4, above
     # the log's highest, as a rollback does; versions 3's groups were judged again.
     (up,) = [e for e in weights if e.rollback_of is not None]
-    assert (up.version, up.rollback_of, up.rollbacks, up.group_ids) == (4, 2, 2, [])
+    up_progress = [e for e in progress if e.version == 4][0]
+    assert (up.version, up.rollback_of, up_progress.rollbacks, up_progress.group_ids) == (4, 2, 2, [])
     assert shas[4] == shas[2] and sorted(shas) == list(range(STEPS + 1))
     lineage = [1, 2, *range(5, STEPS + 1)]  # the history the final model descends from
-    trained = trained_once(weights, lineage)
-    latest = {e.version: e for e in weights}
-    rejected = {g for e in weights for g in e.rejected_group_ids}
+    trained = trained_once(progress, lineage)
+    latest = {e.version: e for e in progress}
+    rejected = {g for e in progress for g in e.rejected_group_ids}
     assert set(latest[3].group_ids) <= set(trained) | rejected
     samples = {e.group_id: e for e in read_events(launcher.cfg.bus, "samples")}
     for version in lineage:  # the staleness bound held in the resumed history

@@ -29,6 +29,7 @@ from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
     FleetEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
@@ -271,6 +272,37 @@ def test_dlq_list_show_retry_round_trip(cfg, cli, start_runner, wait_until):
     assert rt.state.count("bad-1") >= 1 and rt.runner.stats.dead_lettered == 1
 
 
+def test_dlq_retry_republishes_a_record_once_however_many_groups_dead_lettered_it(
+        cfg, cli, start_runner, wait_until):
+    """Issue 29: two consumer groups dead-lettered the same prompt (two letters with the
+    same source topic, partition and offset), and `dlq retry --source prompts`
+    republished it twice. Now once, for the first letter; the other says whose
+    duplicate it is, and is no failure (exit 0)."""
+    roles = [Flaky(), Flaky()]
+    runners = [start_runner(role, cfg, member_id=f"flaky-{i}", group_id=f"{cfg.topic_prefix}.g{i}")
+               for i, role in enumerate(roles)]
+    publish(cfg, prompt("bad-2"))
+    wait_until(lambda: all(rt.runner.stats.dead_lettered == 1 for rt in runners),
+               what="each group's dead letter")
+    letters = ok_json(cli("dlq", "list", "-o", "json"))
+    assert len(letters) == 2 and len({d["consumer_group"] for d in letters}) == 2
+    assert len({(d["source_topic"], d["source_partition"], d["source_offset"])
+                for d in letters}) == 1
+    for role in roles:
+        role.fixed = True
+    first, second = sorted(d["offset"] for d in letters)
+    rows = ok_json(cli("dlq", "retry", "--source", "prompts", "-o", "json"))
+    assert [(r["offset"], r["retried"], r.get("duplicate_of")) for r in rows] == [
+        (first, True, None), (second, False, first)]
+    wait_until(lambda: all("bad-2" in rt.state for rt in runners),
+               what="the republished prompt handled by both groups")
+    with TopicReader(cfg, "prompts") as reader:
+        records = list(reader.records(idle_s=0.5))
+    retried = [r for r in records if any(k == "tapioca.retry_of" for k, _ in r.headers)]
+    assert len(records) == 2 and len(retried) == 1
+    assert [rt.state.count("bad-2") for rt in runners] == [1, 1]
+
+
 # ---------------------------------------------------------------------- weights
 
 
@@ -305,6 +337,9 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     def versions() -> dict[int, WeightsEvent]:
         return {e.version: e for e in read_events(cfg, "weights", idle_s=0.2)}
 
+    def progress() -> dict[int, ProgressEvent]:
+        return {e.version: e for e in read_events(cfg, "progress", idle_s=0.2)}
+
     publish(cfg, sample("ga"), sample("gb"))
     wait_until(lambda: 2 in versions(), timeout_s=40, what="versions 0..2")
     listed = ok_json(cli("weights", "list", "-o", "json"))
@@ -317,7 +352,8 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     assert report["acks"][0]["ok"], report
     assert "version 3" in report["acks"][0]["message"]
     v3 = versions()[3]
-    assert v3.rollback_of == 1 and v3.group_ids == []
+    wait_until(lambda: 3 in progress(), timeout_s=20, what="progress of version 3")
+    assert v3.rollback_of == 1 and progress()[3].group_ids == []
     # The same tensors as version 1, so the same bytes and checksum.
     assert v3.sha256 == v1.sha256 and Path(v3.path).name == "v000003.safetensors"
     listed = ok_json(cli("weights", "list", "-o", "json"))
@@ -329,10 +365,11 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
 
     # Training goes on from the rolled-back weights as version 4 (staleness counts from 3).
     publish(cfg, sample("gc", version=3))
-    wait_until(lambda: 4 in versions(), timeout_s=40, what="version 4 after the rollback")
-    assert versions()[4].group_ids == ["gc"]
+    wait_until(lambda: 4 in versions() and 4 in progress(), timeout_s=40,
+               what="version 4 after the rollback")
+    assert progress()[4].group_ids == ["gc"]
     # The gate counts trained steps: every version from the rollback on says it had one.
-    assert [versions()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
+    assert [progress()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
 
     # Weights files older than keep_weight_versions are deleted: rollback says so.
     Path(versions()[0].path).unlink()

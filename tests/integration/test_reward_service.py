@@ -19,7 +19,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tapioca.bus import BusConfig, EventProducer, RoleRunner, TopicReader, ensure_topics
+from tapioca.bus import (
+    BusConfig,
+    EventProducer,
+    RoleRunner,
+    TopicReader,
+    consumer_lag,
+    ensure_topics,
+)
 from tapioca.bus.dlq import original_payload
 from tapioca.config.schema import (
     AdvantageConfig,
@@ -73,7 +80,7 @@ def _records(cfg: BusConfig, name: str) -> list:
 
 
 def _service_dead_letters(cfg: BusConfig) -> list:
-    group = f"{cfg.topic_prefix}.reward-service.{SCORER}"
+    group = f"{cfg.topic_prefix}.reward-service.{SCORER}.ext.run"  # the run's own group
     return [r.event for r in _records(cfg, "dlq")
             if r.event is not None and r.event.consumer_group == group]
 
@@ -107,7 +114,8 @@ def test_a_run_whose_only_reward_is_the_external_service(broker, tmp_path, one_t
     with open(log_path, "wb") as log:
         service = subprocess.Popen(
             [sys.executable, str(SERVICE), "--bootstrap-server", broker.bootstrap,
-             "--prefix", bus.topic_prefix, "--scorer", SCORER, "--budget-tokens", str(BUDGET)],
+             "--prefix", bus.topic_prefix, "--scorer", SCORER, "--budget-tokens", str(BUDGET),
+             "--run-id", "ext.run"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     runners = [RoleRunner(build_role(name, cfg), bus, member_id=f"{name}-0")
                for name in ("advantage", "rollout", "feeder")]
@@ -199,7 +207,7 @@ def test_service_started_before_its_topics_exist_waits_instead_of_crashing(clien
     pytest.importorskip("kafka" if client == "kafka-python" else "confluent_kafka")
     proc = subprocess.run(
         [sys.executable, str(SERVICES[client]), "--bootstrap-server", broker.bootstrap,
-         "--prefix", f"nosuch{uuid.uuid4().hex[:8]}", "--exit-when-idle-s", "4"],
+         "--prefix", f"nosuch{uuid.uuid4().hex[:8]}", "--exit-when-idle-s", "4", "--all-runs"],
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stopped:" in proc.stderr + proc.stdout
@@ -249,7 +257,8 @@ def test_the_contract_holds_for_both_clients(client, broker, tmp_path):
     with open(log_path, "wb") as log:
         service = subprocess.Popen(
             [sys.executable, str(SERVICES[client]), "--bootstrap-server", broker.bootstrap,
-             "--prefix", bus.topic_prefix, "--scorer", SCORER, "--budget-tokens", str(BUDGET)],
+             "--prefix", bus.topic_prefix, "--scorer", SCORER, "--budget-tokens", str(BUDGET),
+             "--run-id", "ext.run"],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     runner = RoleRunner(build_role("advantage", cfg), bus, member_id="advantage-0")
     errors: list[BaseException] = []
@@ -337,3 +346,55 @@ def test_a_reward_without_run_id_is_dead_lettered_not_dropped(broker, tmp_path):
     assert dead[0].source_topic == rewards_topic and original_payload(dead[0]) == no_run_id
     assert runner.stats.foreign == 1 and runner.stats.dead_lettered == 1
     assert _records(bus, "samples") == []  # neither reward counted: the group is incomplete
+
+
+@pytest.mark.parametrize("client", sorted(SERVICES))
+def test_the_service_scores_only_its_run_on_a_broker_with_history(client, broker, tmp_path):
+    """Issue 29: on a broker with history a service for every run scored every old
+    trajectory before the new run's first (172k of them, 17 minutes at step 0). Without
+    --run-id (or --all-runs) it now refuses to start; with it, it scores its run's
+    trajectories, those of the run's later broker lifetimes (RUN@2) included, and skips
+    the old run's and a run-less one, counted, in a consumer group of the run's own."""
+    pytest.importorskip("kafka" if client == "kafka-python" else "confluent_kafka")
+    bus = BusConfig(bootstrap_servers=broker.bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:12]}")
+    ensure_topics(bus)
+    runs = {"old.run": 3, "new.run": 2, "new.run@2": 1, "default": 1}
+    with EventProducer(bus, "test") as producer:
+        for run_id, count in runs.items():
+            for i in range(count):
+                gid = f"{run_id}-g{i}"
+                producer.publish(TrajectoryEvent(
+                    traj_id=f"{gid}:0", group_id=gid, prompt_id="p", sample_index=0,
+                    group_size=1, prompt_ids=[1, 2], output_ids=[5], output_logprobs=[-0.5],
+                    output_versions=[0], run_id=run_id))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAPIOCA")}
+    base = [sys.executable, str(SERVICES[client]), "--bootstrap-server", broker.bootstrap,
+            "--prefix", bus.topic_prefix, "--scorer", SCORER]
+    refused = subprocess.run(base + ["--exit-when-idle-s", "4"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path, env=env)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "--run-id RUN" in refused.stderr and "--all-runs" in refused.stderr
+    assert _records(bus, "rewards") == []
+    group = f"{bus.topic_prefix}.reward-service.{SCORER}.new.run"
+    log_path = tmp_path / "service.log"
+    with open(log_path, "wb") as log:
+        service = subprocess.Popen(base + ["--run-id", "new.run"], stdout=log,
+                                   stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        # The service commits every record it read, skipped ones too: all 7 are behind it
+        # when its group's offsets (fresh topics start at 0) add up to 7.
+        _wait(lambda: sum(row.committed or 0 for row in consumer_lag(bus, [group])
+                          if row.topic == bus.topic(topic("trajectories"))) == 7
+              or service.poll() is not None, 120, "the service to read every trajectory")
+        assert service.poll() is None, log_path.read_text()
+    finally:
+        _stop_service(service)
+    assert service.returncode == 0, log_path.read_text()
+    rewards = [r.event for r in _records(bus, "rewards")]
+    assert sorted(r.traj_id for r in rewards) == ["new.run-g0:0", "new.run-g1:0",
+                                                  "new.run@2-g0:0"]
+    assert {r.run_id for r in rewards} == {"new.run", "new.run@2"}
+    text = log_path.read_text()
+    counts = orjson.loads(text.split("stopped: ")[-1].splitlines()[0])
+    assert counts == {"scored": 3, "duplicates": 0, "dead_lettered": 0, "other_runs": 4}
+    assert f"for run new.run (group {group})" in text

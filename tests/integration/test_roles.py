@@ -22,26 +22,23 @@ from tapioca.config.schema import (
 )
 from tapioca.config.sections import RewardSection
 from tapioca.consumers.reward_scorer import RewardScorer
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas import (
     DlqRecord,
     MetricsEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
     SampleSequence,
     TrajectoryEvent,
-    WeightsEvent,
     topic,
 )
 from tapioca.schemas.envelope import decode_event
+from tapioca.weights.files import sha256_file
 
 pytestmark = pytest.mark.integration
-
-FAKE_SHA = "00" * 32
-
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> str:
@@ -140,7 +137,7 @@ def test_feeder_head_gate_and_restart(bus_cfg, tiny_ckpt, tmp_path, start_runner
     assert indices() == list(range(8))
     assert all(e.n_samples == 2 and e.admitted_at_version == 0 for e in prompts.events)
 
-    publish(bus_cfg, WeightsEvent(version=1, path="/nonexistent/v1", sha256=FAKE_SHA))
+    publish(bus_cfg, ProgressEvent(version=1))  # the trainer's version, on progress.v1
     wait_for(prompts, 12, wait_until, "prompts at v=1")
     time.sleep(1.0)
     prompts.poll()
@@ -148,7 +145,7 @@ def test_feeder_head_gate_and_restart(bus_cfg, tiny_ckpt, tmp_path, start_runner
     first.finish()
 
     # A new feeder recovers k = 12 (and the dataset position) from the prompts topic
-    # and v = 1 from the weights topic: the gate stays shut until v = 2.
+    # and v = 1 from the progress topic: the gate stays shut until v = 2.
     second = start_runner(build_role("feeder", cfg), bus_cfg)
     wait_until(lambda: second.runner.producer is not None, timeout_s=20,
                what="the restarted feeder to finish recovery")
@@ -156,7 +153,7 @@ def test_feeder_head_gate_and_restart(bus_cfg, tiny_ckpt, tmp_path, start_runner
     prompts.poll()
     assert indices() == list(range(12)), "the restarted feeder republished or ran ahead"
 
-    publish(bus_cfg, WeightsEvent(version=2, path="/nonexistent/v2", sha256=FAKE_SHA))
+    publish(bus_cfg, ProgressEvent(version=2))
     wait_for(prompts, 16, wait_until, "prompts at v=2")
     time.sleep(0.5)
     prompts.poll()
@@ -299,6 +296,7 @@ def test_trainer_step_weights_metrics_and_commit(bus_cfg, tiny_ckpt, tokenizer, 
                                                  start_runner, tail, wait_until):
     cfg = train_cfg(bus_cfg, tiny_ckpt, tmp_path, prompts_per_step=2)
     weights = tail(bus_cfg, "weights")
+    progress = tail(bus_cfg, "progress")
     metrics = tail(bus_cfg, "metrics")
     runner = start_runner(build_role("trainer", cfg), bus_cfg)
 
@@ -317,10 +315,13 @@ def test_trainer_step_weights_metrics_and_commit(bus_cfg, tiny_ckpt, tokenizer, 
     wait_until(lambda: any(e.version == 1 for e in weights.poll()), timeout_s=30,
                what="weights version 1")
     (v1,) = [e for e in weights.events if e.version == 1]
-    assert sorted(v1.group_ids) == ["ga", "gb"]
     assert Path(v1.path).is_file() and sha256_file(v1.path) == v1.sha256
     # The version-0 announcement at start comes first; nothing past version 1.
     assert [e.version for e in weights.events] == [0, 1]
+    wait_until(lambda: any(e.version == 1 for e in progress.poll()), timeout_s=30,
+               what="progress of version 1")
+    (p1,) = [e for e in progress.events if e.version == 1]
+    assert sorted(p1.group_ids) == ["ga", "gb"] and [e.version for e in progress.events] == [0, 1]
 
     # The runner's own status events (step = events handled) share the topic: pick the
     # trainer's step metrics by their content.

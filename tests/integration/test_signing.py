@@ -53,7 +53,7 @@ def other_key(cfg, tmp_path):
 
 
 class Follower(Role):
-    """Follows weights.v1 (as the rollout workers, the feeder and the proxy do)."""
+    """Follows weights.v1 (as the rollout workers and the proxy do)."""
 
     name = "follower"
     broadcast_inputs = ("weights",)
@@ -166,3 +166,82 @@ def test_control_events_carry_no_secret(cfg, key_path):
     secret = key_path.read_text().strip().encode()
     header = dict(record.headers)["tapioca.sig"]
     assert header.startswith(b"hmac-sha256:") and secret not in header and secret not in record.raw
+
+
+def test_a_second_run_on_the_same_prefix_skips_the_first_runs_events(make_cfg, tmp_path,
+                                                                     start_runner, wait_until):
+    """Issue 29: run B on the broker and prefix of run A (each with its own key) dead-
+    lettered A's signed weights and commands as forgeries ("published by another run"),
+    and `tapioca --run-dir B status` listed A's members. Now A's events are skipped,
+    counted as foreign, by B's members (and B's by A's); a record that claims B's run id
+    under A's key is still a forgery; status and commands with --run-dir B see B only."""
+    from dataclasses import replace
+
+    import yaml
+
+    base = make_cfg(fleet_heartbeat_interval_s=0.5)
+    runs = {}
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        create_key_file(run_dir / "secrets" / "bus.key")
+        runs[name] = replace(base, run_id=f"two.{name}",
+                             signing_key_path=str(run_dir / "secrets" / "bus.key"))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump({"bus": {
+            "bootstrap_servers": base.bootstrap_servers, "topic_prefix": base.topic_prefix,
+            "run_id": f"two.{name}"}}))
+    a, b = runs["a"], runs["b"]
+    with EventProducer(a, "trainer") as trainer:  # run A's history: weights v0..v2
+        for v in range(3):
+            trainer.publish(weights(v))
+    old = start_runner(Follower(), a, member_id="follower-0")
+    only_a = start_runner(Follower(), a, member_id="archiver-0")  # a role B does not run
+    new = start_runner(Follower(), b, member_id="follower-0")
+    with EventProducer(b, "trainer") as trainer:
+        trainer.publish(weights(0))
+        trainer.publish(weights(1))
+    wait_until(lambda: new.state["versions"] == [0, 1] and new.runner.stats.foreign >= 3
+               and old.runner.stats.foreign >= 2, timeout_s=60,
+               what="each run's follower handling its own versions, skipping the other's")
+    assert old.state["versions"] == [0, 1, 2] and new.state["versions"] == [0, 1]
+    assert [r.runner.stats.dead_lettered for r in (old, only_a, new)] == [0, 0, 0]
+    assert dead_letters(base) == []
+    # A record that claims B's run id but is signed with A's key is a forgery still.
+    with EventProducer(a, "forger") as forger:
+        forger.publish(WeightsEvent(version=9, path="/tmp/w.safetensors", sha256="0" * 64,
+                                    run_id="two.b"))
+    wait_until(lambda: new.runner.stats.dead_lettered == 1, what="the forgery dead-lettered")
+    [letter] = dead_letters(base)
+    assert letter.error_type == "SignatureError" and "another run" in letter.error
+    assert new.state["versions"] == [0, 1]
+
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    env.pop("TAPIOCA_SIGNING_KEY_FILE", None)
+
+    def cli(*args):
+        return subprocess.run([TAPIOCA, "--bootstrap-server", base.bootstrap_servers,
+                               "--run-dir", str(tmp_path / "b"), *args], env=env,
+                              capture_output=True, text=True, timeout=90)
+
+    def b_status():
+        out = cli("status", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return orjson.loads(out.stdout)
+
+    wait_until(lambda: any(m["foreign"] >= 3 for m in b_status()), timeout_s=60,
+               interval_s=1.0, what="B's heartbeat counting A's skipped events")
+    members = b_status()
+    assert [(m["member_id"], m["run_id"]) for m in members] == [("follower-0", "two.b")]
+    table = cli("status")
+    assert "archiver-0" not in table.stdout and "events of other runs skipped" in table.stdout
+    # A command with --run-dir B: B's member obeys; A's members (one has the same member
+    # id) skip it as another run's instead of dead-lettering a forgery.
+    paused = cli("pause", "follower", "-o", "json")
+    assert paused.returncode == 0, paused.stderr
+    assert [x["member_id"] for x in orjson.loads(paused.stdout)["acks"]] == ["follower-0"]
+    wait_until(lambda: new.state["paused"] == [True] and old.runner.stats.foreign >= 3
+               and only_a.runner.stats.foreign >= 1,
+               what="B paused, A's followers skipping B's command")
+    assert old.state["paused"] == [] == only_a.state["paused"]
+    assert [r.runner.stats.dead_lettered for r in (old, only_a)] == [0, 0]
+    assert len(dead_letters(base)) == 1  # the forgery's, and nothing else

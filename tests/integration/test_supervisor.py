@@ -137,11 +137,86 @@ def test_a_config_error_is_not_retried(tmp_path, standin, broker):
                              bootstrap=broker.bootstrap)
     launcher.start()
     try:
-        with pytest.raises(RoleFailedError, match="advantage-0 exited with code 78.*cannot fix"):
+        with pytest.raises(RoleFailedError) as err:
             launcher.wait(timeout_s=60)
     finally:
         launcher.stop()
     assert starts(launcher, "advantage-0") == 1
+    # One line: the role's own reason (its log's last "error:" line) and where its log is.
+    log_path = Path(launcher.cfg.run_path) / "logs" / "advantage-0.log"
+    assert str(err.value) == f"advantage-0: bad config (log: {log_path})"
+
+
+def test_a_role_the_user_started_ends_with_the_run(tmp_path, standin, broker):
+    """The drain warning tells the user to start `tapioca role NAME --config RUN/config.yaml`
+    (a real process here, the feeder); when the run ends, that member is drained over
+    control.v1 and exits 0, instead of running on after the run (issue 29, item 5)."""
+    from tapioca.bus import read_events
+    from tapioca.bus.fleet import read_fleet
+    from tapioca.runtime.run import create_tiny_checkpoint
+    from tapioca.schemas.events import ControlAckEvent
+
+    create_tiny_checkpoint(tmp_path / "model")
+    launcher = make_launcher(tmp_path, standin, {"trainer": "done-when-file:go"},
+                             bootstrap=broker.bootstrap)
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    outsider = None
+    launcher.start()
+    try:
+        with open(tmp_path / "outsider.log", "wb") as out:
+            outsider = subprocess.Popen(
+                [TAPIOCA, "role", "feeder", "--config", str(launcher.config_path), "--member", "1"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not any(m.live and m.event.member_id == "feeder-1" and m.event.pid == outsider.pid
+                      for m in read_fleet(launcher.cfg.bus, window_s=60)):
+            assert outsider.poll() is None, (tmp_path / "outsider.log").read_text()
+            assert time.monotonic() < deadline, "the outside feeder never sent a heartbeat"
+            time.sleep(0.5)
+        (Path(launcher.cfg.run_path) / "standin" / "go").touch()  # the trainer finishes
+        launcher.wait(timeout_s=60)
+    finally:
+        launcher.stop()
+        try:
+            # Before: it ran on, heartbeating into a finished run.
+            assert outsider is not None and outsider.wait(60) == 0, \
+                (tmp_path / "outsider.log").read_text()[-3000:]
+        finally:
+            if outsider is not None and outsider.poll() is None:
+                os.killpg(outsider.pid, signal.SIGKILL)
+    acks = [e for e in read_events(launcher.cfg.bus, "control")
+            if isinstance(e, ControlAckEvent) and e.member_id == "feeder-1"]
+    assert [a.ok for a in acks] == [True] and acks[0].message.startswith("draining")
+    last = {m.event.member_id: m for m in read_fleet(launcher.cfg.bus, window_s=300)}
+    assert last["feeder-1"].event.status == "stopped"
+
+
+def test_a_taken_proxy_port_fails_the_run_at_once_with_its_reason(tmp_path):
+    """The real `tapioca train` in agent mode with proxy.port taken: `tapioca proxy`
+    exits 78 (a config error), and the launcher stops the run at once with its one line,
+    instead of restarting it 5 times behind a stall alarm (issue 29, item 6)."""
+    import socket
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [TAPIOCA, "train", "--config", str(examples / "agents" / "math_agent_cpu.yaml"),
+             f"run_dir={tmp_path / 'runs'}", "trial_name=port", f"proxy.port={port}"],
+            env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert errors[0].startswith(f"error: proxy-0: cannot listen on 127.0.0.1:{port}")
+    assert "pick another proxy.port" in errors[0] and "proxy-0.log" in errors[0]
+    assert "restart" not in done.stderr  # started once: never retried
+    log = (tmp_path / "runs" / "agent-math" / "port" / "logs" / "proxy-0.log").read_text()
+    assert log.count("pick another proxy.port") == 1
 
 
 def _wrong_partitions(cfg: BusConfig) -> None:

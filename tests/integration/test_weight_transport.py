@@ -45,8 +45,8 @@ def test_nccl_gloo_two_rollout_processes_get_each_version_bit_for_bit(
     overrides = [f"bus.bootstrap_servers={bus_cfg.bootstrap_servers}",
                  f"bus.topic_prefix={bus_cfg.topic_prefix}", f"model.path={ckpt}",
                  f"run_dir={tmp_path / 'run'}", "experiment_name=wt", "trial_name=t",
-                 "actor.weight_transport=nccl", "actor.weight_transfer_timeout_s=30",
-                 "actor.weight_bucket_bytes=8192", "train_dataset.prompts_per_step=1",
+                 "weights.transport=nccl", "weights.transfer_timeout_s=30",
+                 "weights.bucket_bytes=8192", "train_dataset.prompts_per_step=1",
                  "gconfig.n_samples=2", "gconfig.max_new_tokens=3",
                  # TorchEngine: the follower compares its model's state dict (the paged
                  # engine keeps no model object).

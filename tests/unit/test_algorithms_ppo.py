@@ -207,6 +207,7 @@ def test_bad_arguments():
 import random  # noqa: E402
 
 from tapioca.algorithms.errors import AlgorithmInputError  # noqa: E402
+from tapioca.config.optimizer import OptimizerConfig  # noqa: E402
 from tapioca.config.schema import ActorConfig, RejectionSamplingConfig  # noqa: E402
 from tapioca.models.factory import build_tiny_model  # noqa: E402
 from tapioca.schemas.errors import ConfigError  # noqa: E402
@@ -238,7 +239,7 @@ def _items(seed: int = 0, n: int = 6, version: int = 3) -> list[SeqItem]:
 def _actor(**cfg) -> PPOActor:
     model = build_tiny_model(VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=32, max_position_embeddings=32, seed=0).double()
-    cfg.setdefault("max_grad_norm", 1e9)  # no clipping: compare raw gradients
+    cfg.setdefault("optimizer", OptimizerConfig(gradient_clipping=1e9))  # no clipping: compare raw gradients
     return PPOActor(model, ActorConfig(**cfg), temperature=1.0, pad_token_id=0)
 
 

@@ -178,3 +178,16 @@ def test_dead_letter_of_tombstone_and_message_less_error():
     assert record.source_key is None
     assert record.error == "KeyError"  # an empty message falls back to the type name
     assert _headers(headers)["tapioca.error"] == "KeyError"
+
+
+@pytest.mark.parametrize("own, event_run, another", [
+    ("demo.b", "demo.a", True),         # an earlier run on the prefix: skipped, unchecked
+    ("demo.b", "demo.b", False),        # this run's (or a forgery claiming it): checked
+    ("demo.b", "default", False),       # names no run: checked, then skipped / dead-lettered
+    ("demo.b", "demo.b@2", True),       # the run's next broker lifetime is another run id
+    ("default", "demo.a", False),       # a member of no run reads (and checks) every run's
+])
+def test_of_another_run(own, event_run, another):
+    from tapioca.schemas.envelope import of_another_run
+
+    assert of_another_run(own, event_run) is another

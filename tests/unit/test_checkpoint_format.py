@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig, ModelConfig
 from tapioca.config.sections import TrainerSection
 from tapioca.models.factory import build_tiny_model
@@ -31,7 +32,7 @@ from tapioca.trainers.trainer import Trainer
 def make_trainer(run_dir: Path, seed: int = 0) -> Trainer:
     model = build_tiny_model(16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=seed)
-    actor_cfg = ActorConfig(lr=1e-2)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2))
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=1,
                              prompts_per_step=2, total_train_steps=100, temperature=1.0,

@@ -22,6 +22,7 @@ from tapioca.ops.progress import CommandProgress
 from tapioca.ops.render import compact, duration
 from tapioca.schemas import RewardEvent
 from tapioca.schemas.envelope import encode_event
+from tapioca.schemas.errors import EXIT_CONFIG
 
 TAPIOCA = str(Path(sys.executable).parent / "tapioca")
 
@@ -89,7 +90,7 @@ def test_global_options_are_taken_after_the_command_too():
     env = {**os.environ, "TAPIOCA_HOME": "/nonexistent-tapioca-home"}
     proc = subprocess.run([TAPIOCA, "status", "--run-dir", "/nonexistent/run"], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == EXIT_CONFIG, proc.stderr  # a usage error (schemas/errors.py)
     assert proc.stderr.strip() == ("error: --run-dir /nonexistent/run is not a directory (a "
                                    "run's directory is runs/EXPERIMENT/TRIAL)"), proc.stderr
 

@@ -23,7 +23,7 @@ from tapioca.config.schema import DatasetConfig
 from tapioca.config.sections import FeederSection
 from tapioca.producers.feeder import PromptFeeder, PromptRecord
 from tapioca.schemas import encode_event, topic
-from tapioca.schemas.events import WeightsEvent
+from tapioca.schemas.events import ProgressEvent, WeightsEvent
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_loop.py"
 
@@ -53,12 +53,17 @@ def genuine_weights(bus: BusConfig, versions: int) -> list[Record]:
     out = []
     for v in range(versions):
         ev = WeightsEvent(version=v, path=f"/run/weights/v{v:06d}.safetensors",
-                          sha256=f"{v:064x}", group_ids=[f"fuzz.t0-g{v:08d}"] if v else [],
-                          producer_id="trainer-0", run_id=bus.run_id)
+                          sha256=f"{v:064x}", producer_id="trainer-0", run_id=bus.run_id)
         raw = encode_event(ev)
         headers = [(SIGNATURE_HEADER, bus.signing_key().sign(raw))]
         out.append(Record(Source(bus.topic(spec), 0, v, bus.run_id), raw, ev, None, headers))
     return out
+
+
+def genuine_progress(bus: BusConfig, versions: int) -> list[ProgressEvent]:
+    """The trainer's progress events for versions 0..versions-1."""
+    return [ProgressEvent(version=v, group_ids=[f"fuzz.t0-g{v:08d}"] if v else [],
+                          producer_id="trainer-0", run_id=bus.run_id) for v in range(versions)]
 
 
 def fuzzer(fl, bus: BusConfig):
@@ -91,13 +96,16 @@ def test_forged_weights_and_commands_fail_the_run_key_and_leave_the_head_gate(fl
         "weights_next_unsigned": "refused",
         "weights_next_other_key": "refused",
         "weights_next_missing_file": "verifies",  # a key holder's broken event
+        "progress_next_unsigned": "refused",
+        "progress_next_other_key": "refused",
         "control_unsigned_pause": "refused",
     }
     replay = next(o for o in out if o.kind == "weights_replayed_old")
     assert replay.value == genuine[0].raw and replay.original == (replay.topic, 0, 0)
 
-    # What a feeder reads of the outsider's weights (the runner drops what fails the
-    # signature): its version, so its head gate, stays the trainer's.
+    # What a feeder reads of the outsider's progress and weights (the runner drops what
+    # fails the signature; weights it ignores): its version, so its head gate, stays the
+    # trainer's.
     feeder = PromptFeeder(FeederSection(train_dataset=DatasetConfig(prompts_per_step=4, max_epochs=1),
                                         model_path="", n_samples=2, max_head_offpolicyness=1,
                                         seed=0, run_id="fuzz.t0"),
@@ -106,15 +114,16 @@ def test_forged_weights_and_commands_fail_the_run_key_and_leave_the_head_gate(fl
     from tapioca.schemas import decode_event
 
     for offset, o in enumerate(o for o in signed if o.kind in (
-            "weights_replayed_old", "weights_next_unsigned", "weights_next_other_key")):
+            "weights_replayed_old", "weights_next_unsigned", "weights_next_other_key",
+            "progress_next_unsigned", "progress_next_other_key")):
         try:
             run_bus.verify(topic(o.topic), o.value, o.headers)
         except SignatureError:
             continue
         feeder.handle(decode_event(o.value), state, Source(o.topic, 0, 100 + offset,
                                                            broadcast=True))
-    for offset, rec in enumerate(genuine):
-        feeder.handle(rec.event, state, Source(rec.source.topic, 0, offset, broadcast=True))
+    for offset, ev in enumerate(genuine_progress(run_bus, 8)):
+        feeder.handle(ev, state, Source(run_bus.topic(topic("progress")), 0, offset, broadcast=True))
     assert state.latest_version == 7
 
 

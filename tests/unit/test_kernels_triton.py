@@ -29,7 +29,13 @@ if not CUDA and not isinstance(tl.sum, InterpretedFunction):
 
 from tapioca.engines import kernels as K  # noqa: E402
 from tapioca.engines.kernels import reference as R  # noqa: E402
-from tapioca.engines.kernels import triton_attention, triton_norm_act, triton_rope, triton_sampling  # noqa: E402
+from tapioca.engines.kernels import (  # noqa: E402
+    triton_attention,
+    triton_moe,
+    triton_norm_act,
+    triton_rope,
+    triton_sampling,
+)
 from tapioca.schemas.errors import ConfigError  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -291,3 +297,60 @@ def test_sample_tokens_triton_seed_and_offset_change_the_draw():
     assert not torch.equal(a, b) and not torch.equal(a, c)
     assert len(set(a.tolist())) > 1  # rows draw independently
     torch.testing.assert_close(logprobs, torch.full_like(logprobs, -math.log(vocab)), rtol=1e-5, atol=1e-6)
+
+
+# -- MoE: routing, pairs by expert, grouped expert GEMMs -----------------------------------
+
+@pytest.mark.parametrize("num_experts,top_k,norm", [(8, 2, True), (6, 3, False), (10, 3, True), (128, 8, True)])
+def test_moe_route_triton_matches_reference(num_experts, top_k, norm):
+    logits = torch.randn(9, num_experts, device=DEV) * 3  # E=6: not a power of two
+    w, ids = triton_moe.moe_route(logits, top_k, norm)
+    rw, rids = R.moe_route(logits, top_k, norm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, rids)  # same experts in the same (descending) order
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    if norm:
+        torch.testing.assert_close(w.sum(-1), torch.ones(9, device=DEV), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_align_places_every_pair_once_in_blocks_of_one_expert():
+    num_experts, block_m = 6, 16
+    ids = torch.tensor([[0, 3], [3, 5], [0, 3], [5, 0], [3, 1]], dtype=torch.int32, device=DEV)
+    sorted_s, block_expert, total = triton_moe.align(ids, num_experts, block_m)
+    pairs = ids.numel()
+    # Experts 0 (3 pairs), 1 (1), 3 (4), 5 (2) hit: one 16-slot block each; 2 and 4 none.
+    assert int(total) == 4 * block_m
+    live = sorted_s[: int(total)].view(-1, block_m).cpu()
+    assert block_expert[:4].tolist() == [0, 1, 3, 5]
+    flat = ids.reshape(-1).cpu()
+    seen = []
+    for b in range(4):
+        real = live[b][live[b] < pairs]
+        assert (flat[real.long()] == block_expert[b].item()).all()
+        assert (live[b][len(real):] == pairs).all()  # padding slots after the real ones: the sentinel
+        seen += real.tolist()
+    assert sorted(seen) == list(range(pairs))
+    # The static bound: T * k + E * (block_m - 1) slots, rounded up to whole blocks.
+    assert sorted_s.numel() == -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fused_moe_triton_matches_reference(block_m):
+    """Ragged K and N (H = 40, I = 24 against 16-wide tiles), experts no token chose, an
+    expert with more pairs than a block holds (block_m 16)."""
+    tokens, num_experts, hidden, inter, top_k = 13, 6, 40, 24, 2
+    x = torch.randn(tokens, hidden, device=DEV)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEV) * 0.2
+    w2 = torch.randn(num_experts, hidden, inter, device=DEV) * 0.2
+    logits = torch.randn(tokens, num_experts, device=DEV)
+    logits[:, 1] += 6.0  # expert 1 is everyone's first choice: 13 pairs
+    logits[:, 4] -= 20.0  # expert 4 nobody's
+    weights, ids = R.moe_route(logits, top_k, True)
+    out = triton_moe.fused_moe(x, w13, w2, weights, ids, block_m=block_m)
+    ref = R.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # The reference's two paths (sorted loop on CPU, gathered weights on CUDA) agree.
+    torch.testing.assert_close(R.fused_moe(x, w13, w2, weights, ids, gather=True), ref, rtol=1e-5, atol=1e-5)
+    # One pair by hand: token 0's output is the weighted sum of its experts' SwiGLUs.
+    by_hand = sum(weights[0, j] * (w2[e] @ R.silu_and_mul(w13[e] @ x[0])) for j, e in enumerate(ids[0].tolist()))
+    torch.testing.assert_close(out[0], by_hand, rtol=1e-5, atol=1e-5)

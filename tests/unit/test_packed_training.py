@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
 from tapioca.models.attention import packed_seqs, position_ids, sdpa_attention
 from tapioca.models.factory import build_tiny_model
@@ -57,8 +58,9 @@ def _model(arch: str = "qwen2", dtype=torch.float64, **kw):
     return build_tiny_model(VOCAB, arch=arch, **kw).to(dtype)
 
 
-def _actor(model=None, **cfg) -> PPOActor:
-    cfg.setdefault("max_grad_norm", 1e9)  # compare raw gradients
+def _actor(model=None, *, lr: float = 5e-4, max_grad_norm: float = 1e9, **cfg) -> PPOActor:
+    # max_grad_norm 1e9: no clipping, compare raw gradients
+    cfg["optimizer"] = OptimizerConfig(lr=lr, gradient_clipping=max_grad_norm)
     return PPOActor(model if model is not None else _model(), ActorConfig(**cfg), temperature=0.9,
                     pad_token_id=0)
 
@@ -219,7 +221,7 @@ def test_bf16_params_step_fp32_masters():
 
 def test_master_weights_follow_a_rollback_and_round_trip_a_checkpoint():
     model = _model(dtype=torch.bfloat16)
-    opt = build_optimizer(model, ActorConfig(lr=1e-2, param_dtype="bfloat16"), "cpu")
+    opt = build_optimizer(model, ActorConfig(optimizer=OptimizerConfig(lr=1e-2), param_dtype="bfloat16"), "cpu")
     params = list(model.parameters())
 
     def step():
@@ -237,7 +239,8 @@ def test_master_weights_follow_a_rollback_and_round_trip_a_checkpoint():
     step()
     assert (params[0].float() - 0.5).abs().max() < 0.02
     # Load the saved state into a fresh optimizer: masters and moments come back.
-    opt2 = build_optimizer(_model(dtype=torch.bfloat16), ActorConfig(lr=1e-2, param_dtype="bfloat16"), "cpu")
+    opt2 = build_optimizer(_model(dtype=torch.bfloat16),
+                           ActorConfig(optimizer=OptimizerConfig(lr=1e-2), param_dtype="bfloat16"), "cpu")
     opt2.load_state_dict(saved)
     for m, s in zip(opt2.masters, (saved["state"][i]["master"] for i in range(len(opt2.masters)))):
         assert torch.equal(m, s)
@@ -249,7 +252,7 @@ def test_master_weights_follow_a_rollback_and_round_trip_a_checkpoint():
 def test_master_weights_survive_a_trainer_checkpoint(tmp_path):
     from tapioca.trainers.checkpoint import TrainerProgress, load_checkpoint, save_checkpoint
 
-    cfg = ActorConfig(lr=1e-2, param_dtype="bfloat16")
+    cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), param_dtype="bfloat16")
     model = _model(dtype=torch.bfloat16)
     opt = build_optimizer(model, cfg, "cpu")
     for p in model.parameters():

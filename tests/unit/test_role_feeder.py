@@ -9,9 +9,9 @@ from tapioca.bus.role import Source
 from tapioca.config.schema import DatasetConfig
 from tapioca.config.sections import FeederSection
 from tapioca.producers.feeder import PromptFeeder, PromptRecord, head_gate_open
-from tapioca.schemas.events import PromptEvent, WeightsEvent
+from tapioca.schemas.events import ProgressEvent, PromptEvent
 
-W_SRC = Source(topic="t.weights.v1", partition=0, offset=0, broadcast=True)
+P_SRC = Source(topic="t.progress.v1", partition=0, offset=0, broadcast=True)
 
 
 def records(n: int) -> list[PromptRecord]:
@@ -32,15 +32,14 @@ def feeder(n_records: int = 100, *, eta: int = 0, B: int = 4, max_epochs: int = 
                         records=records(n_records))
 
 
-def weights(version: int, rejected: int = 0, rollbacks: int = 0,
-            names: list[str] | None = None) -> WeightsEvent:
-    return WeightsEvent(version=version, path=f"/w/v{version}", sha256="00" * 32,
-                        groups_rejected=rejected, rollbacks=rollbacks,
-                        rejected_group_ids=list(names or []))
+def progress(version: int, rejected: int = 0, rollbacks: int = 0,
+             names: list[str] | None = None) -> ProgressEvent:
+    return ProgressEvent(version=version, groups_rejected=rejected, rollbacks=rollbacks,
+                         rejected_group_ids=list(names or []))
 
 
-def wsrc(offset: int) -> Source:
-    return Source(topic="t.weights.v1", partition=0, offset=offset, broadcast=True)
+def psrc(offset: int) -> Source:
+    return Source(topic="t.progress.v1", partition=0, offset=offset, broadcast=True)
 
 
 def drain(f: PromptFeeder, state, ticks: int = 5) -> list[PromptEvent]:
@@ -77,11 +76,11 @@ def test_a_rollback_version_opens_no_batch():
     stays where it was at v2; the next trained step (v4, rollbacks 1) opens B more."""
     f = feeder(eta=0, B=4)
     state = f.init_state()
-    f.handle(weights(2), state, W_SRC)
+    f.handle(progress(2), state, P_SRC)
     assert len(drain(f, state)) == 12  # (0 + 2 + 1) * 4
-    f.handle(weights(3, rollbacks=1), state, W_SRC)
+    f.handle(progress(3, rollbacks=1), state, P_SRC)
     assert drain(f, state) == []
-    f.handle(weights(4, rollbacks=1), state, W_SRC)
+    f.handle(progress(4, rollbacks=1), state, P_SRC)
     assert len(drain(f, state)) == 4
 
 
@@ -92,9 +91,9 @@ def test_eta0_publishes_B_groups_then_waits_for_next_version():
     assert len(first) == 4
     assert drain(f, state) == []
     # The same version again (a re-announce) opens nothing.
-    assert list(f.handle(weights(0), state, W_SRC)) == []
+    assert list(f.handle(progress(0), state, P_SRC)) == []
     assert drain(f, state) == []
-    f.handle(weights(1), state, W_SRC)
+    f.handle(progress(1), state, P_SRC)
     second = drain(f, state)
     assert len(second) == 4
     assert [e.group_index for e in second] == [4, 5, 6, 7]
@@ -114,12 +113,12 @@ def test_groups_rejected_free_their_slots():
     state = f.init_state()
     out = drain(f, state)
     assert len(out) == 4
-    f.handle(weights(0, rejected=3, names=[e.group_id for e in out[:3]]), state, W_SRC)
+    f.handle(progress(0, rejected=3, names=[e.group_id for e in out[:3]]), state, P_SRC)
     freed = drain(f, state)
     assert len(freed) == 3
     assert drain(f, state) == []
     # Named again (a trainer restart re-announces its last rejections): nothing more.
-    f.handle(weights(0, rejected=3, names=[e.group_id for e in out[:3]]), state, W_SRC)
+    f.handle(progress(0, rejected=3, names=[e.group_id for e in out[:3]]), state, P_SRC)
     assert drain(f, state) == []
 
 
@@ -128,7 +127,7 @@ def test_group_index_consecutive_and_group_id_unique():
     state = f.init_state()
     out = drain(f, state)
     for v in range(1, 4):
-        f.handle(weights(v), state, W_SRC)
+        f.handle(progress(v), state, P_SRC)
         out += drain(f, state)
     assert [e.group_index for e in out] == list(range(len(out)))
     assert len(out) == (1 + 3 + 1) * 5
@@ -141,14 +140,14 @@ def test_recover_resumes_k_epoch_and_position():
     state = f.init_state()
     published = drain(f, state)
     for v in range(1, 4):  # 16 groups: into the second epoch
-        f.handle(weights(v), state, W_SRC)
+        f.handle(progress(v), state, P_SRC)
         published += drain(f, state)
     assert len(published) == 16
     last = published[-1]
     assert last.epoch == 1
 
     # What a continuous feeder would publish next.
-    f.handle(weights(4), state, W_SRC)
+    f.handle(progress(4), state, P_SRC)
     expected_next = drain(f, state)
 
     g = feeder(n_records=10, eta=0, B=4, max_epochs=3, shuffle=True, seed=7)
@@ -158,7 +157,7 @@ def test_recover_resumes_k_epoch_and_position():
     assert s2.next_group_index == last.group_index + 1
     assert s2.epoch == last.epoch
     assert s2.position == last.dataset_position + 1
-    g.handle(weights(4), s2, W_SRC)
+    g.handle(progress(4), s2, P_SRC)
     resumed = drain(g, s2)
     assert [(e.group_index, e.prompt_id, e.epoch, e.dataset_position) for e in resumed] == [
         (e.group_index, e.prompt_id, e.epoch, e.dataset_position) for e in expected_next]
@@ -180,7 +179,7 @@ def test_epochs_wrap_and_stop_at_max_epochs():
     assert [(e.epoch, e.dataset_position, e.prompt_id) for e in out] == [
         (0, 0, "p0"), (0, 1, "p1"), (0, 2, "p2"), (1, 0, "p0"), (1, 1, "p1"), (1, 2, "p2")]
     assert state.exhausted
-    f.handle(weights(50), state, W_SRC)
+    f.handle(progress(50), state, P_SRC)
     assert drain(f, state) == []
 
 
@@ -220,12 +219,12 @@ def test_rejections_of_groups_never_admitted_free_nothing():
     state = f.init_state()
     out = drain(f, state)
     fake = [f"fake-{i}" for i in range(300)] + ["r-g00000099", "r-g1", "other-g00000001"]
-    f.handle(weights(0, rejected=303, names=fake), state, W_SRC)
+    f.handle(progress(0, rejected=303, names=fake), state, P_SRC)
     assert drain(f, state) == []
     assert state.freed == 0 and state.ignored_rejections == 303
     assert f.describe(state)["trainer_rejected"] == 303
     # A real one still frees its slot.
-    f.handle(weights(0, rejected=304, names=[out[0].group_id]), state, W_SRC)
+    f.handle(progress(0, rejected=304, names=[out[0].group_id]), state, P_SRC)
     assert len(drain(f, state)) == 1
 
 
@@ -245,21 +244,21 @@ def test_recovered_count_ignores_a_forged_far_group_index():
     s2 = g.init_state()
     g.recover(s2, published + forged)
     assert s2.next_group_index == 4
-    g.handle(weights(1), s2, W_SRC)
+    g.handle(progress(1), s2, P_SRC)
     assert [e.group_index for e in drain(g, s2)] == [4, 5, 6, 7]
 
 
 def test_freed_count_survives_a_restart_without_recounting():
     """The feeder's freed count is in its own prompt events; after a restart it reads
-    the weights history again (a compacted topic may have lost part of it) and counts
+    the progress history again (a topic may have lost part of it) and counts
     only what came after the offset its count covers."""
     f = feeder(n_records=50, eta=0, B=4)
     state = f.init_state()
     out = drain(f, state)  # 0..3
-    f.handle(weights(0, names=[out[0].group_id, out[1].group_id]), state, wsrc(0))
+    f.handle(progress(0, names=[out[0].group_id, out[1].group_id]), state, psrc(0))
     out += drain(f, state)  # 4, 5: stamped with freed 2, through offset 0
-    assert out[-1].freed_groups == 2 and out[-1].weights_offset == 0
-    f.handle(weights(1, names=[out[4].group_id]), state, wsrc(1))  # after the last prompt
+    assert out[-1].freed_groups == 2 and out[-1].progress_offset == 0
+    f.handle(progress(1, names=[out[4].group_id]), state, psrc(1))  # after the last prompt
     assert state.freed == 3
 
     g = feeder(n_records=50, eta=0, B=4)
@@ -267,21 +266,50 @@ def test_freed_count_survives_a_restart_without_recounting():
     g.recover(s2, out)
     assert (s2.next_group_index, s2.freed, s2.counted_through) == (6, 2, 0)
     # The broadcast topic from the start: offset 0 is in the recovered count, 1 is not.
-    g.handle(weights(0, names=[out[0].group_id, out[1].group_id]), s2, wsrc(0))
-    g.handle(weights(1, names=[out[4].group_id]), s2, wsrc(1))
+    g.handle(progress(0, names=[out[0].group_id, out[1].group_id]), s2, psrc(0))
+    g.handle(progress(1, names=[out[4].group_id]), s2, psrc(1))
     assert s2.freed == 3 and s2.latest_version == 1
     assert g.describe(s2)["freed"] == f.describe(state)["freed"]
 
 
 def test_versions_only_go_forward_for_the_feeder():
-    """An older weights event (re-published, or the trainer's re-announcement after a
-    forged newer version) does not move the version back; its rejection names count."""
+    """An older progress event (re-published, or the trainer's own after a forged newer
+    version) does not move the version back; its rejection names count."""
     f = feeder(eta=0, B=4)
     state = f.init_state()
     out = drain(f, state)
-    f.handle(weights(5, rollbacks=1), state, wsrc(0))
-    f.handle(weights(3, names=[out[0].group_id]), state, wsrc(1))
+    f.handle(progress(5, rollbacks=1), state, psrc(0))
+    f.handle(progress(3, names=[out[0].group_id]), state, psrc(1))
     assert (state.latest_version, state.rollbacks) == (5, 1) and state.freed == 1
-    f.handle(weights(5), state, wsrc(2))  # a re-announcement
-    f.handle(weights(6, rollbacks=2), state, wsrc(3))  # a rollback: a new, higher version
+    f.handle(progress(5), state, psrc(2))  # another progress event of version 5
+    f.handle(progress(6, rollbacks=2), state, psrc(3))  # a rollback: a new, higher version
     assert (state.latest_version, state.rollbacks) == (6, 2)
+
+
+def test_the_feeder_reads_progress_only():
+    """The head gate's counts come from progress.v1; a weights event (one of an archive
+    from before progress.v1 included, with its deprecated counts) moves nothing."""
+    from tapioca.schemas.events import WeightsEvent
+
+    assert PromptFeeder.broadcast_inputs == ("progress",)
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    out = drain(f, state)
+    old = WeightsEvent(version=3, path="/w/v3", sha256="00" * 32, groups_rejected=1,
+                       rejected_group_ids=[out[0].group_id])
+    assert list(f.handle(old, state, psrc(0))) == []
+    assert (state.latest_version, state.freed, state.progress_offset) == (0, 0, -1)
+    assert drain(f, state) == []
+
+
+def test_a_prompt_event_of_a_feeder_before_progress_v1_recovers_nothing_of_progress():
+    # Its weights_offset counted weights.v1: no progress.v1 offset is in its freed count.
+    f = feeder(eta=0, B=4)
+    state = f.init_state()
+    out = drain(f, state)
+    old = [PromptEvent(**{**e.__dict__, "progress_offset": -1, "weights_offset": 7,
+                          "freed_groups": 1}) for e in out]
+    g = feeder(eta=0, B=4)
+    s2 = g.init_state()
+    g.recover(s2, old)
+    assert (s2.next_group_index, s2.freed, s2.counted_through) == (4, 1, -1)

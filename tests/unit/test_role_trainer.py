@@ -1,7 +1,8 @@
 """Trainer as a plain function of events, on a real tiny model: steps of B groups,
-weights files + WeightsEvent, de-duplication, the tail gate, the commit floor,
-restart from the checkpoint, and the token-level parts (GAE with a critic, KL to a
-reference, batch normalisation, distillation, the critic's checkpoint). No broker."""
+weights files + WeightsEvent, ProgressEvent (trained and rejected groups),
+de-duplication, the tail gate, the commit floor, restart from the checkpoint, and the
+token-level parts (GAE with a critic, KL to a reference, batch normalisation,
+distillation, the critic's checkpoint). No broker."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tapioca.bus.role import Source
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import (
     ActorConfig,
     AdvantageConfig,
@@ -20,14 +22,21 @@ from tapioca.config.schema import (
     ModelConfig,
 )
 from tapioca.config.sections import TrainerSection
+from tapioca.config.weights import WeightsConfig
 from tapioca.models.factory import build_tiny_model
-from tapioca.models.weight_files import sha256_file
 from tapioca.runtime.builders import build_token_models
 from tapioca.schemas.errors import BadEventError, ConfigError
-from tapioca.schemas.events import MetricsEvent, SampleEvent, SampleSequence, WeightsEvent
+from tapioca.schemas.events import (
+    MetricsEvent,
+    ProgressEvent,
+    SampleEvent,
+    SampleSequence,
+    WeightsEvent,
+)
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.ppo_actor import PPOActor
 from tapioca.trainers.trainer import Trainer
+from tapioca.weights.files import sha256_file
 
 VOCAB = 16
 TOPIC = "t.samples.v1"
@@ -35,12 +44,12 @@ B = 2
 ETA = 1
 
 
-def make_trainer(run_dir: Path, seed: int = 0, **actor_kw) -> Trainer:
+def make_trainer(run_dir: Path, seed: int = 0, eta: int = ETA, **actor_kw) -> Trainer:
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=seed)
-    actor_cfg = ActorConfig(lr=1e-2, **actor_kw)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **actor_kw)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
-    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
+    section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=eta,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
                              run_dir=str(run_dir), seed=0, stop_at_reward=None)
     return Trainer(section, actor=actor)
@@ -74,10 +83,24 @@ def trainer(tmp_path):
     t.sink.close()
 
 
+def progress_of(out) -> list[ProgressEvent]:
+    return [e for e in out if isinstance(e, ProgressEvent)]
+
+
+def weights_of(out) -> list[WeightsEvent]:
+    ws = [e for e in out if isinstance(e, WeightsEvent)]
+    # Bytes only: the trainer's verdicts are on progress.v1 (the old fields stay unset).
+    assert all(not (w.group_ids or w.rejected_group_ids or w.groups_rejected or w.rollbacks)
+               for w in ws)
+    return ws
+
+
 def start(t: Trainer):
     state = t.init_state()
-    (hello,) = t.on_tick(state, 0.0)  # the version-0 announcement at start
-    assert isinstance(hello, WeightsEvent) and hello.version == 0 and hello.group_ids == []
+    # The version-0 weights and progress at start.
+    (hello,) = weights_of(hello_out := list(t.on_tick(state, 0.0)))
+    (prog,) = progress_of(hello_out)
+    assert hello.version == 0 and prog.version == 0 and prog.group_ids == []
     assert Path(hello.path).exists() and sha256_file(hello.path) == hello.sha256
     assert list(t.on_tick(state, 0.0)) == []
     return state
@@ -90,12 +113,12 @@ def test_one_step_after_B_groups(trainer):
     assert state.progress.version == 0
     assert all(torch.equal(before[k], v) for k, v in params(trainer).items())
     out = list(trainer.handle(sample("g1"), state, src(1)))
-    weights = [e for e in out if isinstance(e, WeightsEvent)]
+    weights = weights_of(out)
     metrics = [e for e in out if isinstance(e, MetricsEvent)]
-    assert len(weights) == 1 and len(metrics) == 1
-    w = weights[0]
-    assert w.version == 1 and state.progress.version == 1
-    assert w.group_ids == ["g0", "g1"]
+    assert len(weights) == 1 and len(metrics) == 1 and len(progress_of(out)) == 1
+    w, (p,) = weights[0], progress_of(out)
+    assert w.version == 1 and state.progress.version == 1 and p.version == 1
+    assert p.group_ids == ["g0", "g1"]
     assert Path(w.path).is_file()
     assert sha256_file(w.path) == w.sha256
     assert w.num_bytes == Path(w.path).stat().st_size
@@ -118,7 +141,7 @@ def test_duplicate_group_is_not_trained_again(trainer):
     assert state.duplicates == 2
     assert [s.group_id for s, _ in state.buffer] == ["g2"]
     out = list(trainer.handle(sample("g3"), state, src(5)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 2 and w.group_ids == ["g2", "g3"]
     (m,) = [e for e in out if isinstance(e, MetricsEvent)]
     assert m.metrics["trainer/duplicates"] == 2.0
@@ -129,7 +152,7 @@ def test_tail_gate_rejects_over_stale_group(trainer):
     trained: list[str] = []
     for k in range(4):  # two steps: version 2
         for e in trainer.handle(sample(f"g{k}", min_version=k // 2), state, src(k)):
-            if isinstance(e, WeightsEvent):
+            if isinstance(e, ProgressEvent):
                 trained += e.group_ids
     assert state.progress.version == 2
     # staleness 2 - 0 = 2 > eta = 1: rejected; staleness 2 - 1 = 1: accepted.
@@ -138,19 +161,19 @@ def test_tail_gate_rejects_over_stale_group(trainer):
     assert list(trainer.handle(sample("ok", min_version=1), state, src(5))) == []
     assert [s.group_id for s, _ in state.buffer] == ["ok"]
     (announce,) = trainer.on_tick(state, 0.0)
-    assert isinstance(announce, WeightsEvent)
-    # A re-announcement repeats the groups of the step that made the version (so the
-    # latest event per version always lists them), never the rejected group.
+    # A progress event, not a weights one (no new bytes): it repeats the groups of the
+    # step that made the version (so the latest event per version always lists them),
+    # never the rejected group.
+    assert isinstance(announce, ProgressEvent)
     assert announce.version == 2 and announce.groups_rejected == 1
     assert announce.group_ids == ["g2", "g3"]
     assert announce.rejected_group_ids == ["stale"]  # the rejection is named on the log
-    assert announce.path == state.progress.weights_path and Path(announce.path).exists()
     assert list(trainer.on_tick(state, 0.0)) == []
     # A redelivered rejected group is a duplicate, not a second rejection.
     trainer.handle(sample("stale", min_version=0), state, src(6))
     assert state.rejected_stale == 1 and state.duplicates == 1
     out = list(trainer.handle(sample("g9", min_version=2), state, src(7)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     trained += w.group_ids
     assert "stale" not in trained
     assert w.groups_rejected == 1 and w.rejected_group_ids == []  # named once already
@@ -250,13 +273,15 @@ def test_restart_resumes_from_checkpoint(tmp_path):
     for k in range(4):
         assert list(t2.handle(sample(f"g{k}"), s2, src(k))) == []
     assert s2.duplicates == 4 and s2.buffer == []
-    # It announces its current version (not a new one) at start.
-    (hello,) = t2.on_tick(s2, 0.0)
+    # It announces its current version (not a new one) at start: bytes and progress.
+    hello, prog = t2.on_tick(s2, 0.0)
     assert hello.version == 2 and sha256_file(hello.path) == hello.sha256
+    assert isinstance(prog, ProgressEvent) and prog.version == 2
+    assert prog.group_ids == ["g2", "g3"]  # the groups of its last step, named again
     # And continues with version 3.
     t2.handle(sample("g4", min_version=2), s2, src(4))
     out = list(t2.handle(sample("g5", min_version=2), s2, src(5)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 3 and w.group_ids == ["g4", "g5"]
     t2.sink.close()
 
@@ -269,7 +294,7 @@ def test_dropped_group_counts_as_rejected_and_frees_its_slot(trainer):
     assert list(trainer.handle(dropped, state, src(0))) == []
     assert state.buffer == [] and "g-dropped" in state.rejected
     (announce,) = trainer.on_tick(state, 0.0)
-    assert isinstance(announce, WeightsEvent) and announce.groups_rejected == 1
+    assert isinstance(announce, ProgressEvent) and announce.groups_rejected == 1
 
 
 # ------------------------------------------------------------ token-level parts (issue 4)
@@ -283,7 +308,7 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermedi
 def make_token_trainer(run_dir: Path, seed: int = 0, *, actor: dict | None = None,
                        **section_kwargs) -> Trainer:
     model = build_tiny_model(VOCAB, seed=seed, **TINY)
-    actor_cfg = ActorConfig(lr=1e-2, **(actor or {}))
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), **(actor or {}))
     ppo = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     section = TrainerSection(actor=actor_cfg, model=ModelConfig(), max_head_offpolicyness=ETA,
                              prompts_per_step=B, total_train_steps=100, temperature=1.0,
@@ -382,6 +407,23 @@ def test_kl_ctl_adds_the_future_kl_penalty_to_the_group_advantage(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(t.actor.model.parameters(),
                                                      ref.model.parameters()))
     t.sink.close()
+
+
+def test_tree_training_builds_a_packed_reference_that_scores_the_same_kl(tmp_path):
+    """actor.enable_tree_training through the builders: the reference gets the packed
+    forward and scores prefix trees (the group's prompt once); the token advantages are
+    those of the padded reference forward."""
+    flat = make_token_trainer(tmp_path / "flat", actor={"kl_ctl": 0.1})
+    tree = make_token_trainer(tmp_path / "tree", actor={"kl_ctl": 0.1, "enable_tree_training": True})
+    assert flat.token_adv.reference.packed is None and not flat.token_adv.tree_training
+    assert tree.token_adv.reference.packed is not None and tree.token_adv.tree_training
+    items_f, items_t = (flatten_groups([sample("g0"), sample("g1", n=3)]) for _ in range(2))
+    flat.token_adv.compute(items_f)
+    tree.token_adv.compute(items_t)
+    for a, b in zip(items_f, items_t, strict=True):
+        assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-5)
+    flat.sink.close()
+    tree.sink.close()
 
 
 def test_batch_normalisation_gives_zero_mean_unit_std_token_advantages(tmp_path):
@@ -507,7 +549,7 @@ def test_gae_samples_on_a_non_gae_trainer_are_dead_lettered_and_it_goes_on(train
     assert announce.rejected_group_ids == ["g1"] and announce.groups_rejected == 1
     # The trainer goes on: the next good group makes the step.
     out = list(trainer.handle(sample("g2"), state, src(2)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 1 and w.group_ids == ["g0", "g2"]
 
 
@@ -552,14 +594,15 @@ def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, c
     assert state.progress.version == 2 and t.critic.optimizer.state
     before = critic_params(t)
     with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
-        ok, message, (weights,) = _rollback(t, state, 1)  # only critic_v000002.safetensors is kept
-    assert ok and weights.version == 3 and weights.rollback_of == 1 and weights.rollbacks == 1
+        ok, message, (weights, prog) = _rollback(t, state, 1)  # only critic_v000002.safetensors is kept
+    assert ok and weights.version == 3 and weights.rollback_of == 1
+    assert prog.version == 3 and prog.rollbacks == 1 and prog.group_ids == []
     # Checkpointed with the version: a restarted trainer re-announces v3 with rollbacks 1,
     # so the head gate does not count the rollback as a trained step after a restart.
     t2 = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="gae"))
     s2 = t2.init_state()
     assert s2.progress.version == 3 and s2.progress.rollbacks == 1
-    (again,) = t2.on_tick(s2, 0.0)
+    (again,) = progress_of(t2.on_tick(s2, 0.0))
     assert again.version == 3 and again.rollbacks == 1
     t2.sink.close()
     assert "critic keeps its weights" in message and "no critic checkpoint of that version" in caplog.text
@@ -581,7 +624,7 @@ def test_rollback_restores_the_critic_checkpoint_of_that_version(tmp_path):
         t.handle(sample(f"g{k}", min_version=2, estimator="gae"), state, src(k))
     assert state.progress.version == 3
     assert any(not torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
-    ok, message, (weights,) = _rollback(t, state, 2)
+    ok, message, (weights, _) = _rollback(t, state, 2)
     assert ok and weights.version == 4 and "critic restored from critic_v000002.safetensors" in message
     assert all(torch.equal(v, at_v2[k]) for k, v in critic_params(t).items())
     adam = t.critic.optimizer.state_dict()["state"]
@@ -598,7 +641,7 @@ def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30
     deadline = _time.monotonic() + timeout_s
     while versions and not versions <= announced:
         assert _time.monotonic() < deadline, f"files announced: {sorted(announced)}"
-        for e in t.on_tick(state, 0.0):
+        for e in weights_of(t.on_tick(state, 0.0)):
             events.append(e)
             announced |= {f.version for f in e.files}
         _time.sleep(0.01)
@@ -606,21 +649,21 @@ def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30
 
 
 def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
-    from tapioca.models.weight_files import load_verified
+    from tapioca.weights.files import load_verified
 
-    t = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    t = make_token_trainer(tmp_path, weights=WeightsConfig(transport="ipc"))
     state = t.init_state()
-    (hello,) = t.on_tick(state, 0.0)
+    (hello,) = weights_of(t.on_tick(state, 0.0))
     assert hello.transport == "ipc" and hello.version == 0 and hello.path == "" and hello.tensors
     files = {f.version: f for f in hello.files}
     for k in range(4):
         out = t.handle(sample(f"g{k}", min_version=k // 2), state, src(k))
-        for e in out:
-            if isinstance(e, WeightsEvent):
-                assert e.transport == "ipc" and e.version == k // 2 + 1
-                files.update((f.version, f) for f in e.files)
+        for e in weights_of(out):
+            assert e.transport == "ipc" and e.version == k // 2 + 1
+            files.update((f.version, f) for f in e.files)
         # The file of each version comes after its event (background writer), listed by a
-        # later event: the next step's, or a re-announcement of the current version.
+        # later event: the next step's, or a repeat of the current version (a weights
+        # event, on weights.v1, whose only news is the file).
         if k % 2:
             for e in _wait_for_files(t, state, {k // 2 + 1} - set(files)):
                 assert e.version == state.progress.version
@@ -632,7 +675,7 @@ def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
     # Rollback from the file, published over ipc as version 3.
     from tapioca.schemas.events import ControlEvent
 
-    ok, message, (v3,) = t.on_control(ControlEvent(
+    ok, message, (v3, _) = t.on_control(ControlEvent(
         command_id="c", command="rollback", target="trainer",
         args={"version": 1, "sha256": files[1].sha256}), state)
     assert ok and v3.version == 3 and v3.rollback_of == 1 and v3.transport == "ipc"
@@ -640,10 +683,11 @@ def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
     assert all(torch.equal(own[k], v) for k, v in at_v1.items())
     # A restarted trainer has no buffers: it publishes its version again at start.
     t.on_stop(state)
-    t2 = make_token_trainer(tmp_path, actor={"weight_transport": "ipc"})
+    t2 = make_token_trainer(tmp_path, weights=WeightsConfig(transport="ipc"))
     s2 = t2.init_state()
-    (again,) = t2.on_tick(s2, 0.0)
-    assert again.version == 3 and again.transport == "ipc" and again.rollbacks == 1
+    (again,) = weights_of(again_out := list(t2.on_tick(s2, 0.0)))
+    assert again.version == 3 and again.transport == "ipc"
+    assert progress_of(again_out)[0].rollbacks == 1
     t2.on_stop(s2)
 
 
@@ -691,9 +735,29 @@ def test_bad_sample_is_dead_lettered_and_the_trainer_goes_on(trainer, changes, m
         trainer.handle(_bad("bad", **changes), state, src(1))
     assert state.rejected == {"bad"} and list(trainer.on_tick(state, 0.0)) == []
     out = list(trainer.handle(sample("g1"), state, src(2)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 1 and w.group_ids == ["g0", "g1"]
     assert all(torch.isfinite(v).all() for v in params(trainer).values())
+
+
+def test_offline_trainer_trains_groups_made_at_versions_ahead_of_its_own(tmp_path):
+    """Issue 29: offline (gate off, OFFLINE_ETA) the recorded versions are the online
+    trainer's, so a group made at version 3 reaches a trainer at version 0 normally; the
+    live trainer above dead-letters that same group as a forged version. A negative
+    version is still refused."""
+    from tapioca.trainers.offline import OFFLINE_ETA
+
+    t = make_trainer(tmp_path, eta=OFFLINE_ETA)
+    try:
+        state = start(t)
+        t.handle(_bad("late", made_at=3), state, src(0))
+        out = list(t.handle(sample("g0"), state, src(1)))
+        (w,) = progress_of(out)
+        assert w.version == 1 and w.group_ids == ["late", "g0"] and state.dead_lettered == 0
+        with pytest.raises(BadEventError, match="made by policy versions -1..0"):
+            t.handle(_bad("negative", made_at=-1), state, src(2))
+    finally:
+        t.sink.close()
 
 
 def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkeypatch):
@@ -726,13 +790,14 @@ def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkey
     monkeypatch.setattr(trainer_module, "check_trainable", real_check)
     trainer.handle(sample("g2"), state, src(2))
     out = list(trainer.handle(sample("g3"), state, src(3)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 1 and w.group_ids == ["g2", "g3"]
     assert all(torch.isfinite(v).all() for v in params(trainer).values())
 
 
 def test_rollback_reapplies_the_tail_gate_to_buffered_groups(trainer):
-    """DESIGN §3's hard guarantee: a group that waited in the buffer while a rollback
+    """The tail gate's hard guarantee (docs/design.md#3-policy-versions-and-the-staleness-window):
+    a group that waited in the buffer while a rollback
     bumped the version is gated again; it would otherwise train at staleness eta+1."""
     state = start(trainer)
     trainer.handle(sample("g0"), state, src(0))
@@ -746,7 +811,7 @@ def test_rollback_reapplies_the_tail_gate_to_buffered_groups(trainer):
     assert "waits" in announce.rejected_group_ids
     trainer.handle(sample("g2", min_version=1), state, src(3))
     out = list(trainer.handle(sample("g3", min_version=2), state, src(4)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.group_ids == ["g2", "g3"]
     (m,) = [e for e in out if isinstance(e, MetricsEvent)]
     assert m.metrics["trainer/staleness_max"] <= ETA
@@ -769,7 +834,7 @@ def test_group_without_a_shared_prompt_trains(trainer):
     empty = sample("g1")
     empty.prompt_ids = []
     out = list(trainer.handle(empty, state, src(1)))
-    (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+    (w,) = progress_of(out)
     assert w.version == 1 and w.group_ids == ["g0", "g1"]
     (m,) = [e for e in out if isinstance(e, MetricsEvent)]
     assert m.metrics["actor/trained_tokens"] == 6 + 4  # g1: first output token became prompt
@@ -787,7 +852,7 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=0)
     # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.
-    actor_cfg = ActorConfig(lr=1e-2, ppo_n_minibatches=2, mb_max_tokens=16)
+    actor_cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-2), ppo_n_minibatches=2, mb_max_tokens=16)
     actor = PPOActor(model, actor_cfg, temperature=1.0, pad_token_id=0)
     t = Trainer(TrainerSection(actor=actor_cfg, model=ModelConfig(),
                                max_head_offpolicyness=ETA, prompts_per_step=B,
@@ -798,7 +863,7 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
         t.handle(sample("good"), state, src(0))
         out = list(t.handle(_bad("bad", seq_advantage=3.3e38), state, src(1)))
         (dead,) = [e for e in out if isinstance(e, DeadLetter)]
-        (w,) = [e for e in out if isinstance(e, WeightsEvent)]
+        (w,) = progress_of(out)
         assert dead.event.group_id == "bad" and w.version == 1 and w.group_ids == ["good"]
         assert "bad" in w.rejected_group_ids and state.rejected == {"bad"}
         (m,) = [e for e in out if isinstance(e, MetricsEvent)]
@@ -807,3 +872,4 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
         assert all(torch.isfinite(v).all() for v in params(t).values())
     finally:
         t.sink.close()
+

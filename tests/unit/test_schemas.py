@@ -18,6 +18,7 @@ from tapioca.schemas import (
     EventTooLargeError,
     FleetEvent,
     MetricsEvent,
+    ProgressEvent,
     PromptEvent,
     RewardEvent,
     SampleEvent,
@@ -83,6 +84,9 @@ FACTORIES = {
     "sample": _sample,
     "weights": lambda: WeightsEvent(version=5, path="/ckpt/v5.safetensors", sha256="ab" * 32,
                                     num_bytes=1234, step=10, rollback_of=4, run_id="run-a"),
+    "progress": lambda: ProgressEvent(version=5, group_ids=["g0", "g1"], groups_rejected=2,
+                                      rejected_group_ids=["g9"], rollbacks=1, base_steps=3,
+                                      base_rejected=1, run_id="run-a"),
     "control": lambda: ControlEvent(command_id="c1", command="pause", target="rollout",
                                     args={"drain": True}),
     "control_ack": lambda: ControlAckEvent(command_id="c1", target="rollout", member_id="m1",
@@ -508,3 +512,33 @@ def test_exported_schema_names_topic_and_key():
         spec = topic_for(event_types()[name])
         assert schema["x-topic"] == spec.full_name()
         assert schema["x-key"] == spec.key_field
+
+
+def test_progress_topic_is_ordered_signed_and_keyed_by_run():
+    spec = topic_for(ProgressEvent)
+    assert (spec.full_name(), spec.key_field, spec.partitions, spec.signed) == \
+        ("tapioca.progress.v1", "run_id", 1, True)
+    assert spec.key_of(valid_event("progress")) == "run-a"
+
+
+def test_weights_verdict_fields_are_deprecated_but_still_read():
+    """An event written before progress.v1 carries the trainer's verdicts on the weights
+    event: they decode as they were, and the exported schema marks them deprecated."""
+    old = {"type": "weights", "schema_version": 1, "event_id": "e1", "run_id": "r",
+           "version": 4, "path": "/w/v4", "sha256": "ab" * 32, "group_ids": ["g6", "g7"],
+           "groups_rejected": 2, "rejected_group_ids": ["g3"], "rollbacks": 1,
+           "base_steps": 0, "base_rejected": 0}
+    back = decode_event(orjson.dumps(old))
+    assert (back.group_ids, back.groups_rejected, back.rejected_group_ids, back.rollbacks) == \
+        (["g6", "g7"], 2, ["g3"], 1)
+    exported = load_exported()
+    for name in ("group_ids", "groups_rejected", "rejected_group_ids", "rollbacks",
+                 "base_steps", "base_rejected"):
+        prop = exported["weights"]["properties"][name]
+        assert prop["deprecated"] is True and "progress.v1" in prop["description"], name
+        assert name not in exported["weights"]["required"]
+    assert exported["prompt"]["properties"]["weights_offset"]["deprecated"] is True
+    prompt = decode_event(orjson.dumps({"type": "prompt", "schema_version": 1, "event_id": "p",
+                                        "group_id": "g0", "prompt_id": "p0", "group_index": 0,
+                                        "n_samples": 2, "prompt_ids": [1], "weights_offset": 5}))
+    assert (prompt.weights_offset, prompt.progress_offset) == (5, -1)

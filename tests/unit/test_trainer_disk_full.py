@@ -21,18 +21,18 @@ import torch
 from tapioca.bus.role import Role, Source
 from tapioca.bus.runner import RoleRunner
 from tapioca.bus.settings import BusConfig
-from tapioca.models import weight_files
-from tapioca.models.weight_files import load_verified, sha256_file, weights_file
-from tapioca.models.weight_sync import durable
-from tapioca.models.weight_sync.publisher import WeightPublisher
 from tapioca.schemas.errors import FatalRoleError, StorageError
 from tapioca.schemas.events import WeightsEvent
 from tapioca.trainers import checkpoint
 from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import read_progress
+from tapioca.weights import durable
+from tapioca.weights import files as weight_files
+from tapioca.weights.files import load_verified, sha256_file, weights_file
+from tapioca.weights.publisher import WeightPublisher
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_role_trainer import TOPIC, make_trainer, sample, src, start  # noqa: E402
+from test_role_trainer import TOPIC, make_trainer, progress_of, sample, src, start  # noqa: E402
 
 ENOSPC = os.strerror(errno.ENOSPC)  # "No space left on device"
 
@@ -98,11 +98,12 @@ def test_full_disk_at_the_weights_write_commits_nothing_and_stops_the_trainer(tm
     # The disk is freed; the role restarts from its checkpoint and trains g2, g3 once.
     t2 = make_trainer(tmp_path, seed=5)
     s2 = t2.init_state()
-    (hello,) = t2.on_tick(s2, 0.0)
+    (hello,) = weights_events(t2.on_tick(s2, 0.0))
     assert (hello.version, hello.path, hello.sha256) == (1, v1.path, v1.sha256)
     t2.handle(sample("g2", min_version=1), s2, src(2))
-    (v2,) = weights_events(t2.handle(sample("g3", min_version=1), s2, src(3)))
-    assert v2.version == 2 and v2.group_ids == ["g2", "g3"]
+    out = t2.handle(sample("g3", min_version=1), s2, src(3))
+    (v2,), (p2,) = weights_events(out), progress_of(out)
+    assert v2.version == 2 and p2.version == 2 and p2.group_ids == ["g2", "g3"]
     assert Path(v2.path) == weights_file(tmp_path / "weights", 2).resolve()
     assert sha256_file(v2.path) == v2.sha256 != v1.sha256
     t2.sink.close()
@@ -120,7 +121,7 @@ def test_full_disk_at_the_checkpoint_commits_no_version_nor_offset(tmp_path, mon
         assert t.committable(state, TOPIC, 0, 4) == 2
         assert tmp_files(tmp_path) == []
         # Were the process to announce now, it is version 1 with version 1's own file.
-        state.announce_rejections = True
+        state.announce_weights = True
         (again,) = t.on_tick(state, 0.0)
         assert (again.version, again.path, again.sha256) == (1, v1.path, v1.sha256)
     assert read_progress(t.ckpt_path).version == 1
@@ -161,7 +162,7 @@ def test_a_version_is_never_announced_with_another_versions_file(tmp_path):
     assert t.weights_out.announcement(2, v1.path, v1.sha256) is None
     t.actor.train_step(flatten_groups([sample("g2", 1), sample("g3", 1)]), policy_version=1)
     state.progress.version = 2
-    state.announce_rejections = True
+    state.announce_weights = True
     (ev,) = t.on_tick(state, 0.0)
     assert ev.version == 2
     assert Path(ev.path) == weights_file(tmp_path / "weights", 2).resolve()
@@ -186,10 +187,10 @@ def test_a_trainer_resumed_below_the_logs_highest_version_publishes_above_it(tmp
     s2 = t2.init_state()
     assert s2.progress.version == 2
     t2.recover(s2, [e for e in log if isinstance(e, WeightsEvent)])
-    (up,) = t2.on_tick(s2, 0.0)
+    up, up_progress = t2.on_tick(s2, 0.0)
     # Above the log's highest (3), with the checkpoint's weights, as a rollback does.
-    assert (up.version, up.rollback_of, up.group_ids) == (4, 2, [])
-    assert up.rollbacks == 2  # version - rollbacks = 2 trained steps: the head gate's count
+    assert (up.version, up.rollback_of, up_progress.version, up_progress.group_ids) == (4, 2, 4, [])
+    assert up_progress.rollbacks == 2  # version - rollbacks = 2 trained steps: the head gate's count
     assert sha256_file(up.path) == up.sha256
     v2 = weights_file(tmp_path / "weights", 2)
     mine, theirs = load_verified(up.path, up.sha256), load_verified(v2, sha256_file(v2))
@@ -199,7 +200,7 @@ def test_a_trainer_resumed_below_the_logs_highest_version_publishes_above_it(tmp
     # The lost step's groups are read again and train at once (made at versions <= 3,
     # not newer than the trainer); versions keep going up.
     t2.handle(sample("g4", min_version=3), s2, src(4))
-    (v5,) = weights_events(t2.handle(sample("g5", min_version=3), s2, src(5)))
+    (v5,) = progress_of(t2.handle(sample("g5", min_version=3), s2, src(5)))
     assert v5.version == 5 and v5.group_ids == ["g4", "g5"] and v5.rollbacks == 2
     t2.sink.close()
 

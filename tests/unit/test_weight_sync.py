@@ -1,4 +1,4 @@
-"""The weight transports' protocols on CPU (models/weight_sync/): the flat layout and its
+"""The weight transports' protocols on CPU (weights/): the flat layout and its
 checksum (golden values from plain modular arithmetic), file, ipc over /dev/shm (in this
 process and from another one), nccl over gloo with readers in threads (late join, a
 version the trainer no longer holds, a slow worker dropped without blocking publish),
@@ -23,19 +23,19 @@ from tapioca.config.sections import RolloutSection
 from tapioca.engines.base import GenRequest, SamplingParams
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.models.factory import build_tiny_model
-from tapioca.models.weight_files import (
+from tapioca.producers.rollout import RolloutWorker
+from tapioca.schemas.envelope import decode_event, encode_event
+from tapioca.schemas.errors import BadEventError
+from tapioca.schemas.events import DlqRecord, WeightsEvent
+from tapioca.weights import WeightPublisher, WeightReceiver, make_weight_loader
+from tapioca.weights.files import (
     WeightsTransferError,
     WeightsUnavailableError,
     load_verified,
     sha256_file,
 )
-from tapioca.models.weight_sync import WeightPublisher, WeightReceiver, make_weight_loader
-from tapioca.models.weight_sync.layout import ALIGN_BYTES, Layout, bucket_checksums
-from tapioca.models.weight_sync.slots import SlotBuffer
-from tapioca.producers.rollout import RolloutWorker
-from tapioca.schemas.envelope import decode_event, encode_event
-from tapioca.schemas.errors import BadEventError
-from tapioca.schemas.events import DlqRecord, WeightsEvent
+from tapioca.weights.layout import ALIGN_BYTES, Layout, bucket_checksums
+from tapioca.weights.slots import SlotBuffer
 
 VOCAB = 16
 BUCKET = 8192  # several buckets even for the tiny model
@@ -310,7 +310,7 @@ def test_nccl_version_no_longer_held_is_unavailable(tmp_path, publishers):
 def test_nccl_slow_worker_is_dropped_without_blocking_the_trainer(tmp_path, publishers):
     from torch.distributed import PrefixStore, TCPStore
 
-    from tapioca.models.weight_sync.nccl import make_group
+    from tapioca.weights.nccl import make_group
 
     model = tiny()
     # The slow worker is dropped when the send to it times out: 5 s after its request, long
@@ -348,7 +348,7 @@ def test_nccl_slow_worker_is_dropped_without_blocking_the_trainer(tmp_path, publ
 # ---------------------------------------------------------------------- durable writer
 
 def test_durable_writer_skips_a_torn_slot_and_writes_every_kth_version(tmp_path, publishers):
-    from tapioca.models.weight_sync.durable import DurableWriter
+    from tapioca.weights.durable import DurableWriter
 
     model = tiny()
     layout, sources = Layout.from_state_dict(model.state_dict(), torch.float32)
@@ -439,6 +439,30 @@ def test_engine_switches_versions_mid_generation_from_the_transport_buffer(tmp_p
     finally:
         handle.remove()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["file", "ipc", "nccl"])
+def test_moe_expert_tensors_move_over_every_transport_into_the_paged_engine(tmp_path, publishers, transport):
+    """Qwen3-MoE's fused 3-D expert tensors and its router travel like any tensor: the
+    paged engine holds the trainer's bytes after the load (its router as an fp32 copy)."""
+    from tapioca.engines.paged_engine import PagedEngine
+
+    def moe(seed):
+        return build_tiny_model(VOCAB, arch="qwen3_moe", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                intermediate_size=64, num_experts=4, moe_intermediate_size=16,
+                                max_position_embeddings=64, seed=seed)
+
+    trainer_model = moe(1)
+    shapes = {k: tuple(v.shape) for k, v in trainer_model.state_dict().items() if ".experts." in k}
+    assert shapes == {"model.layers.0.mlp.experts.gate_up_proj": (4, 32, 32),
+                      "model.layers.0.mlp.experts.down_proj": (4, 32, 16)}
+    pub = publishers(transport, tmp_path, **({"transfer_timeout_s": 20} if transport == "nccl" else {}))
+    with PagedEngine(moe(0), kv_block_size_tokens=4) as engine:
+        load = make_weight_loader(engine, "cpu")
+        load(event(pub.publish(trainer_model.state_dict(), 1), 1))
+        assert engine.version == 1
+        assert_same(engine.decoder.hf_state_dict(), trainer_model)
+        load.receiver.close()
 
 
 # ---------------------------------------------------------------------- CUDA
