@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark he
 from engine_generate import env_info, peak_gib, print_table, timed, write_json  # noqa: E402
 from engine_generate import reset_peak as reset_memory  # noqa: E402
 
+from tapioca.config.optimizer import OptimizerConfig  # noqa: E402
 from tapioca.config.schema import ActorConfig  # noqa: E402
 from tapioca.engines.base import GenRequest, RequestImages, SamplingParams  # noqa: E402
 from tapioca.media.images import store_image  # noqa: E402
@@ -249,7 +250,7 @@ def train_ours(shape, w: Workload, items: list[SeqItem], args) -> dict:
     opts = dict(FAST, liger_kernels=cuda and importlib.util.find_spec("liger_kernel") is not None)
     if not cuda:
         opts.update(param_dtype="float32", fused_optimizer=False, logprob_keep_logits=False, recompute_swiglu=False)
-    cfg = ActorConfig(lr=1e-6, device=args.device, **opts)
+    cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-6), device=args.device, **opts)
     actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=args.device, images=w.loader)
 
     def step() -> int:

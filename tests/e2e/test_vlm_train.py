@@ -22,7 +22,7 @@ from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.media.store import FileImageStore
 from tapioca.ops.launcher import Launcher
-from tapioca.schemas import PromptEvent, SampleEvent, TrajectoryEvent, WeightsEvent
+from tapioca.schemas import ProgressEvent, PromptEvent, SampleEvent, TrajectoryEvent
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def test_images_flow_by_reference_from_the_dataset_to_the_trainer(run):
         assert t.images == by_group[t.group_id].images and t.prompt_ids == by_group[t.group_id].prompt_ids
     for s in samples:
         assert all(q.images == by_group[s.group_id].images for q in s.sequences)
-    trained = {g for e in read_events(cfg.bus, "weights") if isinstance(e, WeightsEvent) for g in e.group_ids}
+    trained = {g for e in read_events(cfg.bus, "progress") if isinstance(e, ProgressEvent) for g in e.group_ids}
     assert len(trained) >= STEPS * cfg.train_dataset.prompts_per_step
     assert trained <= set(by_group)
     archived = FileImageStore(Path(cfg.run_path) / "archive" / "images")

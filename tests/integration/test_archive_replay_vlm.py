@@ -159,7 +159,7 @@ def test_train_offline_from_the_archive_reads_its_images(run, tmp_path):
     prefix = f"o{uuid.uuid4().hex[:12]}"
     result = CliRunner().invoke(app, [
         "-b", cfg.bus.bootstrap_servers, "--prefix", prefix, "train-offline", "--config", str(config),
-        "--from-archive", str(archive), "-o", "json", f"run_dir={tmp_path / 'runs'}", "actor.lr=1e-2"])
+        "--from-archive", str(archive), "-o", "json", f"run_dir={tmp_path / 'runs'}", "actor.optimizer.lr=1e-2"])
     assert result.exit_code == 0, (result.output, result.exception)
     out = orjson.loads(result.stdout.strip().splitlines()[-1])
     assert out["steps"] == 2 and out["groups_read"] == GROUPS

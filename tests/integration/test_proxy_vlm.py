@@ -123,7 +123,7 @@ def test_an_openai_sdk_program_sends_images_and_its_sessions_train(proxy, model_
                                   total_train_steps=1), values={
         "model.path": model_dir, "train_dataset.prompts_per_step": 1, "gconfig.n_samples": 2,
         "vlm.image_store": str(images_dir), "rollout.max_head_offpolicyness": OFFLINE_ETA,
-        "actor.lr": 1e-2}, prepare=True)
+        "actor.optimizer.lr": 1e-2}, prepare=True)
     events = [(Source("log", 0, i), e) for i, e in enumerate(
         trajs + [e for e in read_events(bus, "rewards", idle_s=0.5) if isinstance(e, RewardEvent)])]
     trainer = build_role("trainer", cfg)

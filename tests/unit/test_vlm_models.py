@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
 from tapioca.engines.base import GenRequest, RequestImages, SamplingParams
 from tapioca.engines.paged_engine import PagedEngine
@@ -283,8 +284,8 @@ def test_trainer_logprobs_equal_the_engines(vl, packed):
 def test_freeze_vision_encoder(vl, freeze):
     model = load_model_and_tokenizer(vl.dir)[0]
     items, _ = _items(vl)
-    actor = PPOActor(model, ActorConfig(lr=1e-2), temperature=1.0, pad_token_id=0, images=vl.loader,
-                     freeze_vision_encoder=freeze)
+    actor = PPOActor(model, ActorConfig(optimizer=OptimizerConfig(lr=1e-2)), temperature=1.0, pad_token_id=0,
+                     images=vl.loader, freeze_vision_encoder=freeze)
     tower = {k: v.clone() for k, v in model.model.visual.state_dict().items()}
     text = {k: v.clone() for k, v in model.model.language_model.state_dict().items()}
     result = actor.train_step(items, policy_version=0)
