@@ -915,6 +915,8 @@ class TrainConfig:
                  or self.model.arch in VL_ARCHS,
                  f"train_dataset.type=visual needs a vision-language model, but model.arch="
                  f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
+        if not self.model.path and self.model.arch in VL_ARCHS:
+            self.check_vision_policy()
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,
@@ -933,6 +935,26 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
+
+    def check_vision_policy(self) -> None:
+        """Refuse what a vision-language policy does not run with yet (docs/vlm.md): each
+        would train or generate its tokens without their images. Called here for the tiny
+        VL model (``model.arch``) and by runtime/run.py for a ``model.path`` that is one."""
+        a, f = self.actor, self.fsdp
+        for refused, what in (
+            (f.tensor_parallel_size > 1 or f.context_parallel_size > 1,
+             "tensor / context parallelism (the parallel forward has no vision tower and shards "
+             "1-D positions): set fsdp.tensor_parallel_size=1 and fsdp.context_parallel_size=1"),
+            (f.world_size > 1, "the FSDP2 trainer (its micro-batches carry no images): set "
+                               "fsdp.world_size=1"),
+            (a.enable_tree_training,
+             "tree training (prefix trees merge sequences by token, and a placeholder token is the "
+             "same whatever its image): set actor.enable_tree_training=false"),
+            (a.router_replay != "disabled" or self.rollout.return_routed_experts,
+             "routing replay (the vision-language models are dense; no MoE layer records "
+             "routes): set actor.router_replay=disabled and rollout.return_routed_experts=false"),
+        ):
+            _require(not refused, f"a vision-language policy does not run with {what} (docs/vlm.md)")
 
     def _check_online(self) -> None:
         cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness

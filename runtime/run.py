@@ -116,6 +116,11 @@ def _prepare(cfg: C) -> C:
     vlm = getattr(cfg, "vlm", None)
     if vlm is not None and not vlm.image_store:  # images beside the run (docs/vlm.md)
         cfg = replace_path(cfg, "vlm.image_store", str(run_dir.resolve() / "images"))
+    if hasattr(cfg, "check_vision_policy"):  # an RL run (TrainConfig) of a VL model directory
+        from ..models.vision import is_vision_dir
+
+        if is_vision_dir(cfg.model.path):
+            cfg.check_vision_policy()
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
         # Fail here, not in a rollout worker's log.

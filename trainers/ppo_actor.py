@@ -176,6 +176,13 @@ class PPOActor:
         self.device = torch.device(device)
         self.vision = vision_spec(model.config)
         self.images = images if self.vision is not None else None
+        if self.vision is not None and (cfg.enable_tree_training or parallel is not None):
+            # Both would build micro-batches without the images (config/schema.py refuses
+            # them at start: TrainConfig.check_vision_policy); said here for direct callers.
+            raise ConfigError("a vision-language policy trains without "
+                              + ("actor.enable_tree_training" if cfg.enable_tree_training
+                                 else "tensor / context parallelism")
+                              + " for now (docs/vlm.md): turn it off")
         if freeze_vision_encoder and self.vision is not None:
             vision_tower(self.model).requires_grad_(False)
         self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
