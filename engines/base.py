@@ -94,12 +94,31 @@ class SamplingParams:
 
 
 @dataclass
+class RequestImages:
+    """The images of a request's prompt, in the order of their placeholders
+    (models/vision.py): ``pixel_values`` ``[patches, C*T*p*p]`` and ``grid_thw`` as the
+    model's image processor made them from the bytes (None for an engine that sends the
+    bytes instead: ``blobs``, ``(mime, bytes)`` each, for an inference server), and each
+    image's ``sha256`` (the prefix cache and the servers key images by it)."""
+
+    sha256: list[str]
+    grid_thw: list[tuple[int, int, int]]
+    pixel_values: torch.Tensor | None = None
+    blobs: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.sha256)
+
+
+@dataclass
 class GenRequest:
-    """One completion to generate from ``prompt_ids``."""
+    """One completion to generate from ``prompt_ids`` (and its ``images``, if any: their
+    placeholder tokens are in ``prompt_ids``, expanded)."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    images: RequestImages | None = None
 
 
 @dataclass

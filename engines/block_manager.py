@@ -81,6 +81,13 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
                        device=device)
 
 
+def images_root(sha256s: Sequence[str]) -> int:
+    """The chain root of a prompt with images: its blocks are cached under keys of these
+    images (image placeholders are the same token whatever the image, so the tokens alone
+    would share KV computed from another image)."""
+    return hash((ROOT_KEY, "images", tuple(sha256s))) if sha256s else ROOT_KEY
+
+
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
     """The prefix-cache key of a full block: its tokens and everything before them.
 
@@ -164,11 +171,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], int]:
+    def match(self, tokens: Sequence[int], max_blocks: int, root: int = ROOT_KEY) -> tuple[list[int], int]:
         """``(blocks, key)``: the cached full blocks that start ``tokens`` (at most
-        ``max_blocks``) and the chain key of the last one (ROOT_KEY if none)."""
+        ``max_blocks``) and the chain key of the last one (``root`` if none; a prompt with
+        images chains from :func:`images_root`)."""
         blocks: list[int] = []
-        parent = ROOT_KEY
+        parent = root
         if not self.prefix_caching:
             return blocks, parent
         bs = self.block_size

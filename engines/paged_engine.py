@@ -25,6 +25,13 @@ A step (engine thread):
        token; before the thread parks (pause, update, shutdown) the launched step is
        finished, so versions and step boundaries are those of the synchronous order.
 
+Vision-language models (Qwen2.5-VL, Qwen3-VL): the prefill runs the vision tower on the
+images of the units admitted (one tower forward for all of them), writes its embeddings
+over the placeholder tokens, rotates by the 3-D positions (models/vision.py), and records
+each sequence's rope delta; decode steps feed text positions plus that delta. A prompt's
+images key its prefix-cache chain and its group (block_manager.images_root): the same
+tokens with another image share nothing.
+
 Routed experts (``record_routes``, MoE models): the decoder writes every computed
 token's top-k expert ids per MoE layer into a route cache beside the KV cache, at the
 token's slot (in the decode graph too); a finished sequence's routes are gathered from
@@ -63,7 +70,7 @@ from .block_manager import (
 )
 from .cuda_graphs import DecodeGraphs
 from .engine_loop import Delivered, EngineLoop, engine_device, stop_string_in_tail
-from .model_runner import PagedDecoder, PrefillInputs
+from .model_runner import PagedDecoder, PrefillImages, PrefillInputs
 from .sampling import RowParams, sample_next
 from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
 
@@ -128,6 +135,7 @@ class PagedEngine(EngineLoop):
         super().__init__(device=device, max_batch_size=max_batch_size, interruptible=interruptible,
                          decode=decode, eos_token_id=eos_token_id, version=version,
                          vocab_size=dec.vocab_size, max_positions=dec.max_positions, name="paged-engine")
+        self._vision = dec.vision
         block_bytes = bytes_per_block(dec.num_layers, kv_block_size_tokens, dec.num_kv_heads,
                                       dec.head_dim, dec.dtype)
         num_blocks = plan_num_blocks(
@@ -379,7 +387,8 @@ class PagedEngine(EngineLoop):
         rows = self.graphs.rows_for(n)
         # The tokens fed are the last step's samples, still on the device: the ids buffer is
         # staged with their indices in the last step's outputs and gathered in place.
-        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        rope_pos = pos + r.delta[:n] if self._vision is not None else None
+        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n], rope_pos)
         ids_B = buf.i64[0, :n]
         ids_B.copy_(self._last_tokens.index_select(0, ids_B))
         if not r.filtered[:n].any():
@@ -471,6 +480,9 @@ class PagedEngine(EngineLoop):
 
         t = self._to_device
         cu_np = np.asarray(cu, dtype=np.int64)
+        rope_table, images = None, None
+        if self._vision is not None:
+            rope_table, images = self._prefill_vision(units, cu_np)
         inputs = PrefillInputs(
             input_ids_T=t(np.concatenate(ids)),
             positions_T=t(np.concatenate(positions)),
@@ -480,7 +492,11 @@ class PagedEngine(EngineLoop):
             context_lens_S=t(np.asarray([u.leader.prompt_len for u in units], dtype=np.int32)),
             last_index_S=t(cu_np[1:] - 1),
             max_q_len=int(np.diff(cu_np).max()),
+            rope_table_TD=rope_table,
+            images=images,
         )
+        if rope_table is not None:  # a per-token table: token i reads row i
+            inputs.positions_T = torch.arange(int(cu_np[-1]), device=self.device)
         logits_UV = self.decoder(inputs)  # a module call: forward hooks fire
         self._copy_partial_blocks(units)
         for unit in units:
@@ -503,6 +519,47 @@ class PagedEngine(EngineLoop):
             tok_R, logp_R = kernels.sample_tokens(logits_RV, params.temperature_B, self._seed_1, 1)
             self._seed_1.add_(1)
         return tok_R, logp_R, rows
+
+    def _prefill_vision(self, units: list[PrefillUnit], cu: np.ndarray):
+        """``(rope_table_TD, images)`` of a VL prefill: the 3-D positions of each unit's
+        new tokens as a per-token rotary table, each sequence's rope delta, and the tower's
+        embeddings of the placeholders among the new tokens (None when there are none). A
+        cached prefix may hold part of an image: its features are computed whole and the
+        tail after the prefix is used."""
+        from ..models.vision import mrope_positions, placeholder_mask
+
+        spec = self._vision
+        tables, index, pixels, grids, take = [], [], [], [], []
+        for k, unit in enumerate(units):
+            seq, req = unit.leader, unit.leader.pending.request
+            ids = seq.tokens[: seq.prompt_len]
+            grid = list(req.images.grid_thw) if req.images else []
+            mask = placeholder_mask(ids, spec)
+            pos_3L, delta = mrope_positions(ids, mask, grid, spec)
+            for s in unit.rows:
+                s.rope_delta = delta
+            tables.append(pos_3L[:, unit.start:])
+            new = np.flatnonzero(mask[unit.start:])
+            index.append(new + cu[k])
+            if req.images:
+                pixels.append(req.images.pixel_values)
+                grids += grid
+                take.append((int(mask.sum()), len(new)))
+        table = self.decoder.rope_table(torch.from_numpy(np.concatenate(tables, axis=1)))
+        if not pixels:
+            return table, None
+        embeds, deep = self.decoder.encode_images(torch.cat(pixels).to(self.decoder.dtype),
+                                                  torch.tensor(grids, dtype=torch.long))
+        # Per unit: its images' features are its `total` placeholders; keep the last `new`.
+        keep, start = [], 0
+        for total, new in take:
+            keep.append(np.arange(start + total - new, start + total))
+            start += total
+        rows = self._to_device(np.concatenate(keep))
+        images = PrefillImages(index_I=self._to_device(np.concatenate(index)),
+                               embeds_ID=embeds.index_select(0, rows),
+                               deepstack=[d.index_select(0, rows) for d in deep] if deep else None)
+        return table, images
 
     def _copy_partial_blocks(self, units: list[PrefillUnit]) -> None:
         """Each sample of a group gets its own copy of the prompt's partial last block

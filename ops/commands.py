@@ -165,10 +165,12 @@ def model_init(
     tie_word_embeddings: bool = typer.Option(
         True,
         help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
+    arch: str = typer.Option("qwen2", help="qwen2, qwen3, llama, or a vision-language model: "
+                                           "qwen2_5_vl, qwen3_vl (docs/vlm.md; task visual)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
     from ..runtime.run import create_tiny_checkpoint
 
     console.print(str(create_tiny_checkpoint(
         directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),
-        tie_word_embeddings=tie_word_embeddings)))
+        tie_word_embeddings=tie_word_embeddings, arch=arch)))

@@ -35,6 +35,12 @@ Fleet control: paused, the engine is paused too (the runner hands the worker no 
 and no ticks, so nothing is published); draining, no waiting prompt is started and the
 worker is drained once no generation is in flight (waiting prompts stay uncommitted,
 so another member or a restart generates them).
+
+Images (docs/vlm.md): a prompt's ``images`` (references by sha256) are fetched from the
+image store and processed for the engine by ``images`` (runtime/builders.py); the
+trajectories carry the same references. A prompt whose images cannot be used (a blob
+missing from the store, corrupt bytes, placeholders that do not match them, or any image
+for a model without a vision tower) is dead-lettered at once, like an impossible prompt.
 """
 
 from __future__ import annotations
@@ -47,13 +53,15 @@ from typing import Any, Callable, Iterable
 from ..bus.dedup import SeenSet
 from ..bus.role import DeadLetter, Role, Source
 from ..config.sections import RolloutSection
-from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from ..engines.base import GenRequest, GenResult, InferenceEngine, RequestImages, SamplingParams
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 from ..weights.follow import WeightsFollow
 
 LoadWeights = Callable[[WeightsEvent], Any]
+# A prompt's image references -> what the engine takes (runtime/builders.py).
+PrepareImages = Callable[[list], RequestImages]
 
 
 @dataclass
@@ -116,11 +124,15 @@ class RolloutWorker(Role[RolloutState]):
         decode: Callable[[list[int]], str],
         member_id: str = "rollout",
         metrics_every_s: float = 10.0,
+        images: PrepareImages | None = None,
     ) -> None:
         """``section``: the sampling defaults (``gconfig``; a prompt's ``sampling``
         overrides them). ``engine`` and ``load_weights`` (fetch, verify, load a weights
-        event) come from runtime/builders.py; ``decode`` turns output ids into text."""
+        event) come from runtime/builders.py; ``decode`` turns output ids into text.
+        ``images``: a prompt's image references -> the engine's images (None: the model
+        reads no images, and a prompt with some is dead-lettered)."""
         self.engine = engine
+        self.prepare_images = images
         self.load_weights = load_weights
         self.sampling = SamplingParams.from_generation(section.gconfig)
         self.decode = decode
@@ -181,7 +193,13 @@ class RolloutWorker(Role[RolloutState]):
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
-        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling)
+        images = None
+        if prompt.images:
+            if self.prepare_images is None:
+                raise ValueError(f"it has {len(prompt.images)} image(s) and this worker's model reads no "
+                                 "images; serve a vision-language model (docs/vlm.md)")
+            images = self.prepare_images(list(prompt.images))
+        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling, images)
                 for i in range(prompt.n_samples)]
 
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
@@ -258,6 +276,7 @@ class RolloutWorker(Role[RolloutState]):
             task_data=prompt.task_data,
             group_index=prompt.group_index,
             timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
+            images=list(prompt.images),
             routed_experts=self._routes(result),
         )
 

@@ -59,6 +59,48 @@ def _tokenizer(path: str):
     return load_tokenizer(path)
 
 
+# ---------------------------------------------------------------- images (docs/vlm.md)
+
+
+def image_store(vlm):
+    """The run's image store (``vlm.image_store``)."""
+    from ..media.store import open_image_store
+
+    return open_image_store(vlm.image_store)
+
+
+def vision_prompts(model_path: str, tokenizer, vlm):
+    """Prompts with images for ``model_path`` (None when it is a text-only model)."""
+    from ..models.vision import VisionPrompts, is_vision_dir
+
+    if not is_vision_dir(model_path):
+        return None
+    return VisionPrompts(model_path, tokenizer, image_store(vlm), max_pixels=vlm.max_image_pixels,
+                         inline_max_bytes=vlm.inline_image_max_bytes)
+
+
+def request_images(model_path: str, vlm, *, pixels: bool):
+    """``refs -> RequestImages`` for an engine of ``model_path``: the bytes from the image
+    store, and (``pixels``: an in-process engine runs the tower) the processor's tensors;
+    None for a text-only model."""
+    from ..engines.base import RequestImages
+    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
+
+    if not is_vision_dir(model_path):
+        return None
+    loader = ImageLoader(image_store(vlm), ImageProcessor.from_dir(model_path))
+
+    def prepare(refs) -> RequestImages:
+        shas = [r.sha256 for r in refs]
+        if pixels:
+            pv, grids = loader.pixels(refs)
+            return RequestImages(shas, grids, pv)
+        grids = [loader.processor.grid_for(r.width, r.height) for r in refs]
+        return RequestImages(shas, grids, None, [(r.mime, b) for r, b in zip(refs, loader.blobs(refs))])
+
+    return prepare
+
+
 # ---------------------------------------------------------------- engines and weights
 
 
@@ -184,6 +226,11 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
 
     a, adv = section.actor, section.advantage
     device = actor.device
+    if getattr(actor, "vision", None) is not None and (adv.estimator == "gae" or a.kl_ctl > 0
+                                                       or section.distill.kd_weight > 0):
+        raise ConfigError("a vision-language policy trains without a critic, reference or teacher "
+                          "model for now (they would score its tokens without the images): use an "
+                          "outcome estimator (grpo, ...) with actor.kl_ctl=0 and no distillation")
     frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
                   autocast_dtype=a.autocast_dtype, device=device,
                   tree_training=a.enable_tree_training, attention_backend=a.attention_backend)
@@ -216,6 +263,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     set_torch_threads(sec.actor.torch_threads)
     torch.manual_seed(sec.seed)
     if sec.fsdp.world_size > 1:
+        from ..models.vision import is_vision_dir
+
+        if is_vision_dir(sec.model.path):
+            raise ConfigError("the FSDP2 trainer does not train vision-language models yet (its "
+                              "micro-batches carry no images): set fsdp.world_size=1 (docs/vlm.md)")
         from ..trainers.fsdp_actor import build_sharded_actor
 
         return build_sharded_actor(cfg, sec)
@@ -239,7 +291,9 @@ def build_feeder(cfg: TrainConfig) -> Role:
 
     sec = feeder_section(cfg)
     task, rows = dataset_rows(sec.train_dataset, sec.seed)
-    records = tokenize_records(rows, prompt_encoder(_tokenizer(sec.model_path)), task)
+    tokenizer = _tokenizer(sec.model_path)
+    vision = vision_prompts(sec.model_path, tokenizer, sec.vlm)
+    records = tokenize_records(rows, vision.encode if vision else prompt_encoder(tokenizer), task)
     return PromptFeeder(sec, records=records)
 
 
@@ -253,7 +307,8 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
                           member=member, record_routes=sec.record_routes)
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         member_id=f"rollout-{member}")
+                         member_id=f"rollout-{member}",
+                         images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))
 
 
 def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
@@ -379,4 +434,6 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
                           member=member, name="proxy")
     return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
                         load_weights=bundle.load_weights,
-                        max_context_tokens=bundle.max_context_tokens)
+                        max_context_tokens=bundle.max_context_tokens,
+                        vision=vision_prompts(sec.model.path, tokenizer, sec.vlm),
+                        images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))

@@ -67,6 +67,13 @@ TRAJECTORY: dict[str, str] = {
                    "count); 0 when not from the feeder.",
     "timings": "Wall-clock facts of the rollout in seconds (queued_s, generate_s, ...), for "
                "auditing.",
+    "images": "The images of prompt_ids + output_ids in the order of their placeholder "
+              "tokens (empty for text). Each is {sha256, mime, width, height, data_b64}: "
+              "sha256 (hex) of the image's encoded bytes, which the run's image store "
+              "holds under that name (a directory `<sha256[:2]>/<sha256>`, or the object "
+              "store of vlm.image_store); data_b64 carries the same bytes in base64 when "
+              "they are at most vlm.inline_image_max_bytes (default 4096), else is empty. "
+              "A reader checks the SHA-256 of the bytes it got (docs/reward-services.md).",
     "session_id": "The agent proxy's session this completion came from (empty otherwise). "
                   "A service rewarding sessions (online mode) finds a session's "
                   "trajectories by it.",

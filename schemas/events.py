@@ -16,6 +16,28 @@ from .errors import SchemaError
 
 
 @dataclass(kw_only=True)
+class ImageRef:
+    """One image by content address (docs/vlm.md): its encoded bytes (PNG, JPEG, WebP,
+    GIF or BMP as sent) are in the run's image store under ``sha256``, the hex SHA-256 of
+    those bytes. ``width`` / ``height``: its pixels as decoded, before any resize.
+    ``data_b64``: the same bytes in base64, also on the event when they are at most
+    ``vlm.inline_image_max_bytes`` (a reader needs no store for those); empty otherwise.
+    An event lists its images in the order of their placeholders in its tokens."""
+
+    sha256: str
+    mime: str = "image/png"
+    width: int = 0
+    height: int = 0
+    data_b64: str = ""
+
+    def __post_init__(self) -> None:
+        h = self.sha256
+        if not (isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)):
+            raise SchemaError(f"image sha256 {str(h)[:80]!r} is not 64 lowercase hex digits (the "
+                              "SHA-256 of the image's bytes)")
+
+
+@dataclass(kw_only=True)
 class RoutedExperts:
     """The top-k expert ids a mixture-of-experts model routed each token to, in each of
     its MoE layers, during one generation (rollout routing replay, R3; docs/models.md).
@@ -112,6 +134,8 @@ class PromptEvent(Event):
     # read them from weights events); no longer written (-1), read as -1 by this feeder.
     weights_offset: int = -1
     progress_offset: int = -1
+    # The prompt's images, in the order of their placeholders in prompt_ids (empty: text).
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -148,6 +172,8 @@ class TrajectoryEvent(Event):
     group_index: int = 0
     # Wall-clock facts, seconds: queued_s, generate_s, ...
     timings: dict[str, float] = field(default_factory=dict)
+    # The images of prompt_ids + output_ids, in the order of their placeholders.
+    images: list[ImageRef] = field(default_factory=list)
     # Agent proxy: the session this trajectory came from ("" otherwise), and what a reward
     # given to the whole session after it ended (``POST /v1/sessions/{id}/reward``,
     # ``tapioca reward``) is multiplied by for this trajectory: AReaL's turn discount,
@@ -205,6 +231,9 @@ class SampleSequence:
     # The reward after advantage.reward_norm, the value the estimator (and the trainer's
     # GAE) used; ``reward`` stays the shaped, un-normalised reward. None: no reward_norm.
     norm_reward: Optional[float] = None
+    # The images of the sample's prompt_ids + this output_ids, in placeholder order
+    # (copied from the TrajectoryEvent); the trainer recomputes the pixels from the bytes.
+    images: list[ImageRef] = field(default_factory=list)
     # The rollout's routes over the group's prompt_ids + this output_ids (copied from the
     # TrajectoryEvent; None: not recorded). The trainer checks them (sample_checks.py).
     routed_experts: Optional[RoutedExperts] = None

@@ -9,7 +9,7 @@ output token the loss trains on (loss mask 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -35,6 +35,8 @@ class SeqItem:
     # the value before the update and the GAE return.
     token_values: list[float] | None = None
     token_returns: list[float] | None = None
+    # The sequence's images (ImageRef, placeholder order): trainers/vision_batch.py.
+    images: list = field(default_factory=list)
     # The rollout's routed experts (routing replay R3): base64 of the token-major ids
     # [length - 1, MoE layers, top_k] in ``routes_dtype`` (the wire form of
     # schemas/routes.py, checked by the trainer); "" when the sequence has none.
@@ -75,6 +77,7 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 # The reward the estimator works on: after advantage.reward_norm if set.
                 reward=seq.reward if seq.norm_reward is None else seq.norm_reward,
                 turn_boundaries=bounds,
+                images=list(seq.images),
                 routes=routes.data_b64 if routes is not None else "",
                 routes_dtype=routes.dtype if routes is not None else "uint8",
             ))
@@ -121,6 +124,8 @@ class TensorBatch:
     returns_BT: torch.Tensor | None = None  # [B, T-1]
     # The group of each row (a step whose loss is not finite names the groups it skips).
     group_ids: tuple[str, ...] = ()
+    # A VL model's vision inputs (trainers/vision_batch.py): PackedImages / PaddedImages.
+    images: Any = None
 
     @property
     def n_tokens(self) -> int:

@@ -38,6 +38,11 @@ is the step on already-built micro-batches. The loss is
 :func:`tapioca.algorithms.policy_losses.policy_loss` (PPO, GSPO, SAPO, CISPO, M2PO,
 rejection sampling, entropy bonus, selected by :class:`ActorConfig`).
 
+Vision-language policies (Qwen2.5-VL, Qwen3-VL; docs/vlm.md): ``images`` (an
+:class:`~tapioca.models.vision.ImageLoader`) recomputes each micro-batch's pixels from
+the bytes (trainers/vision_batch.py), packed or padded alike; ``freeze_vision_encoder``
+keeps the vision tower out of the optimizer (its weights are still published).
+
 Gradients accumulate over token-balanced micro-batches (whole sequences) of each of
 ``ppo_n_minibatches`` minibatches (one optimizer step each). Each micro-batch's loss
 is scaled by its share of the minibatch's aggregation units (trained tokens for
@@ -155,17 +160,31 @@ class PPOActor:
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
                  shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
-                 place_model: bool = True) -> None:
+                 place_model: bool = True, images=None, freeze_vision_encoder: bool = False) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
         0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
         ``place_model=False`` (the sharded trainer): the weights stay where they are loaded
-        (the host) and only each rank's shards move to ``device``."""
+        (the host) and only each rank's shards move to ``device``. ``images``: a
+        vision-language policy's image loader (models/vision.py ``ImageLoader``)."""
+        from ..models.vision import vision_spec, vision_tower
+
         self.model = model.to(device) if place_model else model
         self.cfg = cfg
         self.total_train_steps = total_train_steps
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
+        self.vision = vision_spec(model.config)
+        self.images = images if self.vision is not None else None
+        if self.vision is not None and (cfg.enable_tree_training or parallel is not None):
+            # Both would build micro-batches without the images (config/schema.py refuses
+            # them at start: TrainConfig.check_vision_policy); said here for direct callers.
+            raise ConfigError("a vision-language policy trains without "
+                              + ("actor.enable_tree_training" if cfg.enable_tree_training
+                                 else "tensor / context parallelism")
+                              + " for now (docs/vlm.md): turn it off")
+        if freeze_vision_encoder and self.vision is not None:
+            vision_tower(self.model).requires_grad_(False)
         self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
                                                           parallel=parallel)
 
@@ -184,9 +203,25 @@ class PPOActor:
         if self.packed is not None:
             shape = self.packed.moe_shape if self.cfg.router_replay == "R3" else None
             moe = shape[:2] if shape is not None else None
-            return [to_packed(mb, self.device, moe) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
-        return [to_tensors(mb, self.pad_token_id, self.device)
-                for mb in micro_batches(items, self.cfg.mb_max_tokens)]
+            groups = packed_micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_packed(mb, self.device, moe) for mb in groups]
+        else:
+            groups = micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_tensors(mb, self.pad_token_id, self.device) for mb in groups]
+        if self.images is not None:
+            from .vision_batch import packed_images, padded_images
+
+            build = packed_images if self.packed is not None else padded_images
+            for batch, mb in zip(out, groups):
+                batch.images = build(mb, self.images, self.vision, self.device)
+        return out
+
+    def check_images(self, event) -> None:
+        """Raise BadEventError for a sample whose images cannot be trained on here
+        (trainers/vision_batch.py ``check_images``)."""
+        from .vision_batch import check_images
+
+        check_images(event, self.images, self.vision)
 
     # The weights as the trainer role sees them (publishing, rollback, checkpoints);
     # the sharded actor (trainers/fsdp_actor.py) gathers and scatters them across ranks.
@@ -226,12 +261,13 @@ class PPOActor:
                     self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
                     batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
                     compute_entropy=entropy, kernel=cfg.logprob_kernel,
-                    keep_logits=cfg.logprob_keep_logits, replay_topk_LNK=batch.replay_topk_LNK)
+                    keep_logits=cfg.logprob_keep_logits, replay_topk_LNK=batch.replay_topk_LNK,
+                    images=batch.images)
                 return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
                 temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                compute_entropy=entropy, kernel=cfg.logprob_kernel)
+                compute_entropy=entropy, kernel=cfg.logprob_kernel, images=batch.images)
 
     def _loss_kwargs(self) -> dict:
         cfg = self.cfg

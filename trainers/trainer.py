@@ -371,10 +371,21 @@ class Trainer(Role[TrainerState]):
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
                             version=state.progress.version,
                             recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
+            self._check_images(event)
             if self._moe_shape is not None:
                 return check_routes(event, moe_shape=self._moe_shape,
                                     missing=self.cfg.actor.router_replay_missing, store=self._blobs)
         return 0
+
+    def _check_images(self, event: SampleEvent) -> None:
+        """Images only for a policy that reads them, each usable (trainers/vision_batch.py)."""
+        check = getattr(self.actor, "check_images", None)
+        if check is not None:
+            check(event)
+        elif any(s.images for s in event.sequences):
+            raise BadEventError(f"group {event.group_id} has images, which this trainer's actor "
+                                "does not train on (a vision-language policy needs the single-process "
+                                "trainer: fsdp.world_size 1)")
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:

@@ -84,6 +84,8 @@ from ...engines.base import GenResult
 from ...schemas.errors import ConfigError, TapiocaError
 from .delayed_rewards import check_reward
 from .http_timeouts import with_header_timeout
+from .images import expand as expand_images
+from .images import take_images
 from .openai_errors import ApiError, bad_request, error_body
 from .responses import build_chat_choices, build_text_choices
 from .service import ProxyService, float_field, int_field
@@ -311,13 +313,18 @@ def create_app(svc: ProxyService) -> FastAPI:
         sampling, n = svc.sampling_from(body)
         # Rendering (a Jinja template + tokenising a long conversation) and decoding
         # are CPU work: worker threads, so the event loop keeps serving other sessions.
-        prompt_ids = await asyncio.to_thread(_render_chat, svc, session, body.get("messages"), tools)
+        # image_url parts: stored by sha256, rendered as placeholders (proxy/images.py).
+        messages, image_refs = await asyncio.to_thread(take_images, body.get("messages"), svc.vision)
+        prompt_ids = await asyncio.to_thread(_render_chat, svc, session, messages, tools)
+        prompt_ids = expand_images(prompt_ids, image_refs, svc.vision)
         call_id = f"chatcmpl-{secrets.token_hex(12)}"
-        results = await svc.generate(session, call_id, prompt_ids, sampling, n)
+        results = await svc.generate(session, call_id, prompt_ids, sampling, n, image_refs)
         built = await asyncio.to_thread(
             build_chat_choices, svc.text, call_id, prompt_ids, results, sampling.stop_strings,
             parse_tools=tools is not None and tool_choice != "none", logprobs=want_logprobs,
             stream=stream)
+        for completion in built.completions:
+            completion.images = list(image_refs)
         svc.store.record(session, built.completions, built.raws, built.contents, built.tool_call_ids)
         usage = _usage(prompt_ids, results)
         created = int(time.time())

@@ -41,7 +41,7 @@ from ...bus.settings import BusConfig
 from ...config.sections import ProxySection
 from ...engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from ...schemas.envelope import Event, encode_event
-from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError
+from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError, TapiocaError
 from ...schemas.events import TrajectoryEvent
 from ...schemas.registry import topic_for
 from .delayed_rewards import (
@@ -75,11 +75,17 @@ class ProxyService:
 
     def __init__(self, section: ProxySection, *, engine: InferenceEngine, tokenizer: Any,
                  bus: BusConfig, load_weights: Callable[[Any], Any],
-                 max_context_tokens: int | None = None) -> None:
+                 max_context_tokens: int | None = None, vision: Any = None,
+                 images: Callable[[list], Any] | None = None) -> None:
         """``section``: the ``proxy`` settings (admin key, limits, sessions), the sampling
         defaults and group size (``gconfig``), the head gate's eta and B, the run id its
         group ids carry. ``engine`` / ``load_weights`` / ``tokenizer``: from
-        runtime/builders.py; ``bus``: the run's."""
+        runtime/builders.py; ``bus``: the run's. ``vision`` / ``images`` (a VL model's,
+        runtime/builders.py ``vision_prompts`` / ``request_images``): image parts are
+        stored and placeholders expanded / refs become the engine's images
+        (producers/proxy/images.py); None: the model reads no images."""
+        self.vision = vision
+        self.request_images = images
         p, g = section.proxy, section.gconfig
         api_key = p.admin_key()
         if not api_key:
@@ -344,7 +350,7 @@ class ProxyService:
                               stop_strings=tuple(stops)), n
 
     async def generate(self, session: Session, call_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams, n: int) -> list[GenResult]:
+                       sampling: SamplingParams, n: int, image_refs: list | None = None) -> list[GenResult]:
         """Generate ``n`` choices of one call; engine request ids are ``{call_id}:{i}``
         (``call_id`` is random per call, so ids never repeat across calls or sessions)."""
         budget = len(prompt_ids) + n * sampling.max_new_tokens
@@ -360,7 +366,13 @@ class ProxyService:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_new_tokens}) = {context} "
                 f"exceeds the model's context of {self.max_context_tokens} tokens; shorten the "
                 "conversation or lower max_tokens", "messages", code="context_length_exceeded")
-        requests = [GenRequest(f"{call_id}:{i}", list(prompt_ids), sampling) for i in range(n)]
+        images = None
+        if image_refs:
+            try:
+                images = await asyncio.to_thread(self.request_images, list(image_refs))
+            except TapiocaError as exc:  # e.g. a blob that is not in the store
+                raise bad_request(str(exc), "messages", code="invalid_image") from None
+        requests = [GenRequest(f"{call_id}:{i}", list(prompt_ids), sampling, images) for i in range(n)]
         try:
             self.engine.validate(requests[0])
         except EngineError as exc:  # e.g. token ids the model does not have

@@ -71,6 +71,8 @@ class Completion:
     finish_reason: str
     reward: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # The prompt's images (ImageRef, placeholder order; producers/proxy/images.py).
+    images: list = field(default_factory=list)
 
     @property
     def completion_id(self) -> str:
@@ -94,6 +96,7 @@ class _Piece:
     reward: float | None
     details: dict[str, Any]
     timings: dict[str, float]
+    images: list = field(default_factory=list)
     # What a session reward given after the end is multiplied by for this trajectory.
     reward_factor: float = 1.0
 
@@ -177,8 +180,11 @@ def concat_chain(completions: list[Completion], leaf: Completion) -> list[Comple
     """The completions the conversation ending at ``leaf`` actually went through."""
     chain = [leaf]
     current = leaf.prompt_ids
+    images = leaf.images
     for c in reversed(completions[:completions.index(leaf)]):
-        if _is_prefix(c.prompt_ids + c.output_ids, current):
+        # The same tokens with other images are another conversation (placeholders are
+        # the same token whatever the image).
+        if _is_prefix(c.prompt_ids + c.output_ids, current) and c.images == images[:len(c.images)]:
             chain.append(c)
             current = c.prompt_ids
     return chain[::-1]
@@ -510,7 +516,7 @@ class SessionStore:
                                      timings=timings, reward_factor=factors[id(chain[0])],
                                      details={**details, "turns": len(chain),
                                               "completion_ids": [c.completion_id for c in chain]},
-                                     **built)]
+                                     images=list(leaf.images), **built)]
         elif mode == "per_completion":
             session.pieces = [
                 _Piece(f"{base}:{c.completion_id}", i, list(c.prompt_ids), list(c.output_ids),
@@ -518,7 +524,7 @@ class SessionStore:
                        [1] * len(c.output_ids), [0], c.finish_reason,
                        None if pending else returns[id(c)],
                        {**details, "completion_ids": [c.completion_id]}, dict(c.timings),
-                       reward_factor=factors[id(c)])
+                       list(c.images), reward_factor=factors[id(c)])
                 for i, c in enumerate(comps)]
         else:
             raise bad_request(f"mode {mode!r}: use concat or per_completion", "mode")
@@ -556,7 +562,8 @@ class SessionStore:
                                else "stop"),
                 output_text=self.decode(p.output_ids), task=group.task, task_data=group.task_data,
                 group_index=group.group_index, timings=p.timings,
-                session_id=owner[id(p)].session_id, delayed_reward_factor=p.reward_factor))
+                session_id=owner[id(p)].session_id, delayed_reward_factor=p.reward_factor,
+                images=list(p.images)))
         for p in pieces:
             if p.reward is not None:  # else it waits on the log for a reward (online mode)
                 events.append(RewardEvent(traj_id=p.traj_id, group_id=group.group_id,
