@@ -27,8 +27,7 @@ from typing import Optional
 import typer
 
 from ..schemas.errors import TapiocaError
-from . import (admin_cli, commands, eval_cli, fleet_cli, plan_cli, plot, proxy_cli, replay_cli, run_cli,
-               supervised_cli)
+from . import admin_cli, commands, eval_cli, fleet_cli, plan_cli, plot, proxy_cli, replay_cli, run_cli, supervised_cli
 from .cli_context import G
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -107,8 +107,8 @@ def _config(model: Optional[str], run_dir: Optional[str], config: Optional[str],
 def _weights(run_dir: str, version: Optional[int]):
     """The WeightsEvent of the run's file at ``version`` (newest if None), or None for
     version 0 without a file (the run's initial model, model.path)."""
-    from ..models.weight_files import WEIGHTS_DIR, saved_versions, sha256_file
     from ..schemas.events import WeightsEvent
+    from ..weights.files import WEIGHTS_DIR, saved_versions, sha256_file
 
     wdir = Path(run_dir) / WEIGHTS_DIR
     saved = dict(saved_versions(wdir))

@@ -42,6 +42,7 @@ from typing import Any, Callable
 from rich.console import Group
 from rich.text import Text
 
+from .eval_cli import held_out_cell, held_out_change
 from .render import compact, duration, narrow_table, number_column
 
 # Counters kept in memory since the member's process started (see the module docstring).
@@ -181,7 +182,7 @@ class TrainView:
                     "trained": compact(trained)} if self.online else
                    {"tok/s gen": compact(r.get("rollout/tokens_per_s")),
                     "backlog p/s": f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-"})
-        return {
+        cells = {
             "step": f"{self.step if self.step is not None else 0}/{self.total_steps}",
             "ETA": "-" if self.online else duration(self.eta_s()),  # a service: no end
             "reward": _fmt(self._reward(), "{:.3f}"),
@@ -192,6 +193,8 @@ class TrainView:
             "rej": _fmt(t.get("trainer/rejected_stale"), "{:.0f}"),
             "s/step": _fmt(t.get("actor/step_time_s"), "{:.2f}"),
         }
+        held_out = held_out_cell(self.latest.get("evaluator", {}))  # producers/evaluator.py
+        return {**cells, "held-out": held_out} if held_out else cells
 
     # ---------------------------------------------------------------- on a terminal
 
@@ -230,6 +233,8 @@ class TrainView:
             parts += [f"ETA {c['ETA']}", f"reward {c['reward']}", *traffic,
                       f"staleness {c['stale avg/max']}", f"rejected {c['rej']}",
                       f"{c['s/step']} s/step"]
+            if "held-out" in c:
+                parts.append(f"held-out pass@1 {c['held-out']}")
         note = self.waiting_note()
         if note:
             parts.append(note)
@@ -352,7 +357,8 @@ def closing_line(summary, cfg, ckpt: Checkpoint | None, *, resume: str,
         first, last, w = means
         steps = f"{w} steps" if w > 1 else "step"
         what = (f"{summary.steps} steps in {summary.wall_s:.0f} s; mean reward {first:.3f} over "
-                f"the first {steps} -> {last:.3f} over the last {steps}{supervision}. "
+                f"the first {steps} -> {last:.3f} over the last {steps}"
+                f"{held_out_change(summary.held_out)}{supervision}. "
                 f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
     if done >= total:
         return f"done: {what}"

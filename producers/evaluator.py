@@ -12,7 +12,7 @@ and each version's completions to ``<run dir>/eval/v<version>/samples.jsonl`` wi
 Which versions (``evaluator`` config, AReaL's names; config/evaluation.py): version 0
 with ``eval_before_train`` (the engine's initial weights), and a version matching
 ``freq_steps`` / ``freq_epochs`` / ``freq_secs`` or the last one. It follows
-``weights.v1`` by the rule of producers/weights_follow.py (versions only go forward,
+``weights.v1`` by the rule of weights/follow.py (versions only go forward,
 conflicting claims dead-lettered), keeping only the versions it would evaluate.
 
 - It never makes the trainer wait: it is a reader of the log with its own engine; the
@@ -41,12 +41,12 @@ from typing import Any, Callable, Iterable
 from ..bus.role import DeadLetter, Role, Source
 from ..config.sections import EvalSection
 from ..engines.base import InferenceEngine, SamplingParams
-from ..models.weight_files import WeightsUnavailableError
 from ..schemas.envelope import Event
 from ..schemas.errors import EngineError
 from ..schemas.events import MetricsEvent, WeightsEvent
+from ..weights.files import WeightsUnavailableError
+from ..weights.follow import WeightsFollow
 from .eval_run import EvalRun, EvalTask, Scorer, flat_metrics, validate_prompts
-from .weights_follow import WeightsFollow
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ def run(broker, tmp_path_factory):
         f"valid_dataset.{holdout}", f"eval.k={K}", "evaluator.eval_before_train=true",
         f"evaluator.freq_steps={EVERY}", "train_dataset.prompts_per_step=32",
         "gconfig.n_samples=16", "gconfig.max_new_tokens=4", "rollout.max_batch_size=512",
-        "actor.lr=5e-4",
+        "actor.optimizer.lr=5e-4",
     ])
     launcher = Launcher(cfg)
     launcher.start()

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from tapioca.config.loader import load_config, to_yaml
 from tapioca.config.schema import TrainConfig
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import save_weights, weights_file
 from tapioca.ops.cli import app
 from tapioca.runtime.run import create_tiny_checkpoint
+from tapioca.weights.files import save_weights, weights_file
 
 HELD_OUT = 6
 DATA = ["valid_dataset.type=synthetic", "valid_dataset.split=test",
@@ -121,12 +121,15 @@ def test_nothing_to_evaluate_or_a_directory_that_is_no_model(tmp_path):
 
 
 def test_plot_draws_held_out_curves_and_the_live_table_shows_the_last_score(tmp_path):
-    import time
+    import io
+    from pathlib import Path
 
     from rich.console import Console
 
-    from tapioca.ops.commands import _progress_table
+    from tapioca.config.schema import TrainConfig
+    from tapioca.ops.launcher import RunSummary
     from tapioca.ops.plot import load_eval
+    from tapioca.ops.train_view import Checkpoint, TrainView, closing_line
 
     run = tmp_path / "run"
     (run / "metrics").mkdir(parents=True)
@@ -140,15 +143,29 @@ def test_plot_draws_held_out_curves_and_the_live_table_shows_the_last_score(tmp_
     out = ok("plot", str(run), "-o", str(tmp_path / "curves.png"))
     assert "3 held-out evaluations" in out and (tmp_path / "curves.png").stat().st_size > 0
     assert load_eval(tmp_path) == []  # a run without an evaluator
-    table = _progress_table({"trainer": {"step": 10, "reward/mean": 1.0},
-                             "evaluator": {"step": 10, "eval/pass@1": 0.5}}, {}, time.monotonic(), [1.0])
-    console = Console(record=True, width=250)
-    console.print(table)
-    text = console.export_text()
-    assert "held-out pass@1" in text and "0.500@v10" in text
-    console = Console(record=True, width=250)
-    console.print(_progress_table({"trainer": {"step": 3}}, {}, time.monotonic(), []))
-    assert "held-out" not in console.export_text()  # no evaluator, no column
+
+    def render(view: TrainView) -> str:
+        console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+        console.print(view.table())
+        return console.export_text()
+
+    cfg = TrainConfig(trial_name="t1", total_train_steps=600)
+    view = TrainView(cfg)
+    view.observe({"source": "trainer-0", "step": 600, "reward/mean": 1.0})
+    assert "held-out" not in render(view) and "held-out" not in view.line()  # no evaluator yet
+    view.observe({"source": "evaluator-0", "step": 600, "eval/pass@1": 0.9375})
+    text = render(view)
+    # The cell, by hand: pass@1 0.9375 to three places at version 600 -> "0.938@v600"
+    # (0.9375 rounds half to even: 0.938). It fits the demo's 80 columns, whole.
+    assert "held-out" in text and "0.938@v600" in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "held-out pass@1 0.938@v600" in view.line()
+    # The closing line: the first and last held-out pass@1 by version.
+    summary = RunSummary(run, steps=2, wall_s=12.0, rewards={1: 0.5, 2: 0.5},
+                         held_out={600: 0.9375, 0: 0.016})
+    line = closing_line(summary, TrainConfig(trial_name="t1", total_train_steps=2),
+                        Checkpoint(Path("/r/c"), 2), resume="R")
+    assert "held-out pass@1 0.016 (v0) -> 0.938 (v600)" in line, line
 
 
 def test_the_evaluators_counters_are_no_sign_of_progress_to_the_stall_alarm(tmp_path):

@@ -35,8 +35,8 @@ RELATIVE_ONLY: tuple[str, ...] | None = None
 # Modules exempt from that rule (none left).
 NOT_YET: tuple[str, ...] = ()
 # The modules that make up the `tapioca` command.
-CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "fleet_cli", "supervised_cli",
-               "plot", "proxy_cli", "replay_cli")
+CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "eval_cli", "fleet_cli",
+               "supervised_cli", "plot", "proxy_cli", "replay_cli")
 
 
 def package_dirs() -> dict[str, str]:
@@ -174,6 +174,7 @@ ROLES: dict[str, tuple[str, ...]] = {
     "trainer": ("trainers/trainer.py",),
     "supervised": ("trainers/supervised",),  # tapioca sft|dpo|rm|distill, one process each
     "agent": ("agents/runner.py",),
+    "evaluator": ("producers/evaluator.py",),
 }
 
 Edge = tuple[str, str, str]  # (where: "path:line", importing module, imported module)

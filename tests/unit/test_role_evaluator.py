@@ -17,12 +17,12 @@ from tapioca.bus.role import DeadLetter, Source
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
 from tapioca.models.factory import load_model_and_tokenizer
-from tapioca.models.weight_files import save_weights, weights_file
 from tapioca.producers.eval_run import flat_metrics, read_samples
 from tapioca.producers.evaluator import MARKER_KEY, RESULT_KEY, version_dir
 from tapioca.runtime.builders import build_evaluator
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas.events import MetricsEvent, WeightsEvent
+from tapioca.weights.files import save_weights, weights_file
 
 K = 2
 HELD_OUT = 4
