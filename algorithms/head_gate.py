@@ -1,4 +1,5 @@
-"""The head gate: how many groups may be admitted ahead of the trainer (DESIGN.md §3).
+"""The head gate: how many groups may be admitted ahead of the trainer
+(docs/design.md#3-policy-versions-and-the-staleness-window).
 
 Pure arithmetic shared by the two producers of groups, the prompt feeder and the agent
 proxy; both read the trainer's weights events and count what they admitted.

@@ -39,7 +39,8 @@ interpolates as if pi_prox were one version older than the weights it trains
 from (a token from the current weights gets ``alpha = 0`` either way, but a token
 one version stale gets ``alpha = 0`` in AReaL and ``1/2`` here). Tapioca's
 ``policy_version`` is the number of optimizer steps applied before this training
-step (DESIGN §3), i.e. the proximal version itself.
+step (docs/design.md#3-policy-versions-and-the-staleness-window), i.e. the proximal
+version itself.
 """
 
 from __future__ import annotations

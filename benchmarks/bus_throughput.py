@@ -115,7 +115,8 @@ class _Counter(Role):
     name = "bench-counter"
     group_inputs = ("trajectories",)
 
-    def __init__(self, expect: int, latency: bool = False) -> None:
+    def __init__(self, expect: int, latency: bool = False, topic: str = "trajectories") -> None:
+        self.group_inputs = (topic,)
         self.expect = expect
         self.latency = latency
         self.count = 0
@@ -205,9 +206,10 @@ def bench_broker(bootstrap: str, events: list[TrajectoryEvent], raw_sizes: int) 
 # ---------------------------------------------------------------------- (c) latency
 
 
-def bench_latency(bootstrap: str, make, count: int, per_s: float) -> dict[str, Any]:
+def bench_latency(bootstrap: str, make, count: int, per_s: float, topic: str = "trajectories") -> dict[str, Any]:
     """Steady-state latency: the producer and the consumer are warmed up with one event
-    first (its latency, which includes the producer's start, is reported apart)."""
+    first (its latency, which includes the producer's start, is reported apart).
+    ``make(i)`` builds the events; ``topic``: the registry topic they go to."""
     out: dict[str, Any] = {}
     gap = 1.0 / per_s
 
@@ -239,7 +241,7 @@ def bench_latency(bootstrap: str, make, count: int, per_s: float) -> dict[str, A
     cfg = BusConfig(bootstrap_servers=bootstrap, topic_prefix=f"l{uuid.uuid4().hex[:8]}")
     ensure_topics(cfg)
     lat: list[float] = []
-    reader = TopicReader(cfg, "trajectories")
+    reader = TopicReader(cfg, topic)
 
     def read() -> None:
         for r in reader.records(follow=True, max_records=count + 1,
@@ -258,7 +260,7 @@ def bench_latency(bootstrap: str, make, count: int, per_s: float) -> dict[str, A
     # RoleRunner (consumer group); the warm-up event also waits out the group join.
     cfg = BusConfig(bootstrap_servers=bootstrap, topic_prefix=f"l{uuid.uuid4().hex[:8]}")
     ensure_topics(cfg)
-    role = _Counter(count + 1, latency=True)
+    role = _Counter(count + 1, latency=True, topic=topic)
     runner = RoleRunner(role, cfg)
     thread = threading.Thread(target=runner.run, kwargs={"max_seconds": count / per_s + 90},
                               daemon=True)

@@ -1,6 +1,6 @@
-"""Rollout generation, DESIGN.md §9 row 1 (issue 14): the paged engine, TorchEngine, HF
-``generate`` and HF ``generate`` with a static cache + ``torch.compile``, side by side
-in one process.
+"""Rollout generation, the rollout row of docs/design.md#9-performance-targets (issue 14):
+the paged engine, TorchEngine, HF ``generate`` and HF ``generate`` with a static cache +
+``torch.compile``, side by side in one process.
 
 Consumes nothing (random weights, random prompt ids); emits a table on stdout and a JSON
 file (``--out``, or ``$OUT/engine_generate.json`` when ``$OUT`` is set). Model: a

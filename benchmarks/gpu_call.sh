@@ -54,9 +54,23 @@ for s in "$@"; do
     lora_engine) stage $s 200 python3 benchmarks/lora.py --device cuda --only switch,engine ;;
     rl_lora_eta0) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0 --lora --out "$OUT/rl_lora_eta0.json" ;;
     rl_lora_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --lora --out "$OUT/rl_lora_eta4.json" ;;
+    eval_gsm8k) stage $s 300 python3 benchmarks/eval_gsm8k.py --device cuda --data "$GSM8K" --scoring-workers 8 --out "$OUT/eval_gsm8k.json" ;;
     moe_tests) stage $s 200 $PYTEST tests/unit/test_engine_moe.py tests/unit/test_moe_training.py tests/unit/test_kernels_triton.py -k "moe or cuda" ;;
     moe_engine) stage $s 540 python3 benchmarks/moe_engine.py ;;
     moe_trainer) stage $s 300 python3 benchmarks/moe_trainer.py ;;
+    # Issue 28: tree training (prefix sharing), the step timeline + bus vs queue, FA4, the decode host side.
+    tree_tests) stage $s 150 $PYTEST tests/unit/test_tree_attention_gpu.py tests/unit/test_tree_training.py ;;
+    prefix_sharing) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --out "$OUT/prefix_sharing.json" ;;
+    rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0,4 --timeline --out "$OUT/rl_timeline.json" ;;
+    engine_host) stage $s 120 python3 benchmarks/profile_engine.py --device cuda --engine paged --n-seqs 256 --new-tokens 64 --host-breakdown --rows 15 ;;
+    fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only '0.5b/fast,1.5b/fast,3b/fast mb4k,fa4' --budget-s 170" ;;
+    moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
+    moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
+    plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;
+    trainer_world1_ab) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --world1-ab --steps 5 ;;
+    fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
+    vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py -k cuda ;;
+    vlm) stage $s 420 python3 benchmarks/vlm.py --device cuda ;;
     *) echo "unknown stage $s" ;;
   esac
 done

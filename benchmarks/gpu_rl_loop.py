@@ -10,6 +10,16 @@ tokens/s and step times measured from the run's own events and metrics.
 the JSON rows say which was used. ``--lora`` trains a rank-``--lora-rank`` adapter on every
 linear layer instead (``actor.use_lora``; weight events carry the adapter only, the paged
 engine merges each version at the switch); its rows say ``"lora": rank``.
+
+``--timeline`` also runs the archiver and prints, per eta, one row per step from the
+events' own timestamps (``tapioca.ops.timeline``: weights publish -> event hop -> engine
+switch -> generation -> reward -> advantage -> sample hop -> trainer wait -> step), then
+measures one hop of each of those events through the bus against an in-process queue
+(``benchmarks/bus_hop.py``, the run's own events as payloads) and reports what the bus
+adds to a step. ``--tiny`` runs the CPU demo's tiny model on the synthetic task instead
+(no data file, minutes on a laptop):
+
+    python benchmarks/gpu_rl_loop.py --tiny --device cpu --timeline --steps 8
 """
 
 from __future__ import annotations
@@ -44,10 +54,16 @@ def build_model(path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
+# Overrides of the GSM8K run that --tiny drops (the demo config's model, task and lr).
+GSM8K_ONLY = ("model.", "train_dataset.path=", "train_dataset.type=", "actor.lr=", "actor.optimizer.lr=",
+              "actor.autocast_dtype=")
+
+
+def run(eta: int, args, model_path: Path | None, run_root: Path) -> dict:
     # Its own run directory per transport: a second invocation must not resume the first's.
-    trial = f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}") \
-        + (f"-lora{args.lora_rank}" if args.lora else "")
+    trial = (f"eta{eta}" + ("" if args.weight_transport == "file" else f"-{args.weight_transport}")
+             + ("-tiny" if args.tiny else "") + ("-timeline" if args.timeline else "")
+             + (f"-lora{args.lora_rank}" if args.lora else ""))
     overrides = [
         f"model.path={model_path}", "model.dtype=bfloat16",
         f"train_dataset.path={args.data}", "train_dataset.type=gsm8k",
@@ -64,9 +80,13 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
         overrides += ["actor.use_lora=true", f"actor.lora_rank={args.lora_rank}",
                       f"actor.lora_alpha={args.lora_rank}", "actor.target_modules=[all-linear]",
                       "actor.optimizer.lr=1e-5"]
+    if args.tiny:  # the CPU demo's own model (created under the run dir), lr and task
+        overrides = [o for o in overrides if not o.startswith(GSM8K_ONLY)] + ["stop_at_reward=null"]
+    overrides += ["archive.enabled=true"] if args.timeline else []
+    config = "demo_cpu.yaml" if args.tiny else "gsm8k_grpo.yaml"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train",
-                           "--config", str(REPO / "examples" / "gsm8k_grpo.yaml"), *overrides],
+                           "--config", str(REPO / "examples" / config), *overrides],
                           capture_output=True, text=True)
     wall = time.time() - t0
     run_dir = run_root / "gpu" / trial
@@ -78,6 +98,13 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
     step_wall = [b - a for a, b in zip(times, times[1:])]
     steady = step_wall[2:] or step_wall  # the first steps include start-up and warm-up
     gen_tokens = sum(r["trainer/mean_output_tokens"] * args.prompts * args.samples for r in rows)
+    extra = {}
+    if args.timeline:
+        from tapioca.ops.timeline import as_dicts, events_from_archive, format_table, step_timelines, summarize
+
+        steps = step_timelines(events_from_archive(run_dir / "archive"))
+        print(f"--- step timeline, eta {eta} ({trial}):\n{format_table(steps)}", flush=True)
+        extra = {"timeline": summarize(steps), "timeline_rows": as_dicts(steps), "archive": str(run_dir / "archive")}
     return {
         "eta": eta,
         "weight_transport": args.weight_transport,
@@ -92,12 +119,17 @@ def run(eta: int, args, model_path: Path, run_root: Path) -> dict:
         "staleness_mean": round(statistics.mean(r["trainer/staleness_mean"] for r in rows), 2),
         "reward_mean": round(statistics.mean(r["reward/mean"] for r in rows), 4),
         "mean_output_tokens": round(statistics.mean(r["trainer/mean_output_tokens"] for r in rows), 1),
+        **extra,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", default="", help="a GSM8K jsonl (not with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="the CPU demo's tiny model on the synthetic task")
+    ap.add_argument("--timeline", action="store_true",
+                    help="archive the runs, print each step's timeline, measure the bus against a queue")
+    ap.add_argument("--hop-events", type=int, default=50, help="--timeline: events per hop measurement")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
@@ -112,16 +144,44 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (actor.use_lora)")
     ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
+    if not args.tiny and not args.data:
+        raise SystemExit("--data PATH (a GSM8K jsonl) is needed, or --tiny")
     work = Path(args.workdir)
-    model_path = work / "qwen2-0.5b-shape"
-    if not (model_path / "config.json").exists():
-        build_model(model_path)
+    model_path = None
+    if not args.tiny:
+        model_path = work / "qwen2-0.5b-shape"
+        if not (model_path / "config.json").exists():
+            build_model(model_path)
     results = []
     for eta in args.etas.split(","):
         results.append(run(int(eta), args, model_path, work / "runs"))
-        print(json.dumps(results[-1]), flush=True)
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "timeline_rows"}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.timeline:
+        results.append(bus_against_queue(results, args))
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def bus_against_queue(results: list[dict], args) -> dict:
+    """One hop of each critical-path event, bus vs in-process queue, with the first run's
+    archived events as payloads; what the bus adds as a share of each run's step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bus_hop import archive_payloads, hop_costs
+
+    hops = hop_costs(archive_payloads(results[0]["archive"]), count=args.hop_events)
+    out = {"bus_vs_queue": hops}
+    for r in results:
+        cycle = (r.get("timeline") or {}).get("cycle_s") or r["step_wall_s_median"]
+        share = hops["bus_cost_s"] / cycle if cycle else None
+        out[f"eta{r['eta']}_bus_share"] = share
+        hop_share = (r.get("timeline") or {}).get("hops_share")
+        print(f"eta {r['eta']}: step {cycle:.3f} s; the bus adds {1000 * hops['bus_cost_s']:.1f} ms over an "
+              f"in-process queue = {100 * share:.1f}% of a step (target < 2%); the timeline's hop stages "
+              f"(upper bound, with consumers' work and poll cadence) = "
+              f"{'-' if hop_share is None else f'{100 * hop_share:.1f}%'}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Trainer step, DESIGN.md §9 rows 2-3 and issue 16: today's PPOActor path, the packed
-fast path with each speed / memory switch, and the plain HF step, side by side.
+"""Trainer step, the trainer rows of docs/design.md#9-performance-targets and issue 16:
+today's PPOActor path, the packed fast path with each speed / memory switch, and the
+plain HF step, side by side.
 
 Consumes nothing (random weights from the real ``transformers`` config classes, random
 token ids); emits a table on stdout and JSON to ``--out`` and ``$OUT/trainer_step.json``.
@@ -15,6 +16,9 @@ Runs, in this order (``--only`` picks groups or run names; ``--list`` prints the
 * ``switches``: at 0.5B, the fast path with ONE switch changed per row.
 * ``compile``: torch.compile (of each decoder layer): the fast path with compile instead
   of liger at 0.5B; the plain HF step compiled at 1.5B and 3B.
+* ``fa4``: the fast path with ``attention_backend: fa4`` (needs ``pip install
+  flash-attn-4``; an error row without it). Prefix sharing has its own benchmark,
+  ``benchmarks/prefix_sharing.py``.
 
 today = ``PPOActor`` as it was: right-padded HF forward, fp32 weights under bf16
 autocast, foreach AdamW, PyTorch chunked logprobs. fast = packed sequences, flash varlen
@@ -36,6 +40,16 @@ GPU (one H200; liger-kernel installed):
     python benchmarks/trainer_step.py --device cuda
 
 CPU self-check of the plumbing (< 2 min): ``python benchmarks/trainer_step.py --tiny --device cpu``.
+
+``--world1-ab`` (issue 25): at world size 1 the tensor / context-parallel code costs
+nothing. Side by side in one process, alternating, on the ``--only`` runs (default
+0.5b/fast, 1.5b/fast): A = the world-1 trainer (PPOActor, the packed forward) and B = the
+same step through the parallel forward at tp = cp = 1 on a one-rank mesh
+(models/parallel.py's layers and head, trainers/fsdp_actor.py's logprobs). Reports
+tokens/s of both and B / A (target >= 0.98); A is today's code path (this change only
+adds a host-side no-op to its packing), comparable with RESULTS.md's 0.5b/fast figures:
+
+    python benchmarks/trainer_step.py --device cuda --world1-ab
 """
 
 from __future__ import annotations
@@ -122,6 +136,10 @@ RUNS = [
     ("explore", "1.5b/fast -recompute", M15, "8x2048", "actor", dict(FAST), 12),
     ("explore", "1.5b/fast lp chunk 16k", M15, "8x2048", "actor", dict(FAST_BIG, logprob_chunk_tokens=16384), 12),
     ("explore", "1.5b/fast -keep logits", M15, "8x2048", "actor", dict(FAST_BIG, logprob_keep_logits=False), 12),
+    # FlashAttention-4 (pip install flash-attn-4; models/attention_fa4.py) instead of FA2 varlen.
+    ("fa4", "0.5b/fast fa4", M05, "16x1024", "actor", dict(FAST, attention_backend="fa4"), 25),
+    ("fa4", "1.5b/fast fa4", M15, "8x2048", "actor", dict(FAST_BIG, attention_backend="fa4"), 15),
+    ("fa4", "3b/fast mb4k fa4", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096, attention_backend="fa4"), 15),
     ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
     ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
     ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
@@ -256,6 +274,10 @@ def summary(results: dict, check: dict | None, args) -> None:
         if get(name, "mfu") is not None:
             print(f"  {name}: MFU {100 * get(name, 'mfu'):.1f}% (target >= 45), peak {get(name, 'peak_mem_gib')} GiB "
                   "(target <= 60)")
+    for base in ("0.5b/fast", "1.5b/fast", "3b/fast mb4k"):
+        a, b = get(base, "tokens_per_s"), get(f"{base} fa4", "tokens_per_s")
+        if a and b:
+            print(f"  {base} fa4: {b / a:.2f}x tokens/s of FA2 varlen, MFU {100 * get(f'{base} fa4', 'mfu'):.1f}%")
     for size in ("0.5b", "1.5b"):
         t, f = get(f"{size}/tail today", "tokens_per_s"), get(f"{size}/tail fast", "tokens_per_s")
         if t and f:
@@ -266,6 +288,53 @@ def summary(results: dict, check: dict | None, args) -> None:
             if isinstance(v, dict):
                 print(f"  {k}: grad {v['grad_rel_l2']:.2e} (worst param {v['grad_rel_l2_worst_param']:.2e}, "
                       f"min cosine {v['grad_cosine_min']:.5f}), loss {v['loss_rel_diff']:.2e}")
+
+
+def world1_ab(args, batches) -> dict:
+    """``--world1-ab``: A (PPOActor) and B (the parallel forward at tp = cp = 1) on the same
+    shapes, alternating rounds so drift in clocks or load hits both alike."""
+    import torch.distributed as dist
+
+    from tapioca.config.distributed import FSDPConfig
+    from tapioca.models.parallel import MeshDims
+    from tapioca.trainers.fsdp_actor import build_mesh, parallel_batch_logprobs
+    from tapioca.trainers.fsdp_ranks import free_port
+    from tapioca.trainers.ppo_actor import PPOActor
+
+    class ParallelPath(PPOActor):
+        def logprobs(self, batch, *, entropy=False):
+            return parallel_batch_logprobs(self, batch, entropy)
+
+    device = args.device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
+    dims = MeshDims(build_mesh(FSDPConfig(), torch.device(device)), tp=1, cp=1)
+    names = [k.strip() for k in args.only.split(",") if k.strip()] or ["0.5b/fast", "1.5b/fast"]
+    out: dict[str, dict] = {}
+    for run in (r for r in RUNS if r[1] in names):
+        _, name, shape, batch_key, _, opts, _ = run
+        opts = cpu_safe("actor", opts) if not device.startswith("cuda") else opts
+        batch = batches[batch_key]
+        cfg = actor_config(device, **dict(dict(mb_max_tokens=16384, logprob_chunk_tokens=args.chunk_tokens), **opts))
+        steps = {}
+        for label, cls, kw in (("A", PPOActor, {}), ("B", ParallelPath, {"parallel": dims})):
+            model = build(shape, args.tiny, getattr(torch, cfg.param_dtype), device)
+            actor = cls(model, cfg, temperature=1.0, pad_token_id=0, device=device, **kw)
+            items = batch.items(model.config.vocab_size)
+            steps[label] = lambda actor=actor, items=items: actor.train_step(items, policy_version=0).n_tokens
+            steps[label]()  # warm-up
+        walls: dict[str, list[float]] = {"A": [], "B": []}
+        for _ in range(max(3, args.steps)):
+            for label in ("A", "B"):
+                walls[label].append(timed(steps[label], device)[1])
+        tps = {k: batch.real_tokens / statistics.median(v) for k, v in walls.items()}
+        out[name] = {"tokens_per_s_A": round(tps["A"], 1), "tokens_per_s_B": round(tps["B"], 1),
+                     "B_over_A": round(tps["B"] / tps["A"], 4), "walls": walls}
+        print(name, out[name], flush=True)
+        del steps
+        reset(device)
+    return out
 
 
 def main() -> None:
@@ -285,7 +354,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after each run's timings, profile one more step (torch.profiler) and print "
                          "its top kernels")
+    ap.add_argument("--world1-ab", action="store_true",
+                    help="the world-1 trainer vs the tensor / context-parallel forward at tp = cp = 1, "
+                         "side by side (issue 25)")
     args = ap.parse_args()
+    if args.world1_ab:
+        result = world1_ab(args, make_batches(args.tiny, args.seed))
+        payload = {"benchmark": "trainer_step_world1_ab", "env": env_info(args.device), "results": result}
+        write_json(args.out, payload)
+        if os.environ.get("OUT"):
+            write_json(str(Path(os.environ["OUT"]) / "trainer_step_world1_ab.json"), payload)
+        return
     runs = selected(args)
     want_check = not args.only or any(k.strip() == "check" for k in args.only.split(","))
     if args.list:

@@ -1,5 +1,6 @@
-"""DESIGN.md §9 row 4: weight version switch, trainer step end -> engine generating on the
-new version, for every transport side by side in one invocation.
+"""The weight switch row of docs/design.md#9-performance-targets: weight version switch,
+trainer step end -> engine generating on the new version, for every transport side by
+side in one invocation.
 
 Consumes nothing (random weights); prints a table and writes ``$OUT/weight_switch.json``
 (or ``--out``). Each variant runs ``--repeats`` switches while the engine generates in
@@ -9,7 +10,7 @@ worker). Timestamps cross processes (``time.monotonic``, one clock per host). Pa
 - publish: the trainer's side, from the end of its step (weights updated, device
   synchronised) to the weights event's bytes being ready (weights/publisher.py);
 - handoff: the event from the trainer process to the engine's (a pipe here) and decoded;
-  the Kafka hop is NOT included (bus benchmark: p50 2-7 ms, KAFKA_NOTES.md);
+  the Kafka hop is NOT included (bus benchmark: p50 2-7 ms, docs/kafka-clients.md);
 - fetch: the receiver's copy of the bytes into its buffer and the checksum check
   (weights/receiver.py); for file: reading the file and its sha256;
 - update: ``TorchEngine.update_weights``: waiting for the running decode step to end, then

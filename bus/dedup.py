@@ -1,7 +1,8 @@
 """Idempotent sinks: remember which event identities were already handled.
 
-Delivery is at-least-once (DESIGN.md §2b), so every consumer that changes something
-asks ``seen.first(identity)`` before acting; a redelivered event then changes nothing.
+Delivery is at-least-once (docs/design.md#2b-delivery-semantics), so every consumer
+that changes something asks ``seen.first(identity)`` before acting; a redelivered event
+then changes nothing.
 Identities are whatever names the fact: ``event_id``, ``traj_id``, ``group_id``,
 ``(traj_id, scorer)``. Memory is bounded: the oldest identities are forgotten first,
 which is safe because redeliveries come close behind the original.

@@ -1,17 +1,23 @@
 """Configuration for running beyond one process: the sharded trainer (``fsdp``), the
 cluster's shape (``cluster``, AReaL's names) and where roles are placed (``scheduler``).
 
-``fsdp.world_size`` > 1 makes ``tapioca role trainer`` a data-parallel FSDP2 trainer of
-that many ranks (trainers/fsdp_actor.py, docs/distributed.md); 1 is the single-process
-trainer. ``scheduler.type`` picks the launcher of ``tapioca train``: ``local`` (every
-role a child process of this host, the default) or ``ray`` (every role a Ray actor,
-ops/ray_launcher.py). Defaults live here only.
+``fsdp.world_size`` > 1 makes ``tapioca role trainer`` an FSDP2 trainer of that many
+ranks (trainers/fsdp_actor.py, docs/distributed.md); 1 is the single-process trainer.
+The ranks form a device mesh (dp, cp, tp): ``fsdp.tensor_parallel_size`` (tp: DTensor
+tensor + sequence parallel, models/parallel.py), ``fsdp.context_parallel_size`` (cp:
+Ulysses context parallel) and the data-parallel rest, dp = world_size / (tp x cp).
+AReaL's allocation string ``actor.backend: "fsdp:d2t2c2"`` says the same
+(:func:`parse_allocation`; TrainConfig fills ``fsdp`` from it). ``scheduler.type`` picks
+the launcher of ``tapioca train``: ``local`` (every role a child process of this host, the
+default) or ``ray`` (every role a Ray actor, ops/ray_launcher.py). Defaults live here only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
+from ..schemas.errors import ConfigError
 from ..schemas.errors import require_config as _require
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -41,6 +47,20 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     # A collective that waits longer than this (a dead or stuck rank) fails the step.
     timeout_s: float = 600.0
+    # Expert parallelism (Megatron's expert_model_parallel_size): each MoE layer's experts
+    # are split over groups of this many ranks and the tokens reach them by all-to-all
+    # (models/expert_parallel.py); it must divide world_size and the experts per layer.
+    # 1: every rank holds every expert (FSDP2 shards them like the other weights).
+    expert_parallel_size: int = 1
+    # Tensor parallel ranks (tp, AReaL's name): every linear layer split over tp ranks
+    # (q/k/v/gate/up by output, o/down by input), norms and activations split over the
+    # sequence, the LM head and its logprobs over the vocabulary. Needs heads, kv heads,
+    # intermediate size and vocabulary divisible by it.
+    tensor_parallel_size: int = 1
+    # Context parallel ranks (cp, AReaL's name): each packed micro-batch is split into cp
+    # equal token slices; attention runs on all tokens for heads / cp heads (Ulysses
+    # all-to-all). Needs packed sequences and heads divisible by tp x cp.
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "fsdp.world_size must be >= 1 (1: the single-process trainer)")
@@ -51,6 +71,145 @@ class FSDPConfig:
             _require(getattr(self, name) in _DTYPES,
                      f"fsdp.{name}={getattr(self, name)!r}: use one of {', '.join(_DTYPES)}")
         _require(self.timeout_s > 0, "fsdp.timeout_s must be > 0")
+        _require(self.expert_parallel_size >= 1 and self.world_size % self.expert_parallel_size == 0,
+                 f"fsdp.expert_parallel_size={self.expert_parallel_size} must be >= 1 and divide "
+                 f"fsdp.world_size={self.world_size}")
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        _require(tp >= 1 and cp >= 1,
+                 "fsdp.tensor_parallel_size and fsdp.context_parallel_size must be >= 1 (1: off)")
+        _require(self.world_size % (tp * cp) == 0,
+                 f"fsdp.world_size={self.world_size} is not dp x tp x cp for "
+                 f"tensor_parallel_size={tp} and context_parallel_size={cp}: set world_size to a "
+                 f"multiple of {tp * cp} (e.g. {tp * cp} for dp 1)")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: the ranks that see different sequences."""
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether tensor or context parallelism is on (False: the data-parallel trainer)."""
+        return self.tp > 1 or self.cp > 1
+
+    def describe(self) -> str:
+        return f"dp={self.dp} tp={self.tp} cp={self.cp} (world {self.world_size})"
+
+
+# AReaL's allocation grammar for one trainer (areal/api/alloc_mode.py): a backend, an
+# optional [name], then dimensions d/t/c/p/e followed by a size >= 1, in any order.
+_ALLOC = re.compile(r"^(?P<backend>[a-z]+)(\[(?P<name>[A-Za-z_][A-Za-z0-9_]*)\])?:(?P<dims>[a-z0-9 ]+)$")
+_DIM = re.compile(r"([a-z])([1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A parsed ``actor.backend`` string."""
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp
+
+
+def parse_allocation(spec: str) -> Allocation:
+    """``"fsdp:d2t2c2"`` -> dp 2, tp 2, cp 2 (AReaL's ``ModelAllocation.from_str`` for an
+    FSDP trainer). Pipeline (``p``) and expert (``e``) parallelism, other backends, and
+    AReaL's combined ``sglang:...+fsdp:...`` strings are refused, each saying what to write."""
+    text = spec.strip()
+    hint = 'write it as "fsdp:" followed by d<N>, t<N>, c<N>, e.g. actor.backend="fsdp:d2t2c2"'
+    if "+" in text or "|" in text:
+        raise ConfigError(f"actor.backend={spec!r} holds several allocations; the trainer's own is "
+                          f"one component ({hint}); the rollout servers take "
+                          "rollout.server.tensor_parallel_size")
+    m = _ALLOC.match(text)
+    if not m:
+        raise ConfigError(f"actor.backend={spec!r} is not an allocation string: {hint}")
+    if m["backend"] != "fsdp":
+        raise ConfigError(f"actor.backend={spec!r}: Tapioca's trainer is FSDP2 only (no "
+                          f"{m['backend']} backend): {hint}")
+    dims_text = m["dims"].replace(" ", "")
+    dims = _DIM.findall(dims_text)
+    if "".join(k + n for k, n in dims) != dims_text:
+        raise ConfigError(f"actor.backend={spec!r}: bad dimensions {dims_text!r}: {hint}")
+    sizes: dict[str, int] = {}
+    for kind, n in dims:
+        if kind in ("p", "e"):
+            if int(n) > 1:
+                what = "pipeline" if kind == "p" else "expert"
+                raise ConfigError(f"actor.backend={spec!r}: the FSDP2 trainer has no {what} "
+                                  f"parallelism ({kind}{n}): use d, t and c only")
+            continue
+        if kind not in ("d", "t", "c"):
+            raise ConfigError(f"actor.backend={spec!r}: unknown dimension {kind!r}: {hint}")
+        sizes[kind] = int(n)  # a repeated dimension: the last one counts, as in AReaL
+    return Allocation(dp=sizes.get("d", 1), tp=sizes.get("t", 1), cp=sizes.get("c", 1))
+
+
+def fsdp_from_allocation(fsdp: FSDPConfig, spec: str) -> FSDPConfig:
+    """``fsdp`` with the mesh of ``actor.backend``; a conflicting explicit value is refused."""
+    alloc = parse_allocation(spec)
+    default = FSDPConfig()
+    for name, value in (("world_size", alloc.world_size), ("tensor_parallel_size", alloc.tp),
+                        ("context_parallel_size", alloc.cp)):
+        given = getattr(fsdp, name)
+        _require(given in (value, getattr(default, name)),
+                 f"actor.backend={spec!r} means fsdp.{name}={value} but fsdp.{name}={given} is "
+                 f"set too: remove one of them")
+    return replace(fsdp, world_size=alloc.world_size, tensor_parallel_size=alloc.tp,
+                   context_parallel_size=alloc.cp)
+
+
+def check_model_parallel(fsdp: FSDPConfig, *, n_heads: int, n_kv_heads: int, intermediate_size: int,
+                         vocab_size: int | None, where: str) -> None:
+    """Refuse a model shape the mesh cannot split (``where`` names the model in the message)."""
+    tp, cp = fsdp.tp, fsdp.cp
+    if tp > 1:
+        for what, n in (("attention heads", n_heads), ("key/value heads", n_kv_heads),
+                        ("intermediate_size", intermediate_size), ("vocabulary", vocab_size)):
+            _require(n is None or n % tp == 0,
+                     f"{where} has {n} {what}, not divisible by fsdp.tensor_parallel_size={tp}: "
+                     "pick a tensor_parallel_size that divides it (or 1)")
+    if cp > 1:
+        _require(n_heads % (tp * cp) == 0,
+                 f"{where} has {n_heads} attention heads, not divisible by tensor_parallel_size x "
+                 f"context_parallel_size = {tp * cp} (Ulysses gives each cp rank heads / cp of a "
+                 "tp rank's heads): lower context_parallel_size")
+        kv_local = n_kv_heads // tp
+        _require(kv_local % cp == 0 or cp % kv_local == 0,
+                 f"{where} has {kv_local} key/value heads per tp rank, which context_parallel_size="
+                 f"{cp} neither divides nor is a multiple of: pick a cp that divides {kv_local} "
+                 f"or is a multiple of it")
+
+
+def check_parallel_model(model, fsdp: FSDPConfig) -> None:
+    """Refuse a model the mesh cannot split (``model``: a transformers causal LM)."""
+    from ..models.forward import decoder_body
+
+    cfg = model.config
+    attn = decoder_body(model).layers[0].self_attn
+    check_model_parallel(fsdp, n_heads=attn.q_proj.out_features // attn.head_dim,
+                         n_kv_heads=attn.k_proj.out_features // attn.head_dim,
+                         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
+                         vocab_size=model.get_output_embeddings().weight.shape[0],
+                         where=f"the model ({cfg.model_type})")
+    sparse = [type(lay.mlp).__name__ for lay in decoder_body(model).layers
+              if not all(hasattr(lay.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))]
+    if sparse:
+        raise ConfigError(f"tensor / context parallelism ({fsdp.describe()}) runs dense SwiGLU MLPs "
+                          f"(gate/up/down); this model has {sparse[0]} layers (mixture of experts): "
+                          "train it data parallel (tensor_parallel_size=1, context_parallel_size=1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +266,46 @@ def check_sharded_trainer(cfg) -> None:
              f"advantage.estimator gae trains a critic, which the sharded trainer "
              f"(fsdp.world_size={n}) does not shard yet: set fsdp.world_size=1 or use an "
              "estimator without a critic (grpo, rloo, ...)")
+    _require(cfg.fsdp.expert_parallel_size == 1 or cfg.actor.packed_sequences,
+             f"fsdp.expert_parallel_size={cfg.fsdp.expert_parallel_size} runs in the packed MoE "
+             "forward: set actor.packed_sequences=true")
     _require(cfg.actor.kl_ctl == 0 or bool(cfg.ref.path),
              f"actor.kl_ctl > 0 with an empty ref.path copies the policy as the reference, "
              f"which a sharded policy (fsdp.world_size={n}) cannot: set ref.path to the "
              "initial model's directory (model.path) or fsdp.world_size=1")
+    if cfg.fsdp.model_parallel:
+        check_parallel_switches(cfg.fsdp, cfg.actor)
+        if not cfg.model.path:  # the tiny model: its shape is in the config
+            m = cfg.model
+            check_model_parallel(cfg.fsdp, n_heads=m.num_heads, n_kv_heads=m.num_kv_heads,
+                                 intermediate_size=m.intermediate_size, vocab_size=None,
+                                 where="the tiny model (model.*)")
+
+
+def check_parallel_switches(fsdp: FSDPConfig, actor) -> None:
+    """The actor switches that apply under tensor / context parallelism; the others are
+    refused, each with the way out (``actor`` is an ActorConfig)."""
+    mesh = f"({fsdp.describe()})"
+    _require(actor.packed_sequences,
+             f"tensor / context parallelism {mesh} runs the packed forward: set "
+             "actor.packed_sequences=true")
+    _require(not actor.compile_layers,
+             f"actor.compile_layers is not supported with tensor / context parallelism {mesh} "
+             "(the layers' collectives are not compiled): set compile_layers=false")
+    if fsdp.tp > 1:
+        refused = {
+            "liger_kernels": "liger's kernels take plain tensors, the tensor-parallel norms "
+                             "hold DTensor weights",
+            "recompute_swiglu": "it reads the down projection's whole weight, which tensor "
+                                "parallelism splits",
+            "logprob_keep_logits": "it keeps Triton logits, and the vocabulary-parallel logprobs "
+                                   "run in PyTorch",
+        }
+        for name, why in refused.items():
+            _require(not getattr(actor, name),
+                     f"actor.{name} does not apply with fsdp.tensor_parallel_size={fsdp.tp}: {why}; "
+                     f"set actor.{name}=false")
+        _require(actor.logprob_kernel != "triton",
+                 f"actor.logprob_kernel=triton does not apply with fsdp.tensor_parallel_size="
+                 f"{fsdp.tp}: the vocabulary-parallel logprobs all-reduce between the max and the "
+                 "sum, which the fused kernel does in one pass; set actor.logprob_kernel=auto")

@@ -62,3 +62,13 @@ def check_lora_run(cfg: Any) -> None:
              "advantage.estimator=gae trains a critic initialised from the policy's backbone, "
              "which a LoRA run does not copy yet: use an estimator without a critic (grpo, rloo, "
              "...) or actor.use_lora=false")
+    f = cfg.fsdp
+    _require(f.tensor_parallel_size == 1 and f.context_parallel_size == 1,
+             f"actor.use_lora with {f.describe()}: the tensor / context parallel plan splits plain "
+             "linear layers, not peft's adapter wrappers; train the adapter data parallel "
+             "(fsdp.tensor_parallel_size=1, fsdp.context_parallel_size=1)")
+    from ..models.families import VL_ARCHS
+
+    _require(cfg.train_dataset.type != "visual" and (bool(cfg.model.path) or cfg.model.arch not in VL_ARCHS),
+             "actor.use_lora on a vision-language model is not supported yet (no engine loads an "
+             "adapter beside a vision tower): train it with actor.use_lora=false")

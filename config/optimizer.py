@@ -13,8 +13,8 @@ before the section existed: ``lr`` 5e-4 (AReaL 1e-3), ``weight_decay`` 0 (AReaL 
 steps anyway). ``min_lr_ratio`` also floors the ``linear`` decay (AReaL's FSDP engine
 decays ``linear`` to 0 whatever it says, its Megatron engine floors it).
 
-Used by the RL actor (:class:`~tapioca.config.schema.ActorConfig`) and the offline
-trainers' actor (:class:`~tapioca.config.offline.OfflineActorConfig`). The flat names
+Used by the RL actor (:class:`~tapioca.config.schema.ActorConfig`) and the supervised
+trainers' actor (:class:`~tapioca.config.supervised.SupervisedActorConfig`). The flat names
 these replace (``actor.lr``, ``actor.weight_decay``, ``actor.adam_betas``,
 ``actor.max_grad_norm``) are still read for one release, with a warning
 (:mod:`tapioca.config.loader`).

@@ -38,6 +38,7 @@ from .algorithms import (  # noqa: F401
     RewardNormConfig,
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
+from .evaluation import EvalConfig, EvalGenerationConfig, EvaluatorConfig
 from .optimizer import OptimizerConfig
 from .servers import ENGINES, InferenceServerConfig
 from .stats_logger import StatsLoggerConfig
@@ -70,15 +71,21 @@ class ModelConfig:
     # initializer_range, 0.02). A LoRA run freezes the head: the CPU LoRA demo draws it
     # with 0.1, a base whose head can tell the answers apart (docs/lora.md).
     lm_head_init_std: float = 0.0
+    # arch qwen2_5_vl / qwen3_vl (docs/vlm.md): the tiny vision tower's blocks and width.
+    vision_depth: int = 1
+    vision_hidden_size: int = 32
 
     def __post_init__(self) -> None:
-        from ..models.families import ARCHS
+        from ..models.families import ARCHS, VL_ARCHS
 
         _require(self.lm_head_init_std >= 0, "model.lm_head_init_std must be >= 0 (0: the architecture's)")
         _require(self.lm_head_init_std == 0 or not self.tie_word_embeddings,
                  "model.lm_head_init_std draws an untied LM head: set model.tie_word_embeddings=false")
-
-        _require(self.arch in ARCHS, f"model.arch={self.arch!r}: use one of {', '.join(ARCHS)}")
+        archs = ARCHS + VL_ARCHS
+        _require(self.arch in archs, f"model.arch={self.arch!r}: use one of {', '.join(archs)}")
+        _require(self.vision_depth >= 1 and self.vision_hidden_size >= 8
+                 and self.vision_hidden_size % 2 == 0,
+                 "model.vision_depth must be >= 1 and model.vision_hidden_size an even number >= 8")
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  "model.num_experts_per_tok must be in [1, model.num_experts]")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
@@ -97,15 +104,22 @@ class DatasetConfig:
     shuffle: bool = True
     prompt_key: str = "question"
     answer_key: str = "answer"
+    # A file's column naming each row's subset: `tapioca eval` reports metrics per
+    # subset too (a row without it: none).
+    subset_key: str = "subset"
     # Keyword arguments of a built-in task, e.g. {op: copy} for the synthetic task.
     task_options: dict[str, Any] = field(default_factory=dict)
+    # A file's column of images (docs/vlm.md): per row a list of paths (relative to the
+    # file), bytes (Parquet), or {bytes, path} dicts; <image> in the prompt places them.
+    image_key: str = "images"
 
     def __post_init__(self) -> None:
-        _require(self.type in ("synthetic", "gsm8k", "jsonl", "parquet", "hf_disk"),
-                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, jsonl, parquet "
+        _require(self.type in ("synthetic", "gsm8k", "visual", "jsonl", "parquet", "hf_disk"),
+                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, jsonl, parquet "
                  "or hf_disk")
-        _require(self.type == "synthetic" or bool(self.path),
-                 f"train_dataset.path is required for train_dataset.type={self.type}")
+        _require(self.type in ("synthetic", "visual") or bool(self.path),
+                 f"train_dataset.path is required for train_dataset.type={self.type} (the same "
+                 "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
         _require(self.max_epochs >= 1, "train_dataset.max_epochs must be >= 1")
 
@@ -163,6 +177,14 @@ class RolloutConfig:
     # over HTTP, launched by the role or given by rollout.server.urls; config/servers.py).
     engine: str = "torch"
     server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
+    # Record the top-k expert ids of every token in every MoE layer on the trajectory
+    # (AReaL's name; rollout routing replay, docs/models.md): the paged engine, or a vLLM /
+    # SGLang server started with --enable-return-routed-experts. actor.router_replay R3
+    # turns it on.
+    return_routed_experts: bool = False
+    # Routes of at most this many bytes ride on the trajectory (base64); larger ones go to
+    # the run's blob store (<run dir>/blobs) and the event names them by SHA-256.
+    routed_experts_inline_max_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         _require(self.max_head_offpolicyness >= 0,
@@ -177,6 +199,8 @@ class RolloutConfig:
         _require(self.max_prefill_tokens >= 1, "rollout.max_prefill_tokens must be >= 1")
         _require(self.engine in ENGINES,
                  f"rollout.engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        _require(self.routed_experts_inline_max_bytes >= 0,
+                 "rollout.routed_experts_inline_max_bytes must be >= 0 (0: every route to the blob store)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +297,31 @@ class AdvantageConfig:
         _require(self.missing_reward in ("drop", "zero"),
                  f"advantage.missing_reward={self.missing_reward!r}: use drop or zero")
 
+    def singleton_warnings(self, n_samples: int, sequences_per_step: int | None = None) -> list[str]:
+        """Why groups of ``n_samples`` samples (and steps of ``sequences_per_step``
+        sequences) would get advantage exactly 0 under this section: a group mean of
+        one reward is that reward (and so is a batch mean of one). Empty: none."""
+        out = []
+        off = ("advantage.adv_norm={mean_level: none, std_level: none} (AReaL's adv_norm: "
+               "null: the advantage is the shaped reward)")
+        norm = self.norm()
+        which = (f"advantage.adv_norm (mean_level {norm.mean_level})" if self.adv_norm is not None
+                 else f"advantage.estimator={self.estimator} (mean_level {norm.mean_level})")
+        if n_samples == 1 and norm.mean_level == "group" and self.estimator != "gae":
+            out.append(f"gconfig.n_samples=1 with {which}: a group of one sample is its own "
+                       f"mean, so every advantage is exactly 0 and nothing trains; set {off}, "
+                       "or raise n_samples")
+        if n_samples == 1 and self.reward_norm is not None and self.reward_norm.mean_level == "group":
+            out.append("gconfig.n_samples=1 with advantage.reward_norm (mean_level group): every "
+                       "reward of a group of one becomes exactly 0; unset advantage.reward_norm "
+                       "(AReaL's reward_norm: null)")
+        if sequences_per_step == 1 and norm.mean_level == "batch" and self.estimator != "gae":
+            out.append(f"one sequence per training step (gconfig.n_samples x "
+                       f"train_dataset.prompts_per_step = 1) with mean_level batch "
+                       f"({which}): the batch mean is that sequence's own, so its advantage is "
+                       f"exactly 0; raise train_dataset.prompts_per_step or set {off}")
+        return out
+
     def norm(self) -> NormConfig:
         """The effective normalisation: ``adv_norm`` if set, else the estimator's preset."""
         if self.adv_norm is not None:
@@ -350,14 +399,28 @@ class ActorConfig:
     prox_logp_method: str = "recompute"
     # Entropy bonus: loss -= entropy_coeff * aggregated entropy of the current policy.
     entropy_coeff: float = 0.0
+    # agent.mode online: a group past the tail gate (staleness > rollout.max_head_
+    # offpolicyness, e.g. its reward came hours after its session) is trained with
+    # decoupled PPO's behaviour-weight correction (pi_prox / pi_behav, capped by
+    # behav_imp_weight_cap when set) while its staleness is at most this many versions;
+    # beyond, or when null (the default), it is rejected and dead-lettered with the
+    # reason (docs/online.md).
+    late_reward_max_offpolicyness: Optional[int] = None
     # --- training-step speed and memory (docs/trainer-performance.md) ---
     # Micro-batches as packed sequences: concatenated without padding, position ids
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
     # counts real tokens. false: right-padded batches through the HF forward.
     packed_sequences: bool = True
-    # Attention of packed micro-batches: auto (flash varlen on CUDA in bf16/fp16, else
-    # sdpa) | varlen | sdpa (padded inside the attention call only; any device/dtype).
+    # Attention of packed micro-batches: auto (fa4 when flash-attn-4 imports on a Hopper /
+    # Blackwell GPU, else flash varlen on CUDA in bf16/fp16, else sdpa) | varlen | sdpa
+    # (padded inside the attention call only; any device/dtype) | fa4 (pip install flash-attn-4).
     attention_backend: str = "auto"
+    # Tree training (AReaL's name; prefix sharing): the sequences of a micro-batch that
+    # share a prefix (a GRPO group's prompt, an agent's history) compute it once in the
+    # forward and backward of the update, the pi_prox recompute and the reference /
+    # teacher forwards; same gradients. Micro-batches keep a group together and count
+    # its shared tokens once. Off until measured on the GPU (docs/trainer-performance.md).
+    enable_tree_training: bool = False
     # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
     # liger-kernel). Packed forward only.
     liger_kernels: bool = False
@@ -403,6 +466,20 @@ class ActorConfig:
     # peft's target_modules: module names (q_proj, v_proj, ...) or [all-linear] (every
     # linear layer but the LM head).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # Routing replay (verl's names; docs/models.md): disabled | R2 (the update replays the
+    # routes of the trainer's own first pass over the batch, its pi_prox forward) | R3 (the
+    # recompute and the update replay the rollout's routes, recorded by the engine:
+    # rollout.return_routed_experts). Either way the router's gradient flows through its
+    # live probabilities at the replayed experts. Packed forward, MoE models only.
+    router_replay: str = "disabled"
+    # R3 and a sequence without its routes (an engine that does not record them, a blob
+    # that is gone): live (route it with the trainer's router; counted in
+    # trainer/routes_missing) | reject (dead-letter its group).
+    router_replay_missing: str = "live"
+    # AReaL's allocation string for the trainer, e.g. "fsdp:d2t2c2" (dp 2, tp 2, cp 2):
+    # the same as fsdp.world_size / tensor_parallel_size / context_parallel_size, which
+    # it fills in (config/distributed.py). Empty: the fsdp section says.
+    backend: str = ""
 
     def __post_init__(self) -> None:
         self._check_lora()
@@ -443,8 +520,12 @@ class ActorConfig:
                  "alone, which would skip the adapter of down_proj: unset it with actor.use_lora")
 
     def _check_speed_switches(self) -> None:
-        _require(self.attention_backend in ("auto", "varlen", "sdpa"),
-                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen or sdpa")
+        _require(self.attention_backend in ("auto", "varlen", "sdpa", "fa4"),
+                 f"actor.attention_backend={self.attention_backend!r}: use auto, varlen, sdpa or fa4")
+        _require(not (self.enable_tree_training and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff)),
+                 "actor.enable_tree_training counts each shared prefix once, so the MoE router losses "
+                 "(moe_aux_loss_coeff / moe_z_loss_coeff) would average over other tokens than without "
+                 "it: set those to 0 or enable_tree_training=false")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
         _require(self.moe_router_dtype in ("fp32", "float32", "fp64", "float64", "none"),
@@ -452,12 +533,27 @@ class ActorConfig:
                  "activation dtype)")
         _require(self.moe_aux_loss_coeff >= 0 and self.moe_z_loss_coeff >= 0,
                  "actor.moe_aux_loss_coeff and actor.moe_z_loss_coeff must be >= 0 (0 = off)")
+        _require(self.router_replay in ("disabled", "R2", "R3"),
+                 f"actor.router_replay={self.router_replay!r}: use disabled, R2 (replay the trainer's "
+                 "first pass) or R3 (replay the rollout's routes)")
+        _require(self.router_replay_missing in ("live", "reject"),
+                 f"actor.router_replay_missing={self.router_replay_missing!r}: use live (the trainer's "
+                 "router) or reject (dead-letter the group)")
+        _require(self.router_replay == "disabled" or self.packed_sequences,
+                 f"actor.router_replay={self.router_replay} runs in the packed forward: set "
+                 "actor.packed_sequences=true")
+        # A prefix tree computes a shared prefix once; its recorded routes are per
+        # sequence, and mapping them onto tree rows is not built.
+        _require(self.router_replay == "disabled" or not self.enable_tree_training,
+                 f"actor.router_replay={self.router_replay} replays per-sequence routes, which "
+                 "actor.enable_tree_training does not map onto its shared prefixes: set one off")
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),
                  "actor.liger_kernels and actor.compile_layers exclude each other (torch.compile "
                  "fuses the same elementwise ops): set one")
-        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu"):
+        for name in ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
+                     "enable_tree_training"):
             _require(self.packed_sequences or not getattr(self, name),
                      f"actor.{name} applies to the packed forward: set actor.packed_sequences=true")
         _require(not self.offload_optimizer or (self.param_dtype == "bfloat16" and self.fp32_master_weights),
@@ -514,6 +610,10 @@ class ActorConfig:
         _require(self.entropy_coeff >= 0, "actor.entropy_coeff must be >= 0 (0 = no bonus)")
 
 
+# proxy.admission: what a session start gets while the head gate is closed.
+ADMISSIONS = ("auto", "wait", "reject", "serve_untrained")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
     """`tapioca proxy`: the OpenAI-compatible HTTP endpoint agents train through."""
@@ -541,6 +641,13 @@ class ProxyConfig:
     end_mode: str = "concat"
     turn_discount: float = 1.0
     max_sessions: int = 4096
+    # A session start while the head gate is closed (admitting it could break the
+    # staleness bound): wait (until a trained step frees a slot; agent runners) |
+    # reject (429 with a Retry-After of retry_after_s, AReaL's answer) |
+    # serve_untrained (served with the newest weights and marked not for training:
+    # nothing of it is published) | auto (reject with agent.mode online, else wait).
+    admission: str = "auto"
+    retry_after_s: int = 5
     # HTTP: a connection whose request line and headers are not complete this long
     # after it opened (or after a request's first byte) gets 408 and is closed; an idle
     # kept-alive connection is closed after keep_alive_timeout_s (uvicorn's
@@ -563,6 +670,9 @@ class ProxyConfig:
                  f"proxy.end_mode={self.end_mode!r}: use concat or per_completion")
         _require(0 <= self.turn_discount <= 1, "proxy.turn_discount must be in [0, 1]")
         _require(self.max_sessions >= 1, "proxy.max_sessions must be >= 1")
+        _require(self.admission in ADMISSIONS,
+                 f"proxy.admission={self.admission!r}: use one of {', '.join(ADMISSIONS)}")
+        _require(self.retry_after_s >= 1, "proxy.retry_after_s must be >= 1 (seconds)")
         _require(not (self.api_key and self.api_key_file),
                  "set proxy.api_key or proxy.api_key_file, not both (prefer the file: the "
                  "run's config.yaml is not secret)")
@@ -575,6 +685,27 @@ class ProxyConfig:
 
             return read_secret_file(self.api_key_file, "the proxy admin key file (proxy.api_key_file)")
         return self.api_key
+
+
+@dataclass(frozen=True, kw_only=True)
+class VlmConfig:
+    """Vision-language runs (docs/vlm.md): where images live and what is accepted."""
+
+    # Train the LM only: the vision tower's weights stay as loaded (prime-rl's name).
+    freeze_vision_encoder: bool = False
+    # The image store (media/store.py): a directory or file:// URL, or s3://bucket/prefix.
+    # Empty: <run dir>/images (set by `tapioca train`).
+    image_store: str = ""
+    # An image of more pixels (width x height, before any resize) is refused: 400 at the
+    # proxy, a refused dataset row, a dead letter elsewhere.
+    max_image_pixels: int = 4096 * 4096
+    # Images of at most this many encoded bytes also travel on the events (ImageRef.data_b64).
+    inline_image_max_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.max_image_pixels >= 1, "vlm.max_image_pixels must be >= 1")
+        _require(self.inline_image_max_bytes >= 0,
+                 "vlm.inline_image_max_bytes must be >= 0 (0: never inline)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -615,6 +746,11 @@ class AgentConfig:
     group id; sampling comes from ``gconfig`` (``max_new_tokens`` per chat call)."""
 
     enabled: bool = False
+    # batch: the agent runners play train_dataset's prompts; online (AReaL's
+    # rollout.agent.mode: online): live clients' sessions are the data, and `tapioca
+    # train` runs the proxy, the advantage processor and the trainer, nothing that feeds
+    # prompts (docs/online.md). online implies enabled.
+    mode: str = "batch"
     # math: answer, feedback, retry (multi-turn); tir: python + calculator tools;
     # command: an unmodified program (``command``) pointed at the proxy.
     workflow: str = "math"
@@ -647,6 +783,11 @@ class AgentConfig:
     max_consecutive_failures: int = 16
 
     def __post_init__(self) -> None:
+        _require(self.mode in ("batch", "online"),
+                 f"agent.mode={self.mode!r}: use batch (agent runners play the dataset) or "
+                 "online (live clients' sessions are the data)")
+        if self.mode == "online":  # frozen: normalised once, here
+            object.__setattr__(self, "enabled", True)
         _require(self.max_consecutive_failures >= 0,
                  "agent.max_consecutive_failures must be >= 0 (0: never give up)")
         _require(self.workflow in ("math", "tir", "command"),
@@ -667,6 +808,10 @@ class AgentConfig:
         _require(self.workflow != "command" or bool(self.command.strip()),
                  "agent.command is required for agent.workflow=command, e.g. "
                  "'python examples/agents/openai_agent.py'")
+
+    @property
+    def online(self) -> bool:
+        return self.mode == "online"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -706,6 +851,13 @@ class LauncherConfig:
         _require(self.topic_check_interval_s > 0, "launcher.topic_check_interval_s must be > 0")
 
 
+def admission_of(proxy: ProxyConfig, agent: AgentConfig) -> str:
+    """``proxy.admission`` with ``auto`` resolved: reject in online mode, else wait."""
+    if proxy.admission != "auto":
+        return proxy.admission
+    return "reject" if agent.online else "wait"
+
+
 # A run resumed on a broker that lost its log (a memory broker restarted, a fresh
 # broker) gets a new bus run id, "<experiment>.<trial>@<n>": its group ids then cannot
 # collide with those its checkpoint trained on the earlier log (ops/launcher.py).
@@ -738,7 +890,13 @@ class TrainConfig:
     bus: BusConfig = field(default_factory=BusConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # Held-out prompts (AReaL's name): `tapioca eval`'s dataset and the evaluator role's
+    # (config/evaluation.py). null: none.
+    valid_dataset: Optional[DatasetConfig] = None
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval_gconfig: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -752,6 +910,7 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # Beyond one process (config/distributed.py, docs/distributed.md).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -761,6 +920,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")
+        _require(not self.evaluator.enabled or self.valid_dataset is not None,
+                 "evaluator.freq_steps / freq_epochs / freq_secs / eval_before_train is set "
+                 "but valid_dataset is not: set valid_dataset (the held-out prompts, e.g. "
+                 "valid_dataset.type=gsm8k valid_dataset.split=test) or unset the evaluator's "
+                 "triggers")
+        if self.actor.backend:
+            from .distributed import fsdp_from_allocation
+
+            # The one place a config fills a section from another: AReaL's string and the
+            # fsdp fields are two spellings of one mesh (a conflict is refused).
+            object.__setattr__(self, "fsdp", fsdp_from_allocation(self.fsdp, self.actor.backend))
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 
@@ -772,6 +942,10 @@ class TrainConfig:
                      "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
                      "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
                      "gconfig.top_k=0, or use rollout.engine=torch or sglang")
+        _require(self.rollout.engine != "torch" or self.rollout.server.tensor_parallel_size == 1,
+                 f"rollout.server.tensor_parallel_size={self.rollout.server.tensor_parallel_size} needs an "
+                 "inference server: the in-process torch engine is one GPU per rollout worker; set "
+                 "rollout.engine=vllm or sglang (docs/distributed.md, inference beyond one GPU)")
         if self.rollout.engine != "torch":
             _require(self.weights.transport == "file",
                      f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "
@@ -791,6 +965,14 @@ class TrainConfig:
             from .lora import check_lora_run
 
             check_lora_run(self)
+        from ..models.families import VL_ARCHS
+
+        _require(self.train_dataset.type != "visual" or bool(self.model.path)
+                 or self.model.arch in VL_ARCHS,
+                 f"train_dataset.type=visual needs a vision-language model, but model.arch="
+                 f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
+        if not self.model.path and self.model.arch in VL_ARCHS:
+            self.check_vision_policy()
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,
@@ -800,6 +982,7 @@ class TrainConfig:
         _require(not (a.dynamic_sampling and self.gconfig.n_samples == 1),
                  "advantage.dynamic_sampling with gconfig.n_samples=1 would filter every "
                  "group (one sample has no reward variance); raise n_samples or turn it off")
+        self._check_online()
         # AReaL's NormConfig.group_size: Tapioca's groups are the samples of one prompt.
         for norm in (self.advantage.adv_norm, self.advantage.reward_norm):
             if norm is not None and norm.group_size is not None:
@@ -808,6 +991,54 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
+
+    def check_vision_policy(self) -> None:
+        """Refuse what a vision-language policy does not run with yet (docs/vlm.md): each
+        would train or generate its tokens without their images. Called here for the tiny
+        VL model (``model.arch``) and by runtime/run.py for a ``model.path`` that is one."""
+        a, f = self.actor, self.fsdp
+        for refused, what in (
+            (f.tensor_parallel_size > 1 or f.context_parallel_size > 1,
+             "tensor / context parallelism (the parallel forward has no vision tower and shards "
+             "1-D positions): set fsdp.tensor_parallel_size=1 and fsdp.context_parallel_size=1"),
+            (f.world_size > 1, "the FSDP2 trainer (its micro-batches carry no images): set "
+                               "fsdp.world_size=1"),
+            (a.enable_tree_training,
+             "tree training (prefix trees merge sequences by token, and a placeholder token is the "
+             "same whatever its image): set actor.enable_tree_training=false"),
+            (a.router_replay != "disabled" or self.rollout.return_routed_experts,
+             "routing replay (the vision-language models are dense; no MoE layer records "
+             "routes): set actor.router_replay=disabled and rollout.return_routed_experts=false"),
+        ):
+            _require(not refused, f"a vision-language policy does not run with {what} (docs/vlm.md)")
+
+    def _check_online(self) -> None:
+        cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness
+        if cap is not None:
+            _require(self.agent.online,
+                     "actor.late_reward_max_offpolicyness applies to agent.mode=online (rewards "
+                     "that arrive after their session); remove it or set agent.mode=online")
+            _require(cap > eta,
+                     f"actor.late_reward_max_offpolicyness={cap} must exceed "
+                     f"rollout.max_head_offpolicyness={eta} (groups within eta train anyway); "
+                     "raise it or set it to null (late groups are dead-lettered)")
+            _require(self.actor.recompute_logprob,
+                     "actor.late_reward_max_offpolicyness trains stale groups with decoupled "
+                     "PPO's behaviour weight pi_prox/pi_behav, which actor.recompute_logprob="
+                     "false turns off (w = 1); set recompute_logprob true")
+        if self.agent.online:
+            _require(self.proxy.admission != "wait",
+                     "proxy.admission=wait with agent.mode=online would hold a live user's "
+                     "session start without an answer while the head gate is closed: use "
+                     "reject (429 with Retry-After) or serve_untrained (newest weights, not "
+                     "trained), or auto (reject)")
+
+    def singleton_warnings(self) -> list[str]:
+        """Settings that make the advantage of every group of one sample exactly 0 (so
+        nothing trains), said at start-up: online mode's ``gconfig.n_samples: 1`` wants
+        normalisation off (AReaL's ``reward_norm: null``, ``adv_norm: null``)."""
+        return self.advantage.singleton_warnings(
+            self.gconfig.n_samples, self.gconfig.n_samples * self.train_dataset.prompts_per_step)
 
     @property
     def run_id(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..schemas.errors import ConfigError
 from .distributed import FSDPConfig
 from .lora import LoraSpec, lora_spec
 from .schema import (
@@ -24,6 +25,8 @@ from .schema import (
     CriticConfig,
     DatasetConfig,
     DistillConfig,
+    EvalConfig,
+    EvaluatorConfig,
     GenerationConfig,
     ModelConfig,
     ProxyConfig,
@@ -31,6 +34,8 @@ from .schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    VlmConfig,
+    admission_of,
 )
 from .stats_logger import StatsLoggerConfig
 from .weights import WeightsConfig
@@ -45,6 +50,8 @@ class FeederSection:
     seed: int
     # The run id on the bus (TrainConfig.bus_run_id): the feeder's group ids carry it.
     run_id: str
+    # Where a dataset's images are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +62,13 @@ class RolloutSection:
     seed: int
     # actor.use_lora: the adapter the engine serves (None: full weights; config/lora.py).
     lora: LoraSpec | None = None
+    # The image store the prompts' images are read from (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
+    # Record routed experts on trajectories: rollout.return_routed_experts, or
+    # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
+    # <run_dir>/blobs ("": no run directory, every route inline).
+    record_routes: bool = False
+    run_dir: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +108,17 @@ class TrainerSection:
     bus_run_id: str = ""
     # fsdp.world_size > 1: the data-parallel FSDP2 trainer (trainers/fsdp_actor.py).
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # The image store and freeze_vision_encoder of a vision-language policy (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
     # W&B / MLflow besides metrics.jsonl and TensorBoard (trainers/metrics_sink.py).
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     # actor.use_lora: the adapter trained and published (None: full weights; config/lora.py).
     lora: LoraSpec | None = None
+    # agent.mode online: a group past the tail gate is trained within
+    # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
+    online: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +136,15 @@ class ProxySection:
     seed: int
     # actor.use_lora: the adapter the engine serves (None: full weights).
     lora: LoraSpec | None = None
+    # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
+    vlm: VlmConfig = field(default_factory=VlmConfig)
+    # agent.mode online: sessions ended without a reward wait on the log for one (no
+    # reward 0 at end); admission: proxy.admission resolved (config/schema.py admission_of).
+    online: bool = False
+    admission: str = "wait"
+    # How long after its end a session still takes a reward: the advantage processor's
+    # wait (advantage.reward_timeout_s, else group_timeout_s) less a margin.
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +153,8 @@ class ArchiveSection:
 
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     dir: str
+    # The run's image store: the images events name are copied into <dir>/images.
+    image_store: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,16 +170,42 @@ class AgentSection:
     seed: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    """What an evaluation needs (`tapioca eval`, the evaluator role): the held-out
+    dataset, what to measure, the sampling of its completions (``eval_gconfig`` over
+    ``gconfig``, with ``n_samples`` = ``eval.k``), the engine's model and rollout settings,
+    and for the evaluator its triggers and the facts they are computed from."""
+
+    valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sampling: GenerationConfig = field(default_factory=GenerationConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    seed: int
+    run_dir: str
+    total_train_steps: int
+    # train_dataset.prompts_per_step: an epoch is (train prompts / this) steps.
+    prompts_per_step: int
+
+
 def feeder_section(cfg: TrainConfig) -> FeederSection:
     return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
                          n_samples=cfg.gconfig.n_samples,
                          max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                         seed=cfg.seed, run_id=cfg.bus_run_id)
+                         seed=cfg.seed, run_id=cfg.bus_run_id, vlm=cfg.vlm)
 
 
 def rollout_section(cfg: TrainConfig) -> RolloutSection:
     return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
+                          vlm=cfg.vlm, record_routes=records_routes(cfg), run_dir=cfg.run_path,
                           lora=lora_spec(cfg))
+
+
+def records_routes(cfg: TrainConfig) -> bool:
+    """Whether the run's engines record routed experts (the rollout workers, the proxy)."""
+    return cfg.rollout.return_routed_experts or cfg.actor.router_replay == "R3"
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:
@@ -170,21 +226,37 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           run_dir=cfg.run_path, seed=cfg.seed, stop_at_reward=cfg.stop_at_reward,
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
-                          stats_logger=cfg.stats_logger, weights=cfg.weights, lora=lora_spec(cfg))
+                          stats_logger=cfg.stats_logger, weights=cfg.weights,
+                          online=cfg.agent.online, vlm=cfg.vlm, lora=lora_spec(cfg))
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
-                        run_id=cfg.bus_run_id, seed=cfg.seed, lora=lora_spec(cfg))
+                        run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
+                        admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage,
+                        vlm=cfg.vlm, lora=lora_spec(cfg))
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:
     return ArchiveSection(archive=cfg.archive,
-                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"))
+                          dir=cfg.archive.dir or os.path.join(cfg.run_path, "archive"),
+                          image_store=cfg.vlm.image_store)
 
 
 def agent_section(cfg: TrainConfig) -> AgentSection:
     return AgentSection(agent=cfg.agent, train_dataset=cfg.train_dataset, gconfig=cfg.gconfig,
                         proxy=cfg.proxy, run_id=cfg.bus_run_id, seed=cfg.seed)
+
+
+def eval_section(cfg: TrainConfig) -> EvalSection:
+    if cfg.valid_dataset is None:
+        raise ConfigError("no evaluation dataset: set valid_dataset in the config (e.g. "
+                          "valid_dataset.type=gsm8k valid_dataset.split=test) or pass --data PATH")
+    sampling = GenerationConfig(n_samples=cfg.eval.k, **cfg.eval_gconfig.resolve(cfg.gconfig))
+    return EvalSection(valid_dataset=cfg.valid_dataset, eval=cfg.eval, sampling=sampling,
+                       evaluator=cfg.evaluator, model=cfg.model, rollout=cfg.rollout,
+                       seed=cfg.seed, run_dir=cfg.run_path,
+                       total_train_steps=cfg.total_train_steps,
+                       prompts_per_step=cfg.train_dataset.prompts_per_step)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from ..schemas.errors import require_config as _require
 
 ENGINES = ("torch", "vllm", "sglang")
+# The servers' own spellings of tensor parallelism (vLLM, SGLang).
+TP_FLAGS = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +27,12 @@ class InferenceServerConfig:
     # transformers). Empty: .venv-vllm/bin/python or .venv-sglang/bin/python under the
     # current directory (`make venv-vllm` builds the first).
     python: str = ""
-    # Flags appended to the launch command (e.g. ["--tensor-parallel-size", "2"]).
+    # Flags appended to the launch command (e.g. ["--enforce-eager"]).
     extra_args: list[str] = field(default_factory=list)
+    # GPUs of one launched server (vLLM --tensor-parallel-size, SGLang --tp-size): a model
+    # beyond one GPU. A worker on rollout.device cuda:K launches it on GPUs K .. K+N-1
+    # (plain "cuda": the CUDA_VISIBLE_DEVICES it has, else 0 .. N-1).
+    tensor_parallel_size: int = 1
     # Port of a launched server; 0 = a free one.
     port: int = 0
     # Launched vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE).
@@ -70,5 +76,14 @@ class InferenceServerConfig:
             _require(getattr(self, name) > 0, f"rollout.server.{name} must be > 0")
         _require(self.max_attempts >= 1, "rollout.server.max_attempts must be >= 1")
         _require(self.retry_backoff_s >= 0, "rollout.server.retry_backoff_s must be >= 0")
+        _require(self.tensor_parallel_size >= 1, "rollout.server.tensor_parallel_size must be >= 1")
+        given = [a for a in self.extra_args if a.split("=")[0] in TP_FLAGS]
+        _require(self.tensor_parallel_size == 1 or not given,
+                 f"rollout.server.extra_args has {given[0] if given else ''} and "
+                 f"rollout.server.tensor_parallel_size={self.tensor_parallel_size}: set one of them")
+        _require(self.tensor_parallel_size == 1 or not self.urls,
+                 f"rollout.server.tensor_parallel_size={self.tensor_parallel_size} applies to servers Tapioca "
+                 "launches, but rollout.server.urls names running ones: start those with "
+                 "--tensor-parallel-size (vLLM) / --tp-size (SGLang) and leave tensor_parallel_size at 1")
         _require(self.max_inflight_per_server >= 0,
                  "rollout.server.max_inflight_per_server must be >= 0 (0 = max_batch_size)")

@@ -16,7 +16,8 @@ reward after ``reward_norm`` (None without it; the trainer's GAE uses it), and
 ``SampleSequence.advantage`` the group-level result; ``batch`` levels (and GAE for
 ``estimator: gae``, whose advantages leave here as 0) are the trainer's.
 ``SampleEvent.adv_norm`` / ``reward_norm`` name both normalisations, so a trainer
-configured otherwise refuses the group.
+configured otherwise refuses the group. A trajectory's routed experts (MoE routing
+replay) go onto its sequence as they came (inline, or the blob's name).
 With ``dynamic_sampling`` a group whose shaped rewards are all equal is emitted with
 ``dropped_reason`` ``"filtered: zero reward variance (all 1.0)"`` and its sequences
 (advantages 0): it stays in the log with its reason, the trainer counts it as
@@ -37,11 +38,21 @@ This is the contract an external reward service can rely on (``RewardEvent`` on
 * **Duplicates.** Idempotent by ``(traj_id, scorer)`` (by ``traj_id`` alone without
   weights): the first reward wins; later ones, redeliveries included, change nothing
   and are counted (``duplicate_rewards``).
-* **Late rewards.** A reward for a group already emitted, filtered or dropped is
-  ignored and counted (``late_rewards``). A sample is never revised. (The processor
-  remembers the last million group ids, in memory; a reward later than that, or one
-  re-read after a restart, opens a fragment that ``group_timeout_s`` drops and the
-  trainer ignores as already seen.)
+* **Late rewards.** A reward for a group already emitted or filtered is ignored and
+  counted (``late_rewards``). A sample is never revised. A reward for a group already
+  *dropped* (its reward or group timeout passed, e.g. an online user's thumbs-up after
+  ``advantage.reward_timeout_s``) came too late to train: it is dead-lettered with the
+  group's drop reason (counted ``late_rewards`` too). (The processor remembers the last
+  million group ids, in memory; a reward later than that, or one re-read after a
+  restart, opens a fragment that ``group_timeout_s`` drops and the trainer ignores as
+  already seen.)
+* **Delayed rewards** (online mode, docs/online.md): a group waits for its rewards as
+  long as the timeouts allow (hours are fine: ``advantage.reward_timeout_s: 21600``).
+  Its waiting state is only "trajectories seen, rewards missing", held back by the
+  commit floor, so a restarted processor rebuilds it by reading the log again; its
+  timers then count from the restart (a restart lengthens a wait, never shortens it).
+  ``SampleEvent.reward_delay_s`` says how late the rewards came (the reward's
+  ``produced_at`` minus the last trajectory's).
 * **Missing rewards.** ``advantage.reward_timeout_s`` after a group's trajectories
   are all present, rewards still missing are handled by ``advantage.missing_reward``:
   ``drop`` emits the group with ``dropped_reason`` ``"reward timeout after 30 s:
@@ -73,6 +84,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -113,6 +125,9 @@ class _PendingGroup:
     all_present_at: float | None = None
     # Earliest offset of this group's events per (topic, partition): the commit floor.
     first_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    # Producers' clocks (produced_at): the last trajectory, and each reward's.
+    last_traj_at: float = 0.0
+    reward_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def trajectories_complete(self) -> bool:
         return self.group_size > 0 and len(self.trajectories) >= self.group_size
@@ -131,6 +146,9 @@ class _PendingGroup:
 class AdvantageState:
     pending: dict[str, _PendingGroup] = field(default_factory=dict)
     emitted: SeenSet = field(default_factory=SeenSet)
+    # Groups emitted with dropped_reason (timeouts, not filters) -> the reason: a reward
+    # for one of them is dead-lettered with it. Bounded like ``emitted``.
+    dropped: "OrderedDict[str, str]" = field(default_factory=OrderedDict)
     groups_emitted: int = 0
     groups_dropped: int = 0
     groups_filtered: int = 0
@@ -186,6 +204,8 @@ class AdvantageProcessor(Role[AdvantageState]):
         self.missing_reward = a.missing_reward
         self.group_timeout_s = a.group_timeout_s
         self._clock = clock
+        for warning in a.singleton_warnings(section.n_samples):
+            log.warning("%s", warning)
 
     def init_state(self) -> AdvantageState:
         return AdvantageState()
@@ -198,6 +218,12 @@ class AdvantageProcessor(Role[AdvantageState]):
         if group_id in state.emitted:
             if is_reward:
                 state.late_rewards += 1
+                why = state.dropped.get(group_id)
+                if why is not None:
+                    raise BadEventError(
+                        f"reward for trajectory {event.traj_id} came after its group "
+                        f"{group_id} was dropped ({why}): too late to train; raise "
+                        "advantage.reward_timeout_s (and group_timeout_s) to wait longer")
             return ()
         if is_reward and abs(event.reward) > MAX_ABS_REWARD:
             raise BadEventError(
@@ -216,6 +242,7 @@ class AdvantageProcessor(Role[AdvantageState]):
         if isinstance(event, TrajectoryEvent):
             group.group_size = event.group_size
             group.trajectories.setdefault(event.traj_id, event)
+            group.last_traj_at = max(group.last_traj_at, event.produced_at)
             if group.all_present_at is None and group.trajectories_complete():
                 group.all_present_at = self._clock()
         else:
@@ -224,6 +251,7 @@ class AdvantageProcessor(Role[AdvantageState]):
                 state.duplicate_rewards += 1
             else:
                 group.rewards[key] = event.reward
+                group.reward_at[key] = event.produced_at
         group.first_offsets.setdefault((source.topic, source.partition), source.offset)
         if not group.trajectories_complete() or group.missing(self.sources):
             return ()
@@ -310,7 +338,8 @@ class AdvantageProcessor(Role[AdvantageState]):
                                behav_logprobs=t.output_logprobs, output_versions=t.output_versions,
                                reward=r, advantage=a, loss_mask=t.loss_mask,
                                finish_reason=t.finish_reason,
-                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr)
+                               turn_boundaries=list(t.turn_boundaries), norm_reward=nr,
+                               images=list(t.images), routed_experts=t.routed_experts)
                 for t, r, a, nr in zip(trajs, shaped, advantages, norm_rewards)
             ],
             group_index=first.group_index,
@@ -322,6 +351,7 @@ class AdvantageProcessor(Role[AdvantageState]):
             run_id=first.run_id,
             dropped_reason=(f"filtered: zero reward variance (all {round(shaped[0], 6)!r})"
                             if filtered else ""),
+            reward_delay_s=max([0.0] + [t - group.last_traj_at for t in group.reward_at.values()]),
         )
 
     def _finish(self, state: AdvantageState, group_id: str, sample: SampleEvent) -> None:
@@ -331,6 +361,9 @@ class AdvantageProcessor(Role[AdvantageState]):
             state.groups_filtered += 1
         elif sample.dropped_reason:
             state.groups_dropped += 1
+            state.dropped[group_id] = sample.dropped_reason
+            if len(state.dropped) > state.emitted.capacity:
+                state.dropped.popitem(last=False)
         else:
             state.groups_emitted += 1
 

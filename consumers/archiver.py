@@ -19,10 +19,18 @@ event from another producer is stored in that canonical form (field order normal
 fields unknown to this version dropped). Undecodable records never reach a role: the
 bus dead-letters them, and the dead letter (with the original bytes) is archived from
 ``dlq.v1``.
+
+Images (docs/vlm.md): events name their images by sha256; the archiver copies every
+image an event names from the run's image store (``vlm.image_store``) into
+``<archive.dir>/images`` (the same layout) before the event is written, so an archive
+replays and trains offline with no access to the run's store. An image the store does
+not hold is counted (``images_missing``, in the fleet status) and the event archived all
+the same.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +39,18 @@ from typing import Any, Iterable
 import orjson
 
 from ..bus.archive import ArchiveError, ArchiveWriter
+from ..bus.dedup import SeenSet
 from ..bus.role import Role, Source
 from ..config.sections import ArchiveSection
+from ..media.images import ref_bytes
+from ..media.store import FileImageStore, ImageStoreError, open_image_store
 from ..schemas.envelope import Event
 from ..schemas.errors import FatalRoleError
-from ..schemas.events import FleetEvent, MetricsEvent
+from ..schemas.events import FleetEvent, ImageRef, MetricsEvent, PromptEvent, SampleEvent, TrajectoryEvent
 from ..schemas.registry import TOPICS
 
 ALL_TOPICS: tuple[str, ...] = tuple(t.name for t in TOPICS)
+log = logging.getLogger(__name__)
 
 
 def _own_status(event: Event) -> bool:
@@ -56,6 +68,10 @@ class ArchiverState:
     discarded: int = 0
     last_event: float = field(default_factory=time.monotonic)
     assigned: bool = False
+    images_copied: int = 0
+    images_missing: int = 0
+    # Images already in the archive (bounded: a miss only costs a lookup).
+    images_seen: SeenSet = field(default_factory=lambda: SeenSet(100_000))
 
 
 class Archiver(Role[ArchiverState]):
@@ -74,6 +90,8 @@ class Archiver(Role[ArchiverState]):
         self.roll_bytes = a.roll_bytes
         self.roll_interval_s = a.roll_interval_s
         self.compression = a.compression
+        self.images = FileImageStore(self.dir / "images")
+        self.image_source = open_image_store(section.image_store) if section.image_store else None
 
     def init_state(self) -> ArchiverState:
         try:
@@ -85,6 +103,8 @@ class Archiver(Role[ArchiverState]):
         return ArchiverState(writer)
 
     def handle(self, event: Event, state: ArchiverState, source: Source) -> Iterable[Event]:
+        for ref in event_images(event):
+            self._copy_image(ref, state)
         try:
             state.writer.add(source, event, orjson.dumps(event))
         except ArchiveError as exc:
@@ -102,6 +122,18 @@ class Archiver(Role[ArchiverState]):
         except ArchiveError as exc:
             raise FatalRoleError(str(exc)) from exc
         return ()
+
+    def _copy_image(self, ref: ImageRef, state: ArchiverState) -> None:
+        if ref.sha256 in state.images_seen:
+            return
+        try:
+            if not self.images.has(ref.sha256):
+                self.images.put(ref_bytes(ref, self.image_source))
+                state.images_copied += 1
+            state.images_seen.first(ref.sha256)
+        except ImageStoreError as exc:
+            state.images_missing += 1
+            log.warning("archiving without image %s: %s", ref.sha256, exc)
 
     def committable(self, state: ArchiverState, topic: str, partition: int,
                     next_offset: int) -> int:
@@ -131,4 +163,14 @@ class Archiver(Role[ArchiverState]):
     def describe(self, state: ArchiverState) -> dict[str, Any]:
         w = state.writer
         return {"archived": state.archived, "files": w.files_written, "rows": w.rows_written,
-                "buffered": w.buffered_rows, "discarded": state.discarded}
+                "buffered": w.buffered_rows, "discarded": state.discarded,
+                "images_copied": state.images_copied, "images_missing": state.images_missing}
+
+
+def event_images(event: Event) -> list[ImageRef]:
+    """The images an event names (prompts, trajectories, and a sample's sequences)."""
+    if isinstance(event, (PromptEvent, TrajectoryEvent)):
+        return list(event.images)
+    if isinstance(event, SampleEvent):
+        return [ref for seq in event.sequences for ref in seq.images]
+    return []

@@ -17,7 +17,8 @@ Behaviour-logprob convention (every backend must follow it):
     the logprob is taken at temperature 1.
 
 Policy versions: ``output_versions[t]`` is the version of the weights whose forward
-pass produced the logits ``output_ids[t]`` was sampled from (DESIGN.md §3). With
+pass produced the logits ``output_ids[t]`` was sampled from
+(docs/design.md#3-policy-versions-and-the-staleness-window). With
 interruptible generation a sequence may span versions (``0, 0, 1, 1, ...``); the KV
 cache of earlier tokens is kept, nothing is recomputed (as in AReaL).
 """
@@ -94,12 +95,31 @@ class SamplingParams:
 
 
 @dataclass
+class RequestImages:
+    """The images of a request's prompt, in the order of their placeholders
+    (models/vision.py): ``pixel_values`` ``[patches, C*T*p*p]`` and ``grid_thw`` as the
+    model's image processor made them from the bytes (None for an engine that sends the
+    bytes instead: ``blobs``, ``(mime, bytes)`` each, for an inference server), and each
+    image's ``sha256`` (the prefix cache and the servers key images by it)."""
+
+    sha256: list[str]
+    grid_thw: list[tuple[int, int, int]]
+    pixel_values: torch.Tensor | None = None
+    blobs: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.sha256)
+
+
+@dataclass
 class GenRequest:
-    """One completion to generate from ``prompt_ids``."""
+    """One completion to generate from ``prompt_ids`` (and its ``images``, if any: their
+    placeholder tokens are in ``prompt_ids``, expanded)."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    images: RequestImages | None = None
 
 
 @dataclass
@@ -108,7 +128,10 @@ class GenResult:
 
     ``output_ids``, ``output_logprobs`` and ``output_versions`` have equal lengths.
     ``timings``: ``queued_s`` (submit -> admitted into a batch) and ``generate_s``
-    (admitted -> finished), in seconds.
+    (admitted -> finished), in seconds. ``routed_experts``: with an engine recording
+    routes (MoE models), the expert ids of every token it fed (prompt + output but the
+    last sampled token) in every MoE layer, an integer array ``[tokens, MoE layers,
+    top_k]``; None otherwise.
     """
 
     request_id: str
@@ -118,6 +141,7 @@ class GenResult:
     output_versions: list[int]
     finish_reason: FinishReason
     timings: dict[str, float] = field(default_factory=dict)
+    routed_experts: Any = None
 
 
 class InferenceEngine(abc.ABC):

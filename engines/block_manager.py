@@ -24,7 +24,8 @@ Reservations: the engine admits a sequence only when its worst case (prompt +
 ``max_new_tokens``) fits in the free blocks not already reserved by running sequences,
 and reserves the difference; decode steps then take reserved blocks and never run out.
 No preemption: a preempted sequence would be recomputed under newer weights, which
-breaks the per-token version semantics (nothing is recomputed, DESIGN.md §3).
+breaks the per-token version semantics (nothing is recomputed,
+docs/design.md#3-policy-versions-and-the-staleness-window).
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
     """Zeroed, so keys past a row's context (masked, never read) are never NaN."""
     return torch.zeros(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
                        device=device)
+
+
+def images_root(sha256s: Sequence[str]) -> int:
+    """The chain root of a prompt with images: its blocks are cached under keys of these
+    images (image placeholders are the same token whatever the image, so the tokens alone
+    would share KV computed from another image)."""
+    return hash((ROOT_KEY, "images", tuple(sha256s))) if sha256s else ROOT_KEY
 
 
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
@@ -163,11 +171,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, tokens: Sequence[int], max_blocks: int) -> tuple[list[int], int]:
+    def match(self, tokens: Sequence[int], max_blocks: int, root: int = ROOT_KEY) -> tuple[list[int], int]:
         """``(blocks, key)``: the cached full blocks that start ``tokens`` (at most
-        ``max_blocks``) and the chain key of the last one (ROOT_KEY if none)."""
+        ``max_blocks``) and the chain key of the last one (``root`` if none; a prompt with
+        images chains from :func:`images_root`)."""
         blocks: list[int] = []
-        parent = ROOT_KEY
+        parent = root
         if not self.prefix_caching:
             return blocks, parent
         bs = self.block_size

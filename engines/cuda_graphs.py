@@ -80,12 +80,13 @@ class DecodeBuffers:
             self.i64, self.ctx, self.bt, self.temp = self._staging[0].tensors()
 
     def load(self, n: int, rows: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
-             bt: np.ndarray, temp: np.ndarray) -> None:
-        """Stage ``n`` real rows, pad to ``rows``, and copy the first ``rows`` rows in."""
+             bt: np.ndarray, temp: np.ndarray, rope_pos: np.ndarray | None = None) -> None:
+        """Stage ``n`` real rows, pad to ``rows``, and copy the first ``rows`` rows in.
+        ``rope_pos``: the rotary positions when they are not ``pos`` (VL prompts)."""
         stage = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         i64, ctx, bt_h, temp_h = stage.np
-        i64[0, :n], i64[1, :n], i64[2, :n] = ids, pos, slots
+        i64[0, :n], i64[1, :n], i64[2, :n] = ids, (pos if rope_pos is None else rope_pos), slots
         ctx[:n] = pos + 1
         bt_h[:n] = bt
         temp_h[:n] = temp

@@ -65,6 +65,9 @@ def stop_string_in_tail(decode: Callable[[list[int]], str], tokens: Sequence[int
 class EngineLoop(InferenceEngine):
     """Threaded engine skeleton; see the module docstring."""
 
+    # The model's vision tokens (models/vision.py VisionSpec); None: a text-only model.
+    _vision = None
+
     def __init__(self, *, device: torch.device, max_batch_size: int, interruptible: bool,
                  decode: Decode | None, eos_token_id: int | Sequence[int] | None, version: int,
                  vocab_size: int | None, max_positions: int | None, name: str) -> None:
@@ -281,7 +284,29 @@ class EngineLoop(InferenceEngine):
                 f"request {request.request_id!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
                 f"({self._max_positions}); shorten the prompt or lower max_new_tokens")
+        self._validate_images(request)
         self._validate_more(request)
+
+    def _validate_images(self, request: GenRequest) -> None:
+        """Images only for a VL model, each with its one run of placeholders, in order."""
+        images = request.images
+        if self._vision is None:
+            if images:
+                raise EngineError(f"request {request.request_id!r} has {len(images)} image(s) but the "
+                                  "model has no vision tower; use a vision-language model (Qwen2.5-VL, "
+                                  "Qwen3-VL) or send text only")
+            return
+        from ..media.images import ImageError
+        from ..models.vision import image_runs, placeholder_mask
+
+        grids = list(images.grid_thw) if images else []
+        if images and images.pixel_values is None:
+            raise EngineError(f"request {request.request_id!r}: its images have no pixel values "
+                              "(an in-process engine runs the vision tower on them)")
+        try:
+            image_runs(placeholder_mask(request.prompt_ids, self._vision), grids, self._vision)
+        except ImageError as exc:
+            raise EngineError(f"request {request.request_id!r}: {exc}") from None
 
     # ------------------------------------------------------------------ engine thread
 

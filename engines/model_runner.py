@@ -23,20 +23,35 @@ expert (``mlp.experts.{e}.gate_proj.weight``: checkpoints on disk, transformers 
 each a view into the fused tensors (:func:`tapioca.models.moe.expert_aliases`). With
 ``record_routes`` set, every forward that runs Python (prefill; decode without CUDA
 graphs; a graph's capture) leaves the top-k expert ids of each of its tokens in each MoE
-layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer). They are made without host
-reads, so a captured decode graph can return them as outputs; a replay does not update
-``last_routes`` by itself.
+layer in ``last_routes`` (int32 ``[T, k]`` per MoE layer); a replay does not update
+``last_routes`` by itself. What the engine records for routing replay is the route cache
+(:meth:`attach_route_cache`): one row ``[MoE layers, k]`` per KV-cache slot, written at
+the slots the step writes its keys and values to, by the forward itself (so inside a
+captured decode graph too: a replay writes its routes there, and padding rows write to
+a spare last row). Routes therefore follow the KV cache: a prompt prefix reused from the
+prefix cache, or shared by the samples of a group, keeps the routes of the forward that
+computed it, and :meth:`read_routes` gathers any sequence's routes from its slots.
 
 The rotary table is built from the HF model's own ``rotary_emb`` (every rope scaling
 type the model supports, at the model's own inv_freq precision) for positions up to
 ``max_position_embeddings``; dynamic NTK scaling is evaluated once at that length
 (like vLLM), not per sequence length.
+
+Vision-language models (Qwen2.5-VL, Qwen3-VL; models/vision.py): the decoder is the
+text model's (names ``model.language_model.*``), and the HF vision tower itself is
+kept (``model.visual.*``, moved to the device, loaded in place like every tensor). A
+prefill with images (:class:`PrefillImages`) writes the tower's embeddings over the
+placeholder tokens' and, for Qwen3-VL, adds the deepstack features to the first
+layers' outputs there; its rotary comes from a per-token table of the 3-D positions
+(``rope_table_TD``, the model's own ``rotary_emb``). Decode rows are text: the 1-D
+table at each row's position plus its rope delta (the caller's positions).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +60,8 @@ from ..schemas.errors import EngineError
 from . import kernels
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
+# Vision-language models whose text model is a Qwen2 / Qwen3 (the tower runs as HF's).
+VL_TEXT_MODEL_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text")
 
 
 def text_config(model: torch.nn.Module):
@@ -56,8 +73,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why :class:`PagedDecoder` cannot run ``model`` (None when it can)."""
     cfg = text_config(model)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} (the paged engine runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in VL_TEXT_MODEL_TYPES:
+        return (f"model_type {model_type!r} (the paged engine runs {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                "Qwen2.5-VL and Qwen3-VL)")
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if any(t != "full_attention" for t in layer_types) or getattr(cfg, "use_sliding_window", False):
         return "sliding-window attention layers"
@@ -67,7 +85,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                 f"{cfg.max_position_embeddings})")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
-    body = getattr(model, "model", None)
+    body = _text_body(model)
     if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
         return "no model.layers / model.rotary_emb (not a *ForCausalLM of transformers)"
     if set(_hf_names(model)) != set(model.state_dict()):
@@ -76,14 +94,31 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _text_body(model: torch.nn.Module):
+    body = getattr(model, "model", None)
+    return getattr(body, "language_model", body)
+
+
+def _prefix(model: torch.nn.Module) -> str:
+    """Where the decoder's tensors are in the state dict."""
+    return "model.language_model." if hasattr(getattr(model, "model", None), "language_model") else "model."
+
+
+def _vision_names(model: torch.nn.Module) -> list[str]:
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    return [] if visual is None else ["model.visual." + n for n in visual.state_dict()]
+
+
 def _hf_names(model: torch.nn.Module) -> list[str]:
-    """The state-dict names the decoder maps (what a Qwen2/Qwen3/Llama model has)."""
+    """The state-dict names the decoder maps (what a Qwen2/Qwen3/Llama model has, or a
+    Qwen2.5-VL / Qwen3-VL one: its text model's and its vision tower's)."""
     sd = model.state_dict()
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    pre = _prefix(model)
+    names = [pre + "embed_tokens.weight", pre + "norm.weight"] + _vision_names(model)
     if "lm_head.weight" in sd:
         names.append("lm_head.weight")
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
+    for i in range(len(_text_body(model).layers)):
+        p = f"{pre}layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         projs = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
         if p + "mlp.gate.weight" in sd:  # an MoE layer: router + experts (fused or per expert)
@@ -114,6 +149,18 @@ class PrefillInputs:
     context_lens_S: torch.Tensor  # int32, cached + new tokens
     last_index_S: torch.Tensor  # int64, index in T of each sequence's last token
     max_q_len: int
+    # A prefill with images: per-token rotary (positions_T then index it: arange(T)).
+    rope_table_TD: torch.Tensor | None = None
+    images: "PrefillImages | None" = None
+
+
+@dataclass
+class PrefillImages:
+    """The vision tower's output for a prefill's placeholder tokens."""
+
+    index_I: torch.Tensor  # int64, where in T each placeholder token is
+    embeds_ID: torch.Tensor  # its embedding, replacing the token's
+    deepstack: list[torch.Tensor] | None = None  # Qwen3-VL: added after layer i (I x D each)
 
 
 @dataclass
@@ -174,11 +221,15 @@ class PagedDecoder(torch.nn.Module):
         self.eps = float(cfg.rms_norm_eps)
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(cfg.max_position_embeddings)
-        self.scale = float(getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+        self.scale = float(getattr(_text_body(model).layers[0].self_attn, "scaling", self.head_dim ** -0.5))
         self.dtype = next(model.parameters()).dtype
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.norm_topk_prob = bool(getattr(cfg, "norm_topk_prob", True))
         self._targets: dict[str, list[torch.Tensor]] = {}
+        self.prefix = _prefix(model)
+        # VL models: the HF vision tower (run at prefill) and the text rotary (3-D tables).
+        self.visual: torch.nn.Module | None = None
+        self.rotary = _text_body(model).rotary_emb
         # Names that load into the targets without being the model's own (the other
         # naming of MoE experts); never returned by hf_state_dict.
         self._aliases: dict[str, torch.Tensor] = {}
@@ -187,10 +238,22 @@ class PagedDecoder(torch.nn.Module):
         # LoRA (merged at the switch): the base value of every weight an adapter changed,
         # by HF name; each switch writes base + scale * B @ A into the weight in place.
         self._lora_base: dict[str, torch.Tensor] = {}
+        # [slots + 1, MoE layers, k] (None: routes not recorded); the last row takes padding's.
+        self.route_cache: torch.Tensor | None = None
+        self.num_experts = 0
         with torch.no_grad():
             sd = model.state_dict()
             self._build(model, sd)
             self.cos_sin_PD = self._rope_table(model)
+        from ..models.vision import mrope_section_of, vision_spec
+
+        self.vision = vision_spec(model.config)
+        self.mrope_section = mrope_section_of(model.config)
+        if self.vision is not None:
+            self.visual = model.model.visual.to(self.device).eval()
+            for name, tensor in self.visual.state_dict(keep_vars=True).items():
+                self._targets["model.visual." + name] = [tensor.data]
+            self.rotary = self.rotary.to(self.device)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -213,10 +276,11 @@ class PagedDecoder(torch.nn.Module):
         return fused
 
     def _build(self, model: torch.nn.Module, sd: dict) -> None:
-        self.embed = self._own("model.embed_tokens.weight", sd["model.embed_tokens.weight"])
-        self.final_norm = self._own("model.norm.weight", sd["model.norm.weight"])
+        pre = self.prefix
+        self.embed = self._own(pre + "embed_tokens.weight", sd[pre + "embed_tokens.weight"])
+        self.final_norm = self._own(pre + "norm.weight", sd[pre + "norm.weight"])
         tied = "lm_head.weight" not in sd or (
-            sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr())
+            sd["lm_head.weight"].data_ptr() == sd[pre + "embed_tokens.weight"].data_ptr())
         if tied:
             self.lm_head = self.embed
             if "lm_head.weight" in sd:
@@ -224,8 +288,8 @@ class PagedDecoder(torch.nn.Module):
         else:
             self.lm_head = self._own("lm_head.weight", sd["lm_head.weight"])
         self.layers: list[_Layer] = []
-        for i in range(len(model.model.layers)):
-            p = f"model.layers.{i}."
+        for i in range(len(_text_body(model).layers)):
+            p = f"{pre}layers.{i}."
 
             def opt(name: str, fuse: list[str] | None = None) -> torch.Tensor | None:
                 if fuse is not None:
@@ -263,11 +327,12 @@ class PagedDecoder(torch.nn.Module):
                 self._targets.setdefault(name, []).append(view)
             self._aliases.update(views)
         router = self._own(mlp + "gate.weight", sd[mlp + "gate.weight"], torch.float32)
+        self.num_experts = int(router.shape[0])
         return _MoE(router_w=router, w13=w13, w2=w2, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
 
     def _rope_table(self, model: torch.nn.Module) -> torch.Tensor:
         """fp32 ``[max_positions, head_dim]``: cos then sin of the first half's frequencies."""
-        rotary = model.model.rotary_emb
+        rotary = _text_body(model).rotary_emb
         inv_freq = getattr(rotary, "inv_freq", None)
         dev = inv_freq.device if inv_freq is not None else torch.device("cpu")
         pos_1P = torch.arange(self.max_positions, device=dev)[None]
@@ -285,6 +350,50 @@ class PagedDecoder(torch.nn.Module):
         """Use ``kv[l, 0]`` / ``kv[l, 1]`` as layer l's key / value cache."""
         self.k_caches = [kv_L2NBKD[i, 0] for i in range(self.num_layers)]
         self.v_caches = [kv_L2NBKD[i, 1] for i in range(self.num_layers)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(layer.moe is not None for layer in self.layers)
+
+    def attach_route_cache(self, num_slots: int) -> None:
+        """Record routes per KV slot from now on (before any graph is captured): uint8 ids
+        up to 256 experts, else int16 (the bits of uint16)."""
+        if not self.num_moe_layers:
+            raise EngineError("routed experts were asked for (rollout.return_routed_experts or "
+                              "actor.router_replay R3) but the model has no MoE layer; turn them off")
+        dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
+        self.route_cache = torch.zeros((num_slots + 1, self.num_moe_layers, self.top_k), dtype=dtype,
+                                       device=self.device)
+
+    def _store_routes(self, routes: list[torch.Tensor], slots_T: torch.Tensor) -> None:
+        cache = self.route_cache
+        ids_TLK = torch.stack(routes, 1).to(cache.dtype)
+        # Padding rows (slot -1) write to the spare last row: no host read, graph safe.
+        dst_T = torch.where(slots_T >= 0, slots_T, cache.shape[0] - 1)
+        cache.index_copy_(0, dst_T, ids_TLK)
+
+    def copy_route_blocks(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, block_size: int) -> None:
+        """The routes of whole KV blocks, as the engine copies their keys and values."""
+        if self.route_cache is None:
+            return
+        blocks = self.route_cache[:-1].view(-1, block_size, *self.route_cache.shape[1:])
+        blocks.index_copy_(0, dst_blocks, blocks.index_select(0, src_blocks))
+
+    def read_routes(self, slots: np.ndarray) -> np.ndarray:
+        """The routes recorded at ``slots`` (host int64), as a host array ``[n, MoE layers,
+        k]`` (uint8, or uint16). On CUDA the gather runs on a side stream: its one host
+        wait is for itself, not for the decode step the main stream is running (the
+        slots read hold routes of steps the host has already waited for)."""
+        cache = self.route_cache
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        if self.device.type != "cuda":
+            out = cache.index_select(0, idx)
+        else:
+            stream = self._route_stream = getattr(self, "_route_stream", None) or torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                out = cache.index_select(0, idx.to(self.device)).cpu()
+        host = out.numpy()
+        return host.view(np.uint16) if host.dtype == np.int16 else host
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The decoder's weights under HF names (views into the fused tensors)."""
@@ -367,7 +476,7 @@ class PagedDecoder(torch.nn.Module):
         return self.forward_decode(inputs)
 
     def _attention_block(self, layer: _Layer, idx: int, x_TD: torch.Tensor, positions_T: torch.Tensor,
-                         slots_T: torch.Tensor, attend) -> torch.Tensor:
+                         slots_T: torch.Tensor, attend, table: torch.Tensor) -> torch.Tensor:
         t = x_TD.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv_TE = F.linear(x_TD, layer.qkv_w, layer.qkv_b)
@@ -377,20 +486,25 @@ class PagedDecoder(torch.nn.Module):
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
             q_THD = kernels.rms_norm(q_THD.reshape(t * h, d), layer.q_norm, self.eps)[0].view(t, h, d)
             k_TKD = kernels.rms_norm(k_TKD.reshape(t * kv, d), layer.k_norm, self.eps)[0].view(t, kv, d)
-        kernels.rope_and_store_kv(q_THD, k_TKD, v_TKD, positions_T, self.cos_sin_PD,
+        kernels.rope_and_store_kv(q_THD, k_TKD, v_TKD, positions_T, table,
                                   self.k_caches[idx], self.v_caches[idx], slots_T)
         out_THD = attend(q_THD, self.k_caches[idx], self.v_caches[idx])
         return F.linear(out_THD.reshape(t, h * d), layer.o_w, layer.o_b)
 
     def _body(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, slots_T: torch.Tensor,
-              attend) -> tuple[torch.Tensor, torch.Tensor]:
+              attend, table: torch.Tensor | None = None, images: PrefillImages | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp_out_TD, residual_TD)`` of the last layer (the final norm adds them)."""
         h_TD = F.embedding(input_ids_T, self.embed)
+        if images is not None:
+            h_TD = h_TD.index_copy(0, images.index_I, images.embeds_ID.to(h_TD.dtype))
+        deep = images.deepstack if images is not None else None
+        table = self.cos_sin_PD if table is None else table
         residual_TD = None
         routes: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers):
             x_TD, residual_TD = kernels.rms_norm(h_TD, layer.input_norm, self.eps, residual_TD)
-            attn_TD = self._attention_block(layer, idx, x_TD, positions_T, slots_T, attend)
+            attn_TD = self._attention_block(layer, idx, x_TD, positions_T, slots_T, attend, table)
             x_TD, residual_TD = kernels.rms_norm(attn_TD, layer.post_norm, self.eps, residual_TD)
             if layer.moe is not None:
                 h_TD, ids_TK = self._moe_block(layer.moe, x_TD)
@@ -398,6 +512,10 @@ class PagedDecoder(torch.nn.Module):
             else:
                 gate_up_TI2 = F.linear(x_TD, layer.gate_up_w, layer.gate_up_b)
                 h_TD = F.linear(kernels.silu_and_mul(gate_up_TI2), layer.down_w, layer.down_b)
+            if deep is not None and idx < len(deep):  # the hidden state is h + residual
+                h_TD = h_TD.index_add(0, images.index_I, deep[idx].to(h_TD.dtype))
+        if self.route_cache is not None and routes:
+            self._store_routes(routes, slots_T)
         if self.record_routes:
             self.last_routes = routes
         return h_TD, residual_TD
@@ -423,13 +541,31 @@ class PagedDecoder(torch.nn.Module):
         weights_TK, ids_TK = kernels.moe_route(logits_TE, moe.top_k, moe.norm_topk_prob)
         return kernels.fused_moe(x_TD, moe.w13, moe.w2, weights_TK, ids_TK), ids_TK
 
+    # ------------------------------------------------------------------ vision (VL models)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """``(embeds_ID, deepstack)`` of images in placeholder order (the HF tower)."""
+        from ..models.vision import image_features
+
+        return image_features(self, pixel_values.to(self.device), grid_thw.to(self.device))
+
+    def rope_table(self, positions_3T: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, D]`` cos | sin halves of 3-D positions (the layout of ``cos_sin_PD``)."""
+        from ..models.vision import mrope_cos_sin
+
+        like = torch.zeros(1, dtype=torch.float32, device=self.device)
+        cos_TD, sin_TD = mrope_cos_sin(self.rotary, positions_3T.to(self.device), like, self.mrope_section)
+        half = self.head_dim // 2
+        return torch.cat([cos_TD[:, :half], sin_TD[:, :half]], dim=-1).float()
+
     def forward_prefill(self, b: PrefillInputs) -> torch.Tensor:
         """Logits ``[S, V]`` at each sequence's last new token; writes the new tokens' KV."""
         def attend(q_THD, k_cache, v_cache):
             return kernels.paged_prefill_attention(q_THD, k_cache, v_cache, b.block_tables_SM,
                                                    b.cu_seqlens_q_S1, b.context_lens_S, self.scale,
                                                    b.max_q_len)
-        h_TD, residual_TD = self._body(b.input_ids_T, b.positions_T, b.slot_mapping_T, attend)
+        h_TD, residual_TD = self._body(b.input_ids_T, b.positions_T, b.slot_mapping_T, attend,
+                                       b.rope_table_TD, b.images)
         last_SD, _ = kernels.rms_norm(h_TD[b.last_index_S], self.final_norm, self.eps,
                                       residual_TD[b.last_index_S])
         return F.linear(last_SD, self.lm_head)

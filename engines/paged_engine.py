@@ -25,6 +25,21 @@ A step (engine thread):
        token; before the thread parks (pause, update, shutdown) the launched step is
        finished, so versions and step boundaries are those of the synchronous order.
 
+Vision-language models (Qwen2.5-VL, Qwen3-VL): the prefill runs the vision tower on the
+images of the units admitted (one tower forward for all of them), writes its embeddings
+over the placeholder tokens, rotates by the 3-D positions (models/vision.py), and records
+each sequence's rope delta; decode steps feed text positions plus that delta. A prompt's
+images key its prefix-cache chain and its group (block_manager.images_root): the same
+tokens with another image share nothing.
+
+Routed experts (``record_routes``, MoE models): the decoder writes every computed
+token's top-k expert ids per MoE layer into a route cache beside the KV cache, at the
+token's slot (in the decode graph too); a finished sequence's routes are gathered from
+its slots (prompt + output but the last sampled token, whose KV is never written) onto
+its :class:`~tapioca.engines.base.GenResult`. The group's copied partial block carries
+its routes too. That gather, for all rows finishing in a step, is the one host wait it
+adds, on a side stream (:meth:`~tapioca.engines.model_runner.PagedDecoder.read_routes`).
+
 Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
 seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
 the whole batch takes :func:`~tapioca.engines.sampling.sample_next` (torch, seeded
@@ -47,7 +62,7 @@ import torch
 from ..models.lora import LoraAdapter, adapter_pairs
 from ..schemas.errors import EngineError
 from . import kernels
-from .base import Decode, GenRequest
+from .base import Decode, GenRequest, GenResult
 from .block_manager import (
     BlockManager,
     allocate_kv_cache,
@@ -56,7 +71,7 @@ from .block_manager import (
 )
 from .cuda_graphs import DecodeGraphs
 from .engine_loop import Delivered, EngineLoop, engine_device, stop_string_in_tail
-from .model_runner import PagedDecoder, PrefillInputs
+from .model_runner import PagedDecoder, PrefillImages, PrefillInputs
 from .sampling import RowParams, sample_next
 from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
 
@@ -85,8 +100,10 @@ class PagedEngine(EngineLoop):
     always goes). KV cache: ``kv_block_size_tokens`` tokens per block; ``kv_cache_tokens``
     fixes its size, else ``kv_cache_memory_fraction`` of the GPU's memory (CUDA) or 64k
     tokens (CPU). ``cuda_graphs``: replay decode steps as CUDA graphs (CUDA only).
-    ``prefix_caching``: reuse cached full blocks across requests. ``eos_token_id``,
-    ``decode``, ``seed``, ``version``, ``interruptible``: as :class:`TorchEngine`.
+    ``prefix_caching``: reuse cached full blocks across requests. ``record_routes``: each
+    result carries its routed experts (MoE models; see the module docstring).
+    ``eos_token_id``, ``decode``, ``seed``, ``version``, ``interruptible``: as
+    :class:`TorchEngine`.
     """
 
     def __init__(
@@ -108,6 +125,7 @@ class PagedEngine(EngineLoop):
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
         overlap: bool = True,
+        record_routes: bool = False,
     ) -> None:
         del pad_token_id  # no padding anywhere; accepted for TorchEngine's signature
         device = engine_device(device)
@@ -118,6 +136,7 @@ class PagedEngine(EngineLoop):
         super().__init__(device=device, max_batch_size=max_batch_size, interruptible=interruptible,
                          decode=decode, eos_token_id=eos_token_id, version=version,
                          vocab_size=dec.vocab_size, max_positions=dec.max_positions, name="paged-engine")
+        self._vision = dec.vision
         block_bytes = bytes_per_block(dec.num_layers, kv_block_size_tokens, dec.num_kv_heads,
                                       dec.head_dim, dec.dtype)
         num_blocks = plan_num_blocks(
@@ -127,6 +146,8 @@ class PagedEngine(EngineLoop):
         self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
                                           dec.num_kv_heads, dec.head_dim, dec.dtype, device)
         dec.attach_kv_cache(self.kv_cache)
+        if record_routes:  # before any graph is captured: the graphs write into it
+            dec.attach_route_cache(num_blocks * kv_block_size_tokens)
         self.block_size = int(kv_block_size_tokens)
         self.bm = BlockManager(num_blocks, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.bm, max_rows=self.max_batch_size,
@@ -375,7 +396,8 @@ class PagedEngine(EngineLoop):
         rows = self.graphs.rows_for(n)
         # The tokens fed are the last step's samples, still on the device: the ids buffer is
         # staged with their indices in the last step's outputs and gathered in place.
-        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n])
+        rope_pos = pos + r.delta[:n] if self._vision is not None else None
+        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n], rope_pos)
         ids_B = buf.i64[0, :n]
         ids_B.copy_(self._last_tokens.index_select(0, ids_B))
         if not r.filtered[:n].any():
@@ -404,6 +426,7 @@ class PagedEngine(EngineLoop):
         version, bs = launched.version, self.block_size
         now = time.monotonic()
         delivered: Delivered = []
+        routed: list[tuple[GenResult, np.ndarray]] = []  # results whose routes are read below
         for seq, tok, lp in zip(launched.rows, toks, lps):
             if seq.done:  # stopped at an earlier step; this token was sampled past its end
                 continue
@@ -425,8 +448,18 @@ class PagedEngine(EngineLoop):
             if reason == "stop" and n_out + 1 < seq.max_new:
                 self._stopped_since_compact = True  # still a running row: _compact drops it
             seq.done = True
+            result = seq.result(reason, now)
+            if self.decoder.route_cache is not None:  # slots before finish() frees the blocks
+                pos = np.arange(len(seq.tokens) - 1)
+                routed.append((result, np.asarray(seq.blocks, np.int64)[pos // bs] * bs + pos % bs))
             self.scheduler.finish(seq)
-            delivered.append((seq.pending.future, seq.result(reason, now)))
+            delivered.append((seq.pending.future, result))
+        if routed:
+            ids_SLK = self.decoder.read_routes(np.concatenate([slots for _, slots in routed]))
+            start = 0
+            for result, slots in routed:
+                result.routed_experts = ids_SLK[start:start + len(slots)]
+                start += len(slots)
         return delivered
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
@@ -456,6 +489,9 @@ class PagedEngine(EngineLoop):
 
         t = self._to_device
         cu_np = np.asarray(cu, dtype=np.int64)
+        rope_table, images = None, None
+        if self._vision is not None:
+            rope_table, images = self._prefill_vision(units, cu_np)
         inputs = PrefillInputs(
             input_ids_T=t(np.concatenate(ids)),
             positions_T=t(np.concatenate(positions)),
@@ -465,7 +501,11 @@ class PagedEngine(EngineLoop):
             context_lens_S=t(np.asarray([u.leader.prompt_len for u in units], dtype=np.int32)),
             last_index_S=t(cu_np[1:] - 1),
             max_q_len=int(np.diff(cu_np).max()),
+            rope_table_TD=rope_table,
+            images=images,
         )
+        if rope_table is not None:  # a per-token table: token i reads row i
+            inputs.positions_T = torch.arange(int(cu_np[-1]), device=self.device)
         logits_UV = self.decoder(inputs)  # a module call: forward hooks fire
         self._copy_partial_blocks(units)
         for unit in units:
@@ -489,6 +529,47 @@ class PagedEngine(EngineLoop):
             self._seed_1.add_(1)
         return tok_R, logp_R, rows
 
+    def _prefill_vision(self, units: list[PrefillUnit], cu: np.ndarray):
+        """``(rope_table_TD, images)`` of a VL prefill: the 3-D positions of each unit's
+        new tokens as a per-token rotary table, each sequence's rope delta, and the tower's
+        embeddings of the placeholders among the new tokens (None when there are none). A
+        cached prefix may hold part of an image: its features are computed whole and the
+        tail after the prefix is used."""
+        from ..models.vision import mrope_positions, placeholder_mask
+
+        spec = self._vision
+        tables, index, pixels, grids, take = [], [], [], [], []
+        for k, unit in enumerate(units):
+            seq, req = unit.leader, unit.leader.pending.request
+            ids = seq.tokens[: seq.prompt_len]
+            grid = list(req.images.grid_thw) if req.images else []
+            mask = placeholder_mask(ids, spec)
+            pos_3L, delta = mrope_positions(ids, mask, grid, spec)
+            for s in unit.rows:
+                s.rope_delta = delta
+            tables.append(pos_3L[:, unit.start:])
+            new = np.flatnonzero(mask[unit.start:])
+            index.append(new + cu[k])
+            if req.images:
+                pixels.append(req.images.pixel_values)
+                grids += grid
+                take.append((int(mask.sum()), len(new)))
+        table = self.decoder.rope_table(torch.from_numpy(np.concatenate(tables, axis=1)))
+        if not pixels:
+            return table, None
+        embeds, deep = self.decoder.encode_images(torch.cat(pixels).to(self.decoder.dtype),
+                                                  torch.tensor(grids, dtype=torch.long))
+        # Per unit: its images' features are its `total` placeholders; keep the last `new`.
+        keep, start = [], 0
+        for total, new in take:
+            keep.append(np.arange(start + total - new, start + total))
+            start += total
+        rows = self._to_device(np.concatenate(keep))
+        images = PrefillImages(index_I=self._to_device(np.concatenate(index)),
+                               embeds_ID=embeds.index_select(0, rows),
+                               deepstack=[d.index_select(0, rows) for d in deep] if deep else None)
+        return table, images
+
     def _copy_partial_blocks(self, units: list[PrefillUnit]) -> None:
         """Each sample of a group gets its own copy of the prompt's partial last block
         (every layer, k and v, in one indexed copy)."""
@@ -503,3 +584,4 @@ class PagedEngine(EngineLoop):
             src_t = self._to_device(np.asarray(src, dtype=np.int64))
             dst_t = self._to_device(np.asarray(dst, dtype=np.int64))
             kv.index_copy_(1, dst_t, kv.index_select(1, src_t))
+            self.decoder.copy_route_blocks(src_t, dst_t, self.block_size)

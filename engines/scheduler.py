@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .base import GenRequest, GenResult
-from .block_manager import ROOT_KEY, BlockManager, blocks_for
+from .block_manager import BlockManager, blocks_for, images_root
 
 
 @dataclass
@@ -41,7 +41,8 @@ class Sequence:
     """One request being generated: its tokens, blocks and outputs (host side)."""
 
     __slots__ = ("pending", "tokens", "prompt_len", "max_new", "logprobs", "version_runs", "blocks",
-                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done", "epoch")
+                 "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done", "epoch",
+                 "rope_delta")
 
     def __init__(self, pending: Pending, eos: tuple[int, ...]) -> None:
         sp = pending.request.sampling
@@ -54,7 +55,9 @@ class Sequence:
         self.blocks: list[int] = []
         self.reserve_left = 0
         self.hashed = 0  # leading full blocks entered in (or taken from) the prefix cache
-        self.last_key = ROOT_KEY  # chain key of block ``hashed - 1``
+        images = pending.request.images
+        self.last_key = images_root(images.sha256 if images else ())  # chain key of block ``hashed - 1``
+        self.rope_delta = 0  # a VL prompt's decode position offset (models/vision.py)
         self.stops = tuple(sp.stop_token_ids) + eos
         self.stop_strings = sp.stop_strings
         self.done = False  # its result is delivered (a later in-flight token is dropped)
@@ -115,16 +118,19 @@ class Scheduler:
         """Pop what fits from the head of ``queue``; allocate and reserve its blocks."""
         bm, bs = self.bm, self.bm.block_size
         units: list[PrefillUnit] = []
-        by_prompt: dict[tuple[int, ...], PrefillUnit] = {}
+        # A group shares a unit: the same tokens and the same images.
+        by_prompt: dict[tuple, PrefillUnit] = {}
         rows = len(self.running)
         tokens = 0
         while queue and rows < self.max_rows:
             pending = queue[0]
             prompt = tuple(pending.request.prompt_ids)
+            images = pending.request.images
+            unit_key = (prompt, tuple(images.sha256) if images else ())
             p_len = len(prompt)
             total = self.total_blocks(p_len, pending.request.sampling.max_new_tokens)
             prompt_blocks = blocks_for(p_len, bs)
-            unit = by_prompt.get(prompt)
+            unit = by_prompt.get(unit_key)
             if unit is not None:  # a sample of a prompt admitted this step
                 shared = p_len // bs
                 if bm.available() < total - shared:
@@ -135,7 +141,7 @@ class Scheduler:
                 seq.blocks = unit.leader.blocks[:shared] + ([bm.take()] if p_len % bs else [])
                 unit.followers.append(seq)
             else:
-                hits, _ = bm.match(prompt, (p_len - 1) // bs)
+                hits, _ = bm.match(prompt, (p_len - 1) // bs, root=images_root(images.sha256 if images else ()))
                 new_tokens = p_len - len(hits) * bs
                 if units and tokens + new_tokens > self.max_prefill_tokens:
                     break
@@ -148,7 +154,7 @@ class Scheduler:
                 seq.blocks = hits + [bm.take() for _ in range(prompt_blocks - len(hits))]
                 unit = PrefillUnit(seq, len(hits) * bs)
                 units.append(unit)
-                by_prompt[prompt] = unit
+                by_prompt[unit_key] = unit
                 tokens += new_tokens
                 self.prefill_tokens_computed += new_tokens
             self.prefill_tokens_requested += p_len
@@ -198,6 +204,7 @@ class DecodeRows:
         self.block_size = block_size
         self.n = 0
         self.pos = np.zeros(max_rows, np.int64)  # position of the token fed next
+        self.delta = np.zeros(max_rows, np.int64)  # its rotary position minus pos (VL prompts)
         self.src = np.zeros(max_rows, np.int64)  # where that token is in the last step's outputs
         self.nblk = np.zeros(max_rows, np.int64)
         self.n_out = np.zeros(max_rows, np.int64)  # tokens launched
@@ -223,6 +230,7 @@ class DecodeRows:
         rows = slice(self.n, self.n + k)
         sps = [s.pending.request.sampling for s in seqs]
         self.pos[rows] = [s.prompt_len for s in seqs]  # their first sampled token is fed next
+        self.delta[rows] = [s.rope_delta for s in seqs]
         self.src[rows] = src
         self.nblk[rows] = [len(s.blocks) for s in seqs]
         self.n_out[rows] = 1
@@ -240,7 +248,7 @@ class DecodeRows:
         """Keep rows ``idx`` (in that order) as rows ``0..len(idx)-1``."""
         k = len(idx)
         width = int(self.nblk[idx].max()) if k else 0
-        for name in ("pos", "src", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered"):
+        for name in ("pos", "delta", "src", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered"):
             arr = getattr(self, name)
             arr[:k] = arr[idx]
         self.bt[:k, :width] = self.bt[idx, :width]  # columns past a row's blocks are never read

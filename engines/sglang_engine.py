@@ -31,6 +31,14 @@ vocabulary, before top-p / top-k filtering (``srt/layers/sampler.py``), and gree
 requests get T = 1: exactly Tapioca's convention. Do not set
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` on the server (it drops the temperature).
 
+Routed experts (MoE routing replay, R3): a server started with
+``--enable-return-routed-experts`` (added when this role launches it with
+``rollout.return_routed_experts`` or ``actor.router_replay`` R3) answers a request that
+sets ``"return_routed_experts": true`` with ``meta_info.routed_experts``: base64 of raw
+int32 ids ``[prompt + output - 1, hidden layers, top_k]`` (SGLang's
+``routed_experts_capturer.py``: one row per KV slot of the request but its last token),
+cut here to the model's MoE layers.
+
 Not run here: SGLang's CPU engine needs kernels only its source build has, so this
 adapter is tested against those documented shapes (tests/unit/test_engine_sglang.py and
 its fixtures), not a live server. Device-to-device updates
@@ -53,6 +61,12 @@ class SGLangEngine(ServerEngine):
     async def _check(self, server: Server) -> None:
         return None  # nothing in its server info tells the logprob mode (see above)
 
+    def _validate_images(self, request: GenRequest) -> None:
+        if request.images:
+            raise EngineError(f"request {request.request_id!r} has images; the SGLang adapter sends "
+                              "token ids only (images are not wired yet): use rollout.engine=torch "
+                              "or vllm for a vision-language model")
+
     async def _generate(self, server: Server, request: GenRequest, lora: str | None = None) -> RawOutput:
         s = request.sampling
         params = {
@@ -70,8 +84,13 @@ class SGLangEngine(ServerEngine):
                 "sampling_params": params, "return_logprob": True}
         if lora is not None:
             body["lora_path"] = lora  # a loaded adapter's name (GenerateReqInput.lora_path)
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         out = await self._post(server, "/generate", json=body, timeout=self.cfg.request_timeout_s)
-        return parse_generate(out, server.url)
+        raw = parse_generate(out, server.url)
+        if self.return_routed_experts:
+            raw.routed_experts = parse_routed_experts(out, self._num_layers, self._top_k, server.url)
+        return raw
 
     async def _pause(self, server: Server) -> None:
         await self._post(server, "/pause_generation", json={"mode": "retract"})
@@ -125,12 +144,41 @@ def parse_generate(out: dict, url: str = "") -> RawOutput:
     return RawOutput(ids, logprobs, kind or "abort", spans or None)
 
 
+def parse_routed_experts(out: dict, num_layers: int, top_k: int, url: str = ""):
+    """``meta_info.routed_experts`` (base64 int32) as ``[tokens, num_layers, top_k]``, or
+    None when the server sent none. The token count is what the ids' size says; a size
+    that is no whole number of tokens comes back flat (``[1, 1, n]``: the engine refuses
+    that shape and counts it)."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    text = (out.get("meta_info") or {}).get("routed_experts")
+    if not text:
+        return None
+    try:
+        flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
+    except (binascii.Error, ValueError) as exc:
+        raise EngineError(f"SGLang server {url} sent routed_experts that are not base64 int32: {exc}") from None
+    per_token = num_layers * top_k
+    if per_token < 1 or flat.size % per_token:
+        return flat.reshape(1, 1, -1)
+    return flat.reshape(-1, num_layers, top_k)
+
+
 def sglang_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                   device: str, version: int, extra_args: list[str]) -> list[str]:
+                   device: str, version: int, extra_args: list[str],
+                   return_routed_experts: bool = False,
+                   tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of an SGLang server with the flags Tapioca relies on."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--max-running-requests", str(max_num_seqs), "--weight-version", str(version)]
     if device == "cpu":
         cmd += ["--device", "cpu"]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if tensor_parallel_size > 1:
+        cmd += ["--tp-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

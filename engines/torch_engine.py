@@ -62,7 +62,7 @@ from .scheduler import Pending
 # Per-row device tensors of a _Batch (selected together when rows are dropped).
 _ROW_TENSORS = (
     "pos_B", "last_tok_B", "out_tok_BN", "out_lp_BN", "out_ver_BN",
-    "n_out_B", "max_new_B", "stop_BS", "alive_B",
+    "n_out_B", "max_new_B", "stop_BS", "alive_B", "rope_delta_B",
 )
 
 
@@ -83,6 +83,9 @@ class _Batch:
     stop_BS: torch.Tensor  # int64 stop token ids, -1 padded
     alive_B: torch.Tensor  # bool
     params: RowParams
+    # int64: rotary position of the token fed next minus pos_B (a VL prompt's images span
+    # fewer positions than tokens: models/vision.py); 0 for text.
+    rope_delta_B: torch.Tensor = field(default=None)
     # host mirrors (numpy), so bookkeeping needs no device sync
     n_out: np.ndarray = field(default=None)
     max_new: np.ndarray = field(default=None)
@@ -101,7 +104,10 @@ class _Batch:
 class TorchEngine(EngineLoop):
     """Batched, interruptible generation with a transformers causal LM whose layers are
     full or sliding-window attention (Qwen2, Qwen3, Llama, Mistral, the MoE families,
-    Gemma 3, gpt-oss; not linear attention: :func:`tapioca.models.families.in_process_reason`).
+    Gemma 3, gpt-oss; not linear attention: :func:`tapioca.models.families.in_process_reason`),
+    and vision-language models (Qwen2.5-VL, Qwen3-VL: a request's ``images`` go through the
+    model's own forward at prefill, with 3-D rotary positions; decode steps feed text
+    positions offset by each row's rope delta, models/vision.py).
 
     ``model`` is moved to ``device`` and put in eval mode; its dtype is kept.
     ``eos_token_id`` (int or ids) stops every request in addition to its own
@@ -175,6 +181,9 @@ class TorchEngine(EngineLoop):
             raise EngineError(f"TorchEngine runs sliding-window models with attn_implementation sdpa or "
                               f"eager (the engine builds their masks), not {attn_impl!r}")
         self._dtype = next(model.parameters()).dtype
+        from ..models.vision import vision_spec
+
+        self._vision = vision_spec(model.config)
         # Cache bucket (kv_cache.py): on CUDA shape-stable kernels matter; on CPU padded
         # columns are just extra attention work.
         self._kv_bucket = DEFAULT_BUCKET if self.device.type == "cuda" else 8
@@ -344,7 +353,7 @@ class TorchEngine(EngineLoop):
             return zero.masked_fill(~mask_B1QK, torch.finfo(self._dtype).min)
         return mask_B1QK
 
-    def _forward(self, ids_BT, mask_BL, pos_BT, cache, last_only: bool) -> torch.Tensor:
+    def _forward(self, ids_BT, mask_BL, pos_BT, cache, last_only: bool, images=None) -> torch.Tensor:
         kwargs = {
             "input_ids": ids_BT,
             "attention_mask": self._attention_mask(mask_BL, cache, ids_BT.shape[1]),
@@ -352,6 +361,8 @@ class TorchEngine(EngineLoop):
             self._cache_kwarg: cache,
             "use_cache": True,
         }
+        if images is not None:  # the model's forward runs its vision tower and scatters
+            kwargs["pixel_values"], kwargs["image_grid_thw"] = images
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         logits = self.model(**kwargs).logits
@@ -384,10 +395,14 @@ class TorchEngine(EngineLoop):
         ids_BT = torch.from_numpy(ids).to(dev)
         mask_BL = torch.from_numpy(mask).to(dev)
         pos_BT = (mask_BL.long().cumsum(-1) - 1).clamp_(min=0)
+        deltas = np.zeros(n, dtype=np.int64)
+        images = None
+        if any(p.request.images for p in admitted):
+            pos_BT, deltas, images = self._vision_inputs(admitted, length)
         sps = [p.request.sampling for p in admitted]
         max_new = np.array([s.max_new_tokens for s in sps], dtype=np.int64)
         cache = SlotKVCache(self._num_layers, reserve=length + int(max_new.max()), bucket=self._kv_bucket)
-        logits_BV = self._forward(ids_BT, mask_BL, pos_BT, cache, last_only=True)
+        logits_BV = self._forward(ids_BT, mask_BL, pos_BT, cache, last_only=True, images=images)
 
         stops = [tuple(s.stop_token_ids) + self._eos for s in sps]
         width = max(1, max(len(s) for s in stops))
@@ -413,15 +428,38 @@ class TorchEngine(EngineLoop):
             max_new=max_new,
             alive=np.ones(n, dtype=bool),
             stop_string_rows=[i for i, s in enumerate(sps) if s.stop_strings],
+            rope_delta_B=torch.from_numpy(deltas).to(dev),
         )
         self._record(batch, logits_BV, version)
         return batch
+
+    def _vision_inputs(self, rows: list[Pending], length: int):
+        """``(positions_3BT, deltas, (pixel_values, grid_thw))`` of a prefill with images:
+        3-D positions of each left-padded row (text rows count up on all axes), and the
+        images of every row in row order (the order the model scatters them in)."""
+        from ..models.vision import mrope_positions, placeholder_mask
+
+        pos = np.zeros((3, len(rows), length), dtype=np.int64)
+        deltas = np.zeros(len(rows), dtype=np.int64)
+        pixels, grids = [], []
+        for i, p in enumerate(rows):
+            ids, im = p.request.prompt_ids, p.request.images
+            grid = list(im.grid_thw) if im else []
+            pos_3L, deltas[i] = mrope_positions(ids, placeholder_mask(ids, self._vision), grid, self._vision)
+            pos[:, i, length - len(ids):] = pos_3L
+            if im:
+                pixels.append(im.pixel_values)
+                grids += grid
+        dev = self.device
+        images = (torch.cat(pixels).to(dev, self._dtype), torch.tensor(grids, dtype=torch.long, device=dev))
+        return torch.from_numpy(pos).to(dev), deltas, images
 
     def _decode_step(self, b: _Batch, version: int) -> None:
         ones_B1 = torch.ones(b.size, 1, dtype=torch.bool, device=self.device)
         mask_BL = torch.cat([b.mask_BL, ones_B1], dim=1)
         logits_BV = self._forward(
-            b.last_tok_B.unsqueeze(-1), mask_BL, b.pos_B.unsqueeze(-1), b.cache, last_only=False
+            b.last_tok_B.unsqueeze(-1), mask_BL, (b.pos_B + b.rope_delta_B).unsqueeze(-1), b.cache,
+            last_only=False
         )
         b.mask_BL = mask_BL
         b.pos_B = b.pos_B + 1
@@ -561,6 +599,7 @@ class TorchEngine(EngineLoop):
             max_new_B=stack("max_new_B"),
             stop_BS=stack("stop_BS", n_stop, -1),
             alive_B=stack("alive_B"),
+            rope_delta_B=stack("rope_delta_B"),
             params=new.params,  # rebuilt below
             n_out=np.concatenate([old.n_out, new.n_out]),
             max_new=np.concatenate([old.max_new, new.max_new]),

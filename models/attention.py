@@ -17,8 +17,13 @@ Backends (``attention_backend``):
   real rows are gathered back. Right padding cannot leak into a causal row of real
   tokens, so the result is exact; padded rows are computed and dropped (their gradient
   is zero).
-* ``auto``: ``varlen`` on CUDA in bf16 / fp16 when :func:`probe_varlen` passes, else
-  ``sdpa``.
+* ``fa4``: FlashAttention-4's CuTe kernels (``pip install flash-attn-4``; Hopper /
+  Blackwell, bf16 / fp16; :mod:`tapioca.models.attention_fa4`), behind an import guard.
+* ``auto``: ``fa4`` when it imports and its probe passes, else ``varlen`` on CUDA in
+  bf16 / fp16 when :func:`probe_varlen` passes, else ``sdpa``.
+
+A :class:`~tapioca.models.prefix_attention.TreeSeqs` (prefix-shared packing) brings its
+own segments: :func:`attention` hands it the resolved backend.
 
 Why not flex_attention: its block mask is rebuilt per micro-batch and it must be
 compiled (tens of seconds per shape) to be fast; flash varlen needs neither.
@@ -35,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from ..schemas.errors import ConfigError
+from .attention_fa4 import fa4_import_error, fa4_varlen, probe_fa4
 
-BACKENDS = ("auto", "varlen", "sdpa")
+BACKENDS = ("auto", "varlen", "sdpa", "fa4")
 
 
 @dataclass
@@ -115,22 +121,47 @@ def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
                      seqs: PackedSeqs, scale: float, *, expand_kv: bool = False) -> torch.Tensor:
     """Flash-attention varlen (CUDA, bf16 / fp16). ``expand_kv`` repeats K/V heads for a
     kernel build without grouped-query support (the probe decides)."""
+    cu = seqs.cu_seqlens_S1
+    return varlen_call(q_NHD, k_NKD, v_NKD, cu, cu, seqs.max_len, seqs.max_len, scale, expand_kv=expand_kv)
+
+
+def varlen_call(q_NHD: torch.Tensor, k_KKD: torch.Tensor, v_KKD: torch.Tensor, cu_q_S1: torch.Tensor,
+                cu_k_S1: torch.Tensor, max_q: int, max_k: int, scale: float, *,
+                expand_kv: bool = False) -> torch.Tensor:
+    """One causal ``varlen_attn`` call; queries and keys may have their own offsets (the
+    kernel aligns the causal mask bottom-right where a sequence has more keys)."""
     if _varlen_attn is None:
         raise ConfigError("attention_backend=varlen needs torch.nn.attention.varlen "
                           "(PyTorch >= 2.10); use attention_backend=sdpa")
-    n_heads, n_kv = q_NHD.shape[1], k_NKD.shape[1]
+    n_heads, n_kv = q_NHD.shape[1], k_KKD.shape[1]
     if expand_kv and n_kv != n_heads:
-        k_NKD = k_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-        v_NKD = v_NKD.repeat_interleave(n_heads // n_kv, dim=1)
-    cu = seqs.cu_seqlens_S1
+        k_KKD = k_KKD.repeat_interleave(n_heads // n_kv, dim=1)
+        v_KKD = v_KKD.repeat_interleave(n_heads // n_kv, dim=1)
     # window (-1, 0) is causal in every version of the API (2.10 has no is_causal flag);
     # 2.12+ asks for enable_gqa when K/V have fewer heads, 2.10-2.11 take GQA as it is.
-    if _VARLEN_TAKES_GQA and k_NKD.shape[1] != n_heads:
-        return _varlen_attn(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(), cu, cu,
-                            seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0),
-                            enable_gqa=True)
-    return _varlen_attn(q_NHD.contiguous(), k_NKD.contiguous(), v_NKD.contiguous(), cu, cu,
-                        seqs.max_len, seqs.max_len, scale=scale, window_size=(-1, 0))
+    if _VARLEN_TAKES_GQA and k_KKD.shape[1] != n_heads:
+        return _varlen_attn(q_NHD.contiguous(), k_KKD.contiguous(), v_KKD.contiguous(), cu_q_S1, cu_k_S1,
+                            max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    return _varlen_attn(q_NHD.contiguous(), k_KKD.contiguous(), v_KKD.contiguous(), cu_q_S1, cu_k_S1,
+                        max_q, max_k, scale=scale, window_size=(-1, 0))
+
+
+def kernel_error(kernel, reference, n_tokens: int, device: str, dtype: torch.dtype, n_heads: int,
+                 n_kv: int, head_dim: int) -> float:
+    """Max relative error of ``kernel(q, k, v, scale)`` (forward and the three input
+    gradients) against ``reference`` run in fp32, on seeded random inputs of
+    ``n_tokens`` packed tokens. Raises what the kernel raises."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(n_tokens, n, head_dim) for n in (n_heads, n_kv, n_kv)]
+    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
+    g = torch.randn(n_tokens, n_heads, head_dim, device=device, dtype=dtype, generator=gen)
+    scale = head_dim ** -0.5
+    ref = reference(q.float(), k.float(), v.float(), scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
+    out = kernel(q, k, v, scale)
+    grads = torch.autograd.grad(out, (q, k, v), g.to(out.dtype))
+    return max(float((a.detach().float() - b.detach()).abs().max() / (b.detach().abs().max() + 1e-6))
+               for a, b in zip((out, *grads), (ref, *ref_grads)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,35 +173,35 @@ def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_
         return ""
     if _varlen_attn is None:
         return ""
-    gen = torch.Generator(device=device).manual_seed(0)
     seqs = packed_seqs([37, 5, 64], device)
-    shapes = [(seqs.n_tokens, n, head_dim) for n in (n_heads, n_kv, n_kv)]
-    q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=gen).requires_grad_() for s in shapes)
-    g = torch.randn(seqs.n_tokens, n_heads, head_dim, device=device, dtype=dtype, generator=gen)
-    scale = head_dim ** -0.5
-    ref = sdpa_attention(q.float(), k.float(), v.float(), seqs, scale)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
     for variant in ("gqa", "expand") if n_kv != n_heads else ("gqa",):
         try:
-            out = varlen_attention(q, k, v, seqs, scale, expand_kv=variant == "expand")
-            grads = torch.autograd.grad(out, (q, k, v), g)
+            err = kernel_error(
+                lambda q, k, v, scale: varlen_attention(q, k, v, seqs, scale, expand_kv=variant == "expand"),
+                lambda q, k, v, scale: sdpa_attention(q, k, v, seqs, scale),
+                seqs.n_tokens, device, dtype, n_heads, n_kv, head_dim)
         except (RuntimeError, ValueError, TypeError):
             continue
-        errs = [(a.float() - b).abs().max() / (b.abs().max() + 1e-6)
-                for a, b in zip((out, *grads), (ref, *ref_grads))]
-        if max(float(e) for e in errs) < 0.05:  # bf16 rounding is ~1e-2 at most here
+        if err < 0.05:  # bf16 rounding is ~1e-2 at most here
             return variant
     return ""
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n_heads: int,
                     n_kv: int, head_dim: int) -> str:
-    """The backend that will run: ``varlen`` / ``varlen-expand`` / ``sdpa``. ``dtype`` is
+    """The backend that will run: ``fa4`` / ``varlen`` / ``varlen-expand`` / ``sdpa``. ``dtype`` is
     the dtype attention runs in (the autocast dtype, or the parameters')."""
     if name not in BACKENDS:
         raise ConfigError(f"attention_backend={name!r}: use one of {', '.join(BACKENDS)}")
     if name == "sdpa":
         return "sdpa"
+    if name in ("auto", "fa4"):
+        if probe_fa4(str(torch.device(device)), dtype, n_heads, n_kv, head_dim):
+            return "fa4"
+        if name == "fa4":
+            why = fa4_import_error() or "it needs CUDA (Hopper / Blackwell) and bf16 / fp16, and its probe failed"
+            raise ConfigError(f"attention_backend=fa4 does not run here (device {device}, {dtype}): {why}; "
+                              "pip install flash-attn-4, or use attention_backend=auto / varlen / sdpa")
     variant = probe_varlen(str(torch.device(device)), dtype, n_heads, n_kv, head_dim)
     if variant:
         return "varlen" if variant == "gqa" else "varlen-expand"
@@ -185,6 +216,12 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n
 def attention(backend: str, q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
               seqs: PackedSeqs, scale: float) -> torch.Tensor:
     """Dispatch to a resolved backend (:func:`resolve_backend`)."""
+    attend = getattr(seqs, "attend", None)
+    if attend is not None:  # a prefix tree (models/prefix_attention.py): its own segments
+        return attend(backend, q_NHD, k_NKD, v_NKD, scale)
+    if backend == "fa4":
+        cu = seqs.cu_seqlens_S1
+        return fa4_varlen(q_NHD, k_NKD, v_NKD, cu, cu, seqs.max_len, seqs.max_len, scale)
     if backend == "sdpa":
         return sdpa_attention(q_NHD, k_NKD, v_NKD, seqs, scale)
     return varlen_attention(q_NHD, k_NKD, v_NKD, seqs, scale, expand_kv=backend == "varlen-expand")

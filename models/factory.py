@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..schemas.errors import ConfigError, TapiocaError
-from .families import tiny_config
+from .families import VL_ARCHS, tiny_config
 from .tokenizer import build_char_tokenizer
 
 
@@ -51,10 +51,15 @@ def build_tiny_model(
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    vision: dict[str, int] | None = None,
 ) -> torch.nn.Module:
     """A random-weight ``transformers`` causal LM of family ``arch`` (:data:`ARCHS`:
     Qwen2 / Qwen3 / Llama / Mistral, the MoE families, Gemma 3's text model, the hybrid
-    linear-attention Qwen3-Next / Qwen3.5, gpt-oss; :mod:`tapioca.models.families`).
+    linear-attention Qwen3-Next / Qwen3.5, gpt-oss; :mod:`tapioca.models.families`), or
+    a vision-language model (:data:`VL_ARCHS`, ``qwen2_5_vl`` / ``qwen3_vl``: a tiny vision
+    tower, whose ``depth`` and ``hidden_size`` ``vision`` may set, in front of a Qwen2 /
+    Qwen3 decoder; the vision tokens are the vocabulary's last four ids,
+    :func:`vision_token_ids`).
 
     Deterministic in ``seed`` within one library version, and leaves the caller's global
     torch RNG untouched. ``head_dim`` is ``hidden_size // num_heads`` for every arch
@@ -76,8 +81,7 @@ def build_tiny_model(
                  num_key_value_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads,
                  intermediate_size=intermediate_size, num_experts=num_experts,
                  num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size)
-    config = tiny_config(
-        arch, sizes,
+    common = dict(
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
@@ -86,17 +90,85 @@ def build_tiny_model(
         eos_token_id=eos_token_id,
         use_cache=True,
     )
+    auto = AutoModelForCausalLM
+    if arch in VL_ARCHS:
+        from transformers import AutoModelForImageTextToText
+
+        text = {**{k: sizes[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "intermediate_size")}, **common}
+        config, auto = _vl_config(arch, text, **(vision or {})), AutoModelForImageTextToText
+    else:
+        config = tiny_config(arch, sizes, **common)
     device = torch.device(device)
     cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), device:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
         if lm_head_init_std is not None:
             if tie_word_embeddings:
                 raise ConfigError("lm_head_init_std draws an untied LM head: pass tie_word_embeddings=False")
             with torch.no_grad():
                 model.get_output_embeddings().weight.normal_(0.0, lm_head_init_std)
     return model
+
+
+# The tiny vision tower (one block, width 32) and its image processor: 14-pixel patches
+# merged 2 x 2 (Qwen2.5-VL) or 16-pixel ones (Qwen3-VL), images resized to at most
+# TINY_MAX_PIXELS (a 56 x 56 image is 4 placeholder tokens; the largest, 16).
+TINY_MAX_PIXELS = 112 * 112
+_CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def vision_token_ids(vocab_size: int) -> dict[str, int]:
+    """The vision special tokens of the tiny tokenizers: the last four ids of the vocabulary
+    (models/tokenizer.py appends them in this order)."""
+    start, end, image, video = range(vocab_size - 4, vocab_size)
+    return {"vision_start_token_id": start, "vision_end_token_id": end, "image_token_id": image,
+            "video_token_id": video}
+
+
+def _vl_config(arch: str, text: dict[str, Any], *, depth: int = 1, hidden_size: int = 32):
+    """A tiny Qwen2.5-VL / Qwen3-VL config around the text settings ``text``."""
+    head_dim = text["head_dim"]
+    if head_dim % 2 or head_dim < 6:
+        raise ConfigError(f"a vision-language model needs an even head size >= 6 for its 3-D rotary "
+                          f"sections, got {head_dim}: lower model.num_heads")
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]  # t, h, w (Qwen: 16, 24, 24 of 64)
+    ids = vision_token_ids(text["vocab_size"])
+    if arch == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        vision = dict(depth=depth, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_heads=2, out_hidden_size=text["hidden_size"], patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=list(range(depth)))
+        rope = {"type": "mrope", "rope_type": "default", "mrope_section": section, "rope_theta": 1e6}
+        return Qwen2_5_VLConfig(text_config={**text, "rope_scaling": rope, "rope_parameters": rope},
+                                vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+                                pad_token_id=text["pad_token_id"], bos_token_id=text["bos_token_id"],
+                                eos_token_id=text["eos_token_id"], **ids)
+    from transformers import Qwen3VLConfig
+
+    vision = dict(depth=depth, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=list(range(min(depth, 1))))
+    rope = {"rope_type": "default", "mrope_section": section, "mrope_interleaved": True,
+            "rope_theta": 5e5}
+    return Qwen3VLConfig(text_config={**text, "rope_parameters": rope, "rope_scaling": rope},
+                         vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"], **ids)
+
+
+def _save_tiny_processor(dir: Path, arch: str) -> None:
+    from .vision import save_processor_config
+
+    patch = 14 if arch == "qwen2_5_vl" else 16
+    mean, std = (_CLIP_MEAN, _CLIP_STD) if arch == "qwen2_5_vl" else ((0.5,) * 3, (0.5,) * 3)
+    factor = patch * 2
+    save_processor_config(dir, patch_size=patch, merge_size=2, temporal_patch_size=2,
+                          min_pixels=factor * factor, max_pixels=TINY_MAX_PIXELS,
+                          image_mean=mean, image_std=std)
 
 
 def load_model_and_tokenizer(
@@ -119,8 +191,19 @@ def load_model_and_tokenizer(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
+    auto = AutoModelForCausalLM
+    if _is_vl_dir(path):
+        from transformers import AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
     return model.to(device), tokenizer
+
+
+def _is_vl_dir(path: Path) -> bool:
+    from .vision import is_vision_dir
+
+    return is_vision_dir(path)
 
 
 def save_tiny_checkpoint(
@@ -143,7 +226,8 @@ def save_tiny_checkpoint(
     dir = Path(dir)
     if (dir / "config.json").is_file() and not overwrite:
         return dir
-    tokenizer = build_char_tokenizer(alphabet)
+    vl = model_kwargs.get("arch") in VL_ARCHS
+    tokenizer = build_char_tokenizer(alphabet, vision=vl)
     model = build_tiny_model(
         len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -160,6 +244,8 @@ def save_tiny_checkpoint(
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if vl:
+            _save_tiny_processor(tmp, model_kwargs["arch"])
         if dir.exists() and overwrite:
             shutil.rmtree(dir)
         try:

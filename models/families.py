@@ -26,6 +26,10 @@ CONFIG_CLASSES = {
 }
 ARCHS = tuple(CONFIG_CLASSES)
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_next", "gpt_oss")
+# Vision-language archs (docs/vlm.md, models/vision.py): a tiny vision tower in front of a
+# Qwen2 / Qwen3 decoder, built by models/factory.py's own config (not in the text families'
+# table of docs/models.md).
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 # Tiny sliding windows and hybrid layouts, so that a few-token test exercises them.
 TINY_SLIDING_WINDOW = 8

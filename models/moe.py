@@ -10,8 +10,12 @@ pure functions plus one autograd function.
 Routing (:func:`route`, also the paged engine's): ``softmax`` over the router logits in
 fp32, the top-k experts, their probabilities renormalised to sum to 1 when the model's
 ``norm_topk_prob`` says so (HF's Qwen3-MoE router). Replay: given ``replay_ids_NK`` the
-top-k step is skipped and the probabilities are read at those ids, so the router's
-gradient flows through the live scores at the replayed indices (routing replay, R2/R3).
+probabilities are read at those ids instead of the top-k's, so the router's gradient
+flows through the live scores at the replayed indices (routing replay, R2/R3); a token
+whose replayed ids are -1 (no recorded route) takes the top-k, and the top-k of every
+token is kept (``RouterOut.live_ids_NK``) for the rollout-vs-train agreement metric.
+With expert parallelism the experts run on the ranks that hold them
+(:mod:`tapioca.models.expert_parallel`).
 
 The expert FFN (:class:`_GroupedSwiGLU`): token-expert pairs sorted by expert, two
 grouped GEMMs (``torch.nn.functional.grouped_mm`` on CUDA in bf16; a loop over experts
@@ -70,18 +74,26 @@ def is_sparse_block(mlp: torch.nn.Module) -> bool:
 
 
 def route(logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          replay_ids_NK: torch.Tensor | None = None):
+          replay_ids_NK: torch.Tensor | None = None, *, with_live: bool = False):
     """``(weights_NK, ids_NK int64, probs_NE)`` (fp32, or fp64 for fp64 logits): the top-k experts of each token
     and their routing weights; with ``replay_ids_NK`` those experts instead (weights =
-    the live probabilities there, differentiable). No host reads (graph safe)."""
+    the live probabilities there, differentiable), except on the tokens whose replayed
+    ids are -1 (no recorded route: the router's own choice). ``with_live``: a fourth
+    value, the router's own top-k ids (what replay overrode). No host reads (graph safe)."""
     probs_NE = torch.softmax(logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32)), dim=-1)
+    live_NK = None
     if replay_ids_NK is None:
         weights_NK, ids_NK = torch.topk(probs_NE, top_k, dim=-1)
+        live_NK = ids_NK
     else:
-        ids_NK = replay_ids_NK.long()
+        replay_NK = replay_ids_NK.long()
+        live_NK = torch.topk(probs_NE.detach(), top_k, dim=-1).indices
+        ids_NK = torch.where(replay_NK[:, :1] >= 0, replay_NK, live_NK)
         weights_NK = probs_NE.gather(-1, ids_NK)
     if norm_topk_prob:
         weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+    if with_live:
+        return weights_NK, ids_NK, probs_NE, live_NK
     return weights_NK, ids_NK, probs_NE
 
 
@@ -198,40 +210,53 @@ class RouterOut:
     counts_E: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    # The router's own top-k of each token (= ids_NK unless routes were replayed).
+    live_ids_NK: torch.Tensor | None = None
 
 
 def moe_forward(block: torch.nn.Module, x_NH: torch.Tensor, *, router_dtype: torch.dtype | None,
-                replay_ids_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOut]:
+                replay_ids_NK: torch.Tensor | None = None, expert_parallel=None) -> tuple[torch.Tensor, RouterOut]:
     """The sparse block's output for packed tokens ``x_NH`` and its :class:`RouterOut`.
 
     The router runs in ``router_dtype`` (None: x's dtype), outside autocast; the experts
-    in the autocast dtype when autocast is on, else in the weights' dtype."""
+    in the autocast dtype when autocast is on, else in the weights' dtype.
+    ``expert_parallel``: this rank holds a slice of the experts and the tokens go to
+    them by all-to-all (:class:`tapioca.models.expert_parallel.ExpertParallel`; the
+    experts then compute in x's dtype, the one FSDP2 gathers the other weights in)."""
     gate, experts = block.gate, block.experts
     top_k, num_experts = int(gate.top_k), int(gate.weight.shape[0])
     dev_type = x_NH.device.type
     rdt = router_dtype or x_NH.dtype
     with torch.autocast(dev_type, enabled=False):
         logits_NE = F.linear(x_NH.to(rdt), gate.weight.to(rdt))
-    weights_NK, ids_NK, probs_NE = route(logits_NE, top_k, bool(getattr(gate, "norm_topk_prob", True)),
-                                         replay_ids_NK)
+    weights_NK, ids_NK, probs_NE, live_NK = route(logits_NE, top_k, bool(getattr(gate, "norm_topk_prob", True)),
+                                                  replay_ids_NK, with_live=True)
     w13, w2 = experts.gate_up_proj, experts.down_proj
+    if expert_parallel is not None:  # DTensors: this rank's experts
+        w13, w2 = w13.to_local(), w2.to_local()
     dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else w13.dtype
+    if expert_parallel is not None and not torch.is_autocast_enabled(dev_type):
+        dtype = x_NH.dtype
     x_c = x_NH.to(dtype)
     w13_c, w2_c = w13.to(dtype), w2.to(dtype)
-    flat_P = ids_NK.reshape(-1)
-    _, order_P = torch.sort(flat_P, stable=True)
     counts_E = expert_counts(ids_NK, num_experts)
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    # The loop path's one host read per layer (free on a CPU).
-    splits = None if _use_grouped_mm(x_c, w13_c, w2_c) else counts_E.tolist()
     with torch.autocast(dev_type, enabled=False):
-        y_PH = _GroupedSwiGLU.apply(x_c, w13_c, w2_c, order_P, top_k, offs_E, splits)
-        y_NKH = y_PH.index_select(0, _inverse(order_P)).view(x_NH.shape[0], top_k, -1)
+        if expert_parallel is not None:
+            y_NKH = expert_parallel.experts(x_c, w13_c, w2_c, ids_NK, counts_E)
+        else:
+            flat_P = ids_NK.reshape(-1)
+            _, order_P = torch.sort(flat_P, stable=True)
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            # The loop path's one host read per layer (free on a CPU).
+            splits = None if _use_grouped_mm(x_c, w13_c, w2_c) else counts_E.tolist()
+            y_PH = _GroupedSwiGLU.apply(x_c, w13_c, w2_c, order_P, top_k, offs_E, splits)
+            y_NKH = y_PH.index_select(0, _inverse(order_P)).view(x_NH.shape[0], top_k, -1)
         # Weights in the router's dtype (fp32 by default: the weighted sum is in fp32; with
         # "none" in x's dtype, as HF rounds them).
         out_NH = (y_NKH * weights_NK.to(rdt)[..., None]).sum(1)
     router = RouterOut(ids_NK=ids_NK, counts_E=counts_E.detach(),
-                       aux_loss=load_balancing_loss(probs_NE, counts_E, top_k), z_loss=z_loss(logits_NE))
+                       aux_loss=load_balancing_loss(probs_NE, counts_E, top_k), z_loss=z_loss(logits_NE),
+                       live_ids_NK=live_NK)
     return out_NH.to(x_NH.dtype), router
 
 
@@ -249,6 +274,19 @@ def router_metrics(counts_LE: torch.Tensor, tokens: int, top_k: int) -> dict[str
     stats = torch.stack([(ent_L / norm).mean(), share_LE.max(), counts.sum()]).tolist()
     return {"actor/moe_load_entropy": stats[0], "actor/moe_max_expert_share": stats[1],
             "actor/moe_dropped_tokens": float(tokens * top_k * counts_LE.shape[0] - stats[2])}
+
+
+def moe_layer_indices(config: dict) -> list[int]:
+    """The sparse layers of a Qwen3-MoE / Qwen2-MoE ``config.json`` (a dict): every layer not
+    in ``mlp_only_layers`` whose ``(index + 1)`` is a multiple of ``decoder_sparse_step``
+    (HF's rule); [] for a dense model."""
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    if not any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return []
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    return [i for i in range(int(config.get("num_hidden_layers", 0)))
+            if i not in dense and (i + 1) % step == 0]
 
 
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

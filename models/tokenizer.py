@@ -51,12 +51,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: str | None = None) -> "PreTrainedTokenizerFast":
+# A vision-language model's template (models/vision.py): a message's content is a string
+# or a list of parts; an image part ({"type": "image"}, or an OpenAI image_url part) is
+# <|vision_start|><|image_pad|><|vision_end|>, its one placeholder expanded later.
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ['image', 'image_url'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def build_char_tokenizer(alphabet: str | None = None, *, vision: bool = False) -> "PreTrainedTokenizerFast":
     """A character-level fast tokenizer over ``alphabet`` (default: :data:`DEFAULT_ALPHABET`).
 
     Characters outside the alphabet encode to ``<unk>``. ``encode`` adds no special
     tokens; the chat template adds ``<bos>`` and the assistant's ``<eos>``. Round-trips
-    through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``.
+    through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``. ``vision``: the
+    vision special tokens (models/vision.py ``VISION_TOKENS``) are the last four ids,
+    and the chat template renders image parts.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -68,13 +86,18 @@ def build_char_tokenizer(alphabet: str | None = None) -> "PreTrainedTokenizerFas
         dupes = sorted({c for c in chars if chars.count(c) > 1})
         raise ConfigError(f"build_char_tokenizer: alphabet repeats {dupes!r}; list each character once")
 
-    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + chars)}
+    extra: list[str] = []
+    if vision:
+        from .vision import VISION_TOKENS
+
+        extra = list(VISION_TOKENS)
+    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + chars + extra)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # Oniguruma's (?m) makes '.' match '\n' too, so every character is its own piece.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")
     # Fuse joins pieces with no separator (WordLevel's default decoding inserts spaces).
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS) + extra)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -85,7 +108,7 @@ def build_char_tokenizer(alphabet: str | None = None) -> "PreTrainedTokenizerFas
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return tokenizer
 
 
@@ -118,7 +141,7 @@ def prompt_encoder(tokenizer) -> Callable[[dict[str, Any]], tuple[list[int], str
     """``encode(row) -> (prompt token ids, prompt text)`` for dataset rows (``messages``,
     or ``prompt`` as one user turn): the tokenizer's chat template with a generation
     prompt when it has one, else the contents joined by newlines. How the feeder encodes
-    prompts (and the offline trainers' data, so a fine-tuned model sees RL's layout)."""
+    prompts (and the supervised trainers' data, so a fine-tuned model sees RL's layout)."""
 
     def encode(row: dict[str, Any]) -> tuple[list[int], str]:
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]

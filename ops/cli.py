@@ -27,15 +27,27 @@ from typing import Optional
 import typer
 
 from ..schemas.errors import TapiocaError
-from . import admin_cli, commands, fleet_cli, lora_cli, offline_cli, plot, proxy_cli, replay_cli, run_cli
+from . import (
+    admin_cli,
+    commands,
+    eval_cli,
+    fleet_cli,
+    lora_cli,
+    plan_cli,
+    plot,
+    proxy_cli,
+    replay_cli,
+    run_cli,
+    supervised_cli,
+)
 from .cli_context import G
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Tapioca: asynchronous RL for LLMs over Kafka.")
 # Each module's top-level commands, in the order `tapioca --help` lists them, then the
 # command groups (Typer lists a group's commands before its sub-groups).
-for _module in (admin_cli, commands, run_cli, plot, fleet_cli, offline_cli, proxy_cli, replay_cli,
-                lora_cli):
+for _module in (admin_cli, commands, run_cli, eval_cli, plot, fleet_cli, supervised_cli, plan_cli, proxy_cli,
+                replay_cli, lora_cli):
     app.add_typer(_module.app)
 for _name, _group in (("broker", admin_cli.broker_app), ("topics", admin_cli.topics_app),
                       ("schemas", admin_cli.schemas_app),

@@ -2,9 +2,9 @@
 invocation (``G``, set by the root callback in ops/cli.py), the bus settings they name
 (``bus_config()``) and the output helpers (``emit_json``, ``check_output``).
 
-The command modules (admin_cli, commands, plot, fleet_cli, offline_cli, proxy_cli,
-replay_cli) import this module and never ops/cli.py, which imports them and composes
-them into the one ``tapioca`` command: no import circle.
+The command modules (admin_cli, commands, run_cli, eval_cli, plot, fleet_cli, supervised_cli,
+plan_cli, proxy_cli, replay_cli) import this module and never ops/cli.py, which imports them
+and composes them into the one ``tapioca`` command: no import circle.
 """
 
 from __future__ import annotations

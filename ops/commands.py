@@ -85,6 +85,11 @@ def run_training(config: Optional[str], overrides: list[str], *,
             # soft_wrap: a log file gets each message on one line, whatever its length.
             console.print(f"run {cfg.run_id}: {cfg.run_path} (broker {cfg.bus.bootstrap_servers}"
                           f"{bus_id}; `tapioca --run-dir {cfg.run_path} status`)", soft_wrap=True)
+            if cfg.agent.online:  # docs/online.md
+                console.print(f"online: the proxy serves http://{cfg.proxy.host}:{cfg.proxy.port}/v1 "
+                              f"(admin key: {cfg.proxy.api_key_file or 'proxy.api_key'}); reward an "
+                              f"ended session with `tapioca --run-dir {cfg.run_path} reward "
+                              "SESSION_ID VALUE`", markup=False, soft_wrap=True)
             resuming = train_view.start_line(cfg, train_view.trainer_checkpoint(cfg.run_path))
             if resuming:
                 console.print(resuming, markup=False, highlight=False, soft_wrap=True)
@@ -139,7 +144,7 @@ def demo(ctx: typer.Context) -> None:
 def role(
     ctx: typer.Context,
     name: str = typer.Argument(
-        ..., help="feeder | rollout | reward | advantage | trainer | archiver"),
+        ..., help="feeder | rollout | reward | advantage | trainer | archiver | evaluator"),
     config: str = typer.Option(..., "--config", "-c", help="YAML config file of the run."),
     member: int = typer.Option(0, help="Member index (for several rollout workers)."),
 ) -> None:
@@ -160,10 +165,12 @@ def model_init(
     tie_word_embeddings: bool = typer.Option(
         True,
         help="Share the LM head with the embeddings (vLLM on CPU: --no-tie-word-embeddings)."),
+    arch: str = typer.Option("qwen2", help="qwen2, qwen3, llama, or a vision-language model: "
+                                           "qwen2_5_vl, qwen3_vl (docs/vlm.md; task visual)."),
 ) -> None:
     """Write the tiny random-weight model and its tokenizer to DIRECTORY."""
     from ..runtime.run import create_tiny_checkpoint
 
     console.print(str(create_tiny_checkpoint(
         directory, task=task, num_heads=num_heads, num_kv_heads=min(num_kv_heads, num_heads),
-        tie_word_embeddings=tie_word_embeddings)))
+        tie_word_embeddings=tie_word_embeddings, arch=arch)))

@@ -1,5 +1,6 @@
 """Fleet control from the CLI: `tapioca status`, `tapioca pause|resume|drain TARGET`,
-`tapioca weights list|rollback`, `tapioca dlq list|show|retry`.
+`tapioca reward SESSION_ID VALUE`, `tapioca weights list|rollback`, `tapioca dlq
+list|show|retry`.
 
 Reads ``fleet.v1`` (heartbeats), ``weights.v1`` and ``dlq.v1``; publishes
 ``ControlEvent`` on ``control.v1`` and waits for the members' ``ControlAckEvent``; `dlq
@@ -181,6 +182,35 @@ _control_command("pause", "Pause members: their input partitions are paused and 
 _control_command("resume", "Resume paused members.")
 _control_command("drain", "Drain members: they take no new input, finish their in-flight "
                  "work, commit, report status stopped and exit.")
+
+
+@app.command("reward", context_settings={"ignore_unknown_options": True})  # VALUE may be -1
+def reward(
+    session_id: str = typer.Argument(..., help="The session (sess-..., from POST /v1/sessions)."),
+    value: float = typer.Argument(..., help="The reward: a finite number within +-1e9."),
+    timeout: float = typer.Option(10.0, "--timeout", help=TIMEOUT_HELP),
+    output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
+) -> None:
+    """Reward an ended agent session (online mode: seconds to days after its end): the
+    signed `reward` command to the run's proxy, which publishes the session's rewards (as
+    POST /v1/sessions/SESSION_ID/reward with the admin key would). Refused with the
+    proxy's reason: an unknown or expired session, a second reward (docs/online.md)."""
+    import math
+
+    from ..bus.fleet import ControlError, read_fleet
+
+    check_output(output)
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"the reward must be a finite number, not {value}")
+    live = [m for m in read_fleet(bus_config()) if m.event.role == "proxy-sessions" and m.live]
+    if not live:
+        raise ControlError("no proxy of this run is running (no live proxy-sessions member in "
+                           "`tapioca status`): start the run (`tapioca train` with agent.mode "
+                           "online), check --run-dir / --prefix, or POST the reward to "
+                           "/v1/sessions/SESSION_ID/reward")
+    newest = max(live, key=lambda m: m.event.produced_at)  # one proxy answers, not each
+    _command("reward", newest.event.member_id, args={"session_id": session_id, "reward": value},
+             timeout_s=timeout, output=output, members=[newest])
 
 
 # ---------------------------------------------------------------------- weights

@@ -29,7 +29,8 @@ Supervision (``launcher`` config section):
   with its defaults) they are re-created from the registry, and since the log is gone,
   the run moves to a new bus run id and every role is restarted on it.
 - stall alarm: no role handled or produced anything for ``launcher.stall_alarm_s``
-  although some run unpaused (or none reported at all): shown in the display.
+  although some run unpaused (or none reported at all): shown in the display. Online
+  mode raises only the second (no traffic is no stall).
 
 Bus run ids (one per broker lifetime): a run resumed on a broker that does not hold its
 log (the embedded memory broker keeps nothing across restarts) would number its groups
@@ -41,7 +42,9 @@ gate counts from there (docs/design-choices.md).
 Agent mode (``agent.enabled``): the proxy (``tapioca proxy``) and the agent runners
 (``python -m tapioca.agents.runner``) replace the feeder, rollout workers and reward
 scorers; the launcher fixes the proxy's port and admin key (a 0600 file beside the
-signing key) in the written config so both sides read the same ones.
+signing key) in the written config so both sides read the same ones. Online mode
+(``agent.mode: online``, docs/online.md): the proxy, the advantage processor and the
+trainer, no agent runner; live clients' sessions are the data.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ class RunSummary:
     steps: int = 0
     wall_s: float = 0.0
     rewards: dict[int, float] = field(default_factory=dict)  # step -> mean reward
+    held_out: dict[int, float] = field(default_factory=dict)  # version -> evaluator's pass@1
     history: list[dict] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)  # member -> restarts
     # Times the broker lost the run's log and the roles moved to a new bus run id.
@@ -248,6 +252,8 @@ class Launcher:
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
+            log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
         self.summary = RunSummary(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -556,7 +562,8 @@ class Launcher:
             self.alarms["stall"] = (f"no role has reported on metrics.v1 for "
                                     f"{now - self._last_report:.0f} s although {len(alive)} "
                                     "are alive (is the broker up? `tapioca topics list`)")
-        elif running and now - since > lc.stall_alarm_s:
+        elif running and now - since > lc.stall_alarm_s and not self.cfg.agent.online:
+            # (Online, a quiet log is a quiet hour of traffic, not a stall.)
             self.alarms["stall"] = (f"stalled: no role handled or produced an event for "
                                     f"{now - since:.0f} s although {len(running)} report "
                                     "running (`tapioca status`; `tapioca topics list`)")
@@ -569,7 +576,9 @@ class Launcher:
         now = time.monotonic()
         self._last_report = now
         self._reported = True
-        if "bus/handled" in metrics:
+        # The evaluator reads metrics.v1, where every member reports each second: its
+        # counters move even while the run is stalled, so they are no sign of progress.
+        if "bus/handled" in metrics and not source.startswith("evaluator"):
             self._status[source] = metrics
             if self._version_at_loss is not None and "trainer/version" in metrics:
                 # The restarted trainer's first report on the new log: its resumed version.
@@ -580,6 +589,8 @@ class Launcher:
                         for m in self._status.values())
             if total != self._progress[0]:
                 self._progress = (total, now)
+        if source.startswith("evaluator") and "eval/pass@1" in metrics:
+            s.held_out[step] = metrics["eval/pass@1"]
         if source.startswith("trainer") and "reward/mean" in metrics:
             s.history.append(row)
             s.steps = step

@@ -2,8 +2,10 @@
 
 Reads the trainer's ``RUN_DIR/metrics/metrics.jsonl`` (one line per step: ``step``,
 ``time``, ``reward/mean``, ``trainer/staleness_mean|max``, ``actor/tokens_per_s``, ...;
-after a trainer restart a redone step's last line wins) and writes a PNG with
-matplotlib's Agg backend (no display needed).
+after a trainer restart a redone step's last line wins) and, when the run had an
+evaluator, its ``RUN_DIR/eval/metrics.jsonl`` (one line per evaluated version: held-out
+``eval/pass@1``, ``eval/greedy``, ...; drawn beside the training reward), and writes a
+PNG with matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def load_steps(path: str | Path) -> list[dict[str, Any]]:
     return [rows[s] for s in sorted(rows)]
 
 
+def load_eval(path: str | Path) -> list[dict[str, Any]]:
+    """The evaluator's rows of a run directory (``eval/metrics.jsonl``), one per evaluated
+    version in version order; [] when the run had no evaluator (or is given as a file)."""
+    file = Path(path) / "eval" / "metrics.jsonl"
+    if not Path(path).is_dir() or not file.is_file():
+        return []
+    return load_steps(file)
+
+
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -71,8 +82,10 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def render(rows: list[dict[str, Any]], out: str | Path, *, title: str = "") -> Path:
-    """Three panels against the trainer step: reward, staleness, throughput."""
+def render(rows: list[dict[str, Any]], out: str | Path, *, title: str = "",
+           eval_rows: list[dict[str, Any]] = ()) -> Path:
+    """Three panels against the trainer step: reward (with the held-out ``eval_rows``),
+    staleness, throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,6 +98,10 @@ def render(rows: list[dict[str, Any]], out: str | Path, *, title: str = "") -> P
     if reward:
         ax.plot(steps, reward, alpha=0.35, label="reward/mean")
         ax.plot(steps, _smooth(reward, window), label=f"mean of {window} steps")
+    for key in sorted({k for r in eval_rows for k in r if k.count("/") == 1 and (
+            k.split("/")[1] in ("pass@1", "greedy") or k.split("/")[1].startswith("maj@"))}):
+        s, v = _series(eval_rows, key)
+        ax.plot(s, v, marker="o", markersize=3, label=f"held-out {key.split('/')[1]}")
     ax.set_ylabel("reward")
     ax.legend(loc="best")
     ax = axes[1]
@@ -121,7 +138,9 @@ def plot(
     run_dir: str = typer.Argument(..., help="Run directory (or its metrics/metrics.jsonl)."),
     output: str = typer.Option("metrics.png", "-o", "--output", help="PNG file to write."),
 ) -> None:
-    """Render reward, staleness and throughput curves of a run to a PNG."""
+    """Render reward (and held-out scores), staleness and throughput curves of a run to a PNG."""
     rows = load_steps(run_dir)
-    path = render(rows, output, title=str(Path(run_dir).resolve().name))
-    console.print(f"{path} ({len(rows)} steps)")
+    eval_rows = load_eval(run_dir)
+    path = render(rows, output, title=str(Path(run_dir).resolve().name), eval_rows=eval_rows)
+    held_out = f", {len(eval_rows)} held-out evaluations" if eval_rows else ""
+    console.print(f"{path} ({len(rows)} steps{held_out})")

@@ -3,7 +3,7 @@
 Slurm, CI), where a bar would be noise or nothing, a line every
 ``$TAPIOCA_PROGRESS_EVERY_S`` seconds (default 10).
 
-The commands' loops (bus/replay.py, trainers/offline.py, trainers/offline_loop.py) take
+The commands' loops (bus/replay.py, trainers/offline.py, trainers/supervised/loop.py) take
 a plain callback and know nothing of this module; the commands pass
 :meth:`CommandProgress.update`, which is cheap enough to call once per event.
 """

@@ -244,8 +244,12 @@ class RayLauncher(Launcher):
             max_task_retries=-1, max_concurrency=4, num_cpus=s.num_cpus_per_role, num_gpus=0)
         if role == "trainer":
             options.update(self._trainer_placement())
-        elif role in ("rollout", "proxy") and self.cfg.rollout.device.startswith("cuda"):
-            options["num_gpus"] = s.rollout_num_gpus
+        elif role in ("rollout", "proxy", "evaluator") and self.cfg.rollout.device.startswith("cuda"):
+            srv = self.cfg.rollout.server
+            # A member that launches a tensor-parallel server needs that server's GPUs (the
+            # evaluator launches its own: it refuses rollout.server.urls, runtime/builders.py).
+            launches = self.cfg.rollout.engine != "torch" and not srv.urls
+            options["num_gpus"] = s.rollout_num_gpus * (srv.tensor_parallel_size if launches else 1)
         actor = self._actor_class().options(**options).remote(
             role_command(role, member, config_path), env, str(log_path))
         child = Child(role, member, RayProc(self.ray, actor, f"{role}-{member}"), log_path)

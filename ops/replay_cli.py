@@ -192,6 +192,9 @@ def archive(
     exit_when_idle_s: Optional[float] = typer.Option(
         None, help="Stop once nothing arrived for this long (batch use)."),
     max_seconds: Optional[float] = typer.Option(None, help="Stop after this long."),
+    image_store: str = typer.Option(
+        "", help="The run's image store (vlm.image_store): the images events name are copied "
+                 "into DIR/images (docs/vlm.md)."),
 ) -> None:
     """Run the archiver against the broker until Ctrl-C (every topic to Parquet)."""
     from ..bus.admin import admin_client
@@ -204,7 +207,8 @@ def archive(
                       roll_interval_s=roll_interval_s, topics=list(topic))
     cfg = bus_config(run_id=run_id)
     admin_client(cfg)
-    role = Archiver(ArchiveSection(archive=a, dir=a.dir), exit_when_idle_s=exit_when_idle_s)
+    role = Archiver(ArchiveSection(archive=a, dir=a.dir, image_store=image_store),
+                    exit_when_idle_s=exit_when_idle_s)
     runner = RoleRunner(role, cfg, member_id="archiver-cli", group_id=group)
     state = runner.run(max_seconds=max_seconds)
     w = state.writer
@@ -252,8 +256,12 @@ def train_offline(
     if trial is None:  # never resume another offline run's checkpoint by accident
         trial = f"{resolve_run(cfg).trial_name}-offline"
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
-    cfg = resolve_run(cfg, values={"rollout.max_head_offpolicyness": OFFLINE_ETA},
-                      trial_name=trial, topic_prefix=G.prefix or None, prepare=True)
+    values: dict = {"rollout.max_head_offpolicyness": OFFLINE_ETA}
+    archived_images = Path(from_archive) / "images"
+    if archived_images.is_dir():  # the archive's own copy of the images (docs/vlm.md)
+        values["vlm.image_store"] = str(archived_images.resolve())
+    cfg = resolve_run(cfg, values=values, trial_name=trial, topic_prefix=G.prefix or None,
+                      prepare=True)
     run_dir = Path(cfg.run_path)
     producer = None
     if publish:

@@ -25,14 +25,14 @@ app = typer.Typer()
 config_app = typer.Typer(no_args_is_help=True, help="Configs: see what a run would get.")
 
 KINDS = ("rl", "sft", "dpo", "rm", "distill")
-# The metric that names an offline trainer's kind in its metrics.jsonl.
-_OFFLINE_LOSS = {"sft/loss": "sft", "dpo/loss": "dpo", "rm/loss": "rm", "distill/loss": "distill"}
+# The metric that names a supervised trainer's kind in its metrics.jsonl.
+_SUPERVISED_LOSS = {"sft/loss": "sft", "dpo/loss": "dpo", "rm/loss": "rm", "distill/loss": "distill"}
 _TAIL_BYTES = 256 << 10
 
 
 def _config_class(kind: str):
-    from ..config.offline import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
     from ..config.schema import TrainConfig
+    from ..config.supervised import DistillConfig, DPOConfig, RewardModelConfig, SFTConfig
 
     return {"rl": TrainConfig, "sft": SFTConfig, "dpo": DPOConfig, "rm": RewardModelConfig,
             "distill": DistillConfig}[kind]
@@ -101,7 +101,7 @@ def run_info(run: Path, root: Path) -> dict[str, Any]:
     metrics = run / "metrics" / "metrics.jsonl"
     rows = _tail_rows(metrics)
     kind = "rl" if "rollout" in cfg else next(
-        (k for key, k in _OFFLINE_LOSS.items() if any(key in r for r in rows)), "offline")
+        (k for key, k in _SUPERVISED_LOSS.items() if any(key in r for r in rows)), "supervised")
     step = max((int(r.get("step", 0)) for r in rows), default=0)
     total = cfg.get("total_train_steps")
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]

@@ -15,13 +15,17 @@ def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
     # reward.scorer none: rewards come from an external service, no built-in scorer.
     reward = 0 if cfg.reward.scorer == "none" else cfg.reward.workers
     archiver = 1 if cfg.archive.enabled else 0
+    # The evaluator (producers/evaluator.py) when some evaluator.* trigger is set.
+    evaluator = 1 if cfg.evaluator.enabled else 0
     counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("reward", reward),
-              ("rollout", cfg.rollout.workers), ("feeder", 1)]
+              ("rollout", cfg.rollout.workers), ("feeder", 1), ("evaluator", evaluator)]
     if cfg.agent.enabled:
         # Agent mode: the proxy generates and publishes trajectories + session rewards;
         # agent runners play the dataset's prompts through it (no feeder/rollout/reward).
+        # Online mode: the traffic is the data, so no agent runner plays the dataset.
+        agents = 0 if cfg.agent.online else cfg.agent.workers
         counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
-                  ("agent", cfg.agent.workers)]
+                  ("agent", agents), ("evaluator", evaluator)]
     return [(role, n) for role, n in counts if n > 0]
 
 
@@ -42,6 +46,9 @@ def last_member_warning(role: str, config_path: Path) -> str:
     if role == "archiver":
         return (f"warning: no archiver member left: the run goes on but is no longer "
                 f"archived; start one with `tapioca role archiver --config {config_path}`\n")
+    if role == "evaluator":
+        return (f"warning: no evaluator member left: the run goes on without held-out "
+                f"evaluation; start one with `tapioca role evaluator --config {config_path}`\n")
     if role == "agent":
         start = f"python -m tapioca.agents.runner --config {config_path}"
     elif role == "proxy":

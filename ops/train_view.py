@@ -17,6 +17,9 @@ notices). Emits nothing on the bus.
   names, else the built-in one) while the advantage processor holds complete groups
   that wait for their rewards (its ``waiting_for_rewards``), which otherwise looks like
   a run that does nothing.
+- Online mode (``agent.mode: online``), where waiting for rewards is the normal state:
+  the sessions the proxy served, the ended ones whose reward is pending, and the groups
+  trained, in place of the generation rate and the backlogs (no feeder, no rollout).
 - Backlogs are sums of the members' counters. The rollout worker's and the advantage
   processor's counters live in the process (the feeder recovers its count from the log,
   the trainer from its checkpoint), so a restarted member starts them at 0: the view
@@ -39,6 +42,7 @@ from typing import Any, Callable
 from rich.console import Group
 from rich.text import Text
 
+from .eval_cli import held_out_cell, held_out_change
 from .render import compact, duration, narrow_table, number_column
 
 # Counters kept in memory since the member's process started (see the module docstring).
@@ -102,6 +106,7 @@ class TrainView:
         self.scorers = (", ".join(weights) if weights
                         else "a reward service (reward.scorer=none)" if cfg.reward.scorer == "none"
                         else f"the reward scorer (reward.scorer={cfg.reward.scorer})")
+        self.online = cfg.agent.online
         self._clock = clock
         self.started = clock()
         self.latest: dict[str, dict[str, Any]] = {}  # role -> its latest step row
@@ -150,10 +155,17 @@ class TrainView:
                    - c.total("trainer/groups_consumed"))
         return max(prompts, 0.0), max(samples, 0.0)
 
+    def sessions(self) -> tuple[float, float, float]:
+        """Online mode: (sessions served, ended ones waiting for a reward, groups trained)."""
+        c = self.counters
+        return (c.total("proxy-sessions/served"), c.gauge("proxy-sessions/rewards_pending"),
+                c.gauge("trainer/groups_trained"))
+
     def waiting_note(self) -> str | None:
-        """Said while complete groups wait for their rewards."""
+        """Said while complete groups wait for their rewards (not online: there that is
+        the normal state, shown as the pending count)."""
         n = self.counters.gauge("advantage/waiting_for_rewards")
-        if n <= 0:
+        if n <= 0 or self.online:
             return None
         return (f"waiting for rewards from {self.scorers}: {n:.0f} complete group(s) wait for "
                 f"theirs (is it running, publishing to {self.rewards_topic}?)")
@@ -165,18 +177,24 @@ class TrainView:
     def _cells(self) -> dict[str, str]:
         t, r = self.latest.get("trainer", {}), self.latest.get("rollout", {})
         backlog = self.backlogs()
-        return {
+        served, pending, trained = self.sessions()
+        traffic = ({"sessions": compact(served), "rewards pending": compact(pending),
+                    "trained": compact(trained)} if self.online else
+                   {"tok/s gen": compact(r.get("rollout/tokens_per_s")),
+                    "backlog p/s": f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-"})
+        cells = {
             "step": f"{self.step if self.step is not None else 0}/{self.total_steps}",
-            "ETA": duration(self.eta_s()),
+            "ETA": "-" if self.online else duration(self.eta_s()),  # a service: no end
             "reward": _fmt(self._reward(), "{:.3f}"),
             "tok/s train": compact(t.get("actor/tokens_per_s")),
-            "tok/s gen": compact(r.get("rollout/tokens_per_s")),
-            "backlog p/s": f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-",
+            **traffic,
             "stale avg/max": f"{_fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
                              f"{_fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
             "rej": _fmt(t.get("trainer/rejected_stale"), "{:.0f}"),
             "s/step": _fmt(t.get("actor/step_time_s"), "{:.2f}"),
         }
+        held_out = held_out_cell(self.latest.get("evaluator", {}))  # producers/evaluator.py
+        return {**cells, "held-out": held_out} if held_out else cells
 
     # ---------------------------------------------------------------- on a terminal
 
@@ -187,7 +205,9 @@ class TrainView:
         for header in cells:  # a header of two words takes two lines: numbers stay whole
             number_column(table, header.replace(" ", "\n"))
         table.add_row(*cells.values())
-        lines = [Text("reward: mean of the last 20 steps; backlog: prompt/sample groups; "
+        legend = ("sessions: served by the proxy; rewards pending: ended, not yet rewarded"
+                  if self.online else "backlog: prompt/sample groups")
+        lines = [Text(f"reward: mean of the last 20 steps; {legend}; "
                       "rej: over the staleness bound", style="dim")]
         note = self.waiting_note()
         if note:
@@ -202,13 +222,19 @@ class TrainView:
     def line(self, health: dict | None = None) -> str:
         c = self._cells()
         parts = [f"[{self._clock() - self.started:,.0f} s] step {c['step']}"]
+        sessions = ([f"sessions {c['sessions']}", f"rewards pending {c['rewards pending']}",
+                     f"trained {c['trained']}"] if self.online else [])
         if self.step is None:
-            parts.append("no step yet")
+            parts += ["no step yet", *sessions]
         else:
-            parts += [f"ETA {c['ETA']}", f"reward {c['reward']}",
-                      f"tok/s train {c['tok/s train']} gen {c['tok/s gen']}",
-                      f"backlog {c['backlog p/s']}", f"staleness {c['stale avg/max']}",
-                      f"rejected {c['rej']}", f"{c['s/step']} s/step"]
+            traffic = ([f"tok/s train {c['tok/s train']}", *sessions] if self.online else
+                       [f"tok/s train {c['tok/s train']} gen {c['tok/s gen']}",
+                        f"backlog {c['backlog p/s']}"])
+            parts += [f"ETA {c['ETA']}", f"reward {c['reward']}", *traffic,
+                      f"staleness {c['stale avg/max']}", f"rejected {c['rej']}",
+                      f"{c['s/step']} s/step"]
+            if "held-out" in c:
+                parts.append(f"held-out pass@1 {c['held-out']}")
         note = self.waiting_note()
         if note:
             parts.append(note)
@@ -331,7 +357,8 @@ def closing_line(summary, cfg, ckpt: Checkpoint | None, *, resume: str,
         first, last, w = means
         steps = f"{w} steps" if w > 1 else "step"
         what = (f"{summary.steps} steps in {summary.wall_s:.0f} s; mean reward {first:.3f} over "
-                f"the first {steps} -> {last:.3f} over the last {steps}{supervision}. "
+                f"the first {steps} -> {last:.3f} over the last {steps}"
+                f"{held_out_change(summary.held_out)}{supervision}. "
                 f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
     if done >= total:
         return f"done: {what}"

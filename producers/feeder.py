@@ -4,7 +4,8 @@ Consumes ``progress.v1`` (broadcast: the trainer's version, its rejected groups 
 counts; the feeder reads nothing of ``weights.v1``). Emits ``PromptEvent`` on
 ``prompts.v1``, keyed by ``group_id``.
 
-Head gate (DESIGN.md §3, algorithms/head_gate.py): group k is published only while
+Head gate (docs/design.md#3-policy-versions-and-the-staleness-window,
+algorithms/head_gate.py): group k is published only while
 ``k - freed < (eta + v + 1) * B`` (eta = ``rollout.max_head_offpolicyness``, B =
 ``train_dataset.prompts_per_step``, v = trained steps = ``version - rollbacks``).
 ``freed`` counts the groups *this feeder admitted* that the trainer named as rejected
@@ -34,7 +35,8 @@ from ..algorithms.head_gate import head_gate_capacity, log_counts
 from ..bus.role import Role, Source
 from ..config.sections import FeederSection
 from ..schemas.envelope import Event
-from ..schemas.events import ProgressEvent, PromptEvent
+from ..schemas.errors import ConfigError, TapiocaError
+from ..schemas.events import ImageRef, ProgressEvent, PromptEvent
 
 
 def head_gate_open(next_group_index: int, version: int, eta: int, prompts_per_step: int,
@@ -48,13 +50,15 @@ def head_gate_open(next_group_index: int, version: int, eta: int, prompts_per_st
 
 @dataclass
 class PromptRecord:
-    """One dataset row, already turned into prompt tokens."""
+    """One dataset row, already turned into prompt tokens (and its images, stored, by
+    reference: docs/vlm.md)."""
 
     prompt_id: str
     prompt_ids: list[int]
     prompt_text: str
     task: str
     task_data: dict[str, Any] = field(default_factory=dict)
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class PromptFeeder(Role[FeederState]):
                 admitted_at_version=state.latest_version,
                 freed_groups=state.freed,
                 progress_offset=state.progress_offset,
+                images=list(record.images),
             ))
             state.next_group_index += 1
             state.position += 1
@@ -217,13 +222,26 @@ class PromptFeeder(Role[FeederState]):
 
 
 def tokenize_records(
-    rows: Iterable[dict[str, Any]], encode_prompt: Callable[[dict[str, Any]], tuple[list[int], str]],
+    rows: Iterable[dict[str, Any]], encode_prompt: Callable[[dict[str, Any]], tuple],
     task: str,
 ) -> list[PromptRecord]:
-    """Turn task rows (``prompt_id``, ``messages`` or ``prompt``, ``answer``) into records."""
+    """Turn task rows (``prompt_id``, ``messages`` or ``prompt``, ``answer``, and ``images``
+    for a VL model) into records. ``encode_prompt(row)`` returns ``(ids, text)``, or
+    ``(ids, text, image refs)`` (models/vision.py ``VisionPrompts.encode``); a row with
+    images needs the latter."""
     records = []
     for row in rows:
-        ids, text = encode_prompt(row)
-        task_data = {k: v for k, v in row.items() if k not in ("messages", "prompt", "prompt_id")}
-        records.append(PromptRecord(str(row["prompt_id"]), ids, text, task, task_data))
+        try:
+            encoded = encode_prompt(row)
+        except ConfigError:
+            raise
+        except TapiocaError as exc:  # an image the run cannot use (media/images.py)
+            raise ConfigError(f"dataset row {row.get('prompt_id')}: {exc}") from None
+        ids, text = encoded[0], encoded[1]
+        images = list(encoded[2]) if len(encoded) > 2 else []
+        if row.get("images") and not images:
+            raise ConfigError(f"dataset row {row['prompt_id']} has images but the model reads none: "
+                             "use a vision-language model (docs/vlm.md) or a text dataset")
+        task_data = {k: v for k, v in row.items() if k not in ("messages", "prompt", "prompt_id", "images")}
+        records.append(PromptRecord(str(row["prompt_id"]), ids, text, task, task_data, images))
     return records

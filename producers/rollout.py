@@ -24,10 +24,23 @@ not started before the worker has loaded the version the feeder admitted it unde
 that overtakes its weights event is generated one version too old and later rejected as
 over-stale. A prompt's offset is committed only after all its trajectories are delivered.
 
+Routed experts (``rollout.return_routed_experts``, or ``actor.router_replay`` R3): the
+engine's routes of each completion ride on its trajectory (``routed_experts``, the compact
+encoding of :mod:`tapioca.schemas.routes`), inline up to
+``rollout.routed_experts_inline_max_bytes`` and otherwise in the run's blob store, written
+before the trajectory is published. A completion the engine returns without routes goes
+out without them (the trainer's ``actor.router_replay_missing`` decides).
+
 Fleet control: paused, the engine is paused too (the runner hands the worker no events
 and no ticks, so nothing is published); draining, no waiting prompt is started and the
 worker is drained once no generation is in flight (waiting prompts stay uncommitted,
 so another member or a restart generates them).
+
+Images (docs/vlm.md): a prompt's ``images`` (references by sha256) are fetched from the
+image store and processed for the engine by ``images`` (runtime/builders.py); the
+trajectories carry the same references. A prompt whose images cannot be used (a blob
+missing from the store, corrupt bytes, placeholders that do not match them, or any image
+for a model without a vision tower) is dead-lettered at once, like an impossible prompt.
 """
 
 from __future__ import annotations
@@ -40,13 +53,15 @@ from typing import Any, Callable, Iterable
 from ..bus.dedup import SeenSet
 from ..bus.role import DeadLetter, Role, Source
 from ..config.sections import RolloutSection
-from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from ..engines.base import GenRequest, GenResult, InferenceEngine, RequestImages, SamplingParams
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
 from ..weights.follow import WeightsFollow
 
 LoadWeights = Callable[[WeightsEvent], Any]
+# A prompt's image references -> what the engine takes (runtime/builders.py).
+PrepareImages = Callable[[list], RequestImages]
 
 
 @dataclass
@@ -56,6 +71,9 @@ class _Group:
     # Empty while the prompt waits for the weights it was admitted under.
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     published: set[int] = field(default_factory=set)
+    # Wall-clock facts for the trajectories' timings (ops/timeline.py): when the group
+    # went to the engine, and the weights switch it was generated after.
+    submit_timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +89,9 @@ class RolloutState:
     window_tokens: int = 0
     groups_done: int = 0
     draining: bool = False
+    # version -> wall clock when its weights event arrived; the last switch's facts.
+    weights_seen_at: dict[int, float] = field(default_factory=dict)
+    last_switch: dict[str, float] = field(default_factory=dict)
 
     @property
     def loaded_version(self) -> int:
@@ -103,16 +124,27 @@ class RolloutWorker(Role[RolloutState]):
         decode: Callable[[list[int]], str],
         member_id: str = "rollout",
         metrics_every_s: float = 10.0,
+        images: PrepareImages | None = None,
     ) -> None:
         """``section``: the sampling defaults (``gconfig``; a prompt's ``sampling``
         overrides them). ``engine`` and ``load_weights`` (fetch, verify, load a weights
-        event) come from runtime/builders.py; ``decode`` turns output ids into text."""
+        event) come from runtime/builders.py; ``decode`` turns output ids into text.
+        ``images``: a prompt's image references -> the engine's images (None: the model
+        reads no images, and a prompt with some is dead-lettered)."""
         self.engine = engine
+        self.prepare_images = images
         self.load_weights = load_weights
         self.sampling = SamplingParams.from_generation(section.gconfig)
         self.decode = decode
         self.member_id = member_id
         self.metrics_every_s = metrics_every_s
+        self.record_routes = section.record_routes
+        self.routes_inline_max_bytes = section.rollout.routed_experts_inline_max_bytes
+        self.blobs = None
+        if section.record_routes and section.run_dir:
+            from ..bus.blobs import run_blob_store
+
+            self.blobs = run_blob_store(section.run_dir)
 
     def init_state(self) -> RolloutState:
         return RolloutState(WeightsFollow("this rollout worker", loaded_version=self.engine.version))
@@ -126,6 +158,7 @@ class RolloutWorker(Role[RolloutState]):
         if isinstance(event, WeightsEvent):
             if state.weights.replayed(event):
                 return ()
+            state.weights_seen_at.setdefault(event.version, time.time())
             return state.weights.offer(event, source)
         assert isinstance(event, PromptEvent)
         if event.group_id in state.seen_groups:
@@ -148,12 +181,25 @@ class RolloutWorker(Role[RolloutState]):
         # Marked seen only once submitted: a submit that raises is retried, then
         # dead-lettered, by the bus; marking it first would swallow the retry.
         state.seen_groups.first(event.group_id)
-        state.inflight[event.group_id] = _Group(event, source, futures)
+        state.inflight[event.group_id] = _Group(event, source, futures, submit_timings=self._submitted(state))
         return ()
+
+    @staticmethod
+    def _submitted(state: RolloutState) -> dict[str, float]:
+        """Timings of a group submitted now: ``submitted_at`` and, when this worker has
+        switched weights, that switch (``weights_version``, ``weights_received_at``: the
+        event's arrival, ``weights_loaded_at``, ``weights_switch_s``: the load's duration)."""
+        return {"submitted_at": time.time(), **state.last_switch}
 
     def _requests(self, prompt: PromptEvent) -> list[GenRequest]:
         sampling = self._sampling_for(prompt)
-        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling)
+        images = None
+        if prompt.images:
+            if self.prepare_images is None:
+                raise ValueError(f"it has {len(prompt.images)} image(s) and this worker's model reads no "
+                                 "images; serve a vision-language model (docs/vlm.md)")
+            images = self.prepare_images(list(prompt.images))
+        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling, images)
                 for i in range(prompt.n_samples)]
 
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
@@ -174,17 +220,26 @@ class RolloutWorker(Role[RolloutState]):
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
         out: list[Event | DeadLetter] = []
         if state.pending_weights is not None:
+            before, t0 = state.loaded_version, time.time()
             out += state.weights.load_head(self.load_weights)
+            v = state.loaded_version
+            if v != before:
+                t1 = time.time()
+                state.last_switch = {"weights_version": float(v),
+                                     "weights_received_at": state.weights_seen_at.get(v, t0),
+                                     "weights_loaded_at": t1, "weights_switch_s": t1 - t0}
+                state.weights_seen_at = {k: t for k, t in state.weights_seen_at.items() if k > v}
         for group_id in list(state.inflight):
             group = state.inflight[group_id]
             if not group.futures:
                 if state.draining or group.prompt.admitted_at_version > state.loaded_version:
                     continue
                 group.futures = self._submit(group.prompt)
+                group.submit_timings = self._submitted(state)
             for i, fut in enumerate(group.futures):
                 if i in group.published or not fut.done():
                     continue
-                out.append(self._trajectory(group.prompt, i, fut.result()))
+                out.append(self._trajectory(group.prompt, i, fut.result(), group.submit_timings))
                 group.published.add(i)
                 state.trajectories += 1
                 n_tokens = len(out[-1].output_ids)
@@ -203,7 +258,8 @@ class RolloutWorker(Role[RolloutState]):
             state.window_start, state.window_tokens = now, 0
         return out
 
-    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult) -> TrajectoryEvent:
+    def _trajectory(self, prompt: PromptEvent, index: int, result: GenResult,
+                    submit_timings: dict[str, float] | None = None) -> TrajectoryEvent:
         return TrajectoryEvent(
             traj_id=f"{prompt.group_id}:{index}",
             group_id=prompt.group_id,
@@ -219,8 +275,18 @@ class RolloutWorker(Role[RolloutState]):
             task=prompt.task,
             task_data=prompt.task_data,
             group_index=prompt.group_index,
-            timings={k: float(v) for k, v in result.timings.items()},
+            timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
+            images=list(prompt.images),
+            routed_experts=self._routes(result),
         )
+
+    def _routes(self, result: GenResult):
+        if not self.record_routes or result.routed_experts is None:
+            return None
+        from ..schemas.routes import encode_routes
+
+        return encode_routes(result.routed_experts, inline_max_bytes=self.routes_inline_max_bytes,
+                             store=self.blobs)
 
     def committable(self, state: RolloutState, topic: str, partition: int, next_offset: int) -> int:
         held = [g.source.offset for g in state.inflight.values()

@@ -23,9 +23,11 @@ from typing import Any, Callable
 from ..bus.role import Role
 from ..config.schema import TrainConfig
 from ..config.sections import (
+    EvalSection,
     TrainerSection,
     advantage_section,
     archive_section,
+    eval_section,
     feeder_section,
     proxy_section,
     reward_section,
@@ -36,7 +38,7 @@ from ..schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver")
+ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver", "evaluator")
 
 
 def set_torch_threads(n: int) -> None:
@@ -57,13 +59,56 @@ def _tokenizer(path: str):
     return load_tokenizer(path)
 
 
+# ---------------------------------------------------------------- images (docs/vlm.md)
+
+
+def image_store(vlm):
+    """The run's image store (``vlm.image_store``)."""
+    from ..media.store import open_image_store
+
+    return open_image_store(vlm.image_store)
+
+
+def vision_prompts(model_path: str, tokenizer, vlm):
+    """Prompts with images for ``model_path`` (None when it is a text-only model)."""
+    from ..models.vision import VisionPrompts, is_vision_dir
+
+    if not is_vision_dir(model_path):
+        return None
+    return VisionPrompts(model_path, tokenizer, image_store(vlm), max_pixels=vlm.max_image_pixels,
+                         inline_max_bytes=vlm.inline_image_max_bytes)
+
+
+def request_images(model_path: str, vlm, *, pixels: bool):
+    """``refs -> RequestImages`` for an engine of ``model_path``: the bytes from the image
+    store, and (``pixels``: an in-process engine runs the tower) the processor's tensors;
+    None for a text-only model."""
+    from ..engines.base import RequestImages
+    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
+
+    if not is_vision_dir(model_path):
+        return None
+    loader = ImageLoader(image_store(vlm), ImageProcessor.from_dir(model_path))
+
+    def prepare(refs) -> RequestImages:
+        shas = [r.sha256 for r in refs]
+        if pixels:
+            pv, grids = loader.pixels(refs)
+            return RequestImages(shas, grids, pv)
+        grids = [loader.processor.grid_for(r.width, r.height) for r in refs]
+        return RequestImages(shas, grids, None, [(r.mime, b) for r, b in zip(refs, loader.blobs(refs))])
+
+    return prepare
+
+
 # ---------------------------------------------------------------- engines and weights
 
 
 def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
-                      decode: Callable[[list[int]], str]):
+                      decode: Callable[[list[int]], str], record_routes: bool = False):
     """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
-    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`."""
+    architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`.
+    ``record_routes``: results carry their routed experts (the paged engine only)."""
     from ..engines.model_runner import unsupported_reason
     from ..engines.paged_engine import PagedEngine
     from ..engines.torch_engine import TorchEngine
@@ -83,7 +128,13 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                            kv_cache_tokens=rollout.kv_cache_tokens,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
-                           **common)
+                           record_routes=record_routes, **common)
+    if record_routes:
+        raise ConfigError(
+            f"routed experts are recorded by the paged engine (Qwen3-MoE), which cannot run model "
+            f"family {getattr(hf_model.config, 'model_type', '?')!r} ({reason}); turn off "
+            "rollout.return_routed_experts / actor.router_replay=R3, or use rollout.engine=vllm or "
+            "sglang with a server that returns routed experts")
     log.info("model family %r: TorchEngine instead of the paged engine: %s",
              getattr(hf_model.config, "model_type", "?"), reason)
     return TorchEngine(hf_model, **common)
@@ -101,13 +152,14 @@ class EngineBundle:
 
 
 def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout", lora=None) -> EngineBundle:
+                 name: str = "rollout", record_routes: bool = False, lora=None) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
     weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
-    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared by the rollout
-    workers and the proxy. ``lora`` (the section's LoraSpec): the engine serves the run's LoRA
-    adapters on its base (a launched server gets its LoRA flags)."""
+    ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared
+    by the rollout workers and the proxy. ``record_routes``: results carry their routed
+    experts. ``lora`` (the section's LoraSpec): the engine serves the run's LoRA adapters on
+    its base (a launched server gets its LoRA flags)."""
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -120,7 +172,8 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         set_torch_threads(rollout.torch_threads)
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
         context = getattr(hf_model.config, "max_position_embeddings", None)
-        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode)
+        engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode,
+                                   record_routes=record_routes)
         del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
         # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
         return EngineBundle(engine, make_weight_loader(engine, rollout.device, member=f"{name}-{member}",
@@ -142,13 +195,14 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         launched.append(launch_server(
             rollout.engine, srv, model_path=model.path, device=rollout.device, dtype=model.dtype,
             max_num_seqs=per_server, threads=rollout.torch_threads,
-            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log", lora=lora))
+            log_path=Path(log_dir) / f"{rollout.engine}-server-{member}.log", lora=lora,
+            return_routed_experts=record_routes))
         urls = [launched[0].url]
     cls = VLLMEngine if rollout.engine == "vllm" else SGLangEngine
     try:
         engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
                      eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
-                     seed=seed, launched=launched,
+                     seed=seed, launched=launched, return_routed_experts=record_routes,
                      max_loaded_adapters=lora.max_loaded if lora is not None else 0)
     except BaseException:
         for server in launched:
@@ -175,8 +229,14 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
 
     a, adv = section.actor, section.advantage
     device = actor.device
+    if getattr(actor, "vision", None) is not None and (adv.estimator == "gae" or a.kl_ctl > 0
+                                                       or section.distill.kd_weight > 0):
+        raise ConfigError("a vision-language policy trains without a critic, reference or teacher "
+                          "model for now (they would score its tokens without the images): use an "
+                          "outcome estimator (grpo, ...) with actor.kl_ctl=0 and no distillation")
     frozen = dict(temperature=section.temperature, chunk_tokens=a.logprob_chunk_tokens,
-                  autocast_dtype=a.autocast_dtype, device=device)
+                  autocast_dtype=a.autocast_dtype, device=device,
+                  tree_training=a.enable_tree_training, attention_backend=a.attention_backend)
     vocab = actor.model.get_output_embeddings().weight.shape[0]
     models: dict[str, Any] = {}
     if adv.estimator == "gae":
@@ -213,6 +273,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     set_torch_threads(sec.actor.torch_threads)
     torch.manual_seed(sec.seed)
     if sec.fsdp.world_size > 1:
+        from ..models.vision import is_vision_dir
+
+        if is_vision_dir(sec.model.path):
+            raise ConfigError("the FSDP2 trainer does not train vision-language models yet (its "
+                              "micro-batches carry no images): set fsdp.world_size=1 (docs/vlm.md)")
         from ..trainers.fsdp_actor import build_sharded_actor
 
         return build_sharded_actor(cfg, sec)
@@ -236,7 +301,9 @@ def build_feeder(cfg: TrainConfig) -> Role:
 
     sec = feeder_section(cfg)
     task, rows = dataset_rows(sec.train_dataset, sec.seed)
-    records = tokenize_records(rows, prompt_encoder(_tokenizer(sec.model_path)), task)
+    tokenizer = _tokenizer(sec.model_path)
+    vision = vision_prompts(sec.model_path, tokenizer, sec.vlm)
+    records = tokenize_records(rows, vision.encode if vision else prompt_encoder(tokenizer), task)
     return PromptFeeder(sec, records=records)
 
 
@@ -247,10 +314,11 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member, lora=sec.lora)
+                          member=member, record_routes=sec.record_routes, lora=sec.lora)
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         member_id=f"rollout-{member}")
+                         member_id=f"rollout-{member}",
+                         images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))
 
 
 def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
@@ -303,6 +371,48 @@ def build_archiver(cfg: TrainConfig) -> Role:
     return Archiver(archive_section(cfg))
 
 
+def build_eval_parts(sec: EvalSection, *, log_dir: str, member: int = 0):
+    """What an evaluation runs on, for `tapioca eval` and the evaluator role: the held-out
+    prompts with their task's reward (producers/eval_run.py), the tokenizer's decode, and
+    an engine of ``rollout.engine`` with its weights loader (:func:`build_engine`, as a
+    rollout worker builds it). Returns ``(task, bundle, decode)``."""
+    from ..models.tokenizer import prompt_encoder
+    from ..producers.eval_run import load_eval_task
+
+    tokenizer = _tokenizer(sec.model.path)
+    task = load_eval_task(sec.valid_dataset, prompt_encoder(tokenizer),
+                          max_prompts=sec.eval.max_prompts)
+    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 900 + member,
+                          tokenizer=tokenizer, log_dir=log_dir, member=member, name="evaluator")
+    return task, bundle, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def build_evaluator(cfg: TrainConfig, member: int = 0, *, renice: bool = True) -> Role:
+    """The evaluator role (producers/evaluator.py): its own engine on ``valid_dataset``,
+    at ``evaluator.nice`` (``renice``: this process's priority is lowered, once)."""
+    from ..producers.evaluator import EVAL_DIR, Evaluator
+    from ..tasks.datasets import dataset_rows
+    from ..trainers.metrics_sink import MetricsSink
+
+    sec = eval_section(cfg)
+    if sec.rollout.engine != "torch" and sec.rollout.server.urls:
+        raise ConfigError(
+            f"rollout.server.urls names the rollout workers' {sec.rollout.engine} servers; the "
+            "evaluator loads the versions it evaluates into its engine and would change the "
+            "weights they generate with: leave rollout.server.urls empty (each role, the "
+            "evaluator too, launches its own server) or use rollout.engine=torch")
+    if renice and sec.evaluator.nice:
+        os.nice(sec.evaluator.nice)
+    task, bundle, decode = build_eval_parts(sec, log_dir=os.path.join(cfg.run_path, "logs"),
+                                            member=member)
+    train_prompts = None
+    if sec.evaluator.freq_epochs is not None:  # an epoch is train prompts / prompts_per_step
+        train_prompts = sum(1 for _ in dataset_rows(cfg.train_dataset, None)[1])
+    return Evaluator(sec, engine=bundle.engine, load_weights=bundle.load_weights, task=task,
+                     decode=decode, sink=MetricsSink(Path(cfg.run_path) / EVAL_DIR),
+                     member_id=f"evaluator-{member}", train_prompts=train_prompts)
+
+
 def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
     if name == "feeder":
         return build_feeder(cfg)
@@ -316,6 +426,8 @@ def build_role(name: str, cfg: TrainConfig, member: int = 0) -> Role:
         return build_trainer(cfg)
     if name == "archiver":
         return build_archiver(cfg)
+    if name == "evaluator":
+        return build_evaluator(cfg, member)
     raise ConfigError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")
 
 
@@ -332,4 +444,6 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
                           member=member, name="proxy", lora=sec.lora)
     return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
                         load_weights=bundle.load_weights,
-                        max_context_tokens=bundle.max_context_tokens)
+                        max_context_tokens=bundle.max_context_tokens,
+                        vision=vision_prompts(sec.model.path, tokenizer, sec.vlm),
+                        images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))

@@ -1,8 +1,8 @@
 """Resolving a run before (and while) its processes run: the one place a loaded config
 changes.
 
-Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or an
-offline :class:`~tapioca.config.offline.OfflineTrainConfig`) and the facts of this start
+Consumes a loaded, frozen config (a :class:`~tapioca.config.schema.TrainConfig` or a
+supervised :class:`~tapioca.config.supervised.SupervisedTrainConfig`) and the facts of this start
 (the broker's address, the trial to name, the bus run id a resumed run continues on, ...);
 returns a new config built with ``dataclasses.replace`` (each changed section validated
 by its own ``__post_init__``) and makes what the new values name: the run directory, the
@@ -11,7 +11,7 @@ tiny model, the run's signing key, the proxy's admin key file. Emits nothing on 
 broker still holds a resumed run's log.
 
 Every caller that used to assign to a config (`tapioca train`'s launcher, `tapioca proxy`,
-the offline trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
+the supervised trainers, `tapioca train-offline`, `tapioca role`) calls :func:`resolve_run`
 instead; nothing else changes a config after :func:`~tapioca.config.loader.load_config`.
 """
 
@@ -56,8 +56,9 @@ def resolve_run(cfg: C, *, values: Mapping[str, Any] | None = None, trial_name: 
       time, so the run id and run dir are ``experiment.YYYYmmdd-HHMMSS``;
     - ``bootstrap`` / ``topic_prefix`` / ``client_id`` of the bus;
     - ``prepare``: the run directory made absolute and created, the tiny model created
-      under it when ``model.path`` is empty (the task's alphabet), and ``bus.run_id`` set
-      to the run id (a run's own log; the launcher then resolves a resumed run's);
+      under it when ``model.path`` is empty (the task's alphabet), an empty
+      ``vlm.image_store`` set to ``<run dir>/images``, and ``bus.run_id`` set to the run
+      id (a run's own log; the launcher then resolves a resumed run's);
     - ``claim_run``: a ``bus.run_id`` that names no run becomes the run id (a process that
       is its run's only writer, e.g. `tapioca proxy` on its own);
     - ``bus_run_id``: the run id on the bus, as given (one per broker lifetime);
@@ -103,14 +104,24 @@ def _prepare(cfg: C) -> C:
 
         hf_logging.disable_progress_bar()
         m = cfg.model
+        vision = ({"vision": {"depth": m.vision_depth, "hidden_size": m.vision_hidden_size}}
+                  if m.arch in ("qwen2_5_vl", "qwen3_vl") else {})
         path = create_tiny_checkpoint(
             run_dir / "model", _tiny_task(cfg), arch=m.arch, hidden_size=m.hidden_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             intermediate_size=m.intermediate_size, num_experts=m.num_experts,
             num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings,
+            seed=m.init_seed, tie_word_embeddings=m.tie_word_embeddings, **vision,
             **({"lm_head_init_std": m.lm_head_init_std} if m.lm_head_init_std else {}))
         cfg = replace_path(cfg, "model.path", str(path.resolve()))
+    vlm = getattr(cfg, "vlm", None)
+    if vlm is not None and not vlm.image_store:  # images beside the run (docs/vlm.md)
+        cfg = replace_path(cfg, "vlm.image_store", str(run_dir.resolve() / "images"))
+    if hasattr(cfg, "check_vision_policy"):  # an RL run (TrainConfig) of a VL model directory
+        from ..models.vision import is_vision_dir
+
+        if is_vision_dir(cfg.model.path):
+            cfg.check_vision_policy()
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
         # Fail here, not in a rollout worker's log.
@@ -121,12 +132,16 @@ def _prepare(cfg: C) -> C:
 
 
 def _tiny_task(cfg: Any) -> str:
-    """The task whose alphabet the tiny model's tokenizer covers: an offline config's
-    ``tiny_task``; an RL run's dataset (synthetic, else the printable alphabet of gsm8k)."""
+    """The task whose alphabet the tiny model's tokenizer covers: a supervised config's
+    ``tiny_task``; online mode's live text (the printable alphabet of gsm8k); an RL run's
+    dataset (synthetic or visual, else gsm8k's)."""
     task = getattr(cfg, "tiny_task", "")
     if task:
         return task
-    return "synthetic" if cfg.train_dataset.type == "synthetic" else "gsm8k"
+    if getattr(getattr(cfg, "agent", None), "online", False):  # live users type any text
+        return "gsm8k"
+    kind = cfg.train_dataset.type
+    return kind if kind in ("synthetic", "visual") else "gsm8k"
 
 
 def create_tiny_checkpoint(dir: str | os.PathLike, task: str = "synthetic", *,

@@ -67,6 +67,28 @@ TRAJECTORY: dict[str, str] = {
                    "count); 0 when not from the feeder.",
     "timings": "Wall-clock facts of the rollout in seconds (queued_s, generate_s, ...), for "
                "auditing.",
+    "images": "The images of prompt_ids + output_ids in the order of their placeholder "
+              "tokens (empty for text). Each is {sha256, mime, width, height, data_b64}: "
+              "sha256 (hex) of the image's encoded bytes, which the run's image store "
+              "holds under that name (a directory `<sha256[:2]>/<sha256>`, or the object "
+              "store of vlm.image_store); data_b64 carries the same bytes in base64 when "
+              "they are at most vlm.inline_image_max_bytes (default 4096), else is empty. "
+              "A reader checks the SHA-256 of the bytes it got (docs/reward-services.md).",
+    "session_id": "The agent proxy's session this completion came from (empty otherwise). "
+                  "A service rewarding sessions (online mode) finds a session's "
+                  "trajectories by it.",
+    "delayed_reward_factor": "What a reward given to the whole session after it ended is "
+                             "multiplied by for this trajectory (AReaL's turn discount, "
+                             "discount ** completions after it; 1 without one).",
+    "routed_experts": "MoE models: the experts the engine routed each token to in each MoE "
+                      "layer (rollout routing replay): num_tokens = len(prompt_ids) + "
+                      "len(output_ids) - 1 (every token but the last sampled one), num_layers "
+                      "(MoE layers), top_k, dtype (uint8 up to 256 experts, else uint16), and "
+                      "the ids as one little-endian token-major array [num_tokens, num_layers, "
+                      "top_k]: base64 in data_b64, or named by its SHA-256 in blob_sha256 (the "
+                      "run's blob store, <run dir>/blobs). null: not recorded; a trainer with "
+                      "actor.router_replay R3 then routes the sequence live or rejects it "
+                      "(actor.router_replay_missing).",
 }
 
 REWARD: dict[str, str] = {

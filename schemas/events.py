@@ -12,6 +12,92 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from .envelope import Event
+from .errors import SchemaError
+
+
+@dataclass(kw_only=True)
+class ImageRef:
+    """One image by content address (docs/vlm.md): its encoded bytes (PNG, JPEG, WebP,
+    GIF or BMP as sent) are in the run's image store under ``sha256``, the hex SHA-256 of
+    those bytes. ``width`` / ``height``: its pixels as decoded, before any resize.
+    ``data_b64``: the same bytes in base64, also on the event when they are at most
+    ``vlm.inline_image_max_bytes`` (a reader needs no store for those); empty otherwise.
+    An event lists its images in the order of their placeholders in its tokens."""
+
+    sha256: str
+    mime: str = "image/png"
+    width: int = 0
+    height: int = 0
+    data_b64: str = ""
+
+    def __post_init__(self) -> None:
+        h = self.sha256
+        if not (isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)):
+            raise SchemaError(f"image sha256 {str(h)[:80]!r} is not 64 lowercase hex digits (the "
+                              "SHA-256 of the image's bytes)")
+
+
+@dataclass(kw_only=True)
+class RoutedExperts:
+    """The top-k expert ids a mixture-of-experts model routed each token to, in each of
+    its MoE layers, during one generation (rollout routing replay, R3; docs/models.md).
+
+    Tokens are those the engine fed through the model: ``prompt_ids + output_ids`` but
+    the last sampled token, so ``num_tokens = len(prompt_ids) + len(output_ids) - 1`` (vLLM's
+    and SGLang's convention). The ids are one little-endian array ``[num_tokens,
+    num_layers, top_k]``, token-major, of ``dtype`` (uint8 when the model has at most 256
+    experts, else uint16): 48 MoE layers x top-8 are 384 bytes a token in uint8 (512 in
+    base64). ``num_layers`` counts MoE layers only, in layer order. The bytes are on the
+    event (``data_b64``) or, beyond the writer's inline limit, in the run's blob store
+    under ``blob_sha256``, the hex SHA-256 of the raw bytes (:mod:`tapioca.bus.blobs`);
+    exactly one of the two is set."""
+
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    dtype: Literal["uint8", "uint16"] = "uint8"
+    data_b64: str = ""
+    blob_sha256: str = ""
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the raw array (before base64)."""
+        return self.num_tokens * self.num_layers * self.top_k * (1 if self.dtype == "uint8" else 2)
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "top_k"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (0 if name == "num_tokens" else 1):
+                raise SchemaError(f"routed_experts.{name} is {value!r}; it counts "
+                                  f"{'tokens (>= 0)' if name == 'num_tokens' else name + ' (>= 1)'}")
+        if self.dtype not in ("uint8", "uint16"):
+            raise SchemaError(f"routed_experts.dtype {self.dtype!r}: expected one of uint8, uint16")
+        inline, blob = bool(self.data_b64), bool(self.blob_sha256)
+        if inline == blob and self.num_bytes:
+            raise SchemaError("routed_experts needs exactly one of data_b64 (the ids inline) and "
+                              f"blob_sha256 (their blob), got {'both' if inline else 'neither'}")
+        if blob and not (len(self.blob_sha256) == 64
+                         and all(c in "0123456789abcdef" for c in self.blob_sha256)):
+            raise SchemaError(f"routed_experts.blob_sha256 {self.blob_sha256[:80]!r} is not 64 "
+                              "lowercase hex digits (the SHA-256 of the ids' bytes)")
+        want = 4 * ((self.num_bytes + 2) // 3)  # base64 of num_bytes bytes, padded
+        if inline and len(self.data_b64) != want:
+            raise SchemaError(
+                f"routed_experts.data_b64 has {len(self.data_b64)} characters, but {self.num_tokens} "
+                f"tokens x {self.num_layers} layers x top-{self.top_k} in {self.dtype} are "
+                f"{self.num_bytes} bytes, {want} in base64")
+
+
+def check_routed_tokens(routes: "RoutedExperts | None", prompt_len: int, output_len: int,
+                        where: str) -> None:
+    """Routes must cover every token the engine fed: prompt + output - 1."""
+    if routes is None:
+        return
+    want = max(0, prompt_len + output_len - 1)
+    if routes.num_tokens != want:
+        raise SchemaError(
+            f"{where}: routed_experts covers {routes.num_tokens} tokens, but {prompt_len} prompt + "
+            f"{output_len} output tokens need {want} (every token but the last sampled one)")
 
 
 @dataclass(kw_only=True)
@@ -19,7 +105,8 @@ class PromptEvent(Event):
     """One prompt to be completed ``n_samples`` times (a GRPO group).
 
     ``group_index`` is the feeder's own sequence number k of this group; the head gate
-    (DESIGN.md §3) recovers it from the last prompt event after a restart.
+    (docs/design.md#3-policy-versions-and-the-staleness-window) recovers it from the last
+    prompt event after a restart.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -47,6 +134,8 @@ class PromptEvent(Event):
     # read them from weights events); no longer written (-1), read as -1 by this feeder.
     weights_offset: int = -1
     progress_offset: int = -1
+    # The prompt's images, in the order of their placeholders in prompt_ids (empty: text).
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -83,6 +172,22 @@ class TrajectoryEvent(Event):
     group_index: int = 0
     # Wall-clock facts, seconds: queued_s, generate_s, ...
     timings: dict[str, float] = field(default_factory=dict)
+    # The images of prompt_ids + output_ids, in the order of their placeholders.
+    images: list[ImageRef] = field(default_factory=list)
+    # Agent proxy: the session this trajectory came from ("" otherwise), and what a reward
+    # given to the whole session after it ended (``POST /v1/sessions/{id}/reward``,
+    # ``tapioca reward``) is multiplied by for this trajectory: AReaL's turn discount,
+    # ``discount ** (completions after this trajectory's last one)``.
+    session_id: str = ""
+    delayed_reward_factor: float = 1.0
+    # The experts every token was routed to in every MoE layer (rollout.return_routed_experts;
+    # None: not recorded). The trainer replays them with actor.router_replay R3.
+    routed_experts: Optional[RoutedExperts] = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_routed_tokens(self.routed_experts, len(self.prompt_ids), len(self.output_ids),
+                            f"trajectory {self.traj_id}")
 
 
 @dataclass(kw_only=True)
@@ -126,6 +231,12 @@ class SampleSequence:
     # The reward after advantage.reward_norm, the value the estimator (and the trainer's
     # GAE) used; ``reward`` stays the shaped, un-normalised reward. None: no reward_norm.
     norm_reward: Optional[float] = None
+    # The images of the sample's prompt_ids + this output_ids, in placeholder order
+    # (copied from the TrajectoryEvent); the trainer recomputes the pixels from the bytes.
+    images: list[ImageRef] = field(default_factory=list)
+    # The rollout's routes over the group's prompt_ids + this output_ids (copied from the
+    # TrajectoryEvent; None: not recorded). The trainer checks them (sample_checks.py).
+    routed_experts: Optional[RoutedExperts] = None
 
 
 @dataclass(kw_only=True)
@@ -157,6 +268,15 @@ class SampleEvent(Event):
     # Non-empty: the group is not for training (e.g. "timeout: 7 of 8 rewards"). The
     # trainer counts it as rejected, which frees its slot in the feeder's head gate.
     dropped_reason: str = ""
+    # Seconds from the group's last trajectory to its last reward (producers' clocks,
+    # ``produced_at``; 0 when a reward came first): how late its rewards came.
+    reward_delay_s: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        for seq in self.sequences:
+            check_routed_tokens(seq.routed_experts, len(self.prompt_ids), len(seq.output_ids),
+                                f"group {self.group_id} sequence {seq.traj_id}")
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""The topic registry: every topic of DESIGN.md §1 as one table.
+"""The topic registry: every topic of docs/design.md#1-the-event-flow as one table.
 
 Each row gives the topic's base name and version (the full name is
 ``{prefix}.{name}.v{version}``, prefix ``tapioca`` by default), the event field it is

@@ -14,6 +14,9 @@ trajectory event carries. Records are plain JSON-able dicts keyed by ``prompt_id
 ``iter_records(split, seed)`` yields each record of the split exactly once (one epoch),
 in an order fixed by ``seed``; epochs and resume positions are the feeder's business.
 ``reward`` returns a float in [0, 1]; it raises (never returns 0) when it cannot score.
+``extract_answer(completion_text)`` (optional) returns the answer ``reward`` compares, as
+a string equal answers share, or None: the majority vote of `tapioca eval`'s maj@k
+(:func:`task_answer`).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
 
 def _load_builtins() -> None:
     # Imported here, not at module top, so base.py has no import cycle with the tasks.
-    from . import gsm8k, synthetic  # noqa: F401  (they register themselves)
+    from . import gsm8k, synthetic, visual  # noqa: F401  (they register themselves)
 
 
 def task_names() -> list[str]:
@@ -108,3 +111,20 @@ def task_reward(task: str, **options: Any) -> RewardOf:
         return math
     impl = get_task(task, **options)
     return lambda text, record_or_answer: float(impl.reward(text, record_or_answer))
+
+
+def task_answer(task: str, **options: Any) -> Callable[[str], "str | None"]:
+    """``extract(completion_text) -> answer | None`` of the task named ``task`` (the
+    dispatch of :func:`task_reward`): ``math`` (or no name) is
+    :func:`~tapioca.tasks.math_reward.math_answer`, a registered task its
+    ``extract_answer``. A task without one raises :class:`ConfigError` (maj@k needs it)."""
+    if not task or task == MATH_TASK:
+        from .math_reward import math_answer
+
+        return math_answer
+    impl = get_task(task, **options)
+    extract = getattr(impl, "extract_answer", None)
+    if extract is None:
+        raise ConfigError(f"task {task!r} has no extract_answer(completion_text), which maj@k "
+                          "votes with; add one to the task")
+    return extract

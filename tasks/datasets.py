@@ -104,22 +104,67 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     )
 
 
-def dataset_rows(ds: "DatasetConfig", seed: int) -> tuple[str, Iterable[dict[str, Any]]]:
-    """(task name, rows with prompt_id, messages|prompt, answer) of a ``train_dataset``
-    section: a built-in task's records, or a file's rows as math problems (``math``)."""
+def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[dict[str, Any]]]:
+    """(task name, rows with prompt_id, messages|prompt, answer, and a file's subset) of a
+    ``train_dataset`` / ``valid_dataset`` section: a built-in task's records, or a file's
+    rows as math problems (``math``). ``seed`` None: file order (evaluation)."""
     from .base import get_task
 
     if ds.type == "synthetic":
         return "synthetic", get_task("synthetic", **ds.task_options).iter_records(ds.split, seed)
     if ds.type == "gsm8k":
         return "gsm8k", get_task("gsm8k", path=ds.path or None, **ds.task_options).iter_records(ds.split, seed)
+    if ds.type == "visual":
+        return "visual", get_task("visual", **ds.task_options).iter_records(ds.split, seed)
+    base_dir = os.path.dirname(os.path.abspath(ds.path))
 
     def rows():
         for i, row in enumerate(read_records(ds.path)):
             if ds.prompt_key not in row:
                 raise ConfigError(f"dataset row {i} of {ds.path} has no {ds.prompt_key!r}; set "
                                   "train_dataset.prompt_key to the prompt column")
-            yield {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
+            out = {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
                    "answer": str(row.get(ds.answer_key, ""))}
+            if row.get(ds.subset_key) is not None:  # `tapioca eval` reports per subset
+                out["subset"] = str(row[ds.subset_key])
+            images = row.get(ds.image_key)
+            if images is not None and not (hasattr(images, "__len__") and len(images) == 0):
+                out.update(image_row(out["prompt"], images, base_dir=base_dir, where=f"row {i} of {ds.path}"))
+            yield out
 
     return "math", rows()
+
+
+# Geometry3K's (and AReaL's / verl's) placeholder for where an image goes in the text.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def image_row(text: str, images: Any, *, base_dir: str | None, where: str) -> dict[str, Any]:
+    """``{"messages", "images"}`` of a row with an images column: ``images`` the bytes
+    (from bytes, paths relative to ``base_dir``, or ``{bytes, path}`` dicts), ``messages``
+    one user turn whose parts put each image where the text says ``<image>`` (the
+    Geometry3K format), or all images before the text when it names none."""
+    from ..media.images import ImageError, read_image_source
+
+    if isinstance(images, (bytes, str, dict)):
+        images = [images]
+    try:
+        blobs = [read_image_source(item, base_dir=base_dir) for item in images]
+    except ImageError as exc:
+        raise ConfigError(f"dataset {where}: {exc}") from None
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) == 1:
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in blobs]
+        parts += [{"type": "text", "text": text}] if text else []
+    elif len(pieces) - 1 != len(blobs):
+        raise ConfigError(f"dataset {where}: the text has {len(pieces) - 1} {IMAGE_PLACEHOLDER} "
+                          f"placeholder(s) but {len(blobs)} image(s); give one image per placeholder")
+    else:
+        parts = []
+        for k, piece in enumerate(pieces):
+            if piece:
+                parts.append({"type": "text", "text": piece})
+            if k < len(blobs):
+                parts.append({"type": "image"})
+    return {"messages": [{"role": "user", "content": parts}], "images": blobs,
+            "prompt": text.replace(IMAGE_PLACEHOLDER, "")}

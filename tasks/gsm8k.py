@@ -22,7 +22,7 @@ from ..models.tokenizer import PRINTABLE_ALPHABET
 from ..schemas.errors import ConfigError, TapiocaError
 from .base import Record, reference_of, register_task, user_messages
 from .datasets import read_records
-from .math_reward import math_reward
+from .math_reward import math_answer, math_reward
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -80,6 +80,9 @@ class GSM8KTask:
                 "prompt": prompt,
                 "answer": gsm8k_reference(row["answer"]),
             }
+
+    def extract_answer(self, completion_text: str) -> str | None:
+        return math_answer(completion_text)
 
     def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
         return math_reward(completion_text, reference_of(record_or_answer))

@@ -120,6 +120,44 @@ def _check(completion: str, reference: str, mv_timeout: int | None) -> float:
     return 1.0 if pred and verify(gold, pred, timeout_seconds=mv_timeout) else 0.0
 
 
+def _number_text(value: float) -> str:
+    """One spelling per number: ``18.0`` and ``18`` -> ``"18"``, ``0.50`` -> ``"0.5"``."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else format(value, ".10g")
+
+
+def math_answer(completion: str) -> str | None:
+    """The final answer of ``completion`` that :func:`math_reward` checks (the module doc's
+    order: boxed, ``####``, math-verify's plain extraction, the last number), spelled so
+    that equal answers are equal strings (for majority votes, `tapioca eval`'s maj@k):
+    numbers as :func:`_number_text`, other expressions as sympy prints them. None: no
+    answer found. Off the main thread math-verify runs without its alarm (see above)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    text = _candidate(completion)
+    plain = _plain_float(text)
+    if plain is not None:
+        return _number_text(plain)
+    timeout = DEFAULT_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    if "\\" in text and "$" not in text:
+        text = f"${text}$"
+    try:
+        found = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                      parsing_timeout=timeout, raise_on_error=False)
+    except Exception:  # a timeout: fall back to the last number, as the reward does
+        found = []
+    if found:
+        expr = found[0]
+        try:
+            return _number_text(float(expr))
+        except (TypeError, ValueError):
+            return str(expr)
+    number = last_number(text)
+    if number is None:
+        return None
+    value = _plain_float(number)
+    return _number_text(value) if value is not None else number
+
+
 def math_reward(completion: str, reference: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> float:
     """1.0 if ``completion``'s final answer equals ``reference`` mathematically, else 0.0.
 

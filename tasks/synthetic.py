@@ -7,8 +7,11 @@ lr 5e-4 and grad clipping; the measurements behind the choice are in the
 ``SyntheticTask`` docstring.
 
 Records: all ``len(digits)**2`` operand pairs, once per epoch, shuffled by ``seed``;
-``prompt_id`` is ``synthetic-{op}-{a}{b}`` whatever the seed or split (the task is a
-lookup table, there is nothing to hold out; ``test`` is the same set in file order).
+``prompt_id`` is ``synthetic-{op}-{a}{b}`` whatever the seed or split. By default
+nothing is held out (``test`` is the same set in file order); with ``holdout_pairs=n``
+a fixed set of n pairs (chosen by a seed of its own, the same in every run) is the
+``test`` split and is left out of ``train``: held-out prompts the evaluator can score
+(the demo's ``valid_dataset``).
 The completion must be the answer followed by ``<eos>``; ``reward`` reads the text
 before the first ``<eos>`` (if the worker kept it), surrounding spaces ignored.
 """
@@ -28,13 +31,17 @@ from .base import Record, reference_of, register_task, user_messages
 # 23 + 7 = 30 tokens.
 SYNTHETIC_ALPHABET = DEFAULT_ALPHABET + "maxin()"
 
+# The seed that picks the held-out pairs (holdout_pairs): fixed, not the run's seed.
+HOLDOUT_SEED = 20261202
+
 # op -> (prompt for operands a, b; reference answer)
 OPS: dict[str, tuple[Callable[[int, int], str], Callable[[int, int], str]]] = {
     # the default: needs both operands and a comparison, but half the table is
     # "copy the first", so the reward climbs from the first hundred steps
     "max": (lambda a, b: f"max({a},{b})=", lambda a, b: str(max(a, b))),
     "min": (lambda a, b: f"min({a},{b})=", lambda a, b: str(min(a, b))),
-    # DESIGN.md §5b's reference points: copy is the easiest, add the one RL alone fails
+    # docs/design.md#5b-the-embedded-default-task has the reference points: copy is the
+    # easiest, add the one RL alone fails
     "copy": (lambda a, b: f"{a}+{b}=", lambda a, b: str(a)),
     "add": (lambda a, b: f"{a}+{b}=", lambda a, b: str(a + b)),
 }
@@ -82,6 +89,8 @@ class SyntheticTask:
     op: str = "max"
     max_digit: int = 9
     format_credit: float = 0.0
+    # Operand pairs held out of ``train`` and served as ``test`` (0: none held out).
+    holdout_pairs: int = 0
     name: str = "synthetic"
     alphabet: str | None = SYNTHETIC_ALPHABET
 
@@ -92,6 +101,10 @@ class SyntheticTask:
             raise ConfigError(f"max_digit must be in 0..9 (one-digit operands), got {self.max_digit}")
         if not 0.0 <= self.format_credit < 1.0:
             raise ConfigError(f"format_credit must be in [0, 1), got {self.format_credit}")
+        pairs = (self.max_digit + 1) ** 2
+        if not 0 <= self.holdout_pairs < pairs:
+            raise ConfigError(f"holdout_pairs={self.holdout_pairs}: hold out 0..{pairs - 1} of "
+                              f"the {pairs} operand pairs (some must stay for training)")
 
     def prompt(self, a: int, b: int) -> str:
         return OPS[self.op][0](a, b)
@@ -99,9 +112,20 @@ class SyntheticTask:
     def answer(self, a: int, b: int) -> str:
         return OPS[self.op][1](a, b)
 
-    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
-        """Every operand pair once; shuffled by ``seed`` for ``train`` (``None``: in order)."""
+    def held_out(self) -> set[tuple[int, int]]:
+        """The ``holdout_pairs`` operand pairs of the ``test`` split: drawn by a fixed seed
+        of their own, so every run (whatever its ``seed``) holds out the same ones."""
         pairs = [(a, b) for a in range(self.max_digit + 1) for b in range(self.max_digit + 1)]
+        return set(random.Random(HOLDOUT_SEED).sample(pairs, self.holdout_pairs))
+
+    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
+        """Every operand pair once (with ``holdout_pairs``: ``train`` without the held-out
+        pairs, ``test`` / ``valid`` only those); shuffled by ``seed`` for ``train``
+        (``None``: in order)."""
+        pairs = [(a, b) for a in range(self.max_digit + 1) for b in range(self.max_digit + 1)]
+        if self.holdout_pairs:
+            held = self.held_out()
+            pairs = [p for p in pairs if (p in held) == (split in ("test", "valid"))]
         if split == "train" and seed is not None:
             random.Random(seed).shuffle(pairs)
         for a, b in pairs:
@@ -113,6 +137,10 @@ class SyntheticTask:
                 "prompt": prompt,
                 "answer": self.answer(a, b),
             }
+
+    def extract_answer(self, completion_text: str) -> str | None:
+        """The answer :meth:`reward` compares (None: an empty completion)."""
+        return completion_answer(completion_text) or None
 
     def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
         got = completion_answer(completion_text)

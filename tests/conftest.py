@@ -123,6 +123,7 @@ def one_of_each_event() -> list:
         DlqRecord,
         FleetEvent,
         MetricsEvent,
+        ProgressEvent,
         PromptEvent,
         RewardEvent,
         SampleEvent,
@@ -148,6 +149,7 @@ def one_of_each_event() -> list:
         MetricsEvent(source="trainer", step=1, metrics={"loss": 0.5}),
         DlqRecord(source_topic="x.prompts.v1", source_partition=0, source_offset=0,
                   error="e", error_type="SchemaError"),
+        ProgressEvent(version=1, group_ids=["g0"]),
     ]
 
 

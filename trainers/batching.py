@@ -9,7 +9,7 @@ output token the loss trains on (loss mask 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -35,6 +35,13 @@ class SeqItem:
     # the value before the update and the GAE return.
     token_values: list[float] | None = None
     token_returns: list[float] | None = None
+    # The sequence's images (ImageRef, placeholder order): trainers/vision_batch.py.
+    images: list = field(default_factory=list)
+    # The rollout's routed experts (routing replay R3): base64 of the token-major ids
+    # [length - 1, MoE layers, top_k] in ``routes_dtype`` (the wire form of
+    # schemas/routes.py, checked by the trainer); "" when the sequence has none.
+    routes: str = ""
+    routes_dtype: str = "uint8"
 
     @property
     def length(self) -> int:
@@ -57,6 +64,8 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 bounds = sorted({max(b - 1, 0) for b in bounds})
             if not out:
                 continue
+            # Routes cover prompt + output tokens however the two are split above.
+            routes = seq.routed_experts
             items.append(SeqItem(
                 group_id=s.group_id,
                 input_ids=prompt + out,
@@ -68,6 +77,9 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
                 # The reward the estimator works on: after advantage.reward_norm if set.
                 reward=seq.reward if seq.norm_reward is None else seq.norm_reward,
                 turn_boundaries=bounds,
+                images=list(seq.images),
+                routes=routes.data_b64 if routes is not None else "",
+                routes_dtype=routes.dtype if routes is not None else "uint8",
             ))
     return items
 
@@ -75,7 +87,7 @@ def flatten_groups(samples: list[SampleEvent]) -> list[SeqItem]:
 def pack(lengths: Sequence[int], max_tokens: int, *, padded: bool = True) -> list[list[int]]:
     """Indices packed greedily by padded size (count x longest) <= max_tokens, longest
     first; an item longer than the budget gets a micro-batch of its own. Shared by the
-    RL trainer (:func:`micro_batches`) and the offline trainers. ``padded=False``
+    RL trainer (:func:`micro_batches`) and the supervised trainers. ``padded=False``
     budgets the sum of lengths instead (packed micro-batches, no padding:
     :mod:`tapioca.trainers.packing`)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
@@ -112,6 +124,8 @@ class TensorBatch:
     returns_BT: torch.Tensor | None = None  # [B, T-1]
     # The group of each row (a step whose loss is not finite names the groups it skips).
     group_ids: tuple[str, ...] = ()
+    # A VL model's vision inputs (trainers/vision_batch.py): PackedImages / PaddedImages.
+    images: Any = None
 
     @property
     def n_tokens(self) -> int:

@@ -357,7 +357,7 @@ def refuse_legacy(path: Path) -> None:
 
 
 def migrate_legacy(path: str | os.PathLike) -> Path:
-    """Convert one old ``*.pt`` checkpoint (a trainer's, an offline trainer's or a
+    """Convert one old ``*.pt`` checkpoint (a trainer's, a supervised trainer's or a
     critic's) to the safetensors format beside it; the old file is kept. Reads it with
     ``torch.load(weights_only=True)``: a file that needs anything but tensors, plain
     containers and NumPy arrays is refused, never executed."""

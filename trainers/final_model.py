@@ -1,5 +1,5 @@
 """The Hugging Face directory an RL run leaves when it finishes, ``<run dir>/final/``, as
-the offline trainers leave theirs (trainers/offline_loop.py): the files of the model
+the supervised trainers leave theirs (trainers/supervised/loop.py): the files of the model
 directory the run started from (``config.json``, ``generation_config.json``, the tokenizer
 and chat template) with the trained weights as ``model.safetensors`` in ``model.dtype``.
 ``AutoModelForCausalLM.from_pretrained``, vLLM and SGLang load it as it is, and it is a

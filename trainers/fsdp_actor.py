@@ -24,13 +24,22 @@ so all ranks must run the same number of forwards and backwards. A step with few
 sequences than needed gives a rank a one-token dummy micro-batch whose gradient is
 zeroed (``actor/fsdp_dummy_micro_batches`` counts them).
 
+Tensor / context parallelism (``fsdp.tensor_parallel_size`` / ``context_parallel_size``,
+docs/distributed.md §4): the ranks form a (dp, cp, tp) mesh (:func:`build_mesh`); the
+weights are split over tp first (models/parallel.py), then FSDP2 shards them over dp x cp;
+the step is planned per data-parallel replica (its tp and cp ranks share its micro-batches,
+each packed to a multiple of tp x cp tokens) and the logprobs come from the parallel
+forward with the vocabulary-parallel head (:func:`parallel_batch_logprobs`). With
+tp = cp = 1 none of it runs: one data-parallel dimension over every rank, as below.
+
 Loss normalisation (why N ranks equal one process on the same batch): PPOActor scales
 micro-batch i of minibatch m by ``units_i / U_m`` with ``U_m`` the units (trained
 tokens for token-mean, sequences otherwise) of *its own* micro-batches. Each rank's
 gradient is further scaled by ``N * U_m(rank) / U_m(all ranks)`` (applied to the
 gradient of the logprobs, so loss values and metrics are untouched), and FSDP2's
 reduce-scatter averages over N ranks: the sum is the gradient of the step's loss
-normalised by the global unit count, exactly what one process computes. Gradient
+normalised by the global unit count, exactly what one process computes. (Under tp / cp:
+``dp x cp x U_m(replica) / U_m(all replicas)``, FSDP2 averaging over dp x cp.) Gradient
 clipping sees the global norm (DTensor gradients).
 """
 
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -46,10 +55,12 @@ import torch
 from ..algorithms.aggregation import agg_units
 from ..config.distributed import FSDPConfig
 from ..config.schema import ActorConfig
+from ..config.weights import WeightsConfig
 from ..schemas.errors import ConfigError, FatalRoleError
 from . import sharded_checkpoint
 from .batching import SeqItem, TensorBatch, pack
 from .fsdp_ranks import Channel
+from .packing import PackedBatch, to_packed
 from .ppo_actor import PPOActor, StepResult, _split
 
 log = logging.getLogger(__name__)
@@ -122,33 +133,67 @@ class _LogprobRoot(torch.nn.Module):
         self._actor = [actor]  # not a submodule
 
     def forward(self, batch: TensorBatch, entropy: bool):
-        lp, ent = PPOActor.logprobs(self._actor[0], batch, entropy=entropy)
+        lp, ent = self._actor[0].root_logprobs(batch, entropy)
         # FSDP2 hooks the outputs for the backward; a view could lose that hook to an
         # in-place op downstream, so views are returned as copies ([B, T-1]: small).
         return (lp.clone() if lp._is_view() else lp,
                 ent.clone() if ent is not None and ent._is_view() else ent)
 
 
+def build_mesh(fsdp: FSDPConfig, device: torch.device):
+    """The trainer's device mesh ``("dp", "cp", "tp")``, tp ranks adjacent (one host's
+    fast links carry the most traffic)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (fsdp.dp, fsdp.cp, fsdp.tp), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def fsdp_mesh(mesh, fsdp: FSDPConfig):
+    """The mesh FSDP2 shards over: dp, and cp too (cp ranks hold the same weights and see
+    different tokens, so for the weights they are data parallel)."""
+    return mesh["dp", "cp"]._flatten("dp_cp") if fsdp.cp > 1 else mesh["dp"]
+
+
 def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device,
-                root: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
+                root: torch.nn.Module, layers: list[torch.nn.Module] | None = None,
+                mesh=None):
     """FSDP2 units: each of ``layers`` (the modules called once per decoder layer: the
     packed forward's layers, which hold the HF layers, else the HF layers), then ``root``
     (everything else). A unit's parameters are gathered by its forward hooks, so the
-    unit must be the module whose forward runs."""
+    unit must be the module whose forward runs. ``mesh``: the (dp, cp, tp) mesh of the
+    tensor / context-parallel trainer (its weights already split over tp); None: one
+    data-parallel dimension over every rank. With ``fsdp.expert_parallel_size`` > 1 (data
+    parallel only: MoE models are refused under tp / cp) the MoE layers' experts are
+    sharded over expert groups first and left out of FSDP2 (models/expert_parallel.py);
+    returns ``(expert parameters, edp group)`` then, else None."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    experts = None
+    if fsdp.expert_parallel_size > 1:
+        from ..models.expert_parallel import shard_experts
+
+        if layers is None:
+            raise ConfigError(f"fsdp.expert_parallel_size={fsdp.expert_parallel_size} needs the packed "
+                              "forward's MoE layers: this model trains with the padded HF forward")
+        experts = shard_experts(layers, fsdp.expert_parallel_size, device)
+    if mesh is not None:
+        mesh = fsdp_mesh(mesh, fsdp)
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, fsdp.param_dtype),
                               reduce_dtype=getattr(torch, fsdp.grad_reduce_dtype))
     for layer in model.get_decoder().layers if layers is None else layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+        own = {p for p in layer.parameters() if experts is not None and p in experts[0]}
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward,
+                    **({"ignored_params": own} if own else {}))
     # The packed forward's layers live outside ``root``'s tree (root holds the HF model),
     # so root must be told that their (now sharded) parameters are not its own.
     ignored = {p for layer in layers for p in layer.parameters()} if layers is not None else None
     # The root's parameters are needed again right away by the backward: keep them.
     fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
+    return experts
 
 
 class ShardedActor(PPOActor):
@@ -158,19 +203,51 @@ class ShardedActor(PPOActor):
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, fsdp: FSDPConfig, *,
                  channel: Channel, temperature: float, pad_token_id: int,
                  device: torch.device, followers: list | None = None,
-                 total_train_steps: int = 0, lora=None, lora_seed: int = 0) -> None:
+                 total_train_steps: int = 0, bucket_bytes: int | None = None, lora=None,
+                 lora_seed: int = 0) -> None:
+        """``bucket_bytes``: how much of the whole weights a rank holds at a time when they
+        are gathered for publishing (``weights.bucket_bytes``; None: that field's default).
+        ``lora`` / ``lora_seed``: a LoRA adapter on the frozen model (PPOActor)."""
         self.channel = channel
+        self.bucket_bytes = WeightsConfig().bucket_bytes if bucket_bytes is None else bucket_bytes
         self.fsdp = fsdp
         self.world_size = channel.info.world_size
         self.followers = followers or []  # rank 0's child processes (ranks it started)
         self._grad_scale: dict[int, float] = {}
+        self._aux_scale: dict[int, float] = {}
         self._planned: list[TensorBatch] | None = None
         self._closed = False
+        self._experts = None  # (expert parameters, edp group) with expert parallelism
         self.root = _LogprobRoot(model, self)
-        super().__init__(model, cfg, temperature=temperature, pad_token_id=pad_token_id,
+        self.mesh = self.dims = None
+        # This rank's data-parallel replica, and whether it reports for it (metrics).
+        self.dp_rank, self.reports = self.channel.info.rank, True
+        if fsdp.model_parallel:
+            from ..config.distributed import check_parallel_model, check_parallel_switches
+            from ..models.parallel import MeshDims
+
+            check_parallel_switches(fsdp, cfg)
+            check_parallel_model(model, fsdp)
+            self.mesh = build_mesh(fsdp, device)
+            self.dims = MeshDims(self.mesh, tp=fsdp.tp, cp=fsdp.cp)
+            self.dp_rank = self.mesh.get_local_rank("dp")
+            self.reports = self.dims.tp_rank == 0 and self.dims.cp_rank == 0
+
+        def shard(layers) -> None:
+            self._experts = shard_model(model, fsdp, device, self.root, layers, self.mesh)
+
+        # On CUDA the attention kernel is chosen below, for the GPU and the compute dtype:
+        # the model as loaded (host, fp32 masters) would only allow sdpa.
+        built = replace(cfg, attention_backend="sdpa") if device.type == "cuda" else cfg
+        super().__init__(model, built, temperature=temperature, pad_token_id=pad_token_id,
+                         # The weights stay where they were loaded (the host on CUDA):
+                         # fully_shard (and, under tp, distribute_tensor) moves each rank's
+                         # shards to its device, so no GPU ever holds the whole model.
                          device=str(device), total_train_steps=total_train_steps,
-                         shard=lambda layers: shard_model(model, fsdp, device, self.root, layers),
-                         lora=lora, lora_seed=lora_seed)
+                         parallel=self.dims, place_model=False, shard=shard, lora=lora, lora_seed=lora_seed)
+        self.cfg = cfg
+        if self.packed is not None and device.type == "cuda":
+            _resolve_attention(self.packed, cfg, fsdp, device)
 
     # ------------------------------------------------------------------ rank 0's calls
 
@@ -183,7 +260,8 @@ class ShardedActor(PPOActor):
     def train_step(self, items: list[SeqItem], *, policy_version: int | None = None) -> StepResult:
         t0 = time.perf_counter()
         trained = [it for it in items if any(it.loss_mask)]  # nothing to train otherwise
-        plan = plan_shards([it.length for it in trained], self.world_size, self.cfg.mb_max_tokens,
+        # Per data-parallel replica: the tp and cp ranks of one replica share its sequences.
+        plan = plan_shards([it.length for it in trained], self.fsdp.dp, self.cfg.mb_max_tokens,
                            self.cfg.ppo_n_minibatches)
         shards = [[[asdict(trained[i]) for i in group] for group in groups] for groups in plan]
         result = self._command({"op": "step", "shards": shards, "version": policy_version})
@@ -194,6 +272,7 @@ class ShardedActor(PPOActor):
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole weights on rank 0's host (the other ranks return an empty dict)."""
         return self._command({"op": "full_state_dict"})
 
     def publish_state_dict(self) -> dict[str, torch.Tensor]:
@@ -278,19 +357,14 @@ class ShardedActor(PPOActor):
         _destroy_groups()
 
     def _run(self, cmd: dict[str, Any]) -> Any:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         op = cmd["op"]
         if op == "step":
-            groups = [[SeqItem(**d) for d in g] for g in cmd["shards"][self.channel.info.rank]]
+            groups = [[SeqItem(**d) for d in g] for g in cmd["shards"][self.dp_rank]]
             return self._local_step(groups, cmd["version"])
         if op == "full_state_dict":
-            return get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return gather_full_state_dict(self.model, self.bucket_bytes, self.channel.info.leader)
         if op == "adapter_state_dict":
             # The adapter only, gathered one tensor at a time (every rank, same order): the
             # frozen base is never all-gathered for a publish.
@@ -328,7 +402,11 @@ class ShardedActor(PPOActor):
         n_dummy = sum(1 for g in groups if not g)
         mbs: list[TensorBatch] = []
         for g in groups:
-            built = PPOActor.micro_batches(self, g or [self._dummy(version)])
+            items = g or [self._dummy(version)]
+            if self.dims is not None:  # whole micro-batch, its stream split over tp x cp
+                mbs.append(to_packed(items, self.device, pad_to=self.fsdp.tp * self.fsdp.cp, cp=self.fsdp.cp))
+                continue
+            built = PPOActor.micro_batches(self, items)
             if len(built) != 1:
                 raise FatalRoleError(f"the sharded step planned one micro-batch of {len(g)} "
                                      f"sequences but the actor packed {len(built)}")
@@ -338,18 +416,32 @@ class ShardedActor(PPOActor):
         minibatches = _split(list(range(len(mbs))), self.cfg.ppo_n_minibatches)
         local = [sum(units[i] for i in ids) or 1 for ids in minibatches]
         real = [sum(units[i] for i in ids if groups[i]) for ids in minibatches]
-        total = self.channel.sum([float(u) for u in real])
-        self._grad_scale = {}
+        # Summed over every rank: each replica's units counted once per tp x cp rank of it.
+        replicas = self.fsdp.tp * self.fsdp.cp
+        # The router losses are token means: scaled to the step's tokens over all ranks
+        # (MoE models train data parallel only, so no tp / cp replicas to count there).
+        n_all = [mb.seqs.n_tokens if isinstance(mb, PackedBatch) else int(mb.input_ids_BT.numel()) for mb in mbs]
+        local_all = [sum(n_all[i] for i in ids) or 1 for ids in minibatches]
+        real_all = [sum(n_all[i] for i in ids if groups[i]) for ids in minibatches]
+        sums = self.channel.sum([float(u) for u in real] + [float(n) for n in real_all])
+        total = [t / replicas for t in sums[:len(real)]]
+        total_all = sums[len(real):]
+        # FSDP2 averages the gradients over its dp x cp ranks; the cp ranks of a replica
+        # hold disjoint parts of one loss's gradient, which must add up: hence dp x cp.
+        divisor = self.fsdp.dp * self.fsdp.cp
+        self._grad_scale, self._aux_scale = {}, {}
         for m, ids in enumerate(minibatches):
             for i in ids:
-                scale = self.world_size * local[m] / total[m] if groups[i] and total[m] else 0.0
+                scale = divisor * local[m] / total[m] if groups[i] and total[m] else 0.0
                 self._grad_scale[id(mbs[i])] = scale
+                aux = self.world_size * local_all[m] / total_all[m] if groups[i] and total_all[m] else 0.0
+                self._aux_scale[id(mbs[i])] = aux
         self._planned = mbs
         try:
             flat = [it for g in groups for it in g]
             result = super().train_step(flat, policy_version=version)
         finally:
-            self._planned, self._grad_scale = None, {}
+            self._planned, self._grad_scale, self._aux_scale = None, {}, {}
         dummy_tokens = sum(mb.n_tokens for mb, g in zip(mbs, groups) if not g)
         return self._reduce_metrics(result, dummy_tokens, n_dummy, float(sum(real)))
 
@@ -368,13 +460,19 @@ class ShardedActor(PPOActor):
         rows = self.channel.gather({"metrics": m, "tokens": tokens, "units": units,
                                     "dummies": n_dummy, "applied": result.applied_minibatches,
                                     "skipped": result.skipped_minibatches,
-                                    "skipped_groups": sorted(result.skipped_group_ids)})
+                                    "skipped_groups": sorted(result.skipped_group_ids),
+                                    "reports": self.reports})
+        # One row per data-parallel replica (its tp / cp ranks computed the same loss).
+        rows = [r for r in rows if r["reports"]]
         total = sum(r["tokens"] for r in rows)
         out: dict[str, float] = {}
         for key in sorted({k for r in rows for k in r["metrics"]}):
             weight = "units" if key == "actor/loss" else "tokens"
             vals = [(r["metrics"][key], r[weight]) for r in rows if key in r["metrics"]]
-            if key in ("actor/trained_tokens", "actor/micro_batches"):
+            if key == "actor/router_replay_agreement":  # a share of each rank's replayed tokens
+                vals = [(r["metrics"][key], r["metrics"]["actor/router_replay_tokens"]) for r in rows
+                        if key in r["metrics"]]
+            if key in ("actor/trained_tokens", "actor/micro_batches", "actor/router_replay_tokens"):
                 out[key] = float(sum(v for v, _ in vals))
             elif key in ("actor/step_time_s",):
                 out[key] = float(max(v for v, _ in vals))
@@ -404,7 +502,30 @@ class ShardedActor(PPOActor):
         return self.channel.sum([ok])[0] == self.world_size
 
     def _aux_weight(self, batch: TensorBatch) -> float:
-        return 0.0 if self._grad_scale.get(id(batch)) == 0.0 else 1.0
+        # N * (this rank's tokens) / (all ranks' tokens) of the minibatch, so that FSDP2's
+        # average of the router losses' gradients is the token mean of one process (0 for
+        # a dummy micro-batch).
+        return self._aux_scale.get(id(batch), 1.0)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    def _before_clip(self) -> None:
+        if self._experts is not None:
+            from ..models.expert_parallel import reduce_expert_grads
+
+            reduce_expert_grads(*self._experts, self.world_size)
+
+    def root_logprobs(self, batch: TensorBatch, entropy: bool):
+        """The logprob forward inside FSDP2's root unit: PPOActor's, or under tensor /
+        context parallelism the parallel forward and (vocabulary-parallel) head."""
+        if self.dims is None:
+            return PPOActor.logprobs(self, batch, entropy=entropy)
+        return parallel_batch_logprobs(self, batch, entropy)
 
     def logprobs(self, batch: TensorBatch, *, entropy: bool = False):
         lp, ent = self.root(batch, entropy)
@@ -413,6 +534,75 @@ class ShardedActor(PPOActor):
             lp = _ScaleGrad.apply(lp, scale)
             ent = _ScaleGrad.apply(ent, scale) if ent is not None else None
         return lp, ent
+
+
+def parallel_batch_logprobs(actor: PPOActor, batch, entropy: bool):
+    """``[B, T-1]`` logprobs (and entropy) of a packed micro-batch through the tensor /
+    context-parallel forward (``actor.packed``: a ParallelPackedCausalLM)."""
+    from ..models.forward import autocast_context
+    from ..models.parallel import parallel_token_logprobs
+
+    cfg = actor.cfg
+    with autocast_context(actor.device, cfg.autocast_dtype):
+        lp_M, ent_M = parallel_token_logprobs(
+            actor.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
+            batch.labels_M, batch.cp_rows or (0, batch.rows_M.numel()), temperature=actor.temperature,
+            chunk_tokens=cfg.logprob_chunk_tokens, compute_entropy=entropy, kernel=cfg.logprob_kernel,
+            keep_logits=cfg.logprob_keep_logits)
+    return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
+
+
+def _resolve_attention(packed, cfg: ActorConfig, fsdp: FSDPConfig, device: torch.device) -> None:
+    """The attention kernel for the device and dtype the ranks compute in. The packed
+    forward picked one from the model as loaded (on the host, fp32 master weights),
+    which would be sdpa; FSDP2 computes in fsdp.param_dtype on the GPU (flash varlen)."""
+    from ..models.attention import resolve_backend
+
+    layer = packed.layers[0]
+    split = fsdp.tp * fsdp.cp
+    dtype = getattr(torch, cfg.autocast_dtype or fsdp.param_dtype)
+    backend = resolve_backend(cfg.attention_backend, device, dtype, max(1, layer.n_heads // split),
+                              max(1, layer.n_kv_heads // split), layer.head_dim)
+    packed.attention_backend = backend
+    for layer in packed.layers:
+        layer.attn_backend = backend
+
+
+def gather_full_state_dict(model: torch.nn.Module, bucket_bytes: int, leader: bool) -> dict[str, torch.Tensor]:
+    """Collective: the whole weights (every key of the model's plain state dict), on the
+    leader's host. Gathered bucket by bucket: at most ``bucket_bytes`` of whole tensors
+    exist on a rank's device at a time before the leader copies them to the host (the
+    other ranks drop them), so publishing a 72B model needs no 144 GB on one GPU. A tied
+    weight is gathered once and appears under each of its names, as in the HF model."""
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: a tied one is one object
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    bucket: list[tuple[str, int, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        for name, key, full in bucket:
+            if leader:
+                done[key] = full.detach().to("cpu", copy=True)  # never the live parameter itself
+                out[name] = done[key]
+        bucket.clear()
+        size = 0
+
+    for name, t in state.items():
+        key = id(t)
+        if key in done or any(k == key for _, k, _ in bucket):
+            flush()
+            out[name] = done[key] if leader else None
+            continue
+        with torch.no_grad():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        bucket.append((name, key, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            flush()
+    flush()
+    return {k: v for k, v in out.items() if v is not None} if leader else {}
 
 
 def _destroy_groups() -> None:
@@ -460,8 +650,8 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
         sec.model.path, dtype=sec.actor.param_dtype, device="cpu" if device.type == "cuda" else str(device))
     actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
                          pad_token_id=tokenizer.pad_token_id or 0, device=device,
-                         followers=followers, total_train_steps=sec.total_train_steps, lora=sec.lora,
-                         lora_seed=sec.seed)
+                         followers=followers, total_train_steps=sec.total_train_steps,
+                         bucket_bytes=sec.weights.bucket_bytes, lora=sec.lora, lora_seed=sec.seed)
     if info.leader:
         atexit.register(actor.close)
         return actor

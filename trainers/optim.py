@@ -84,7 +84,35 @@ def clip_grad_norm_(optimizer, model: torch.nn.Module, max_norm: float) -> torch
     before clipping (a device tensor: reading it is the caller's one host sync)."""
     if isinstance(optimizer, MasterAdamW):
         return optimizer.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if len({_mesh_of(p.grad) for p in params}) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = total_grad_norm([p.grad for p in params])
+    for group in _by_mesh(params, lambda p: p.grad).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _by_mesh(items: list, grad=lambda g: g) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for x in items:
+        out.setdefault(id(_mesh_of(grad(x))), []).append(x)
+    return out
+
+
+def _mesh_of(t: torch.Tensor):
+    return getattr(t, "device_mesh", None)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (fp32), also when they are DTensors on several device
+    meshes (FSDP2's and the expert-parallel one), which one foreach norm cannot mix."""
+    squares = []
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.float().square())
+    return torch.stack(squares).sum().sqrt()
 
 
 class _StateView:
@@ -174,8 +202,11 @@ class MasterAdamW:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        if len({_mesh_of(g) for g in grads}) > 1:
+            total = total_grad_norm(grads)
+        else:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack(norms))
         self._clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         return total
 
@@ -192,7 +223,8 @@ class MasterAdamW:
                 continue
             grads = [self.params[i].grad.to(self.masters[i].device, torch.float32) for i in live]
             if coef is not None:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                for group in _by_mesh(grads).values():  # one foreach per device mesh
+                    torch._foreach_mul_(group, coef.to(group[0].device))
             for i, g in zip(live, grads):
                 self.masters[i].grad = g
             inner.step()

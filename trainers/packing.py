@@ -12,6 +12,11 @@ sequence-level modes and the M2PO masks are unchanged.
 
 Micro-batches are :func:`~tapioca.trainers.batching.pack` with ``padded=False``: the
 budget ``mb_max_tokens`` counts real tokens only.
+
+Routing replay (R3): with ``moe_shape`` given, the items' recorded routes become
+``replay_topk_LNK`` ``[MoE layers, N, k]`` in packed token order, -1 (route live) on the
+tokens without one: each sequence's last token (never fed to the engine; its hidden
+state scores nothing) and every token of a sequence that came without routes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class PackedBatch(TensorBatch):
     rows_M: torch.Tensor | None = None
     labels_M: torch.Tensor | None = None
     padded_index_M: torch.Tensor | None = None
+    # Routing replay: the experts of each packed token per MoE layer ([L, N, k] int64,
+    # -1: route live); None: the router routes every token (see the module docstring).
+    replay_topk_LNK: torch.Tensor | None = None
+    # Context parallel (to_packed's cp > 1): the scored rows of cp rank r's token slice
+    # are rows_M[cp_rows[r]:cp_rows[r + 1]] (host offsets; empty without cp).
+    cp_rows: tuple[int, ...] = ()
 
     def to_padded(self, values_M: torch.Tensor) -> torch.Tensor:
         """``[M]`` per-row values -> ``[B, T-1]`` (0 where nothing is scored)."""
@@ -47,13 +58,22 @@ class PackedBatch(TensorBatch):
         return flat.view(shape)
 
 
-def to_packed(items: list[SeqItem], device: torch.device | str) -> PackedBatch:
-    """Pack ``items`` (in order) into one :class:`PackedBatch` on ``device``.
+def to_packed(items: list[SeqItem], device: torch.device | str,
+              moe_shape: tuple[int, int] | None = None, *, pad_to: int = 1,
+              cp: int = 1) -> PackedBatch:
+    """Pack ``items`` (in order) into one :class:`PackedBatch` on ``device``; with
+    ``moe_shape`` ``(MoE layers, top_k)``, their routes for replay (module docstring).
 
     Host work is one list concatenation and one tensor per field for the whole
     micro-batch (no per-item tensors: this runs before the GPU has work, every step),
     then vector ops and one copy per tensor. The ``[B, T-1]`` tensors hold exactly what
-    :func:`~tapioca.trainers.batching.to_tensors` puts there (tested)."""
+    :func:`~tapioca.trainers.batching.to_tensors` puts there (tested).
+
+    Tensor / context parallel (models/parallel.py): ``pad_to`` (tp x cp) pads the token
+    stream to a multiple of it with one sequence of pad tokens of its own (attending to
+    nothing else, scored nowhere), so every cp rank gets the same number of tokens and
+    every tp rank the same share of those: the split is balanced by construction.
+    ``cp`` > 1 also records which scored rows fall in each rank's slice (``cp_rows``)."""
     if not items:
         raise AlgorithmInputError("to_packed: no sequences to pack")
     lengths, prompts, outs = [], [], []
@@ -90,6 +110,14 @@ def to_packed(items: list[SeqItem], device: torch.device | str) -> PackedBatch:
     ids_N = _tensor("q", ids)
     labels_M = ids_N[rows_M + 1]
     padded_index_M = b_M * T1 + t_M
+    n_pad = -len(ids) % pad_to
+    stream_lengths = lengths + [n_pad] if n_pad else lengths
+    if n_pad:
+        ids_N = torch.cat([ids_N, torch.zeros(n_pad, dtype=ids_N.dtype)])
+    cp_rows: tuple[int, ...] = ()
+    if cp > 1:
+        bounds = torch.arange(cp + 1) * (ids_N.numel() // cp)
+        cp_rows = tuple(int(i) for i in torch.searchsorted(rows_M, bounds))  # host tensors: no sync
 
     def padded(values_M: torch.Tensor, fill) -> torch.Tensor:
         out = torch.full((B * T1,), fill, dtype=values_M.dtype)
@@ -100,6 +128,8 @@ def to_packed(items: list[SeqItem], device: torch.device | str) -> PackedBatch:
     if all(it.token_values is not None and it.token_returns is not None for it in items):
         extra["old_values_BT"] = padded(_tensor("f", [v for it in items for v in it.token_values]), 0.0)
         extra["returns_BT"] = padded(_tensor("f", [v for it in items for v in it.token_returns]), 0.0)
+    if moe_shape is not None and any(it.routes for it in items):
+        extra["replay_topk_LNK"] = replay_routes(items, moe_shape).to(device)
     empty = torch.empty(0, dtype=torch.long, device=device)
     return PackedBatch(
         input_ids_BT=empty, attention_mask_BT=empty,
@@ -110,13 +140,32 @@ def to_packed(items: list[SeqItem], device: torch.device | str) -> PackedBatch:
         versions_BT=padded(_tensor("q", versions), -1),
         **extra,
         input_ids_N=ids_N.to(device),
-        position_ids_N=position_ids(lengths).to(device),
-        seqs=packed_seqs(lengths, device),
+        position_ids_N=position_ids(stream_lengths).to(device),
+        seqs=packed_seqs(stream_lengths, device),
         rows_M=rows_M.to(device),
         labels_M=labels_M.to(device),
         padded_index_M=padded_index_M.to(device),
         group_ids=tuple(it.group_id for it in items),
+        cp_rows=cp_rows,
     )
+
+
+def replay_routes(items: list[SeqItem], moe_shape: tuple[int, int]) -> torch.Tensor:
+    """int64 ``[MoE layers, N, k]`` of ``items`` packed in order (-1: route live). One
+    array per sequence, not per token."""
+    import base64
+
+    import numpy as np
+
+    n_layers, k = moe_shape
+    parts = []
+    for it in items:
+        part = np.full((it.length, n_layers, k), -1, dtype=np.int64)
+        if it.routes:
+            ids = np.frombuffer(base64.b64decode(it.routes), dtype=np.dtype(it.routes_dtype).newbyteorder("<"))
+            part[:-1] = ids.reshape(it.length - 1, n_layers, k)
+        parts.append(part)
+    return torch.from_numpy(np.concatenate(parts)).permute(1, 0, 2).contiguous()
 
 
 _DTYPES = {"q": torch.int64, "f": torch.float32, "b": torch.int8}

@@ -38,6 +38,11 @@ is the step on already-built micro-batches. The loss is
 :func:`tapioca.algorithms.policy_losses.policy_loss` (PPO, GSPO, SAPO, CISPO, M2PO,
 rejection sampling, entropy bonus, selected by :class:`ActorConfig`).
 
+Vision-language policies (Qwen2.5-VL, Qwen3-VL; docs/vlm.md): ``images`` (an
+:class:`~tapioca.models.vision.ImageLoader`) recomputes each micro-batch's pixels from
+the bytes (trainers/vision_batch.py), packed or padded alike; ``freeze_vision_encoder``
+keeps the vision tower out of the optimizer (its weights are still published).
+
 Gradients accumulate over token-balanced micro-batches (whole sequences) of each of
 ``ppo_n_minibatches`` minibatches (one optimizer step each). Each micro-batch's loss
 is scaled by its share of the minibatch's aggregation units (trained tokens for
@@ -64,17 +69,19 @@ from ..algorithms.rejection_sampling import m2po_keep_flat
 from ..config.lora import LoraSpec
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
+from ..models.prefix_attention import TreeSeqs
 from ..schemas.errors import ConfigError
 from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
 from .optim import build_optimizer, clip_grad_norm_, lr_factor, set_lr
 from .packing import PackedBatch, packed_micro_batches, to_packed
+from .prefix_packing import check_packed_tree_backend, to_tree_packed, tree_micro_batches
 
 log = logging.getLogger(__name__)
 
 # Switches that act on the packed forward only (config/schema.py refuses them with
 # packed_sequences false; a family the packed forward does not run refuses them here).
 _PACKED_ONLY = ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
-                "moe_aux_loss_coeff", "moe_z_loss_coeff")
+                "moe_aux_loss_coeff", "moe_z_loss_coeff", "enable_tree_training")
 
 
 @dataclass
@@ -89,12 +96,15 @@ class StepResult:
 
 
 def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device,
-                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None):
+                        *, shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                        parallel=None):
     """``(packed, optimizer)`` for training ``model`` (already on ``device``):
     the packed forward module (None with ``packed_sequences: false``) and the optimizer.
     ``shard`` (the FSDP2 actor, trainers/fsdp_actor.py) wraps the modules whose forward
     runs per layer -- the packed layers, or the HF decoder layers -- before the optimizer
-    is built over the (then sharded) parameters."""
+    is built over the (then sharded) parameters. ``parallel`` (a
+    :class:`~tapioca.models.parallel.MeshDims`): the tensor / context-parallel forward,
+    which splits the weights over the mesh first."""
     from ..models.moe import router_parameters
     from ..models.packed import PackedCausalLM, unsupported_reason
 
@@ -108,15 +118,28 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
                               f"forward, where {', '.join(on)} do not apply: unset them")
         log.warning("model family %r trains with the padded HF forward: %s", family, reason)
     elif cfg.packed_sequences:
-        packed = PackedCausalLM(
-            model, attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
+        kwargs = dict(
+            attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,
             moe_router_dtype=cfg.moe_router_dtype)
+        if parallel is None:
+            packed = PackedCausalLM(model, **kwargs)
+        else:
+            from ..models.parallel import ParallelPackedCausalLM
+
+            packed = ParallelPackedCausalLM(model, parallel, torch.device(device), **kwargs)
+        if cfg.enable_tree_training:
+            check_packed_tree_backend(packed)
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
             raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
+    if cfg.router_replay != "disabled" and (packed is None or not packed.moe_layers):
+        why = reason if packed is None else "it has no MoE layer the packed forward routes"
+        raise ConfigError(f"actor.router_replay={cfg.router_replay} replays the routes of the packed "
+                          f"forward's MoE layers, but model family {family!r} cannot ({why}): set "
+                          "actor.router_replay=disabled")
     if cfg.freeze_moe_router:
         routers = router_parameters(model)
         if not routers:
@@ -137,14 +160,20 @@ class PPOActor:
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, *, temperature: float,
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
-                 shard: Callable[[list[torch.nn.Module]], None] | None = None,
+                 shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
+                 place_model: bool = True, images=None, freeze_vision_encoder: bool = False,
                  lora: LoraSpec | None = None, lora_seed: int = 0) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
         0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
+        ``place_model=False`` (the sharded trainer): the weights stay where they are loaded
+        (the host) and only each rank's shards move to ``device``. ``images``: a
+        vision-language policy's image loader (models/vision.py ``ImageLoader``).
         ``lora``: train a LoRA adapter on the frozen ``model`` (models/lora.py): its layers
         are injected before the optimizer is built, so only the adapter is optimised,
         checkpointed and published; its initial A is drawn from ``lora_seed`` (the run's seed)."""
-        self.model = model.to(device)
+        from ..models.vision import vision_spec, vision_tower
+
+        self.model = model.to(device) if place_model else model
         self.lora = lora
         # The wrapped modules' short names (q_proj, ...), what weight events name.
         self.lora_targets: list[str] = []
@@ -158,7 +187,19 @@ class PPOActor:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard)
+        self.vision = vision_spec(model.config)
+        self.images = images if self.vision is not None else None
+        if self.vision is not None and (cfg.enable_tree_training or parallel is not None):
+            # Both would build micro-batches without the images (config/schema.py refuses
+            # them at start: TrainConfig.check_vision_policy); said here for direct callers.
+            raise ConfigError("a vision-language policy trains without "
+                              + ("actor.enable_tree_training" if cfg.enable_tree_training
+                                 else "tensor / context parallelism")
+                              + " for now (docs/vlm.md): turn it off")
+        if freeze_vision_encoder and self.vision is not None:
+            vision_tower(self.model).requires_grad_(False)
+        self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
+                                                          parallel=parallel)
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -167,11 +208,33 @@ class PPOActor:
 
     def micro_batches(self, items: list[SeqItem]) -> list[TensorBatch]:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
-        tokens) or right-padded (count x longest), per ``packed_sequences``."""
+        tokens; prefix trees with ``enable_tree_training``, each shared prefix counted
+        once) or right-padded (count x longest), per ``packed_sequences``; with
+        ``router_replay`` R3 packed with the items' routes (config refuses R3 with trees)."""
+        if self.packed is not None and self.cfg.enable_tree_training:
+            return [to_tree_packed(mb, self.device) for mb in tree_micro_batches(items, self.cfg.mb_max_tokens)]
         if self.packed is not None:
-            return [to_packed(mb, self.device) for mb in packed_micro_batches(items, self.cfg.mb_max_tokens)]
-        return [to_tensors(mb, self.pad_token_id, self.device)
-                for mb in micro_batches(items, self.cfg.mb_max_tokens)]
+            shape = self.packed.moe_shape if self.cfg.router_replay == "R3" else None
+            moe = shape[:2] if shape is not None else None
+            groups = packed_micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_packed(mb, self.device, moe) for mb in groups]
+        else:
+            groups = micro_batches(items, self.cfg.mb_max_tokens)
+            out = [to_tensors(mb, self.pad_token_id, self.device) for mb in groups]
+        if self.images is not None:
+            from .vision_batch import packed_images, padded_images
+
+            build = packed_images if self.packed is not None else padded_images
+            for batch, mb in zip(out, groups):
+                batch.images = build(mb, self.images, self.vision, self.device)
+        return out
+
+    def check_images(self, event) -> None:
+        """Raise BadEventError for a sample whose images cannot be trained on here
+        (trainers/vision_batch.py ``check_images``)."""
+        from .vision_batch import check_images
+
+        check_images(event, self.images, self.vision)
 
     # The weights as the trainer role sees them (publishing, rollback, checkpoints);
     # the sharded actor (trainers/fsdp_actor.py) gathers and scatters them across ranks.
@@ -229,12 +292,13 @@ class PPOActor:
                     self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
                     batch.labels_M, temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
                     compute_entropy=entropy, kernel=cfg.logprob_kernel,
-                    keep_logits=cfg.logprob_keep_logits)
+                    keep_logits=cfg.logprob_keep_logits, replay_topk_LNK=batch.replay_topk_LNK,
+                    images=batch.images)
                 return batch.to_padded(lp_M), (batch.to_padded(ent_M) if entropy else None)
             return causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
                 temperature=self.temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                compute_entropy=entropy, kernel=cfg.logprob_kernel)
+                compute_entropy=entropy, kernel=cfg.logprob_kernel, images=batch.images)
 
     def _loss_kwargs(self) -> dict:
         cfg = self.cfg
@@ -255,6 +319,17 @@ class PPOActor:
         if not self.prox_from_training_forward or cfg.m2_threshold is not None:
             return list(range(n_mbs))  # step-wide M2PO mask: every pi_prox up front
         return sorted(i for mb_ids in minibatches[1:] for i in mb_ids)
+
+    def _route_pass_ids(self, minibatches: list[list[int]], prox_ids: list[int]) -> list[int]:
+        """R2: micro-batches whose first pass must be a no-grad forward that records their
+        routes (every one whose training forward follows an optimizer step of this
+        train_step), beyond the pi_prox forwards (which record them anyway)."""
+        if self.cfg.router_replay != "R2":
+            return []
+        later = {i for mb_ids in minibatches[1:] for i in mb_ids}
+        if not self.prox_from_training_forward:
+            later |= {i for i in minibatches[0]}
+        return sorted(later - set(prox_ids))
 
     def train_step(self, items: list[SeqItem], *, policy_version: int | None = None) -> StepResult:
         """Train on ``items``; ``policy_version`` = optimizer steps applied so far (the
@@ -295,12 +370,20 @@ class PPOActor:
             prox = [mb.behav_logprobs_BT for mb in mbs]
         entropy_known = [False] * len(mbs)
         entropy_sum = 0.0
+        replay = RouteStats(self.packed, cfg.router_replay)
+        prox_ids = self._prox_forward_ids(minibatches, len(mbs))
         with torch.no_grad():
-            for i in self._prox_forward_ids(minibatches, len(mbs)):
+            for i in prox_ids:
                 lp, ent = self.logprobs(mbs[i], entropy=True)
                 prox[i] = lp
                 entropy_known[i] = True
                 entropy_sum += float((ent * mbs[i].mask_BT).sum())
+                replay.first_pass(mbs[i], lp, record=True, count=self._aux_weight(mbs[i]) > 0)
+            route_ids = self._route_pass_ids(minibatches, prox_ids)
+            for i in route_ids:
+                self.logprobs(mbs[i])  # R2: the first pass, for its routes only
+                replay.first_pass(mbs[i], None, record=True, count=self._aux_weight(mbs[i]) > 0)
+        first_done = set(prox_ids) | set(route_ids)
         keeps = self._m2po_keeps(mbs, prox)
         kwargs = self._loss_kwargs()
         sums: dict[str, float] = {}
@@ -323,6 +406,8 @@ class PPOActor:
                 if prox_i is None:
                     prox_i = logp.detach() if exact_forward else loglinear_prox_logprobs(
                         mb.behav_logprobs_BT, logp.detach(), mb.versions_BT, policy_version)
+                if exact_forward and i not in first_done:  # this forward is its first pass
+                    replay.first_pass(mb, logp.detach(), record=False, count=self._aux_weight(mb) > 0)
                 if method == "metrics":
                     approx = loglinear_prox_logprobs(mb.behav_logprobs_BT, logp.detach(),
                                                      mb.versions_BT, policy_version)
@@ -352,6 +437,7 @@ class PPOActor:
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
                 mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
+            self._before_clip()
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.optimizer.gradient_clipping)
             # The host sync of the optimizer step (the loss stats above sync per micro-batch).
             mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
@@ -376,9 +462,13 @@ class PPOActor:
         metrics["actor/lr"] = lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/trained_tokens"] = float(total_tokens)
         metrics["actor/micro_batches"] = float(len(mbs))
+        trees = [mb.seqs for mb in mbs if isinstance(getattr(mb, "seqs", None), TreeSeqs)]
+        if trees:  # tree training: the tokens the forward computed, over those of the sequences
+            metrics["actor/tree_tokens_frac"] = sum(t.n_tokens for t in trees) / sum(t.n_flat_tokens for t in trees)
         metrics["actor/skipped_minibatches"] = float(len(skipped))
         if self.packed is not None:
-            metrics.update(self.packed.take_router_metrics())  # one host read (MoE models)
+            metrics.update(self.packed.take_router_metrics(self._sum_over_ranks))  # one host read (MoE)
+        metrics.update(replay.metrics())  # one host read
         bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
                           applied_minibatches=len(minibatches) - len(skipped),
@@ -393,6 +483,12 @@ class PPOActor:
     def _router_values(self) -> dict[str, float]:
         """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
         return {} if self.packed is None else self.packed.router_loss_values()
+
+    _sum_over_ranks = None  # the sharded actor's: a tensor summed over its ranks
+
+    def _before_clip(self) -> None:
+        """After a minibatch's backward passes (the sharded actor reduces the gradients
+        FSDP2 does not: expert-parallel experts)."""
 
     def _aux_weight(self, batch: TensorBatch) -> float:
         """1, or 0 for a micro-batch whose gradient must not count (the sharded actor's
@@ -435,6 +531,59 @@ class PPOActor:
                 start += f.numel()
                 keeps.append(keep)
         return keeps
+
+
+class RouteStats:
+    """What a step's first passes (forwards with the pre-update weights: the pi_prox
+    forwards and the first minibatch's training forwards) say about rollout vs training.
+
+    * Every policy: ``actor/rollout_train_k3_kl``, the mean over trained tokens of
+      ``exp(d) - 1 - d``, ``d = log pi_train - log pi_behav`` (Schulman's k3; AReaL's
+      R3 metric; 0 when the trainer reproduces the rollout's logprobs).
+    * R3: ``actor/router_replay_agreement``, the share of replayed tokens whose
+      trainer router picks the rollout's experts (as a set) in every MoE layer, and
+      ``actor/router_replay_tokens``, the tokens routed by recorded routes (prompt and
+      output; a sequence without routes routes live).
+    * R2: a first pass records its routes on the micro-batch
+      (``replay_topk_LNK``); the training forwards that follow replay them.
+
+    Counts stay on the device; :meth:`metrics` reads them once."""
+
+    def __init__(self, packed, mode: str) -> None:
+        self.packed = packed
+        self.mode = mode
+        self._sums: torch.Tensor | None = None  # [k3 sum, trained tokens, replayed, agreeing]
+
+    def first_pass(self, batch: TensorBatch, logp_BT: torch.Tensor | None, *, record: bool,
+                   count: bool = True) -> None:
+        """After a first pass over ``batch`` (its logprobs, None when not scored); with R2
+        and ``record`` (a no-grad pass before the training forward) its routes are kept
+        for that forward. ``count``: false for a batch that must not count (the sharded
+        actor's dummies)."""
+        if record and self.mode == "R2" and self.packed is not None and self.packed.moe_layers:
+            batch.replay_topk_LNK = self.packed.recorded_routes()
+        if not count:
+            return
+        parts = []
+        if logp_BT is not None:
+            d = torch.where(batch.mask_BT, logp_BT.detach().float() - batch.behav_logprobs_BT.float(), 0.0)
+            parts += [(torch.expm1(d) - d).double().sum(), batch.mask_BT.sum().double()]
+        else:
+            parts += [torch.zeros((), dtype=torch.float64, device=batch.mask_BT.device)] * 2
+        agree = self.packed.route_agreement() if self.packed is not None and self.mode == "R3" else None
+        parts += list(agree.double()) if agree is not None else [parts[0].new_zeros(())] * 2
+        sums = torch.stack(parts)
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def metrics(self) -> dict[str, float]:
+        if self._sums is None:
+            return {}
+        k3, tokens, replayed, agreeing = self._sums.tolist()
+        out = {"actor/rollout_train_k3_kl": k3 / tokens} if tokens else {}
+        if self.mode == "R3":
+            out["actor/router_replay_tokens"] = replayed
+            out["actor/router_replay_agreement"] = agreeing / replayed if replayed else 0.0
+        return out
 
 
 def _split(ids: list[int], n: int) -> list[list[int]]:

@@ -14,18 +14,27 @@ switched off, instead of a second copy (the memory of one base model saved: 15 G
 a 7B model in bf16). A teacher always comes from a directory (``distill.teacher_path``) and must
 share the policy's vocabulary: distillation compares the two models' log-probs of the
 same token ids.
+
+With ``tree_training`` (``actor.enable_tree_training``) the model also gets the packed
+forward (:class:`~tapioca.models.packed.PackedCausalLM`) and scores a
+:class:`~tapioca.trainers.packing.PackedBatch` (a prefix tree: each shared prompt
+computed once) through it; a right-padded batch still goes through the HF forward.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
 
-from ..models.forward import autocast_context, causal_token_logprobs
+from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from ..schemas.errors import ConfigError
 from .batching import TensorBatch
+from .packing import PackedBatch
+
+log = logging.getLogger(__name__)
 
 
 class FrozenLogprobModel:
@@ -33,7 +42,8 @@ class FrozenLogprobModel:
 
     def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int = 4096,
                  autocast_dtype: str = "", device: str | torch.device = "cpu",
-                 name: str = "reference") -> None:
+                 name: str = "reference", tree_training: bool = False,
+                 attention_backend: str = "auto") -> None:
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -42,6 +52,22 @@ class FrozenLogprobModel:
         self.autocast_dtype = autocast_dtype
         self.device = torch.device(device)
         self.name = name
+        self.packed = self._packed_forward(attention_backend) if tree_training else None
+
+    def _packed_forward(self, attention_backend: str):
+        """The packed forward of this model for prefix trees (None, with a warning, for a
+        family it does not run: the padded HF forward scores every batch then)."""
+        from ..models.packed import PackedCausalLM, unsupported_reason
+        from .prefix_packing import check_packed_tree_backend
+
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.warning("%s model: tree training does not apply (%s); it scores padded batches", self.name, reason)
+            return None
+        packed = PackedCausalLM(self.model, attention_backend=attention_backend,
+                                autocast_dtype=self.autocast_dtype)
+        check_packed_tree_backend(packed)
+        return packed
 
     @classmethod
     def copy_of(cls, policy: torch.nn.Module, **kwargs) -> "FrozenLogprobModel":
@@ -76,6 +102,11 @@ class FrozenLogprobModel:
 
     def _logprobs(self, batch: TensorBatch) -> torch.Tensor:
         with autocast_context(self.device, self.autocast_dtype):
+            if isinstance(batch, PackedBatch) and self.packed is not None:
+                lp_M, _ = packed_token_logprobs(
+                    self.packed, batch.input_ids_N, batch.position_ids_N, batch.seqs, batch.rows_M,
+                    batch.labels_M, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+                return batch.to_padded(lp_M).float()
             logp_BT, _ = causal_token_logprobs(
                 self.model, batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT,
                 temperature=self.temperature, chunk_tokens=self.chunk_tokens)

@@ -12,7 +12,7 @@ indexes the embedding, every number stays finite in float32.
 from __future__ import annotations
 
 from ..algorithms.limits import MAX_ABS_REWARD, MAX_BEHAV_LOGPROB, MIN_BEHAV_LOGPROB
-from ..schemas.errors import BadEventError
+from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import SampleEvent
 
 
@@ -103,3 +103,54 @@ def _check_ids(gid: str, what: str, ids: list[int], vocab_size: int) -> None:
             f"group {gid}: {what} has token ids in [{min(ids)}, {max(ids)}], outside the "
             f"model's vocabulary [0, {vocab_size}); the tokenizer or model of its producer "
             "does not match the trainer's")
+
+
+def check_routes(event: SampleEvent, *, moe_shape: tuple[int, int, int], missing: str,
+                 store=None) -> int:
+    """Routing replay R3: the rollout's routes of every sequence must fit the model
+    (``moe_shape``: MoE layers, top_k, experts per layer) and cover its tokens. A
+    sequence without routes (none recorded, or a blob the store does not hold) is
+    refused with ``missing`` ``reject``, else routed live by the trainer: the count of
+    those is returned. A blob's bytes are read here and put on the event, so the step
+    reads no file. Raises BadEventError for routes that are wrong."""
+    from ..schemas.errors import SchemaError
+    from ..schemas.routes import decode_routes, inline
+
+    gid = event.group_id
+    n_layers, top_k, n_experts = moe_shape
+    n_missing = 0
+    for s in event.sequences:
+        where = f"group {gid}: sequence {s.traj_id}"
+        r = s.routed_experts
+        gone = r is not None and r.blob_sha256 and (store is None or not store.has(r.blob_sha256))
+        if r is None or gone:
+            if missing == "reject":
+                why = (f"its routes are in blob {r.blob_sha256}, which the run's blob store does not "
+                       "hold" if gone else "it carries no routed experts")
+                raise BadEventError(
+                    f"{where}: actor.router_replay is R3 but {why}; record them (the paged engine, or "
+                    "a vLLM / SGLang server with --enable-return-routed-experts, and "
+                    "rollout.return_routed_experts), or set actor.router_replay_missing=live to "
+                    "route such sequences with the trainer's router")
+            n_missing += 1
+            s.routed_experts = None
+            continue
+        want = len(event.prompt_ids) + len(s.output_ids) - 1
+        if r.num_tokens != want:
+            raise BadEventError(f"{where}: its routed experts cover {r.num_tokens} tokens; its "
+                                f"{len(event.prompt_ids)} prompt + {len(s.output_ids)} output tokens "
+                                f"need {want} (all but the last); the engine that recorded them is broken")
+        if (r.num_layers, r.top_k) != (n_layers, top_k):
+            raise BadEventError(
+                f"{where}: its routed experts are for {r.num_layers} MoE layers x top-{r.top_k}, the "
+                f"trainer's model has {n_layers} x top-{top_k}: they were recorded with another model")
+        try:
+            ids = decode_routes(r, store)
+            s.routed_experts = inline(r, store)
+        except (SchemaError, TapiocaError) as exc:
+            raise BadEventError(f"{where}: its routed experts cannot be read: {exc}") from exc
+        if ids.size and int(ids.max()) >= n_experts:
+            raise BadEventError(
+                f"{where}: its routed experts name expert {int(ids.max())}, but the trainer's model "
+                f"has {n_experts} experts per layer: they were recorded with another model")
+    return n_missing

@@ -52,6 +52,7 @@ from ..config.schema import NormConfig
 from ..schemas.errors import ConfigError
 from .batching import SeqItem, micro_batches, output_slice, to_tensors
 from .critic import Critic
+from .prefix_packing import to_tree_packed, tree_micro_batches
 from .reference import FrozenLogprobModel
 
 if TYPE_CHECKING:
@@ -93,6 +94,11 @@ class TokenAdvantages:
         self.kd_weight, self.rl_weight = kd.kd_weight, kd.rl_weight
         self.critic, self.reference, self.teacher = critic, reference, teacher
         self.pad_token_id, self.device, self.mb_max_tokens = pad_token_id, device, a.mb_max_tokens
+        # Tree training for the frozen forwards (each shared prompt scored once): when every
+        # frozen model in use has its packed forward and no critic reads padded batches.
+        frozen = [m for m, on in ((reference, self.kl_ctl > 0), (teacher, self.kd_weight > 0)) if on and m is not None]
+        self.tree_training = (a.enable_tree_training and self.estimator != "gae" and bool(frozen)
+                              and all(getattr(m, "packed", None) is not None for m in frozen))
         self.center = self.norm.mean_level == "batch"
         self.scale = self.norm.std_level == "batch"
         for needed, model, what in ((self.estimator == "gae", critic, "a critic (estimator gae)"),
@@ -114,8 +120,12 @@ class TokenAdvantages:
         kd: dict[int, torch.Tensor] = {}
         sums = {"kl": 0.0, "kd": 0.0, "teacher_logp": 0.0, "value": 0.0, "ret": 0.0}
         n_tokens = 0
-        for mb in micro_batches(items, self.mb_max_tokens):
-            tb = to_tensors(mb, self.pad_token_id, self.device)
+        batches = (tree_micro_batches(items, self.mb_max_tokens) if self.tree_training
+                   else micro_batches(items, self.mb_max_tokens))
+        for mb in batches:
+            # A prefix tree's [B, T-1] tensors are to_tensors' own (trainers/prefix_packing.py).
+            tb = (to_tree_packed(mb, self.device) if self.tree_training
+                  else to_tensors(mb, self.pad_token_id, self.device))
             mask = tb.mask_BT
             n_tokens += tb.n_tokens
             scalar_B = torch.tensor([it.reward if self.estimator == "gae" else it.advantage

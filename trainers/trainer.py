@@ -17,6 +17,12 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   covers (and never past a buffered, untrained group), so a restart resumes exactly.
 - Tail gate at training time too: the buffer is gated again before every step (a
   rollback bumps the version while groups wait), so no group trains beyond eta.
+- Online mode (``agent.mode: online``, docs/online.md): a group past eta is a real
+  user's session whose reward may have come hours late. It trains with decoupled PPO's
+  behaviour-weight correction while its staleness is at most
+  ``actor.late_reward_max_offpolicyness`` (``trainer/trained_late``); beyond, or with
+  that unset (the default), it is rejected and dead-lettered with the reason
+  (``trainer/dead_lettered_stale``).
 - A sample no step could use safely is dead-lettered (``BadEventError``), counted
   (``trainer/dead_lettered``) and its group rejected (its head-gate slot freed), and
   the trainer goes on (:mod:`tapioca.trainers.sample_checks`): token ids outside the
@@ -25,7 +31,11 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
-  advantages).
+  advantages). With ``actor.router_replay`` R3, routed experts that do not fit the model
+  (an expert id out of range, another layer count or top-k, another token count) too; a
+  sequence without its routes is dead-lettered with ``actor.router_replay_missing``
+  reject, else routed live and counted (``trainer/routes_missing``). Routes kept in the
+  run's blob store are read at arrival (``sample_checks.check_routes``).
 - A step whose loss or gradient norm is not finite is not applied: the optimizer step is
   skipped (``trainer/skipped_steps``), the batch's groups are dead-lettered and rejected,
   and the version does not move.
@@ -91,7 +101,7 @@ from .metrics_sink import MetricsSink
 from .offline import OFFLINE_ETA
 from .ppo_actor import PPOActor
 from .reference import FrozenLogprobModel
-from .sample_checks import check_made_for, check_trainable
+from .sample_checks import check_made_for, check_routes, check_trainable
 from .token_advantages import TokenAdvantages
 
 log = logging.getLogger(__name__)
@@ -118,6 +128,12 @@ class TrainerState:
     # the current version's weights event (at start).
     announce_progress: bool = False
     announce_weights: bool = False
+    # Online mode: groups past the staleness bound, dead-lettered with the reason; and
+    # groups trained past eta within actor.late_reward_max_offpolicyness.
+    dead_lettered_stale: int = 0
+    trained_late: int = 0
+    # R3: sequences trained without the rollout's routes (actor.router_replay_missing live).
+    routes_missing: int = 0
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
     last_reward: float = 0.0
@@ -125,7 +141,7 @@ class TrainerState:
     files_to_announce: list[WeightsFile] = field(default_factory=list)
     # Events made before the loop could publish them (the version a trainer resumed below
     # the log publishes in ``recover``): sent ahead of the next outputs.
-    pending: list[Event] = field(default_factory=list)
+    pending: list[Event | DeadLetter] = field(default_factory=list)
 
     def draft(self) -> "TrainerState":
         """A copy of everything a step (or a rollback) changes. The step changes the copy,
@@ -198,6 +214,14 @@ class Trainer(Role[TrainerState]):
                  if m is not None]
         self._vocab_size = min(sizes)
         self._max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        # R3: the routes a sample carries are checked against the model (and read from the
+        # run's blob store when they are there).
+        self._moe_shape = None
+        if section.actor.router_replay == "R3" and getattr(actor, "packed", None) is not None:
+            from ..bus.blobs import run_blob_store
+
+            self._moe_shape = actor.packed.moe_shape
+            self._blobs = run_blob_store(section.run_dir)
 
     # ------------------------------------------------------------------ start
 
@@ -339,7 +363,7 @@ class Trainer(Role[TrainerState]):
         new = not (gid in state.trained or gid in state.rejected
                    or any(s.group_id == gid for s, _ in state.buffer))
         try:
-            self._admit(event, state)
+            routes_missing = self._admit(event, state)
         except BadEventError:
             # Dead-lettered by the bus; a new group is also rejected, which frees its
             # head-gate slot (if the feeder admitted it) and names it on the log.
@@ -350,21 +374,24 @@ class Trainer(Role[TrainerState]):
         if not new:
             state.duplicates += 1
             return ()
+        state.routes_missing += routes_missing
         if event.dropped_reason:  # given up upstream; nothing to train
             self._reject(state, gid)
             state.rejected_dropped += 1
             return ()
-        if state.progress.version - event.min_version > self.cfg.max_head_offpolicyness:
+        stale = self._too_stale(event, state.progress.version)
+        if stale is not None:
             self._reject(state, gid)
             state.rejected_stale += 1
-            return ()
+            return self._stale_letters(state, [(event, source)], stale)
         state.buffer.append((event, source))
         if len(state.buffer) < self.cfg.prompts_per_step or state.done:
             return ()
         return self._step(state)
 
-    def _admit(self, event: SampleEvent, state: TrainerState) -> None:
-        """Raise BadEventError for a sample this trainer must not train (sample_checks)."""
+    def _admit(self, event: SampleEvent, state: TrainerState) -> int:
+        """Raise BadEventError for a sample this trainer must not train (sample_checks);
+        the number of its sequences that will route live for want of their routes (R3)."""
         try:
             check_made_for(event, estimator=self.cfg.advantage.estimator,
                            norm_spec=self._norm_spec, reward_norm_spec=self._reward_norm_spec)
@@ -378,6 +405,21 @@ class Trainer(Role[TrainerState]):
             check_trainable(event, vocab_size=self._vocab_size, max_positions=self._max_positions,
                             version=state.progress.version,
                             recorded_versions=self.cfg.max_head_offpolicyness >= OFFLINE_ETA)
+            self._check_images(event)
+            if self._moe_shape is not None:
+                return check_routes(event, moe_shape=self._moe_shape,
+                                    missing=self.cfg.actor.router_replay_missing, store=self._blobs)
+        return 0
+
+    def _check_images(self, event: SampleEvent) -> None:
+        """Images only for a policy that reads them, each usable (trainers/vision_batch.py)."""
+        check = getattr(self.actor, "check_images", None)
+        if check is not None:
+            check(event)
+        elif any(s.images for s in event.sequences):
+            raise BadEventError(f"group {event.group_id} has images, which this trainer's actor "
+                                "does not train on (a vision-language policy needs the single-process "
+                                "trainer: fsdp.world_size 1)")
 
     @staticmethod
     def _reject(state: TrainerState, gid: str) -> None:
@@ -388,16 +430,50 @@ class Trainer(Role[TrainerState]):
     def _gate_buffer(self, state: TrainerState) -> None:
         """The tail gate over the groups waiting in the buffer, at the current version:
         a rollback (or any version change) while a group waits can push it over eta, and
-        DESIGN §3's guarantee is about the step that trains it, not its arrival."""
-        eta = self.cfg.max_head_offpolicyness
-        keep = []
+        the guarantee (docs/design.md#3-policy-versions-and-the-staleness-window)
+        is about the step that trains it, not its arrival."""
+        keep, late = [], []
         for sample, src in state.buffer:
-            if state.progress.version - sample.min_version > eta:
+            if self._too_stale(sample, state.progress.version) is not None:
                 self._reject(state, sample.group_id)
                 state.rejected_stale += 1
+                late.append((sample, src))
             else:
                 keep.append((sample, src))
         state.buffer = keep
+        state.pending += self._stale_letters(state, late, "the version moved while it waited")
+
+    def _too_stale(self, sample: SampleEvent, version: int) -> str | None:
+        """Why ``sample`` is past the tail gate at ``version`` (None: it may train). Online
+        mode (agent.mode online): up to actor.late_reward_max_offpolicyness versions it
+        trains, with decoupled PPO's behaviour-weight correction."""
+        staleness, eta = version - sample.min_version, self.cfg.max_head_offpolicyness
+        cap = self.cfg.actor.late_reward_max_offpolicyness if self.cfg.online else None
+        bound = eta if cap is None else cap
+        if staleness <= bound:
+            return None
+        late = (f" (its rewards came {sample.reward_delay_s:.0f} s after its trajectories)"
+                if sample.reward_delay_s >= 1 else "")
+        fix = ("raise actor.late_reward_max_offpolicyness" if cap is not None else
+               "set actor.late_reward_max_offpolicyness to train such groups with the "
+               "decoupled-PPO correction, or raise rollout.max_head_offpolicyness")
+        return (f"group {sample.group_id} is {staleness} versions behind the trainer (version "
+                f"{version}, its oldest token {sample.min_version}), past the staleness bound "
+                f"of {bound}{late}: not trained; {fix}")
+
+    def _stale_letters(self, state: TrainerState, stale: list[tuple[SampleEvent, Source]],
+                       why: str) -> list[DeadLetter]:
+        """Online mode: a group past the bound is a real user's session: dead-lettered
+        with the reason (a batch run only counts it, ``trainer/rejected_stale``)."""
+        if not self.cfg.online:
+            return []
+        out = []
+        for sample, src in stale:
+            reason = self._too_stale(sample, state.progress.version) or why
+            state.dead_lettered_stale += 1
+            log.warning("dead-lettered: %s", reason)
+            out.append(DeadLetter(sample, BadEventError(reason), src))
+        return out
 
     def _step(self, state: TrainerState) -> list[Event | DeadLetter]:
         self._gate_buffer(state)
@@ -407,9 +483,11 @@ class Trainer(Role[TrainerState]):
         samples = [s for s, _ in batch]
         v_before = state.progress.version
         t0 = time.perf_counter()
+        ready_at = time.time()  # the batch is complete: the step timeline's "trainer wait" ends
         try:
             items = flatten_groups(samples)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
+            t_adv = time.perf_counter() - t0
             result = self.actor.train_step(items, policy_version=state.progress.version)
             if self.critic is not None and result.applied_minibatches:
                 token_metrics.update(self.critic.train_step(items))
@@ -432,6 +510,7 @@ class Trainer(Role[TrainerState]):
         samples = [s for s in samples if s.group_id not in result.skipped_group_ids]
         for s in samples:
             step.staleness_hist[v_before - s.min_version] += 1
+            step.trained_late += v_before - s.min_version > self.cfg.max_head_offpolicyness
         p = step.progress
         p.version += 1
         if not samples:
@@ -460,10 +539,19 @@ class Trainer(Role[TrainerState]):
             "trainer/dead_lettered": float(state.dead_lettered),
             "trainer/dead_lettered_config": float(state.dead_lettered_config),
             "trainer/skipped_steps": float(state.skipped_steps),
+            "trainer/dead_lettered_stale": float(state.dead_lettered_stale),
+            "trainer/trained_late": float(state.trained_late),
             "trainer/step_wall_s": time.perf_counter() - t0,
+            # For the step timeline (ops/timeline.py): when the batch was complete (epoch
+            # seconds) and the token-level advantages' time (then the actor's step, then
+            # the publish: the weights event's produced_at).
+            "trainer/batch_ready_at": ready_at,
+            "trainer/token_advantages_s": t_adv,
             "trainer/mean_output_tokens": sum(len(q.output_ids) for s in samples for q in s.sequences)
             / max(len(rewards), 1),
         })
+        if self._moe_shape is not None:
+            metrics["trainer/routes_missing"] = float(state.routes_missing)
         for lag, count in sorted(state.staleness_hist.items()):
             metrics[f"trainer/staleness_hist/{lag}"] = float(count)
         self.sink.write(p.version, metrics)
@@ -511,7 +599,7 @@ class Trainer(Role[TrainerState]):
         return weights, progress
 
     @staticmethod
-    def _take_pending(state: TrainerState) -> list[Event]:
+    def _take_pending(state: TrainerState) -> list[Event | DeadLetter]:
         taken, state.pending = state.pending, []
         return taken
 
@@ -704,6 +792,7 @@ class Trainer(Role[TrainerState]):
                 # Of this bus run id's log: the launcher's count of what a lost log dropped.
                 "groups_done_on_log": len(state.trained) + len(state.rejected)
                 - state.progress.base_groups,
+                "groups_trained": len(state.trained),
                 "rejected_stale": state.rejected_stale, "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 

@@ -44,7 +44,7 @@ class WeightsUnavailableError(TapiocaError):
 
 
 # A run's weights files: <run dir>/weights/vNNNNNN.safetensors, one per version. The one
-# home of the name (the RL trainer, the offline trainers and the durable writer of the
+# home of the name (the RL trainer, the supervised trainers and the durable writer of the
 # fast transports all write there; `tapioca weights list` and rollback read it).
 WEIGHTS_DIR = "weights"
 

@@ -24,8 +24,9 @@ itself (the role passes its loader to :meth:`WeightsFollow.load_head`, on its ti
   version are dead-lettered as conflicts.
 - After ``recover`` the replayed topic's older events are skipped up to the recovered one.
 
-Used by the rollout worker (producers/rollout.py) and the agent proxy's weights
-follower (producers/proxy/gate.py).
+Used by the rollout worker (producers/rollout.py), the agent proxy's weights follower
+(producers/proxy/gate.py) and the evaluator (producers/evaluator.py), which loads only
+the versions it evaluates (``keep``).
 """
 
 from __future__ import annotations
@@ -182,6 +183,15 @@ class WeightsFollow:
         self.candidates = [c for c in self.candidates if c[0].version > event.version]
         self.head_failed = False
         return conflicts
+
+    def keep(self, wanted: Callable[[WeightsEvent], bool]) -> None:
+        """Drop the candidates ``wanted`` refuses: versions this member will never load
+        (the evaluator's versions between its evaluation points). Nothing is
+        dead-lettered; the head is tried afresh if it changed."""
+        head = self.head
+        self.candidates = [c for c in self.candidates if wanted(c[0])]
+        if self.head is not head:
+            self.head_failed = False
 
     def forget(self, event: Event) -> None:
         """The bus dead-lettered ``event`` after its loads failed: the next candidate, if

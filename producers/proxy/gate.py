@@ -10,7 +10,8 @@ loaded, refused or dead-lettered is the rule the rollout workers follow too
 version is refused, one that fails to load is retried, then dead-lettered, and the
 proxy keeps its version. Emits nothing but dead letters and the runner's status metrics.
 
-Gate (DESIGN.md §3, the feeder's rule, algorithms/head_gate.py): a session that starts
+Gate (docs/design.md#3-policy-versions-and-the-staleness-window, the feeder's rule,
+algorithms/head_gate.py): a session that starts
 a new group waits until ``k - rejected - abandoned < (eta + v + 1) * B`` with k the
 groups this proxy has admitted in the run, v (trained steps: version - rollbacks) and
 ``rejected`` from the latest progress event of a loaded version, eta =

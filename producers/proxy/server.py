@@ -19,16 +19,28 @@ whole, so the chunks of one choice leave together once it is done.
 HTTP API (errors: ``{"error": {"message", "type", "param", "code"}}``)
     ``POST /v1/sessions`` (admin key ``proxy.api_key``) ``{"group_id": str|null,
     "group_size": int = gconfig.n_samples, "sample_index": int|null, "task": str,
-    "task_data": {}}`` -> ``{"session_id", "api_key", "policy_version", "group_id",
-    "sample_index", "group_size"}``. Waits while the head gate is closed (a group is
-    admitted once, by its first session); null group_id = a new group
-    (``{run_id}-proxy-g{k}``); null sample_index = the next free one.
+    "task_data": {}, "api_key": str|null}`` -> ``{"session_id", "api_key",
+    "policy_version", "group_id", "sample_index", "group_size", "for_training",
+    "previous"}``. While the head gate is closed (a group is admitted once, by its first
+    session) it waits, or answers 429 with ``Retry-After``, or serves the session
+    untrained (``for_training: false``), as ``proxy.admission`` says; null group_id = a
+    new group (``{run_id}-proxy-g{k}``); null sample_index = the next free one. A fixed
+    ``api_key`` (16-256 printable characters, the client's own, AReaL's OpenClaw): its
+    open session is ended and published first (``previous``: that end's reply); 409
+    ``key_in_use`` while a call of it is generating.
     ``POST /v1/sessions/{id}/reward`` (session or admin key) ``{"reward": float,
     "completion_id": str|null}``: ``"{response id}:{choice}"``, a response id (every
     choice of that call), or null (the last completion) -> ``{"completion_ids", ...}``.
+    After ``end`` (online mode: seconds to days later) it rewards the whole session
+    (its last completion) -> ``{"traj_ids", "group_id", "published"}``; 404 unknown,
+    409 already rewarded / not for training, 410 past the reward window
+    (:mod:`tapioca.producers.proxy.delayed_rewards`); a NaN or beyond +-1e9 is a 400.
     ``POST /v1/sessions/{id}/end`` ``{"mode": "concat"|"per_completion"|null,
-    "discount": float|null}`` -> ``{"traj_ids", "rewards", "group_id", "published"}``;
-    the key stops working; the group's events go out when its last session ends.
+    "discount": float|null}`` -> ``{"traj_ids", "rewards", "group_id", "published",
+    "group_ended", "reward_pending", "reason"}``; the key stops working; the group's
+    events go out when its last session ends; ``reward_pending``: published without a
+    reward, which may come later (online mode); ``reason``: why nothing of it will train
+    (not for training, no completion, a group that cannot be published: dead-lettered).
     ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (session
     key; models also the admin key). Responses carry ``tapioca.completion_ids`` and
     ``tapioca.policy_versions``. ``GET /health``: version, gate capacity.
@@ -40,9 +52,11 @@ HTTP API (errors: ``{"error": {"message", "type", "param", "code"}}``)
     ``context_length_exceeded``: past the model's context, ``invalid_prompt``), 401
     missing, unknown, ended or expired key, 403 a key on another session (or the admin
     key on completions), 404 unknown session or completion, 409 group full / finished,
-    session already ended (also for a reward, or for a call whose session ended while
-    it generated), 413 body over ``proxy.max_request_bytes``, 429 ``proxy.max_sessions``
-    open, 503 shutting down (or, plain text from uvicorn, ``proxy.max_connections``
+    session already ended (also for a call whose session ended while it generated; a
+    reward after the end has its own codes, above), 413 body over
+    ``proxy.max_request_bytes``, 429 ``proxy.max_sessions``
+    open, or the head gate closed with ``proxy.admission: reject``, 503 shutting down or
+    still loading the latest weights (or, plain text from uvicorn, ``proxy.max_connections``
     reached); 408 and a close when a request line and headers are not complete within
     ``proxy.header_timeout_s`` (:mod:`tapioca.producers.proxy.http_timeouts`); an idle
     kept-alive connection is closed after ``proxy.keep_alive_timeout_s``.
@@ -68,7 +82,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engines.base import GenResult
 from ...schemas.errors import ConfigError, TapiocaError
+from .delayed_rewards import check_reward
 from .http_timeouts import with_header_timeout
+from .images import expand as expand_images
+from .images import take_images
 from .openai_errors import ApiError, bad_request, error_body
 from .responses import build_chat_choices, build_text_choices
 from .service import ProxyService, float_field, int_field
@@ -94,7 +111,9 @@ def create_app(svc: ProxyService) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:
-        return _json_response(exc.body(), exc.status)
+        response = _json_response(exc.body(), exc.status)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
@@ -174,15 +193,39 @@ def create_app(svc: ProxyService) -> FastAPI:
         task_data = body.get("task_data") or {}
         if not isinstance(task, str) or not isinstance(task_data, dict):
             raise bad_request("task must be a string and task_data an object", "task_data")
+        api_key = _client_key(body.get("api_key"), is_admin)
+        previous = None
+        if api_key is not None:  # a fixed key: its open episode ends (and is published) first
+            prev = svc.store.end_previous(api_key)
+            if prev is not None:
+                previous = await svc.finish(*prev)
+        start = dict(group_id=group_id, group_size=group_size, sample_index=sample_index,
+                     task=task, task_data=task_data, api_key=api_key)
         while True:
-            session = svc.store.start(group_id=group_id, group_size=group_size,
-                                      sample_index=sample_index, task=task, task_data=task_data,
-                                      policy_version=svc.engine.version, admit=svc.gate.try_admit)
+            session = svc.store.start(**start, policy_version=svc.engine.version,
+                                      admit=svc.gate.try_admit)
             if session is not None:
                 break
-            # Held by the head gate: wait (never fail) until a weights event frees a slot.
             if svc._stop.is_set():
                 raise ApiError(503, "the proxy is shutting down", code="shutting_down")
+            # Held by the head gate (proxy.admission): wait until a weights event frees a
+            # slot, or answer now (a live user is never left without an answer).
+            if svc.admission != "wait" and not svc.gate.ready.is_set():
+                svc.refused_starts += 1
+                raise ApiError(503, "the proxy is still loading the run's latest weights; retry",
+                               code="not_ready", headers={"Retry-After": str(svc.retry_after_s)})
+            if svc.admission == "reject":
+                svc.refused_starts += 1
+                raise ApiError(
+                    429, f"the trainer is {svc.gate.eta} versions behind the sessions already "
+                    "admitted (rollout.max_head_offpolicyness): a new one could not train within "
+                    f"the staleness bound; retry after {svc.retry_after_s} s",
+                    code="staleness_bound", headers={"Retry-After": str(svc.retry_after_s)})
+            if svc.admission == "serve_untrained":
+                session = svc.store.start(
+                    **start, policy_version=svc.engine.version, admit=svc.gate.try_admit,
+                    untrained="served past the staleness bound (proxy.admission=serve_untrained)")
+                break
             if await request.is_disconnected():
                 return Response(status_code=499)
             await asyncio.sleep(0.05)
@@ -190,20 +233,32 @@ def create_app(svc: ProxyService) -> FastAPI:
                                "policy_version": session.policy_version,
                                "group_id": session.group.group_id,
                                "sample_index": session.sample_index,
-                               "group_size": session.group.group_size})
+                               "group_size": session.group.group_size,
+                               "for_training": not session.group.untrained,
+                               "previous": previous})
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def set_reward(session_id: str, request: Request) -> Response:
-        session = own_session(request, session_id)
+        key = bearer(request)
+        admin = is_admin(key)
         body = await body_of(request)
-        reward = body.get("reward")
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward:
-            raise bad_request("reward must be a finite number", "reward")
+        reward = check_reward(body.get("reward"))
         completion_id = body.get("completion_id")
         if completion_id is not None and not isinstance(completion_id, str):
             raise bad_request("completion_id must be a string or null", "completion_id")
-        ids = svc.store.set_reward(session, float(reward), completion_id)
-        return _json_response({"session_id": session_id, "completion_ids": ids, "reward": float(reward)})
+        session = svc.store.open_session(session_id)
+        if session is None:  # ended: the session's reward, now or later (delayed_rewards.py)
+            if completion_id is not None:
+                raise bad_request("after end a reward goes to the whole session (its last "
+                                  "completion, AReaL's rule); leave completion_id out",
+                                  "completion_id")
+            out = await asyncio.to_thread(svc.reward_after_end, session_id, reward,
+                                          None if admin else key)
+            return _json_response(out)
+        if not admin and svc.store.by_api_key(key) is not session:
+            raise ApiError(403, "this API key belongs to another session", code="wrong_session")
+        ids = svc.store.set_reward(session, reward, completion_id)
+        return _json_response({"session_id": session_id, "completion_ids": ids, "reward": reward})
 
     @app.post("/v1/sessions/{session_id}/end")
     async def end_session(session_id: str, request: Request) -> Response:
@@ -216,12 +271,7 @@ def create_app(svc: ProxyService) -> FastAPI:
         if discount is not None:
             discount = float_field(body, "discount", 1.0, 0.0, 1.0)
         ended = svc.store.end(session, mode, discount)
-        if ended.abandoned:
-            svc.gate.abandon()
-        published = bool(ended.events) and await asyncio.to_thread(svc.publish, ended.events)
-        return _json_response({"session_id": session_id, "group_id": ended.group.group_id,
-                               "traj_ids": ended.traj_ids, "rewards": ended.rewards,
-                               "published": published})
+        return _json_response(await svc.finish(session, ended))
 
     # -------------------------------------------------------------- OpenAI routes
 
@@ -247,7 +297,8 @@ def create_app(svc: ProxyService) -> FastAPI:
     async def health() -> Response:
         ok = svc.runner_error is None
         return _json_response({"ok": ok, "policy_version": svc.engine.version,
-                               "gate_capacity": svc.gate.capacity(), "ready": svc.gate.ready.is_set()},
+                               "gate_capacity": svc.gate.capacity(), "ready": svc.gate.ready.is_set(),
+                               "sessions": svc.session_counts()},
                               200 if ok else 503)
 
     @app.post("/v1/chat/completions")
@@ -262,13 +313,18 @@ def create_app(svc: ProxyService) -> FastAPI:
         sampling, n = svc.sampling_from(body)
         # Rendering (a Jinja template + tokenising a long conversation) and decoding
         # are CPU work: worker threads, so the event loop keeps serving other sessions.
-        prompt_ids = await asyncio.to_thread(_render_chat, svc, session, body.get("messages"), tools)
+        # image_url parts: stored by sha256, rendered as placeholders (proxy/images.py).
+        messages, image_refs = await asyncio.to_thread(take_images, body.get("messages"), svc.vision)
+        prompt_ids = await asyncio.to_thread(_render_chat, svc, session, messages, tools)
+        prompt_ids = expand_images(prompt_ids, image_refs, svc.vision)
         call_id = f"chatcmpl-{secrets.token_hex(12)}"
-        results = await svc.generate(session, call_id, prompt_ids, sampling, n)
+        results = await svc.generate(session, call_id, prompt_ids, sampling, n, image_refs)
         built = await asyncio.to_thread(
             build_chat_choices, svc.text, call_id, prompt_ids, results, sampling.stop_strings,
             parse_tools=tools is not None and tool_choice != "none", logprobs=want_logprobs,
             stream=stream)
+        for completion in built.completions:
+            completion.images = list(image_refs)
         svc.store.record(session, built.completions, built.raws, built.contents, built.tool_call_ids)
         usage = _usage(prompt_ids, results)
         created = int(time.time())
@@ -353,6 +409,20 @@ def create_app(svc: ProxyService) -> FastAPI:
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     return app
+
+
+def _client_key(value: Any, is_admin) -> str | None:
+    """A session's own key chosen by its client (a fixed key across episodes), or None."""
+    if value is None:
+        return None
+    if (not isinstance(value, str) or not 16 <= len(value) <= 256 or not value.isprintable()
+            or " " in value):
+        raise bad_request("api_key must be 16 to 256 printable characters without spaces (or "
+                          "null: the proxy makes one)", "api_key")
+    if value.startswith("tpk-") or is_admin(value):
+        raise bad_request("api_key must not be the admin key nor start with tpk- (the proxy's "
+                          "own keys)", "api_key")
+    return value
 
 
 def _usage(prompt_ids: list[int], results: list[GenResult]) -> dict[str, int]:

@@ -7,6 +7,14 @@ Consumes ``weights.v1`` and ``progress.v1`` (through
 :class:`~tapioca.bus.producer.EventProducer`, retrying a batch the broker did not
 confirm. Also renders chat messages to token ids and validates sampling fields.
 
+Online mode (``agent.mode: online``, docs/online.md): sessions ended without a reward
+publish their trajectories with none, to wait on the log; a reward after the end
+(:mod:`tapioca.producers.proxy.delayed_rewards`) is published here. Admission: while the
+head gate is closed a session start waits, gets 429 with ``Retry-After``, or is served
+untrained (``proxy.admission``). A group that cannot be published (an event over
+``bus.max_message_bytes``) is dead-lettered whole, with the reason, and its gate slot
+freed; ``end`` says why.
+
 Token limits: ``proxy.max_tokens_per_request`` bounds one call's prompt tokens +
 n x max_tokens; ``proxy.max_tokens_per_session`` bounds the sum over a session's calls
 of prompt tokens + generated tokens (each call's ``usage.total_tokens``), so a
@@ -20,19 +28,35 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 from typing import Any, Callable
 
+import orjson
+
+from ...bus.dlq import dead_letter
 from ...bus.producer import EventProducer
+from ...bus.role import Source
 from ...bus.runner import RoleRunner
 from ...bus.settings import BusConfig
 from ...config.sections import ProxySection
 from ...engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
-from ...schemas.envelope import Event
-from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError
+from ...schemas.envelope import Event, encode_event
+from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError, TapiocaError
+from ...schemas.events import TrajectoryEvent
+from ...schemas.registry import topic_for
+from .delayed_rewards import (
+    EndedSession,
+    EndedSessions,
+    RewardCommands,
+    SessionLog,
+    check_reward,
+    delayed_reward_events,
+    reward_window_s,
+)
 from .gate import PROXY_PRODUCER_PREFIX, HeadGate, WeightsFollower, recover_admitted
 from .openai_errors import ApiError, bad_request
 from .responses import ResponseText
-from .sessions import Session, SessionStore
+from .sessions import Ended, Session, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +75,17 @@ class ProxyService:
 
     def __init__(self, section: ProxySection, *, engine: InferenceEngine, tokenizer: Any,
                  bus: BusConfig, load_weights: Callable[[Any], Any],
-                 max_context_tokens: int | None = None) -> None:
+                 max_context_tokens: int | None = None, vision: Any = None,
+                 images: Callable[[list], Any] | None = None) -> None:
         """``section``: the ``proxy`` settings (admin key, limits, sessions), the sampling
         defaults and group size (``gconfig``), the head gate's eta and B, the run id its
         group ids carry. ``engine`` / ``load_weights`` / ``tokenizer``: from
-        runtime/builders.py; ``bus``: the run's."""
+        runtime/builders.py; ``bus``: the run's. ``vision`` / ``images`` (a VL model's,
+        runtime/builders.py ``vision_prompts`` / ``request_images``): image parts are
+        stored and placeholders expanded / refs become the engine's images
+        (producers/proxy/images.py); None: the model reads no images."""
+        self.vision = vision
+        self.request_images = images
         p, g = section.proxy, section.gconfig
         api_key = p.admin_key()
         if not api_key:
@@ -78,17 +108,34 @@ class ProxyService:
         self.template = getattr(tokenizer, "chat_template", None) or ""
         self.template_has_tools = "tools" in self.template
         self.gate = HeadGate(section.max_head_offpolicyness, section.prompts_per_step)
+        self.online = section.online
+        self.admission = section.admission
+        self.retry_after_s = p.retry_after_s
         self.store = SessionStore(ttl_s=p.session_ttl_s, max_sessions=p.max_sessions,
                                   max_tokens_per_session=p.max_tokens_per_session,
                                   run_tag=section.run_id,
                                   decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                  default_mode=p.end_mode, default_discount=p.turn_discount)
+                                  default_mode=p.end_mode, default_discount=p.turn_discount,
+                                  defer_unset_rewards=section.online)
         self.member_id = f"{PROXY_PRODUCER_PREFIX}-{secrets.token_hex(4)}"
         self.producer = EventProducer(bus, self.member_id)
         self._pub_lock = threading.Lock()
         self._unpublished: list[Event] = []
         self.runner = RoleRunner(WeightsFollower(self.gate, load_weights, lambda: engine.version),
                                  bus, member_id=self.member_id, group_id=f"{bus.topic_prefix}.proxy")
+        # Ended sessions, for rewards after the end: followed from the log in online mode.
+        self.ended = EndedSessions(reward_window_s(section.advantage))
+        self.session_log = (SessionLog(bus, self.ended, PROXY_PRODUCER_PREFIX)
+                            if section.online else None)
+        self.sessions_runner = RoleRunner(
+            RewardCommands(lambda sid, value: self.reward_after_end(sid, value, None),
+                           self.session_counts),
+            bus, member_id=f"{self.member_id}-sessions",
+            group_id=f"{bus.topic_prefix}.proxy-sessions")
+        # Groups that could not be published (group id -> why), and other counts.
+        self.undeliverable: dict[str, str] = {}
+        self.refused_starts = 0
+        self.dead_lettered = 0
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.runner_error: BaseException | None = None
@@ -99,19 +146,26 @@ class ProxyService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Recover k from the log, follow weights.v1, expire idle sessions."""
+        """Recover k from the log, follow weights.v1, expire idle sessions; online: read
+        the ended sessions back from the log before serving, then follow it."""
         self.gate.admitted = recover_admitted(self.bus)
-        self._threads = [threading.Thread(target=self._follow, name="proxy-weights", daemon=True),
+        if self.session_log is not None:
+            self.session_log.catch_up()
+            self.session_log.start()
+        self._threads = [threading.Thread(target=self._follow, args=(self.runner,),
+                                          name="proxy-weights", daemon=True),
+                         threading.Thread(target=self._follow, args=(self.sessions_runner,),
+                                          name="proxy-sessions", daemon=True),
                          threading.Thread(target=self._reap_loop, name="proxy-reaper", daemon=True)]
         for t in self._threads:
             t.start()
 
-    def _follow(self) -> None:
+    def _follow(self, runner: RoleRunner) -> None:
         try:
-            self.runner.run()
+            runner.run()
         except BaseException as exc:  # surfaced by /health and stop()
             self.runner_error = exc
-            log.exception("the weights follower failed; stopping the proxy")
+            log.exception("%s failed; stopping the proxy", runner.member_id)
             self.on_fatal()
 
     def _reap_loop(self) -> None:
@@ -125,8 +179,11 @@ class ProxyService:
     def stop(self) -> None:
         self._stop.set()
         self.runner.stop()
+        self.sessions_runner.stop()
         for t in self._threads:
             t.join(30)
+        if self.session_log is not None:
+            self.session_log.stop()
         try:
             if not self.publish([]):
                 log.error("%d event(s) could not be delivered before the proxy stopped",
@@ -140,20 +197,17 @@ class ProxyService:
     def publish(self, events: list[Event]) -> bool:
         """Publish ``events`` (and any earlier batch that failed); False when the broker
         did not confirm them: they are kept and retried by the reaper every second, and
-        consumers de-duplicate whatever a retry sends twice."""
+        consumers de-duplicate whatever a retry sends twice. A group with an event that
+        cannot be encoded (invalid, or over bus.max_message_bytes: no retry helps) is
+        dead-lettered whole instead (:meth:`_undeliverable`)."""
         with self._pub_lock:
-            batch, self._unpublished = self._unpublished + list(events), []
+            batch = self._unpublished + self._undeliverable(list(events))
+            self._unpublished = []
             if not batch:
                 return True
             sent: list[Event] = []
             for e in batch:
-                try:
-                    self.producer.publish(e)
-                except SchemaError as exc:
-                    # Invalid or over bus.max_message_bytes: retrying cannot help. Its
-                    # group then times out in the advantage processor (counted rejected).
-                    log.error("dropping %s %s: %s", e.TYPE, getattr(e, "traj_id", ""), exc)
-                    continue
+                self.producer.publish(e)  # encodable: checked by _undeliverable
                 sent.append(e)
             try:
                 self.producer.flush()
@@ -162,6 +216,102 @@ class ProxyService:
                 self._unpublished = sent
                 log.warning("%d event(s) not delivered yet, will retry: %s", len(sent), exc)
                 return False
+
+    def _undeliverable(self, events: list[Event]) -> list[Event]:
+        """``events`` less the groups that cannot go on the log: each of their events is
+        dead-lettered (dlq.v1, with the reason and the payload), the group's gate slot
+        freed and its reason kept for ``end`` (``undeliverable``)."""
+        bad: dict[str, str] = {}
+        for e in events:
+            try:
+                encode_event(e, max_bytes=self.bus.max_message_bytes)
+            except SchemaError as exc:
+                bad.setdefault(e.group_id, f"{e.TYPE} {getattr(e, 'traj_id', '')}: {exc}")
+        if not bad:
+            return events
+        for e in events:
+            if e.group_id not in bad:
+                continue
+            error = SchemaError(f"group {e.group_id} cannot be published, so it is not trained "
+                                f"({bad[e.group_id]})")
+            try:
+                raw = orjson.dumps(e)
+            except orjson.JSONEncodeError:
+                raw = repr(e).encode()
+            source = Source(self.bus.topic(topic_for(e)), -1, -1, key=e.group_id)
+            # The letter must fit on the bus itself: a too-large event's payload is cut
+            # to a third of the limit (base64 adds a third), else left out.
+            for payload in (raw[: self.bus.max_message_bytes // 3], b""):
+                record, headers = dead_letter(payload, source, error,
+                                              consumer_group=self.member_id)
+                record.payload_truncated = len(payload) < len(raw)
+                try:
+                    self.producer.publish(record, headers=headers)
+                    break
+                except SchemaError:
+                    continue
+            self.dead_lettered += 1
+        unpublished = {e.group_id for e in events if isinstance(e, TrajectoryEvent)}
+        for gid, why in bad.items():
+            log.error("group %s dead-lettered, not trained: %s", gid, why)
+            self.undeliverable[gid] = why
+            if len(self.undeliverable) > 10_000:
+                self.undeliverable.pop(next(iter(self.undeliverable)))
+            if gid in unpublished:  # the trainer will never see it: free its slot here
+                self.gate.abandon()
+        return [e for e in events if e.group_id not in bad]
+
+    # ------------------------------------------------------------------ sessions
+
+    async def finish(self, session: Session, ended: Ended) -> dict[str, Any]:
+        """Publish what ``end`` (or a fixed key's next start) finished; the reply's
+        ``published`` / ``reward_pending`` / ``reason``."""
+        if ended.abandoned:
+            self.gate.abandon()
+        published = bool(ended.events) and await asyncio.to_thread(self.publish, ended.events)
+        reason = self.undeliverable.get(ended.group.group_id, "") or ended.reason
+        group_ended = ended.group.group_id in self.store.finished_groups
+        pending = not reason and any(r is None for r in ended.rewards)
+        self.ended.record(session.session_id, EndedSession(
+            ended.group.group_id, {t: p.reward_factor for t, p in zip(ended.traj_ids, session.pieces)},
+            time.time(), rewarded=not pending or not ended.traj_ids, refusal=reason and f"takes no "
+            f"reward: {reason}", refusal_code="not_for_training" if ended.group.untrained
+            else "nothing_to_reward", api_key=session.api_key))
+        return {"session_id": session.session_id, "group_id": ended.group.group_id,
+                "traj_ids": ended.traj_ids, "rewards": ended.rewards,
+                "published": published and not reason, "group_ended": group_ended,
+                "reward_pending": pending, "reason": reason}
+
+    def reward_after_end(self, session_id: str, value: Any, key: str | None) -> dict[str, Any]:
+        """A session reward for an ended session (``key``: the caller's, None for the
+        admin key or a signed command): with its group if that is not published yet,
+        else as events of its own (:mod:`.delayed_rewards`)."""
+        reward = check_reward(value)
+        local = self.store.reward_ended(session_id, reward, key)
+        if local is not None:
+            session, traj_ids = local
+            self.ended.mark_rewarded(session_id)
+            return {"session_id": session_id, "group_id": session.group.group_id,
+                    "traj_ids": traj_ids, "reward": reward, "published": False}
+        entry = self.ended.claim(session_id, key)
+        events = delayed_reward_events(entry.group_id, entry.factors, reward, session_id,
+                                       entry.ended_at)
+        if not self.publish(list(events)):
+            self.ended.release(session_id)
+            raise ApiError(503, "the broker did not confirm the reward; retry",
+                           code="reward_not_delivered")
+        return {"session_id": session_id, "group_id": entry.group_id,
+                "traj_ids": [e.traj_id for e in events], "reward": reward, "published": True}
+
+    def session_counts(self) -> dict[str, int]:
+        """Sessions served, open, with a call generating, not for training, refused at the
+        gate; ended ones rewarded or waiting for a reward (the live table's numbers)."""
+        sessions = list(self.store.sessions.values())
+        return {"served": self.store.started,
+                "open": sum(1 for s in sessions if s.state == "open"),
+                "generating": sum(s.in_flight for s in sessions),
+                "untrained": self.store.untrained_sessions, "refused": self.refused_starts,
+                "dead_lettered": self.dead_lettered, **self.ended.counts()}
 
     # ------------------------------------------------------------------ requests
 
@@ -200,7 +350,7 @@ class ProxyService:
                               stop_strings=tuple(stops)), n
 
     async def generate(self, session: Session, call_id: str, prompt_ids: list[int],
-                       sampling: SamplingParams, n: int) -> list[GenResult]:
+                       sampling: SamplingParams, n: int, image_refs: list | None = None) -> list[GenResult]:
         """Generate ``n`` choices of one call; engine request ids are ``{call_id}:{i}``
         (``call_id`` is random per call, so ids never repeat across calls or sessions)."""
         budget = len(prompt_ids) + n * sampling.max_new_tokens
@@ -216,7 +366,13 @@ class ProxyService:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_new_tokens}) = {context} "
                 f"exceeds the model's context of {self.max_context_tokens} tokens; shorten the "
                 "conversation or lower max_tokens", "messages", code="context_length_exceeded")
-        requests = [GenRequest(f"{call_id}:{i}", list(prompt_ids), sampling) for i in range(n)]
+        images = None
+        if image_refs:
+            try:
+                images = await asyncio.to_thread(self.request_images, list(image_refs))
+            except TapiocaError as exc:  # e.g. a blob that is not in the store
+                raise bad_request(str(exc), "messages", code="invalid_image") from None
+        requests = [GenRequest(f"{call_id}:{i}", list(prompt_ids), sampling, images) for i in range(n)]
         try:
             self.engine.validate(requests[0])
         except EngineError as exc:  # e.g. token ids the model does not have

@@ -14,10 +14,11 @@ shared prompt is the longest common prefix of the sessions' first prompts (norma
 the whole first prompt; any remainder moves into the output with loss mask 0), and
 ``group_size`` is the number of trajectories actually produced (sessions that expired
 or never started are left out, so the group still completes). Sessions whose prompts
-share no first token are not one GRPO group (their advantages would compare different
-prompts, and a sample needs a shared prompt: one was published with ``prompt_ids=[]``
-and crashed the trainer): such a group is not published, its slot is given back like an
-empty group's, and a warning says why (``unshared_groups``).
+share no first token (a per_completion session that mixed chat calls and raw
+``/v1/completions`` calls, whose prompts start differently) are published with an empty
+shared prompt: every sequence's whole context moves into its output with loss mask 0
+(counted as ``unshared_groups``); the trainer, the advantage processor, the archive and
+replay take such groups (``SampleEvent.prompt_ids == []``).
 
 Trajectory shapes (``mode`` of ``end``):
     concat: one trajectory per session. The chain is built backwards from the leaf
@@ -70,6 +71,8 @@ class Completion:
     finish_reason: str
     reward: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # The prompt's images (ImageRef, placeholder order; producers/proxy/images.py).
+    images: list = field(default_factory=list)
 
     @property
     def completion_id(self) -> str:
@@ -89,9 +92,13 @@ class _Piece:
     loss_mask: list[int]
     turn_boundaries: list[int]
     finish_reason: str
-    reward: float
+    # None: no reward yet (online mode: one may come after the end).
+    reward: float | None
     details: dict[str, Any]
     timings: dict[str, float]
+    images: list = field(default_factory=list)
+    # What a session reward given after the end is multiplied by for this trajectory.
+    reward_factor: float = 1.0
 
 
 @dataclass
@@ -114,6 +121,9 @@ class Session:
     # Calls generating now: a session with one is never expired (its reply must not be
     # answered 200 and then dropped from the group).
     in_flight: int = 0
+    # A key the client chose (a fixed key across episodes, AReaL's OpenClaw): starting a
+    # session with it again ends this one.
+    fixed_key: bool = False
 
 
 @dataclass
@@ -126,6 +136,9 @@ class Group:
     last_active: float
     sessions: dict[int, Session] = field(default_factory=dict)
     next_index: int = 0
+    # "" unless the group is not for training (proxy.admission serve_untrained: served
+    # past the staleness bound): then why; nothing of it is published.
+    untrained: str = ""
 
     def done(self, now: float, ttl_s: float) -> bool:
         """Every session over, and either all group_size started or no one joined for ttl."""
@@ -137,13 +150,16 @@ class Group:
 class Ended(NamedTuple):
     """What :meth:`SessionStore.end` returns. ``abandoned``: this end finished the
     session's group without a single trajectory (computed under the store's lock, so
-    the gate slot is freed exactly once, by this caller or by the reaper)."""
+    the gate slot is freed exactly once, by this caller or by the reaper). ``rewards``:
+    None for a trajectory whose reward may still come (online mode). ``reason``: why
+    nothing of the session will train ("" when it will, or may once rewarded)."""
 
     traj_ids: list[str]
-    rewards: list[float]
+    rewards: list[float | None]
     events: list[Event]
     group: "Group"
     abandoned: bool
+    reason: str = ""
 
 
 def discounted_returns(rewards: list[float | None], discount: float) -> list[float]:
@@ -164,8 +180,11 @@ def concat_chain(completions: list[Completion], leaf: Completion) -> list[Comple
     """The completions the conversation ending at ``leaf`` actually went through."""
     chain = [leaf]
     current = leaf.prompt_ids
+    images = leaf.images
     for c in reversed(completions[:completions.index(leaf)]):
-        if _is_prefix(c.prompt_ids + c.output_ids, current):
+        # The same tokens with other images are another conversation (placeholders are
+        # the same token whatever the image).
+        if _is_prefix(c.prompt_ids + c.output_ids, current) and c.images == images[:len(c.images)]:
             chain.append(c)
             current = c.prompt_ids
     return chain[::-1]
@@ -230,8 +249,12 @@ class SessionStore:
     def __init__(self, *, ttl_s: float, max_sessions: int, max_tokens_per_session: int,
                  run_tag: str, decode: Callable[[list[int]], str],
                  default_mode: Mode = "concat", default_discount: float = 1.0,
+                 defer_unset_rewards: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
+        # Online mode: a session ended without a reward publishes its trajectories with
+        # none (they wait on the log for one) instead of counting unset rewards as 0.
+        self.defer_unset_rewards = defer_unset_rewards
         self.max_sessions = max_sessions
         self.max_tokens_per_session = max_tokens_per_session
         self.run_tag = run_tag
@@ -248,13 +271,18 @@ class SessionStore:
         self.dead_keys: dict[str, str] = {}
         self.published_groups = 0
         self.unshared_groups = 0  # finished groups whose sessions shared no prompt token
+        self.started = 0
+        self.untrained_sessions = 0
 
     # ------------------------------------------------------------------ sessions
 
     def start(self, *, group_id: str | None, group_size: int, sample_index: int | None,
               task: str, task_data: dict[str, Any], policy_version: int,
-              admit: Callable[[], int | None]) -> Session | None:
-        """A new session, or None while the head gate keeps its new group out."""
+              admit: Callable[[], int | None], api_key: str | None = None,
+              untrained: str = "") -> Session | None:
+        """A new session, or None while the head gate keeps its new group out.
+        ``api_key``: the client's own key (else a random one); ``untrained``: why a new
+        group is served without the gate and not trained (its sessions publish nothing)."""
         with self._lock:
             if sum(1 for s in self.sessions.values() if s.state == "open") >= self.max_sessions:
                 raise ApiError(429, f"{self.max_sessions} sessions are open (proxy.max_sessions); "
@@ -262,14 +290,19 @@ class SessionStore:
             if group_id is not None and group_id in self.finished_groups:
                 raise ApiError(409, f"group {group_id!r} is already finished and published; "
                                "start a new group", param="group_id", code="group_finished")
+            if api_key is not None and api_key in self.by_key:
+                raise _key_in_use(api_key)
             group = self.groups.get(group_id) if group_id is not None else None
             now = self.clock()
             if group is None:
-                k = admit()
-                if k is None:
-                    return None
-                gid = group_id if group_id is not None else f"{self.run_tag}-proxy-g{k:08d}"
-                group = Group(gid, k, group_size, task, dict(task_data), now)
+                if untrained:
+                    k, gid = -1, group_id or f"{self.run_tag}-proxy-untrained-{secrets.token_hex(6)}"
+                else:
+                    k = admit()
+                    if k is None:
+                        return None
+                    gid = group_id if group_id is not None else f"{self.run_tag}-proxy-g{k:08d}"
+                group = Group(gid, k, group_size, task, dict(task_data), now, untrained=untrained)
                 self.groups[gid] = group
             elif group.group_size != group_size:
                 raise bad_request(f"group {group.group_id!r} has group_size {group.group_size}, "
@@ -284,13 +317,31 @@ class SessionStore:
             if not 0 <= sample_index < group.group_size or sample_index in group.sessions:
                 raise bad_request(f"sample_index {sample_index} is taken or outside "
                                   f"[0, {group.group_size}) in group {group.group_id!r}", "sample_index")
-            session = Session(f"sess-{secrets.token_hex(8)}", f"tpk-{secrets.token_urlsafe(24)}",
-                              group, sample_index, policy_version, now)
+            session = Session(f"sess-{secrets.token_hex(8)}",
+                              api_key if api_key is not None else f"tpk-{secrets.token_urlsafe(24)}",
+                              group, sample_index, policy_version, now,
+                              fixed_key=api_key is not None)
             group.sessions[sample_index] = session
             group.last_active = now
             self.sessions[session.session_id] = session
             self.by_key[session.api_key] = session.session_id
+            self.dead_keys.pop(session.api_key, None)
+            self.started += 1
+            self.untrained_sessions += bool(group.untrained)
             return session
+
+    def end_previous(self, api_key: str) -> tuple[Session, Ended] | None:
+        """A fixed key starts its next episode: the open session holding ``api_key`` (if
+        any) is ended as ``end`` with the defaults would. 409 while one of its calls is
+        generating (two clients on one key at once: ending it would drop that reply)."""
+        with self._lock:
+            sid = self.by_key.get(api_key)
+            session = self.sessions.get(sid) if sid else None
+            if session is None or session.state != "open":
+                return None
+            if session.in_flight:
+                raise _key_in_use(api_key)
+            return session, self.end(session, None, None)
 
     def by_api_key(self, key: str) -> Session:
         """The open session of ``key``; 401 for an unknown, expired or ended key."""
@@ -308,6 +359,11 @@ class SessionStore:
                                "start a new session", code="expired_api_key")
             session.last_active = self.clock()
             return session
+
+    def open_session(self, session_id: str) -> Session | None:
+        with self._lock:
+            session = self.sessions.get(session_id)
+            return session if session is not None and session.state == "open" else None
 
     def get(self, session_id: str) -> Session:
         with self._lock:
@@ -399,18 +455,53 @@ class SessionStore:
             self._build_pieces(session, mode, discount)
             session.state = "ended"
             self._retire_key(session, "belongs to an ended session")
-            finished_before = session.group.group_id in self.finished_groups
-            events = self._maybe_publish(session.group)
-            abandoned = (not finished_before and session.group.group_id in self.finished_groups
-                         and not events)
+            group = session.group
+            finished_before = group.group_id in self.finished_groups
+            events = self._maybe_publish(group)
+            finished = not finished_before and group.group_id in self.finished_groups
+            abandoned = finished and not events and not group.untrained
+            reason = (f"not for training: {group.untrained}" if group.untrained
+                      else "the session made no completion with output tokens"
+                      if not session.pieces else "")
             return Ended([p.traj_id for p in session.pieces], [p.reward for p in session.pieces],
-                         events, session.group, abandoned)
+                         events, group, abandoned, reason)
+
+    def reward_ended(self, session_id: str, reward: float,
+                     key: str | None = None) -> tuple[Session, list[str]] | None:
+        """A session reward for an ended session whose group is not published yet (other
+        sessions of it are open): it goes out with the group (``reward`` x each
+        trajectory's factor). None when this store no longer holds the session (its
+        group was published: the reward is then an event of its own)."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+            if session is None or session.state == "open":
+                return None
+            if key is not None and key != session.api_key:
+                raise ApiError(403, "this API key belongs to another session", code="wrong_session")
+            if session.state == "expired":
+                raise ApiError(410, f"session {session_id} expired (idle longer than "
+                               "proxy.session_ttl_s) before it ended: its completions left its "
+                               "group, so there is nothing to reward", code="session_expired")
+            if session.group.untrained:
+                raise _not_for_training(session_id, session.group.untrained)
+            if not session.pieces:
+                raise ApiError(409, f"session {session_id} made no completion to reward",
+                               code="nothing_to_reward")
+            if any(p.reward is not None for p in session.pieces):
+                raise _already_rewarded(session_id)
+            for p in session.pieces:
+                p.reward = reward * p.reward_factor
+            return session, [p.traj_id for p in session.pieces]
 
     def _build_pieces(self, session: Session, mode: Mode, discount: float) -> None:
         comps = [c for c in session.completions if c.output_ids]
         if not comps:
             return
         returns = dict(zip(map(id, comps), discounted_returns([c.reward for c in comps], discount)))
+        # A reward given to the session after it ends lands on its last completion (AReaL's
+        # rule): completion i gets it x discount ** (completions after i).
+        factors = {id(c): discount ** (len(comps) - 1 - i) for i, c in enumerate(comps)}
+        pending = self.defer_unset_rewards and all(c.reward is None for c in comps)
         base = f"{session.group.group_id}:{session.sample_index}"
         details = {"mode": mode, "discount": discount, "session_id": session.session_id,
                    "raw_rewards": [c.reward for c in comps]}
@@ -421,16 +512,19 @@ class SessionStore:
             timings = {"generate_s": sum(c.timings.get("generate_s", 0.0) for c in chain),
                        "queued_s": sum(c.timings.get("queued_s", 0.0) for c in chain)}
             session.pieces = [_Piece(base, 0, finish_reason=leaf.finish_reason,
-                                     reward=returns[id(chain[0])], timings=timings,
+                                     reward=None if pending else returns[id(chain[0])],
+                                     timings=timings, reward_factor=factors[id(chain[0])],
                                      details={**details, "turns": len(chain),
                                               "completion_ids": [c.completion_id for c in chain]},
-                                     **built)]
+                                     images=list(leaf.images), **built)]
         elif mode == "per_completion":
             session.pieces = [
                 _Piece(f"{base}:{c.completion_id}", i, list(c.prompt_ids), list(c.output_ids),
                        [float(x) for x in c.output_logprobs], list(c.output_versions),
-                       [1] * len(c.output_ids), [0], c.finish_reason, returns[id(c)],
-                       {**details, "completion_ids": [c.completion_id]}, dict(c.timings))
+                       [1] * len(c.output_ids), [0], c.finish_reason,
+                       None if pending else returns[id(c)],
+                       {**details, "completion_ids": [c.completion_id]}, dict(c.timings),
+                       list(c.images), reward_factor=factors[id(c)])
                 for i, c in enumerate(comps)]
         else:
             raise bad_request(f"mode {mode!r}: use concat or per_completion", "mode")
@@ -442,17 +536,18 @@ class SessionStore:
         self.groups.pop(group.group_id, None)
         for s in group.sessions.values():
             self.sessions.pop(s.session_id, None)
+        if group.untrained:  # served past the staleness bound: never published
+            return []
+        owner = {id(p): s for s in group.sessions.values() for p in s.pieces}
         pieces = [p for idx in sorted(group.sessions) for p in group.sessions[idx].pieces]
         if not pieces:
             return []
         keep = common_prefix_len([p.prompt_ids for p in pieces])
-        if keep == 0:
-            self.unshared_groups += 1
-            log.warning("group %s is not published: its %d sessions share no prompt token, so "
-                        "they are not one GRPO group; every session of a group must start from "
-                        "the same prompt (start unrelated conversations as groups of their own)",
-                        group.group_id, len(pieces))
-            return []
+        # No common token (a chat call and a raw completions call of one per_completion
+        # session): published with an empty shared prompt, each context in its output
+        # with loss mask 0 (the trainer's flatten_groups takes the first context token
+        # as the prompt), as AReaL's individual export trains them.
+        self.unshared_groups += keep == 0
         events: list[Event] = []
         for i, p in enumerate(pieces):
             _move_prompt_tail(p, keep)
@@ -466,10 +561,13 @@ class SessionStore:
                 finish_reason=(p.finish_reason if p.finish_reason in ("stop", "length", "abort", "tool_calls")
                                else "stop"),
                 output_text=self.decode(p.output_ids), task=group.task, task_data=group.task_data,
-                group_index=group.group_index, timings=p.timings))
+                group_index=group.group_index, timings=p.timings,
+                session_id=owner[id(p)].session_id, delayed_reward_factor=p.reward_factor,
+                images=list(p.images)))
         for p in pieces:
-            events.append(RewardEvent(traj_id=p.traj_id, group_id=group.group_id, reward=p.reward,
-                                      scorer="session", details=p.details))
+            if p.reward is not None:  # else it waits on the log for a reward (online mode)
+                events.append(RewardEvent(traj_id=p.traj_id, group_id=group.group_id,
+                                          reward=p.reward, scorer="session", details=p.details))
         self.published_groups += 1
         return events
 
@@ -500,5 +598,23 @@ class SessionStore:
                 if g.done(now, self.ttl_s):
                     out = self._maybe_publish(g)
                     events += out
-                    empty += not out
+                    empty += not out and not g.untrained  # an untrained group holds no slot
         return events, empty
+
+
+def _key_in_use(api_key: str) -> ApiError:
+    return ApiError(409, "this key's open session is in use (a call is generating, or another "
+                    "client just started it): two clients on one key at once would mix two "
+                    "conversations into one episode; wait for the call to finish, or give each "
+                    "client its own key", param="api_key", code="key_in_use")
+
+
+def _already_rewarded(session_id: str) -> ApiError:
+    return ApiError(409, f"session {session_id} already has its reward (a second one would not "
+                    "change what trains: the first reward of a trajectory wins)",
+                    code="already_rewarded")
+
+
+def _not_for_training(session_id: str, why: str) -> ApiError:
+    return ApiError(409, f"session {session_id} is not for training ({why}): it takes no reward",
+                    code="not_for_training")

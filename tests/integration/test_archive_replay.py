@@ -423,3 +423,23 @@ def test_train_offline_from_an_archive_of_many_policy_versions(trained_run, tmp_
                             f"train_dataset.prompts_per_step={len(made_at)}",
                             "total_train_steps=1"))
     assert everything["steps"] == 1 and everything["groups_read"] == len(made_at)
+
+
+def test_step_timeline_from_a_real_runs_archive(trained_run):
+    """Issue 28: the step timeline (ops/timeline.py) reads a real run's archive: one row
+    per trained version, every stage found, the clock order the roles' own timestamps
+    imply (durations >= 0; prompt wait may be < 0 at eta 1: generated before the switch)."""
+    from tapioca.ops.timeline import events_from_archive, format_table, step_timelines
+
+    rows = step_timelines(events_from_archive(trained_run.archive))
+    assert [r.version for r in rows] == list(range(1, TRAINED_STEPS + 1)), format_table(rows)
+    for r in rows:
+        for name in ("generation_s", "reward_s", "advantage_s", "sample_hop_s", "trainer_wait_s", "step_s",
+                     "cycle_s"):
+            value = getattr(r, name)
+            assert value is not None and value >= 0, (name, format_table(rows))
+        assert r.step_s >= r.train_s > 0
+    switched = [r for r in rows if r.generated_under is not None and r.generated_under >= 1]
+    assert switched, format_table(rows)  # the rollout worker loaded the trainer's versions
+    for r in switched:
+        assert r.weights_hop_s >= 0 and r.switch_s >= 0 and r.publish_s > 0, format_table(rows)

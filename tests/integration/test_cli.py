@@ -322,8 +322,8 @@ def test_broker_status_after_down(tmp_path):
 
 
 def test_train_uses_the_broker_of_broker_up_so_tail_and_lag_see_the_run(tmp_path):
-    """README's CLI block as written: `broker up`, `topics create`, `train`, then `tail` and
-    `lag` with no flags. `train` runs on that broker (before: a private one of its own, so
+    """The command block of docs/cli.md as written: `broker up`, `topics create`, `train`,
+    then `tail` and `lag` with no flags. `train` runs on that broker (before: a private one of its own, so
     `tail` showed nothing; issue 29, item 10). A broker of its own, as above."""
     env = _env(tmp_path / "home")
     examples = Path(__file__).resolve().parents[2] / "examples"

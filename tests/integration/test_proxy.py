@@ -569,19 +569,22 @@ class ScriptedEngine(InferenceEngine):
     def shutdown(self) -> None: ...
 
 
-def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
-    reply = "Let me compute.\n" + CALL
-    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
-                            + [tokenizer.eos_token_id])
+def _scripted_server(engine: InferenceEngine, tokenizer, bus_cfg, run_id: str) -> ProxyServer:
     section = ProxySection(
         proxy=ProxyConfig(api_key=ADMIN, served_model_name="tapioca", max_tokens_per_request=4096,
                           max_tokens_per_session=100_000, max_request_bytes=1 << 20,
                           session_ttl_s=600.0),
         gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
-        prompts_per_step=100, run_id="scripted", seed=0)
-    svc = ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
-                       load_weights=lambda e: None)
-    with ProxyServer(svc) as server:
+        prompts_per_step=100, run_id=run_id, seed=0)
+    return ProxyServer(ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
+                                    load_weights=lambda e: None))
+
+
+def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
+    reply = "Let me compute.\n" + CALL
+    engine = ScriptedEngine(list(tokenizer(reply, add_special_tokens=False)["input_ids"])
+                            + [tokenizer.eos_token_id])
+    with _scripted_server(engine, tokenizer, bus_cfg, "scripted") as server:
         session = _session(server, group_size=1)
         client = _client(server, session)
         messages = [{"role": "user", "content": "What is 12*7?"}]
@@ -618,3 +621,44 @@ def test_tool_call_replies_streamed_and_not(bus_cfg, tokenizer, wait_until):
         assert len(traj.turn_boundaries) == 2 and sum(traj.loss_mask) == 2 * len(engine.output_ids)
         assert traj.output_ids[:len(engine.output_ids)] == engine.output_ids
         assert "<tool_response>\n84\n</tool_response>" in tokenizer.decode(traj.output_ids)
+
+
+def test_tool_turns_then_raw_completions_train_as_one_group(bus_cfg, tokenizer, wait_until):
+    """Issue 22's bug as a new user meets it, with the openai SDK: one session (group_size
+    1) makes a chat call with tools, a tool-result turn and a /v1/completions call, and
+    ends per_completion. The chat template's prompts and the raw prompt share no first
+    token: the group was dropped (``published: false``) and a run waiting for it never
+    finished. It is published with an empty shared prompt, every context in its output
+    with loss mask 0, one trajectory per completion, each with its session reward."""
+    engine = ScriptedEngine(list(tokenizer(CALL, add_special_tokens=False)["input_ids"])
+                            + [tokenizer.eos_token_id])
+    with _scripted_server(engine, tokenizer, bus_cfg, "issue22") as server:
+        session = _session(server, group_size=1)
+        client = _client(server, session)
+        messages = [{"role": "user", "content": "What is 12*7?"}]
+        first = client.chat.completions.create(model="tapioca", messages=messages, tools=TOOLS)
+        [call] = first.choices[0].message.tool_calls
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{
+                         "id": call.id, "type": "function",
+                         "function": {"name": "calculator", "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        client.chat.completions.create(model="tapioca", messages=messages, tools=TOOLS)
+        client.completions.create(model="tapioca", prompt="12*7=", max_tokens=8)
+        status, _ = _post(server.base_url, f"/sessions/{session['session_id']}/reward",
+                          {"reward": 1.0}, session["api_key"])
+        assert status == 200
+        status, ended = _post(server.base_url, f"/sessions/{session['session_id']}/end",
+                              {"mode": "per_completion"}, session["api_key"])
+        assert status == 200 and ended["published"] and ended["reason"] == "", ended
+        trajs = _wait_trajectories(bus_cfg, session["group_id"], 3, wait_until)
+    assert [t.prompt_ids for t in trajs] == [[], [], []]
+    assert [t.group_size for t in trajs] == [3, 3, 3]
+    raw = list(tokenizer("12*7=", add_special_tokens=False)["input_ids"])
+    third = trajs[2]
+    assert third.output_ids[:len(raw)] == raw and third.loss_mask[:len(raw)] == [0] * len(raw)
+    assert third.output_ids[len(raw):] == engine.output_ids  # (the script ignores max_tokens)
+    for t in trajs:  # the context is masked, the model's tokens are trained
+        assert t.loss_mask[0] == 0 and t.loss_mask[-1] == 1 and t.session_id == session["session_id"]
+    rewards = {e.traj_id: e.reward for e in read_events(bus_cfg, "rewards", idle_s=0.3)
+               if isinstance(e, RewardEvent) and e.group_id == session["group_id"]}
+    assert sorted(rewards) == sorted(t.traj_id for t in trajs)

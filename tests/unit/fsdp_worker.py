@@ -68,6 +68,49 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_two_ranks(script: str, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Run ``script`` (a worker like this one) as ranks 0 and 1 with torchrun's environment
+    on a free port; its ``result.json`` and ``tensors.safetensors`` from ``out``."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from tapioca.trainers.fsdp_ranks import free_port
+
+    port = free_port("127.0.0.1")
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        log = open(out / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen([sys.executable, script, str(out)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            # Generous: two interpreters importing torch + transformers on a loaded 2-core box.
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert all(p.returncode == 0 for p in procs), logs
+    return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
+
+
+def rank_channel():
+    """``(RankInfo, Channel)`` of this rank (torchrun's environment, gloo, CPU)."""
+    from tapioca.config.distributed import FSDPConfig
+    from tapioca.trainers.fsdp_ranks import Channel, init_process_groups, rank_from_env
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    info = rank_from_env(FSDPConfig(world_size=world))
+    channel = Channel(init_process_groups(FSDPConfig(world_size=world, timeout_s=300), info,
+                                          torch.device("cpu")), info)
+    return info, channel
+
+
 SCENARIOS = (("fp32_token", "float32", "token-mean"),
              ("fp32_seq", "float32", "seq-mean-token-mean"),
              ("bf16_token", "bfloat16", "token-mean"))
@@ -79,13 +122,9 @@ def main(out_dir: str) -> None:
     from tapioca.config.distributed import FSDPConfig
     from tapioca.trainers.checkpoint import TrainerProgress
     from tapioca.trainers.fsdp_actor import ShardedActor
-    from tapioca.trainers.fsdp_ranks import Channel, init_process_groups, rank_from_env
 
-    torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
-    info = rank_from_env(FSDPConfig(world_size=world))
-    channel = Channel(init_process_groups(FSDPConfig(world_size=world, timeout_s=300), info,
-                                          torch.device("cpu")), info)
+    info, channel = rank_channel()
+    world = info.world_size
     tensors: dict[str, torch.Tensor] = {}
     results: dict = {}
     for name, param_dtype, agg_mode in SCENARIOS:
@@ -107,7 +146,9 @@ def main(out_dir: str) -> None:
             results[name] = {"metrics": result.metrics, "applied": result.applied_minibatches,
                              "skipped": result.skipped_minibatches}
             tensors.update({f"{name}.grad.{k}": v for k, v in grads.items()})
-            tensors.update({f"{name}.w1.{k}": v.contiguous() for k, v in weights1.items()})
+            # Cloned: a tied weight is one tensor under both names (as in the HF model),
+            # which safetensors' save_file refuses.
+            tensors.update({f"{name}.w1.{k}": v.clone() for k, v in weights1.items()})
         if name != "fp32_token":
             continue
         # A sharded checkpoint, a second step, the checkpoint back, the second step again.
@@ -126,8 +167,8 @@ def main(out_dir: str) -> None:
         if info.leader:
             results["rollback_equal"] = all(torch.equal(rolled_back[k], v) for k, v in weights1.items())
             results["adam_cleared"] = adam_cleared
-            tensors.update({f"w2.{k}": v.contiguous() for k, v in weights2.items()})
-            tensors.update({f"w2again.{k}": v.contiguous() for k, v in weights2_again.items()})
+            tensors.update({f"w2.{k}": v.clone() for k, v in weights2.items()})
+            tensors.update({f"w2again.{k}": v.clone() for k, v in weights2_again.items()})
             results["restored"] = restored.__dict__
             results["files"] = sorted(str(p.relative_to(ckpt.parent)) for p in ckpt.parent.rglob("*"))
     if info.leader:

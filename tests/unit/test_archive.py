@@ -291,3 +291,40 @@ def test_partition_and_offset_bounds():
     got = _replayed(from_offset=1, to_offset=1)
     assert got == [("trajectory", "g-new:1"), ("reward", "g-new:1"),
                    ("trajectory", "g-mixed:1"), ("reward", "g-mixed:1")]
+
+
+def test_a_group_without_a_shared_prompt_archives_replays_and_trains_offline(tmp_path):
+    """Issue 22: an agent group published with ``prompt_ids=[]`` (its completions share no
+    prompt token; each context is in the output with loss mask 0) is archived and read
+    back as it was, replayed whole, and SFT from the archive takes its first output
+    token as the prompt (it was skipped as ``skipped_empty_prompt`` before)."""
+    from tapioca.bus.replay import Replayer, ReplayFilter, ReplayStats, items_from_archive
+    from tapioca.bus.settings import BusConfig
+    from tapioca.config.supervised import SupervisedDatasetConfig
+    from tapioca.trainers.supervised.data import load_sft_examples
+
+    t = TrajectoryEvent(traj_id="g:0", group_id="g", prompt_id="p", sample_index=0,
+                        group_size=1, prompt_ids=[], output_ids=[7, 8, 12, 13],
+                        output_logprobs=[0.0, 0.0, -0.5, -0.5], output_versions=[0] * 4,
+                        loss_mask=[0, 0, 1, 1], turn_boundaries=[2], run_id="r1")
+    r = RewardEvent(traj_id="g:0", group_id="g", reward=1.0, scorer="session", run_id="r1")
+    s = SampleEvent(group_id="g", prompt_id="p", prompt_ids=[], run_id="r1", sequences=[
+        SampleSequence(traj_id="g:0", output_ids=t.output_ids, behav_logprobs=t.output_logprobs,
+                       output_versions=t.output_versions, reward=1.0, advantage=1.0,
+                       loss_mask=t.loss_mask, turn_boundaries=[2])])
+    w = ArchiveWriter(tmp_path, roll_bytes=1 << 30, roll_interval_s=3600)
+    for i, (topic, event) in enumerate(((TRAJ, t), (REW, r), ("p.samples.v1", s))):
+        add(w, src(topic, 0, i), event)
+    w.flush_all()
+    got = {e.type: e for _, e in iter_events(tmp_path)}
+    assert got["trajectory"] == t and got["sample"] == s and got["sample"].prompt_ids == []
+    items = list(items_from_archive(str(tmp_path), None))
+    stats = ReplayStats()
+    Replayer(None, BusConfig(topic_prefix="p")).run(lambda: iter(items), ReplayFilter(), stats,
+                                                    dry_run=True)
+    assert stats.published == 3
+    examples, data = load_sft_examples(
+        SupervisedDatasetConfig(source="archive", path=str(tmp_path), min_reward=1.0), None)
+    (ex,) = examples
+    assert (ex.prompt_ids, ex.response_ids, ex.response_mask) == ([7], [8, 12, 13], [0, 1, 1])
+    assert "skipped_empty_prompt" not in data.counts

@@ -3,7 +3,7 @@
 The old dotted names (``actor.lr``, ``actor.weight_transport``, ...) are read for one
 release, in a file and on the command line, each with a one-line warning that names the
 new key (config/loader.py). The optimizer section carries AReaL's names and its lr
-schedule (trainers/optim.py ``lr_factor``), which the RL actor and the offline loop
+schedule (trainers/optim.py ``lr_factor``), which the RL actor and the supervised loop
 follow.
 """
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tapioca.config.loader import RENAMED_KEYS, load_config
-from tapioca.config.offline import SFTConfig
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig, TrainConfig
 from tapioca.config.sections import trainer_section
+from tapioca.config.supervised import SFTConfig
 from tapioca.config.weights import WeightsConfig
 from tapioca.schemas.errors import ConfigError
 
@@ -106,7 +106,7 @@ def test_both_names_in_one_layer_and_bad_values_are_refused():
         load_config(TrainConfig, None, ["actor.weight_transport=tcp"])
 
 
-def test_the_offline_trainers_read_the_old_optimizer_names_but_have_no_weights_section(caplog):
+def test_the_supervised_trainers_read_the_old_optimizer_names_but_have_no_weights_section(caplog):
     with caplog.at_level(logging.WARNING, logger="tapioca.config.loader"):
         cfg = load_config(SFTConfig, None, ["actor.lr=2e-3", "actor.max_grad_norm=0.5"])
     assert (cfg.actor.optimizer.lr, cfg.actor.optimizer.gradient_clipping) == (2e-3, 0.5)
@@ -184,9 +184,9 @@ def test_the_rl_actor_steps_at_the_scheduled_lr():
     assert torch.isfinite(torch.tensor(result.metrics["actor/loss"]))
 
 
-def test_the_offline_loop_steps_at_the_scheduled_lr(tmp_path, monkeypatch):
+def test_the_supervised_loop_steps_at_the_scheduled_lr(tmp_path, monkeypatch):
     from tapioca.runtime.run import create_tiny_checkpoint, resolve_run
-    from tapioca.trainers.sft import train_sft
+    from tapioca.trainers.supervised.sft import train_sft
 
     monkeypatch.delenv("TAPIOCA_BOOTSTRAP", raising=False)  # publish nothing
     tiny = create_tiny_checkpoint(tmp_path / "model")

@@ -14,9 +14,6 @@ environment on 127.0.0.1); one run serves every assertion here.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_worker as worker  # noqa: E402
 
 from tapioca.trainers.fsdp_actor import plan_shards  # noqa: E402
-from tapioca.trainers.fsdp_ranks import free_port  # noqa: E402
 from tapioca.trainers.ppo_actor import PPOActor, _split  # noqa: E402
 
 # Per-minibatch maxima and counts depend on how the step is cut into micro-batches.
@@ -72,28 +68,7 @@ def test_fewer_sequences_than_ranks_get_dummies():
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    port = free_port("127.0.0.1")
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, worker.__file__, str(out)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            # Generous: two interpreters importing torch + transformers on a loaded 2-core box.
-            p.wait(timeout=600)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
-    from safetensors.torch import load_file
-
-    return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
+    return worker.run_two_ranks(worker.__file__, tmp_path_factory.mktemp("fsdp"))
 
 
 def _one_process(agg_mode: str):

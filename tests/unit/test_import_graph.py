@@ -1,12 +1,15 @@
-"""Imports a tool can follow from the checkout as it lies on disk.
+"""Imports a tool can follow from the checkout as it lies on disk, and the layers they keep.
 
-The package's folders install as ``tapioca.<folder>`` (pyproject.toml ``package-dir``),
-but the checkout has no ``tapioca/`` folder, so a tool that maps ``tapioca.bus.runner``
-to a file finds nothing. Inside the package, modules import each other relatively
-(``from ..bus.runner import RoleRunner``, ``from .role import Role``): the dots name the
-folders. These tests check that every relative import resolves to a file of the tree,
-that the folders in ``RELATIVE_ONLY`` have no absolute ``tapioca.`` import left, and that
-the ``tapioca`` CLI modules form no import circle.
+The repository root is the package ``tapioca`` (its ``__init__.py``; pyproject.toml maps
+``tapioca`` to ``.`` and ``tapioca.<folder>`` to each folder), so a module's file is
+``<folder>/<module>.py`` whether it runs from a clone, the editable install or the wheel.
+Inside the package, modules import each other relatively (``from ..bus.runner import
+RoleRunner``, ``from .role import Role``): the dots name the folders. These tests check
+that every relative import resolves to a file of the tree, that the folders in
+``RELATIVE_ONLY`` have no absolute ``tapioca.`` import left, that the ``tapioca`` CLI
+modules form no import circle, and the architecture: the folders import only down the
+layer table ``LAYERS`` and the roles (``ROLES``) never import each other, they meet on
+the log.
 
 The converter is here too. ``python tests/unit/test_import_graph.py [FOLDER ...]``
 rewrites the absolute ``from tapioca.X import ...`` statements of the package's modules
@@ -18,9 +21,12 @@ are not part of the package and keep importing ``tapioca.*``.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "tapioca"
@@ -29,8 +35,8 @@ RELATIVE_ONLY: tuple[str, ...] | None = None
 # Modules exempt from that rule (none left).
 NOT_YET: tuple[str, ...] = ()
 # The modules that make up the `tapioca` command.
-CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "fleet_cli", "offline_cli",
-               "plot", "proxy_cli", "replay_cli")
+CLI_MODULES = ("cli", "cli_context", "admin_cli", "commands", "eval_cli", "fleet_cli",
+               "supervised_cli", "plot", "proxy_cli", "replay_cli")
 
 
 def package_dirs() -> dict[str, str]:
@@ -48,7 +54,8 @@ def package_dirs() -> dict[str, str]:
 def package_files(folders: tuple[str, ...] | None = None) -> dict[Path, str]:
     """Every module of the package (or of ``folders``) -> its dotted module name."""
     dirs = package_dirs()
-    roots = sorted({d.split("/")[0] for d in dirs.values()})
+    # "tapioca" = ".": the root's __init__.py only (it imports nothing), not the whole tree.
+    roots = sorted({d.split("/")[0] for d in dirs.values()} - {"."})
     out: dict[Path, str] = {}
     for root in roots if folders is None else folders:
         for path in sorted((ROOT / root).rglob("*.py")):
@@ -128,12 +135,132 @@ def module_file(name: str) -> Path | None:
     return None
 
 
-def imports_of(path: Path, module: str) -> list[tuple[int, str, list[str]]]:
+def imports_of(path: Path, module: str, source: str | None = None) -> list[tuple[int, str, list[str]]]:
     """(line, absolute module, imported names) of every ``from ... import`` of a module,
-    module level or not (a tool draws both)."""
-    tree = ast.parse(path.read_text())
+    module level or not (a tool draws both); ``source``: the text to read instead of the
+    file's."""
+    tree = ast.parse(path.read_text() if source is None else source)
     return [(n.lineno, resolve(module, path, n), [a.name for a in n.names])
             for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+
+
+# ---------------------------------------------------------------------- layers
+
+# The folders are the layers, top first. A folder imports only folders of the layers
+# below its own; the folders of one layer never import each other. One line a layer: a
+# new folder goes into the line where it belongs (test_every_package_folder_has_a_layer).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("ops",),                                          # the `tapioca` CLI and launchers
+    ("runtime",),                                      # resolve_run() and the role builders
+    ("producers", "consumers", "trainers", "agents"),  # the roles: they meet on the log
+    ("engines", "tasks"),                              # inference engines; datasets, rewards
+    ("weights",),                                      # moving and following weights
+    ("config",),                                       # the dataclass configs
+    ("models",),                                       # model and tokenizer construction
+    ("algorithms", "bus", "media"),                    # pure RL math; the only Kafka code; images
+    ("schemas",),                                      # events, topics, the one error base
+)
+# The roles, by the files their process runs (a folder: all of its modules). None
+# imports another's modules, at module level or inside a function, directly or through
+# the modules it imports: they meet on the log. Shared code (producers/weights_follow.py,
+# trainers/checkpoint.py, ...) belongs to no role.
+ROLES: dict[str, tuple[str, ...]] = {
+    "feeder": ("producers/feeder.py",),
+    "rollout": ("producers/rollout.py",),
+    "proxy": ("producers/proxy",),
+    "reward": ("consumers/reward_scorer.py",),
+    "advantage": ("consumers/advantage.py",),
+    "archiver": ("consumers/archiver.py",),
+    "trainer": ("trainers/trainer.py",),
+    "supervised": ("trainers/supervised",),  # tapioca sft|dpo|rm|distill, one process each
+    "agent": ("agents/runner.py",),
+    "evaluator": ("producers/evaluator.py",),
+}
+
+Edge = tuple[str, str, str]  # (where: "path:line", importing module, imported module)
+
+
+def folder_of(module: str) -> str:
+    """``tapioca.bus.runner`` -> ``bus``."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def edges_of(path: Path, module: str, source: str | None = None) -> list[Edge]:
+    """Every module a module imports (``from pkg import mod`` names ``pkg.mod``), with
+    the packages whose ``__init__`` the import runs; only modules of the package."""
+    out = []
+    where = path.relative_to(ROOT).as_posix()
+    for line, target, names in imports_of(path, module, source):
+        if not target.startswith(PREFIX + "."):
+            continue
+        targets = [target] + [f"{target}.{n}" for n in names if module_file(f"{target}.{n}")]
+        for t in targets:
+            parts = t.split(".")
+            # `import a.b.c` runs a/__init__ and a/b/__init__ first.
+            for i in range(2, len(parts) + 1):
+                out.append((f"{where}:{line}", module, ".".join(parts[:i])))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _tree_edges() -> tuple[Edge, ...]:
+    return tuple(e for path, module in package_files().items() for e in edges_of(path, module))
+
+
+def tree_edges() -> list[Edge]:
+    """The edges of every module of the tree (parsed once per test session)."""
+    return list(_tree_edges())
+
+
+def layer_violations(edges: list[Edge], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """The imports that do not run down ``layers``: upward, within one layer (between
+    two of its folders), or from or to a folder the table does not place."""
+    rank = {folder: i for i, layer in enumerate(layers) for folder in layer}
+    deepest: dict[tuple[str, str, str], str] = {}  # one line per statement and folder pair
+    for where, src, dst in edges:
+        a, b = folder_of(src), folder_of(dst)
+        if a != b and len(dst) > len(deepest.get((where, a, b), "")):
+            deepest[(where, a, b)] = dst
+    bad = []
+    for (where, a, b), dst in deepest.items():
+        if a not in rank or b not in rank:
+            bad.append(f"{where}: {a} imports {dst}, and LAYERS does not place "
+                       f"{' and '.join(f for f in (a, b) if f not in rank)}")
+        elif rank[a] == rank[b]:
+            bad.append(f"{where}: {a} imports {dst}, a folder of its own layer {layers[rank[a]]}")
+        elif rank[a] > rank[b]:
+            bad.append(f"{where}: {a} imports {dst}, a layer above it")
+    return bad
+
+
+def _role_modules(spec: tuple[str, ...], modules: dict[Path, str]) -> set[str]:
+    return {m for path, m in modules.items()
+            if any(path.relative_to(ROOT).as_posix() == p
+                   or path.relative_to(ROOT).as_posix().startswith(p + "/") for p in spec)}
+
+
+def role_violations(edges: list[Edge], roles: dict[str, tuple[str, ...]] = ROLES) -> list[str]:
+    """Each import path by which one role's modules reach another role's: a role's
+    closure under ``edges`` must hold no other role's module."""
+    modules = package_files()
+    own = {role: _role_modules(spec, modules) for role, spec in roles.items()}
+    graph: dict[str, list[tuple[str, str]]] = {}
+    for where, src, dst in edges:
+        graph.setdefault(src, []).append((where, dst))
+    bad = []
+    for role, start in own.items():
+        others = {m: r for r, ms in own.items() if r != role for m in ms}
+        seen, stack = set(start), [(m, ()) for m in sorted(start)]
+        while stack:
+            mod, path = stack.pop()
+            for where, dst in graph.get(mod, ()):
+                if dst in others:
+                    chain = " -> ".join((*path, where))
+                    bad.append(f"role {role} imports role {others[dst]}'s {dst} ({chain})")
+                elif dst not in seen:
+                    seen.add(dst)
+                    stack.append((dst, (*path, where)))
+    return sorted(set(bad))
 
 
 # ---------------------------------------------------------------------- tests
@@ -152,6 +279,48 @@ def test_every_relative_import_resolves_to_a_file_of_the_tree():
                 continue
             broken.append(f"{path.relative_to(ROOT)}:{line}: {target}")
     assert not broken, f"imports that name no file of the checkout: {broken}"
+
+
+def test_a_checkout_imports_as_a_package_from_its_parent_folder():
+    """No install needed: from the folder that holds the checkout, ``import <checkout's
+    name>.producers.feeder`` runs the checkout's files, its relative imports reaching
+    schemas/, bus/, config/, ... on disk (a clone named tapioca: ``import tapioca...``,
+    the names an import-graph tool draws)."""
+    import subprocess
+
+    name = ROOT.name
+    if not name.isidentifier():
+        pytest.skip(f"the checkout's folder name {name!r} is not a Python name")
+    check = ("import importlib, sys\n"
+             "m = importlib.import_module(sys.argv[1] + '.producers.feeder')\n"
+             "print(m.__file__)\n"
+             "print(sorted({k.split('.')[1] for k in sys.modules if k.startswith(sys.argv[1] + '.')}))\n")
+    proc = subprocess.run([sys.executable, "-c", check, name], cwd=ROOT.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    file, folders = proc.stdout.splitlines()[-2:]
+    assert file == str(ROOT / "producers" / "feeder.py")
+    assert {"producers", "schemas", "bus", "config", "algorithms"} <= set(ast.literal_eval(folders))
+
+
+def test_the_installed_tapioca_package_is_this_checkout(tmp_path):
+    """What an import-graph tool asks Python for (grimp and import-linter:
+    ``find_spec("tapioca").submodule_search_locations``, then a walk of those folders)
+    names the checkout itself, from any folder: with the editable install's old
+    namespace package it named no folder, and the tools drew nothing."""
+    import subprocess
+
+    check = ("import importlib.util\n"
+             "spec = importlib.util.find_spec('tapioca')\n"
+             "print(spec.origin)\n"
+             "print(list(spec.submodule_search_locations))\n")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    origin, locations = proc.stdout.splitlines()[-2:]
+    where = "; run `make install` (pip install -e .) to install this checkout"
+    assert origin != "None" and Path(origin).resolve() == ROOT / "__init__.py", origin + where
+    assert [Path(p).resolve() for p in ast.literal_eval(locations)] == [ROOT], locations + where
 
 
 def test_converted_folders_import_the_package_relatively():
@@ -211,6 +380,72 @@ def test_the_converter_writes_the_shortest_relative_form(tmp_path):
                        f"{PREFIX}.bus")
     assert init == "from .admin import probe\n"
     assert to_relative(out, path, f"{PREFIX}.producers.proxy.server") == out
+
+
+def test_the_folders_import_only_down_the_layer_table():
+    bad = layer_violations(tree_edges())
+    assert not bad, ("imports against the layer table (LAYERS in this file; roles never "
+                     "import each other, they meet on the log):\n" + "\n".join(bad))
+
+
+def test_no_role_imports_another_role():
+    bad = role_violations(tree_edges())
+    assert not bad, "roles meet on the log, never by import:\n" + "\n".join(bad)
+
+
+def test_every_package_folder_has_a_layer_and_every_role_its_files():
+    placed = {f for layer in LAYERS for f in layer}
+    folders = {d.split("/")[0] for d in package_dirs().values()} - {"."}
+    assert folders <= placed, f"put {sorted(folders - placed)} into a line of LAYERS"
+    assert len(placed) == sum(map(len, LAYERS)), "a folder is in two layers"
+    modules = package_files()
+    for role, spec in ROLES.items():
+        assert _role_modules(spec, modules), f"ROLES[{role!r}] names no module of the tree: {spec}"
+
+
+def _planted(rel: str, source: str) -> list[Edge]:
+    """The edges of a module that is not in the tree, parsed by the same code."""
+    path = ROOT / rel
+    parts = Path(rel).with_suffix("").parts
+    return edges_of(path, ".".join((PREFIX, *parts)), source)
+
+
+def test_the_layer_check_fails_on_a_planted_upward_import():
+    edges = tree_edges()
+    assert not layer_violations(edges)
+    # bus/ (layer 7) importing a role (layer 2), inside a function as a tool draws it.
+    up = _planted("bus/planted.py", "def f():\n    from ..producers.rollout import RolloutWorker\n")
+    assert layer_violations(edges + up) == [
+        "bus/planted.py:2: bus imports tapioca.producers.rollout, a layer above it"]
+    # One role's folder importing another's: the same layer.
+    side = _planted("consumers/planted.py", "from ..trainers import checkpoint\n")
+    assert layer_violations(edges + side) == [
+        "consumers/planted.py:1: consumers imports tapioca.trainers.checkpoint, a folder of its "
+        "own layer ('producers', 'consumers', 'trainers', 'agents')"]
+    # A folder the table does not place.
+    new = _planted("newfolder/x.py", "from ..schemas.errors import TapiocaError\n")
+    assert layer_violations(new) == [
+        "newfolder/x.py:1: newfolder imports tapioca.schemas.errors, and LAYERS does not place "
+        "newfolder"]
+    # Down the table is fine: ops (layer 0) may import anything.
+    assert not layer_violations(_planted("ops/planted.py", "from ..producers import feeder\n"))
+
+
+def test_the_role_check_fails_on_a_planted_import_between_roles():
+    edges = tree_edges()
+    assert not role_violations(edges)
+    # Inside producers/ the folder check passes; the role check does not: the feeder
+    # reaching the rollout worker directly, or through a shared module of producers/
+    # (inside a function: a tool draws it, and it runs when called).
+    direct = _planted("producers/feeder.py", "from . import rollout\n")
+    assert not layer_violations(edges + direct)
+    assert role_violations(edges + direct) == [
+        "role feeder imports role rollout's tapioca.producers.rollout (producers/feeder.py:1)"]
+    shared = (_planted("producers/feeder.py", "def f():\n    from .planted import helper\n")
+              + _planted("producers/planted.py", "from .rollout import RolloutWorker\n"))
+    assert role_violations(edges + shared) == [
+        "role feeder imports role rollout's tapioca.producers.rollout "
+        "(producers/feeder.py:2 -> producers/planted.py:1)"]
 
 
 def main(folders: list[str]) -> int:

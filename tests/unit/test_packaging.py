@@ -29,14 +29,15 @@ def _setuptools_config() -> dict:
 
 
 def _package_roots(cfg: dict) -> list[str]:
-    """The top-level folders the package is made of (``tapioca.X = "X"`` entries)."""
-    return sorted({d.split("/")[0] for d in cfg["package-dir"].values()})
+    """The top-level folders the package is made of (``tapioca.X = "X"`` entries; the
+    root itself, ``tapioca = "."``, is the package's ``__init__.py`` only)."""
+    return sorted({d.split("/")[0] for d in cfg["package-dir"].values()} - {"."})
 
 
 def _tree_files(roots: list[str]) -> set[str]:
     """Where every file of the package folders must be in the wheel: modules, and the
     exported JSON Schemas (the package's data)."""
-    out = set()
+    out = {f"{PREFIX}/__init__.py"}  # the repository root's: the checkout is the package
     for root in roots:
         for path in (ROOT / root).rglob("*"):
             if "__pycache__" in path.parts or not path.is_file():
@@ -51,7 +52,7 @@ def _build_wheel(tmp_path: Path, roots: list[str]) -> tuple[Path, str]:
     src, out = tmp_path / "src", tmp_path / "dist"
     src.mkdir()
     out.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "__init__.py"):
         shutil.copy2(ROOT / name, src / name)
     for root in roots:
         shutil.copytree(ROOT / root, src / root,
@@ -89,6 +90,9 @@ def test_every_listed_package_has_a_folder_and_every_folder_is_listed():
     cfg = _setuptools_config()
     packages, dirs = set(cfg["packages"]), cfg["package-dir"]
     assert packages == set(dirs), "packages and package-dir must list the same packages"
+    # The root is `tapioca` (its __init__.py), so the folders' relative imports resolve
+    # on disk as they do installed (tests/unit/test_import_graph.py).
+    assert dirs.pop(PREFIX) == "." and (ROOT / "__init__.py").is_file()
     for name, folder in dirs.items():
         assert (ROOT / folder).is_dir(), f"{name} maps to {folder}/, which does not exist"
         assert name == f"{PREFIX}." + folder.replace("/", "."), (

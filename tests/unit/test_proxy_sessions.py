@@ -81,11 +81,11 @@ def test_group_publishes_when_every_session_is_over():
     st.record(s0, [comp("a", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
     st.record(s0, [comp("b", [1, 2, 3, 10, 2, 7], [11, 2])], ["y"], ["y"], [[]])
     assert st.set_reward(s0, 1.0, None) == ["b:0"]
-    ids, rewards, events, _, abandoned = st.end(s0, "concat", 0.5)
+    ids, rewards, events, _, abandoned, _ = st.end(s0, "concat", 0.5)
     assert ids == [f"{s0.group.group_id}:0"] and rewards == [0.5] and events == [] and not abandoned
     st.record(s1, [comp("c", [1, 2, 4], [12, 2])], ["z"], ["z"], [[]])
     st.set_reward(s1, 0.25, "c")
-    ids, rewards, events, group, abandoned = st.end(s1, "per_completion", None)
+    ids, rewards, events, group, abandoned, _ = st.end(s1, "per_completion", None)
     assert not abandoned
     assert rewards == [0.25]
     trajs = [e for e in events if isinstance(e, TrajectoryEvent)]
@@ -204,23 +204,39 @@ def test_an_empty_group_is_abandoned_exactly_once():
     assert b.state == "expired" and events == [] and empty == 1
 
 
-def test_a_group_whose_sessions_share_no_prompt_token_is_not_published():
-    """Such a group was published with prompt_ids=[] and crashed the trainer: any agent
-    client could end the run. It is not one GRPO group: nothing is published and its
-    gate slot is given back (abandoned)."""
+def test_a_group_whose_completions_share_no_prompt_token_is_published():
+    """Issue 22's bug: one session (group_size 1) makes a chat call with tools, a tool-result
+    turn, then a raw /v1/completions call, and ends per_completion. The chat template's
+    prompts and the raw prompt share no first token; the group was dropped with a warning
+    (``published: false``) and a run waiting for it never finished. It is published with
+    an empty shared prompt, each completion's context in its output with loss mask 0."""
     gate = HeadGate(eta=0, prompts_per_step=4)
     gate.ready.set()
     st = store()
-    a = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="t", task_data={},
                  policy_version=0, admit=gate.try_admit)
-    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="t",
-                 task_data={}, policy_version=0, admit=gate.try_admit)
-    st.record(a, [comp("x", [1, 2, 3], [10, 2])], ["x"], ["x"], [[]])
-    st.record(b, [comp("y", [7, 2, 3], [11, 2])], ["y"], ["y"], [[]])
-    assert not st.end(a, None, None).abandoned
-    ended = st.end(b, None, None)
-    assert ended.events == [] and ended.abandoned
-    assert st.unshared_groups == 1 and st.published_groups == 0
+    chat1 = comp("c1", [1, 2, 3], [10, 11])  # <|im_start|>... with the tools block
+    chat2 = comp("c2", [1, 2, 3, 10, 11, 4, 5], [12])  # + the tool result turn
+    raw = comp("r", [7, 8], [13, 14])  # the raw completions prompt
+    for c in (chat1, chat2, raw):
+        st.record(s, [c], ["x"], ["x"], [[]])
+    st.set_reward(s, 1.0, None)
+    ended = st.end(s, "per_completion", 1.0)
+    assert not ended.abandoned
+    trajs = [e for e in ended.events if isinstance(e, TrajectoryEvent)]
+    rews = [e for e in ended.events if isinstance(e, RewardEvent)]
+    assert len(trajs) == 3 and len(rews) == 3 and st.published_groups == 1
+    assert st.unshared_groups == 1
+    assert [t.prompt_ids for t in trajs] == [[], [], []]
+    assert trajs[0].output_ids == [1, 2, 3, 10, 11] and trajs[0].loss_mask == [0, 0, 0, 1, 1]
+    assert trajs[1].output_ids == [1, 2, 3, 10, 11, 4, 5, 12]
+    assert trajs[1].loss_mask == [0] * 7 + [1]
+    assert trajs[2].output_ids == [7, 8, 13, 14] and trajs[2].loss_mask == [0, 0, 1, 1]
+    assert trajs[2].output_logprobs == [0.0, 0.0, -0.5, -0.5]
+    assert [t.turn_boundaries for t in trajs] == [[3], [7], [2]]
+    assert [t.group_size for t in trajs] == [3, 3, 3]
+    for t in trajs:
+        t.validate()
     # A group that shares one token is still published, with that token as its prompt.
     c = st.start(group_id=None, group_size=2, sample_index=None, task="t", task_data={},
                  policy_version=0, admit=gate.try_admit)
@@ -310,3 +326,77 @@ def test_proxy_weights_follower_refuses_conflicts_and_moves_the_gate_only_once_l
                     state, src)
     assert list(follower.on_tick(state, 0.0)) == [] and state.head is None  # dropped
     assert gate.version == 1 and follower.describe(state)["weights_dead_lettered"] == 1
+
+
+def test_online_sessions_defer_rewards_and_take_one_after_the_end():
+    """Online mode (defer_unset_rewards): a session ended without a reward publishes its
+    trajectories without one; a reward after the end lands on its last completion, x
+    turn_discount ** (completions after each trajectory's), with the group if it is still
+    open; a second one, or one for an expired session, is refused."""
+    clock = Clock()
+    st = store(clock, defer_unset_rewards=True)
+    admit = iter(range(100)).__next__
+    a = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={},
+                 policy_version=0, admit=admit)
+    b = st.start(group_id=a.group.group_id, group_size=2, sample_index=None, task="",
+                 task_data={}, policy_version=0, admit=admit)
+    st.record(a, [comp("x", [1, 2], [3])], ["x"], ["x"], [[]])
+    st.record(a, [comp("y", [1, 2, 3, 4], [5])], ["y"], ["y"], [[]])
+    ended = st.end(a, "per_completion", 0.5)
+    assert ended.rewards == [None, None] and ended.events == []
+    session, traj_ids = st.reward_ended(a.session_id, 2.0)
+    assert session is a and [p.reward for p in a.pieces] == [1.0, 2.0]  # 2 x 0.5, 2 x 1
+    with pytest.raises(ApiError) as err:
+        st.reward_ended(a.session_id, 1.0)
+    assert (err.value.status, err.value.code) == (409, "already_rewarded")
+    st.record(b, [comp("z", [1, 2], [6])], ["z"], ["z"], [[]])
+    events = st.end(b, None, None).events
+    trajs = [e for e in events if isinstance(e, TrajectoryEvent)]
+    rewards = {e.traj_id: e.reward for e in events if isinstance(e, RewardEvent)}
+    assert rewards == dict(zip(traj_ids, [1.0, 2.0]))  # b's reward may still come
+    assert [t.delayed_reward_factor for t in trajs] == [0.5, 1.0, 1.0]
+    assert [t.session_id for t in trajs] == [a.session_id] * 2 + [b.session_id]
+    assert st.reward_ended(b.session_id, 1.0) is None  # published: the index's job now
+    # An expired session took its completions out of its group: 410.
+    c = st.start(group_id=None, group_size=2, sample_index=None, task="", task_data={},
+                 policy_version=0, admit=admit)
+    d = st.start(group_id=c.group.group_id, group_size=2, sample_index=None, task="",
+                 task_data={}, policy_version=0, admit=admit)
+    clock.t = 9.0
+    st.by_api_key(d.api_key)  # d is active, so the group stays open
+    clock.t = 11.0
+    st.reap()
+    assert c.state == "expired" and d.state == "open"
+    with pytest.raises(ApiError) as err:
+        st.reward_ended(c.session_id, 1.0)
+    assert (err.value.status, err.value.code) == (410, "session_expired")
+
+
+def test_a_fixed_key_ends_its_previous_episode_and_untrained_groups_hold_no_slot():
+    gate = HeadGate(eta=0, prompts_per_step=1)
+    gate.ready.set()
+    st = store(defer_unset_rewards=True)
+    key = "user-bob-0123456789"
+    first = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                     policy_version=0, admit=gate.try_admit, api_key=key)
+    assert st.by_api_key(key) is first and first.fixed_key
+    st.record(first, [comp("x", [1], [2])], ["x"], ["x"], [[]])
+    st.begin_call(first, 5)  # a call generating: a second client on the key
+    with pytest.raises(ApiError) as err:
+        st.end_previous(key)
+    assert (err.value.status, err.value.code) == (409, "key_in_use")
+    st.end_call(first, 5)
+    session, ended = st.end_previous(key)
+    assert session is first and len(ended.events) == 1 and ended.rewards == [None]
+    assert st.end_previous(key) is None
+    # The gate is full (eta 0, B 1): a new group is served untrained, outside the gate.
+    assert st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                    policy_version=0, admit=gate.try_admit, api_key=key) is None
+    second = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                      policy_version=0, admit=gate.try_admit, api_key=key,
+                      untrained="served past the staleness bound")
+    assert st.by_api_key(key) is second and gate.admitted == 1
+    st.record(second, [comp("y", [1], [3])], ["y"], ["y"], [[]])
+    done = st.end(second, None, None)
+    assert done.events == [] and not done.abandoned
+    assert done.reason == "not for training: served past the staleness bound"

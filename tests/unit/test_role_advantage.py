@@ -13,6 +13,7 @@ from tapioca.bus.role import Source
 from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
 from tapioca.config.sections import AdvantageSection, advantage_section
 from tapioca.consumers.advantage import AdvantageProcessor
+from tapioca.schemas.errors import BadEventError
 from tapioca.schemas.events import RewardEvent, SampleEvent, TrajectoryEvent
 
 TRAJ, REW = "t.trajectories.v1", "t.rewards.v1"
@@ -268,8 +269,11 @@ def test_group_incomplete_past_its_timeout_is_dropped_and_releases_the_commit_fl
     assert isinstance(dropped, SampleEvent) and dropped.group_id == "g-lost"
     assert dropped.sequences == [] and "1 of 2 trajectories" in dropped.dropped_reason
     assert feed.role.committable(feed.state, TRAJ, 0, 1) == 1
-    # A late straggler of a dropped group changes nothing.
-    assert feed(traj("g-lost", 1, 2)) == [] and feed(reward("g-lost", 1, 0.0)) == []
+    # A late straggler of a dropped group changes nothing; its reward came too late to
+    # train, which the dead letter says (issue 22: nothing dropped silently).
+    assert feed(traj("g-lost", 1, 2)) == []
+    with pytest.raises(BadEventError, match="g-lost was dropped .timeout after 0 s"):
+        feed(reward("g-lost", 1, 0.0))
     assert feed.state.pending == {}
 
 
@@ -379,8 +383,9 @@ def test_reward_timeout_drop_names_the_missing_sources():
     assert dropped.dropped_reason == ("reward timeout after 30 s: "
                                       "missing judge for 1 of 2 trajectories")
     assert feed.state.pending == {} and feed.role.committable(feed.state, TRAJ, 0, 2) == 2
-    # The missing reward arrives after all: late, ignored.
-    assert feed(sreward("g", 1, 1.0, "judge")) == []
+    # The missing reward arrives after all: too late, dead-lettered with the drop reason.
+    with pytest.raises(BadEventError, match="reward timeout after 30 s: missing judge"):
+        feed(sreward("g", 1, 1.0, "judge"))
     d = feed.role.describe(feed.state)
     assert (d["dropped"], d["late_rewards"], d["emitted"]) == (1, 1, 0)
 
@@ -886,3 +891,43 @@ def test_shaped_rewards_that_overflow_cannot_be_built():
     with pytest.raises(BadEventError, match="group g cannot be built"):
         feed(reward("g", 1, -1e9))
     assert "g" in feed.state.pending
+
+
+def test_a_group_without_a_shared_prompt_is_built_and_trained(tmp_path):
+    """Issue 22: the proxy publishes a group whose completions share no prompt token with
+    ``prompt_ids=[]`` (each context in the output, loss mask 0). The processor builds its
+    sample as it is and the trainer trains it (its first context token as the prompt)."""
+    from tapioca.producers.proxy.sessions import Completion, SessionStore
+
+    store = SessionStore(ttl_s=60, max_sessions=10, max_tokens_per_session=1000, run_tag="r",
+                         decode=lambda ids: "")
+    admit = iter(range(10)).__next__
+    events = []
+    for g in range(2):  # the trainer's step is 2 groups
+        s = store.start(group_id=None, group_size=1, sample_index=None, task="", task_data={},
+                        policy_version=0, admit=admit)
+        for call, prompt, out in (("c", [1, 2, 3], [10, 11]), ("r", [7, 8], [12, 13])):
+            store.record(s, [Completion(call, 0, prompt, out, [-0.5] * 2, [0, 0], "stop")],
+                         ["x"], ["x"], [[]])
+        store.set_reward(s, float(g), None)
+        events += store.end(s, "per_completion", 1.0).events
+    adv = AdvantageConfig(adv_norm=NormConfig(mean_level="none", std_level="none"))
+    feed = Feed(AdvantageProcessor(AdvantageSection(advantage=adv, max_new_tokens=8,
+                                                    n_samples=1)))
+    samples = [out for e in events for out in feed(e)]
+    assert len(samples) == 2 and all(s.prompt_ids == [] for s in samples)
+    assert samples[0].sequences[1].output_ids == [7, 8, 12, 13]
+    assert samples[0].sequences[1].loss_mask == [0, 0, 1, 1]
+    assert [q.advantage for q in samples[1].sequences] == [1.0, 1.0]  # no normalisation
+    trainer = _tiny_trainer(tmp_path, adv)
+    try:
+        state = trainer.init_state()
+        list(trainer.on_tick(state, 0.0))
+        out = []
+        for i, sample in enumerate(samples):
+            out += trainer.handle(sample, state, Source("t.samples.v1", 0, i))
+        # The version's verdict (WeightsEvent here; ProgressEvent once on progress.v1).
+        (verdict,) = {tuple(e.group_ids) for e in out if getattr(e, "group_ids", None)}
+        assert sorted(verdict) == sorted(s.group_id for s in samples)
+    finally:
+        trainer.sink.close()

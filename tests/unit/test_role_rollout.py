@@ -234,6 +234,29 @@ def test_prompt_waits_for_the_version_it_was_admitted_under(h):
     assert h.role.committable(h.state, PROMPTS, 0, 4) == 4
 
 
+def test_trajectories_carry_the_wall_clock_facts_of_their_submit_and_weights_switch(h):
+    """What the step timeline (ops/timeline.py) reads: when the group was submitted, and
+    the weights it waited for: when their event arrived and when they were loaded."""
+    t_before = time.time()
+    first = prompt("g-v0", n=1)
+    h.role.handle(first, h.state, psrc(0))
+    (t0,) = h.collect(1)
+    assert t_before <= t0.timings["submitted_at"] <= time.time()
+    assert "weights_version" not in t0.timings  # no switch yet
+    late = prompt("g-v1", n=2)
+    late.admitted_at_version = 1
+    h.role.handle(late, h.state, psrc(1))
+    arrived = time.time()
+    h.role.handle(weights(1), h.state, wsrc(0))
+    trajs = h.collect(2)
+    for t in trajs:
+        tm = t.timings
+        assert tm["weights_version"] == 1.0
+        assert arrived <= tm["weights_received_at"] <= tm["weights_loaded_at"] <= tm["submitted_at"]
+        assert 0 <= tm["weights_switch_s"] <= tm["weights_loaded_at"] - tm["weights_received_at"] + 1e-6
+        assert tm["queued_s"] >= 0 and tm["generate_s"] >= 0  # the engine's own, kept
+
+
 def test_pending_weights_are_loaded_before_a_prompt_that_needs_them(h):
     h.role.handle(WeightsEvent(version=1, path="/w", sha256="x"), h.state,
                   Source(WEIGHTS, 0, 0, broadcast=True))

@@ -409,6 +409,23 @@ def test_kl_ctl_adds_the_future_kl_penalty_to_the_group_advantage(tmp_path):
     t.sink.close()
 
 
+def test_tree_training_builds_a_packed_reference_that_scores_the_same_kl(tmp_path):
+    """actor.enable_tree_training through the builders: the reference gets the packed
+    forward and scores prefix trees (the group's prompt once); the token advantages are
+    those of the padded reference forward."""
+    flat = make_token_trainer(tmp_path / "flat", actor={"kl_ctl": 0.1})
+    tree = make_token_trainer(tmp_path / "tree", actor={"kl_ctl": 0.1, "enable_tree_training": True})
+    assert flat.token_adv.reference.packed is None and not flat.token_adv.tree_training
+    assert tree.token_adv.reference.packed is not None and tree.token_adv.tree_training
+    items_f, items_t = (flatten_groups([sample("g0"), sample("g1", n=3)]) for _ in range(2))
+    flat.token_adv.compute(items_f)
+    tree.token_adv.compute(items_t)
+    for a, b in zip(items_f, items_t, strict=True):
+        assert b.token_advantages == pytest.approx(a.token_advantages, abs=1e-5)
+    flat.sink.close()
+    tree.sink.close()
+
+
 def test_batch_normalisation_gives_zero_mean_unit_std_token_advantages(tmp_path):
     t = make_token_trainer(tmp_path, advantage=AdvantageConfig(estimator="reinforce_pp"))
     assert t.token_adv.center and t.token_adv.scale
@@ -779,7 +796,8 @@ def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkey
 
 
 def test_rollback_reapplies_the_tail_gate_to_buffered_groups(trainer):
-    """DESIGN §3's hard guarantee: a group that waited in the buffer while a rollback
+    """The tail gate's hard guarantee (docs/design.md#3-policy-versions-and-the-staleness-window):
+    a group that waited in the buffer while a rollback
     bumped the version is gated again; it would otherwise train at staleness eta+1."""
     state = start(trainer)
     trainer.handle(sample("g0"), state, src(0))

@@ -33,7 +33,7 @@ def test_config_show_prints_the_resolved_config_and_runs_nothing(tmp_path):
                f"run_dir={tmp_path / 'runs'}")
     assert done.returncode == 0, done.stderr
     shown = yaml.safe_load(done.stdout)
-    assert shown["actor"]["lr"] == 1e-3  # the override
+    assert shown["actor"]["optimizer"]["lr"] == 1e-3  # the override
     assert shown["gconfig"]["n_samples"] == 16  # the file
     assert shown["actor"]["eps_clip"] == 0.2 and shown["launcher"]["max_restarts"] == 5  # defaults
     # The same config the loader gives a run, and nothing was created.
@@ -47,10 +47,11 @@ def test_config_show_prints_the_resolved_config_and_runs_nothing(tmp_path):
 
 
 def test_config_show_of_a_bad_key_is_one_line_and_exit_78():
-    done = cli("config", "show", "actor.lrr=1")
+    done = cli("config", "show", "actor.eps_clipp=1")
     assert done.returncode == 78  # a config error (schemas/errors.py EXIT_CONFIG)
     assert done.stderr.strip().splitlines() == [
-        "error: config key 'actor.lrr': Key 'lrr' not in 'ActorConfig'. Did you mean: 'lr'?"]
+        "error: config key 'actor.eps_clipp': Key 'eps_clipp' not in 'ActorConfig'. Did you mean "
+        "one of: 'eps_clip', 'eps_clip_higher', 'c_clip'?"]
 
 
 def test_a_run_record_is_running_only_while_its_launcher_lives(tmp_path):

@@ -1,6 +1,6 @@
 """What an RL run leaves on disk, and what `tapioca runs` says of it: a finished run
 leaves ``final/``, a Hugging Face directory of the trained policy (trainers/final_model.py),
-as the offline trainers do; `tapioca runs` lists trials with their state, step and last
+as the supervised trainers do; `tapioca runs` lists trials with their state, step and last
 reward. The trainer role on the tiny model `tapioca train` makes (a real model directory
 with its tokenizer), one step of two groups, then its clean stop. No broker."""
 

@@ -239,3 +239,33 @@ def test_closing_line_says_finished_drained_or_interrupted():
     assert reached.startswith("done (stop_at_reward=0.9 reached at step 2)")
     complete = closing_line(summary({}), c, Checkpoint(ckpt, 4), resume="R")
     assert complete.startswith("done: nothing to train: trial t1 was already complete")
+
+
+def test_online_mode_shows_sessions_served_rewards_pending_and_trained():
+    """Issue 22: in online mode the traffic is the data; the table shows what the proxy
+    served and what waits for a reward instead of generation rates and backlogs, and the
+    advantage processor's waiting groups are the normal state, not a warning."""
+    from tapioca.config.schema import AgentConfig, GenerationConfig, NormConfig
+
+    clock = Clock()
+    view = TrainView(cfg(agent=AgentConfig(mode="online"), gconfig=GenerationConfig(n_samples=1),
+                         advantage=AdvantageConfig(adv_norm=NormConfig(mean_level="none",
+                                                                       std_level="none"))),
+                     clock=clock)
+    # A proxy that was restarted: its new member counts on from 0.
+    view.observe(status("proxy-aaaa-sessions", **{"proxy-sessions/served": 5.0,
+                                                   "proxy-sessions/rewards_pending": 4.0}))
+    clock.t += 20
+    view.observe(status("proxy-bbbb-sessions", **{"proxy-sessions/served": 2.0,
+                                                   "proxy-sessions/rewards_pending": 3.0}))
+    view.observe(status("trainer-0", **{"trainer/groups_trained": 3.0}))
+    view.observe(status("advantage-0", **{"advantage/waiting_for_rewards": 3.0}))
+    assert view.sessions() == (7.0, 3.0, 3.0)  # the stale member's pending no longer counts
+    assert view.waiting_note() is None
+    assert "no step yet | sessions 7 | rewards pending 3 | trained 3" in view.line()
+    view.observe(trainer_row(1, **{"actor/tokens_per_s": 100.0}))
+    text = render(view.table())
+    assert "sessions" in text and "pending" in text and "backlog" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    line = view.line()
+    assert "sessions 7 | rewards pending 3 | trained 3" in line and "gen" not in line

@@ -1,0 +1,427 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL): placeholders, pixels, 3-D rotary positions.
+
+Consumes a ``transformers`` VL model (its config and vision tower) and encoded image
+bytes; emits what the engines and the trainer feed it: the processor's ``pixel_values``
+/ ``image_grid_thw`` (recomputed from the bytes wherever needed, deterministically: the
+slow PIL/numpy image processor, never torchvision, which does not import beside the CPU
+torch build), the prompt's image placeholders expanded to one token per merged patch,
+the multimodal rotary ("M-RoPE") positions of a token sequence, the vision tower's
+embeddings (and Qwen3-VL's deepstack features) and the rotary cos / sin of 3-D positions.
+
+Placeholders. A prompt holds ``<|vision_start|><|image_pad|><|vision_end|>`` per image;
+:func:`expand_image_tokens` repeats each ``<|image_pad|>`` ``t*h*w / merge**2`` times
+for its image's grid, so the token ids on the log are those the decoder sees. Which
+``<|image_pad|>`` tokens are placeholders: every one the model did not generate
+(:func:`placeholder_mask`: all of a prompt's, and an output's where its loss mask is 0);
+one the model sampled is an ordinary token, embedded as such by the engines and the
+trainer alike. The placeholders must come in one run of the right length per image, in
+order (:class:`~tapioca.media.images.ImageError` otherwise).
+
+Positions (the rule of ``get_rope_index`` in transformers 5.x, reimplemented so that the
+engines, the packed trainer and every transformers version agree; tests hold it to
+transformers' own): text tokens count up on all three axes; an image with merged grid
+``(t, h, w)`` starting at position ``p`` gets ``(p + i, p + j, p + k)`` for its tokens in
+row-major order, and the text after it continues at ``p + max(t, h, w)``. Decoding after
+a prompt of ``L`` tokens uses position ``L + delta`` on all three axes, ``delta = max
+position + 1 - L`` (:func:`mrope_positions`).
+
+Rotary: each axis rotates its own section of the head's frequencies (``mrope_section``;
+Qwen3-VL interleaves them). The model's own ``rotary_emb`` computes cos / sin from the
+``[3, N]`` positions; where it returns the three axes unmerged (older transformers),
+:func:`mrope_cos_sin` merges them by ``mrope_section``. For text positions the three axes
+are equal and the result is plain 1-D RoPE, so a decode step needs no 3-D table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..media.images import ImageError
+
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+IMAGE_PAD = "<|image_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def model_type_of(config: Any) -> str:
+    return str(getattr(config, "model_type", ""))
+
+
+def is_vision_config(config: Any) -> bool:
+    return model_type_of(config) in VL_MODEL_TYPES
+
+
+def is_vision_model(model: torch.nn.Module) -> bool:
+    return is_vision_config(getattr(model, "config", None))
+
+
+def is_vision_dir(path: str | os.PathLike) -> bool:
+    """Whether a local model directory holds a VL model (its config.json's model_type)."""
+    file = Path(path) / "config.json"
+    return file.is_file() and json.loads(file.read_text()).get("model_type") in VL_MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The token ids and sizes a VL model's placeholders and positions depend on."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    merge_size: int
+    patch_size: int
+    temporal_patch_size: int
+
+    def tokens_for(self, grid_thw: Sequence[int]) -> int:
+        """Placeholder tokens of one image of processor grid ``(t, h, w)``."""
+        t, h, w = (int(x) for x in grid_thw)
+        return t * h * w // (self.merge_size ** 2)
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return (self.vision_start_token_id, self.vision_end_token_id, self.image_token_id,
+                self.video_token_id)
+
+
+def vision_spec(config: Any) -> VisionSpec | None:
+    """The :class:`VisionSpec` of a VL model's config; None for a text-only model."""
+    if not is_vision_config(config):
+        return None
+    v = config.vision_config
+    return VisionSpec(
+        model_type=model_type_of(config),
+        image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
+        vision_start_token_id=int(config.vision_start_token_id),
+        vision_end_token_id=int(config.vision_end_token_id),
+        merge_size=int(v.spatial_merge_size), patch_size=int(v.patch_size),
+        temporal_patch_size=int(v.temporal_patch_size))
+
+
+# ---------------------------------------------------------------------- placeholders
+
+
+def expand_image_tokens(ids: Sequence[int], grids: Sequence[Sequence[int]], spec: VisionSpec) -> list[int]:
+    """``ids`` with each ``<|image_pad|>`` repeated for its image (one per image, in order)."""
+    pads = [i for i, t in enumerate(ids) if t == spec.image_token_id]
+    if len(pads) != len(grids):
+        raise ImageError(f"the prompt has {len(pads)} image placeholder(s) but {len(grids)} image(s) "
+                         "were given; put one image part (or <image>) per image")
+    out: list[int] = []
+    start = 0
+    for pos, grid in zip(pads, grids):
+        out += list(ids[start:pos]) + [spec.image_token_id] * spec.tokens_for(grid)
+        start = pos + 1
+    return out + list(ids[start:])
+
+
+def placeholder_mask(ids: Sequence[int], spec: VisionSpec, generated: Sequence[int] | None = None) -> np.ndarray:
+    """``bool [L]``: the ``<|image_pad|>`` tokens that stand for image patches: all but
+    the ones the model generated (``generated[t]`` true, e.g. loss mask 1)."""
+    mask = np.asarray(ids, dtype=np.int64) == spec.image_token_id
+    if generated is not None:
+        gen = np.zeros(len(ids), dtype=bool)
+        g = np.asarray(generated, dtype=bool)
+        gen[len(ids) - len(g):] = g  # aligned to the end (an output's mask after its prompt)
+        mask &= ~gen
+    return mask
+
+
+def image_runs(mask: np.ndarray, grids: Sequence[Sequence[int]], spec: VisionSpec) -> list[int]:
+    """The start of each image's placeholder run; :class:`ImageError` unless the
+    placeholders are one run of ``tokens_for(grid)`` per image, in order."""
+    want = [spec.tokens_for(g) for g in grids]
+    have = int(mask.sum())
+    if have != sum(want):
+        raise ImageError(f"the tokens hold {have} image placeholder token(s) but the {len(grids)} image(s) "
+                         f"need {sum(want)} ({' + '.join(map(str, want)) or '0'}); the prompt's "
+                         "placeholders must be expanded for exactly these images, in order")
+    starts: list[int] = []
+    positions = np.flatnonzero(mask)
+    k = 0
+    for need in want:
+        i = int(positions[k])
+        if not mask[i:i + need].all():
+            raise ImageError("an image's placeholder tokens are not one contiguous run of "
+                             f"{need}; expand each <|image_pad|> for its own image")
+        starts.append(i)
+        k += need
+    return starts
+
+
+def mrope_positions(ids: Sequence[int], mask: np.ndarray, grids: Sequence[Sequence[int]],
+                    spec: VisionSpec) -> tuple[np.ndarray, int]:
+    """``(positions_3L int64, delta)``: the 3-D rotary positions of ``ids`` whose image
+    placeholders are ``mask`` (see the module docstring), and the decode offset."""
+    n = len(ids)
+    pos = np.empty((3, n), dtype=np.int64)
+    starts = image_runs(mask, grids, spec)
+    cur, i = 0, 0
+    m = spec.merge_size
+    for start, grid in zip(starts, grids):
+        text = start - i
+        pos[:, i:start] = cur + np.arange(text)
+        cur += text
+        t, h, w = int(grid[0]), int(grid[1]) // m, int(grid[2]) // m
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        end = start + t * h * w
+        pos[0, start:end] = cur + tt.reshape(-1)
+        pos[1, start:end] = cur + hh.reshape(-1)
+        pos[2, start:end] = cur + ww.reshape(-1)
+        cur += max(t, h, w)
+        i = end
+    pos[:, i:] = cur + np.arange(n - i)
+    delta = int(pos.max()) + 1 - n if n else 0
+    return pos, delta
+
+
+# ---------------------------------------------------------------------- the processor
+
+
+def _pil_processor_class():
+    """transformers' PIL/numpy Qwen2-VL image processor (``Qwen2VLImageProcessorPil`` in
+    transformers 5; ``Qwen2VLImageProcessor`` was that one in 4.x)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+
+
+class ImageProcessor:
+    """Encoded image bytes -> ``(pixel_values [P, C*T*p*p] fp32, image_grid_thw [n, 3])``.
+
+    The slow processor of transformers (PIL resize, numpy rescale / normalise /
+    patchify): the same bytes give the same tensors on every machine, so the engines and
+    the trainer may each compute them from the store instead of carrying pixels on the log.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = dict(settings)
+        self._proc = _pil_processor_class()(**settings)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "ImageProcessor":
+        """From a model directory's ``preprocessor_config.json`` (its resize bounds, patch
+        and merge sizes, mean and std)."""
+        file = Path(path) / PREPROCESSOR_FILE
+        if not file.is_file():
+            raise ImageError(f"{path} has no {PREPROCESSOR_FILE}: a vision-language model directory "
+                             "needs its image processor's settings (`tapioca model-init` writes them)")
+        raw = json.loads(file.read_text())
+        keep = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size",
+                "image_mean", "image_std", "do_resize", "do_rescale", "do_normalize", "rescale_factor",
+                "do_convert_rgb")
+        settings = {k: raw[k] for k in keep if k in raw}
+        size = raw.get("size") or {}
+        settings.setdefault("min_pixels", size.get("shortest_edge", settings.get("min_pixels")))
+        settings.setdefault("max_pixels", size.get("longest_edge", settings.get("max_pixels")))
+        return cls(**{k: v for k, v in settings.items() if v is not None})
+
+    def grid_for(self, width: int, height: int) -> tuple[int, int, int]:
+        """The processor grid ``(t, h, w)`` of an image of ``width x height`` pixels
+        (transformers' ``smart_resize``, without decoding the image)."""
+        import importlib
+
+        module = importlib.import_module(type(self._proc).__module__)
+        p = self._proc
+        patch, merge = int(p.patch_size), int(p.merge_size)
+        size = getattr(p, "size", None) or {}
+        lo = getattr(p, "min_pixels", None) or size.get("shortest_edge")
+        hi = getattr(p, "max_pixels", None) or size.get("longest_edge")
+        try:
+            h, w = module.smart_resize(height, width, factor=patch * merge, min_pixels=lo, max_pixels=hi)
+        except ValueError as exc:  # an aspect ratio over 200
+            raise ImageError(f"the image is {width} x {height}: {exc}") from None
+        return 1, h // patch, w // patch
+
+    def __call__(self, blobs: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        import io
+
+        from PIL import Image
+
+        images = []
+        for data in blobs:
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    images.append(im.convert("RGB"))
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                # Stored bytes that are no image (a writer outside Tapioca): the event's fault.
+                raise ImageError(f"the image bytes cannot be decoded ({type(exc).__name__}: {exc})") from None
+        out = self._proc(images=images, return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+
+def save_processor_config(path: str | os.PathLike, *, patch_size: int, merge_size: int,
+                          temporal_patch_size: int, min_pixels: int, max_pixels: int,
+                          image_mean: Sequence[float], image_std: Sequence[float]) -> None:
+    """Write a model directory's ``preprocessor_config.json`` (both spellings of the
+    resize bounds: transformers 4's min/max_pixels and 5's size)."""
+    cfg = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch_size,
+           "merge_size": merge_size, "temporal_patch_size": temporal_patch_size,
+           "min_pixels": min_pixels, "max_pixels": max_pixels,
+           "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+           "image_mean": list(image_mean), "image_std": list(image_std),
+           "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
+    (Path(path) / PREPROCESSOR_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------- model pieces
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    body = getattr(model, "model", model)
+    return body.visual
+
+
+def image_features(model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """``(embeds [n_tokens, hidden], deepstack)``: the vision tower's merged features of
+    every placeholder token of the images, in order; ``deepstack`` is Qwen3-VL's list of
+    per-layer features added to the first decoder layers' outputs (None for Qwen2.5-VL).
+    Handles the tower's return value across transformers versions (an output object with
+    ``pooler_output`` in 5.x; a tensor, or ``(tensor, list)``, before)."""
+    visual = vision_tower(model)
+    dtype = next(visual.parameters()).dtype
+    out = visual(pixel_values.to(dtype), grid_thw=grid_thw)
+    deep = None
+    if hasattr(out, "pooler_output"):
+        embeds = out.pooler_output
+        deep = getattr(out, "deepstack_features", None)
+    elif isinstance(out, tuple):
+        embeds, deep = out[0], (out[1] if len(out) > 1 else None)
+    else:
+        embeds = out
+    if isinstance(embeds, (tuple, list)):
+        embeds = torch.cat(list(embeds))
+    if deep is not None:
+        deep = [torch.cat(list(d)) if isinstance(d, (tuple, list)) else d for d in deep] or None
+    return embeds, deep
+
+
+def recompose_mrope(x_3ND: torch.Tensor, section: Sequence[int]) -> torch.Tensor:
+    """``[3, N, D]`` per-axis cos or sin -> ``[N, D]``: frequency section i from axis i % 3
+    (the contiguous layout of Qwen2/2.5-VL), in both halves."""
+    sections = list(section) * 2
+    parts = x_3ND.split(sections, dim=-1)
+    return torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)
+
+
+def mrope_cos_sin(rotary: torch.nn.Module, positions_3N: torch.Tensor, like: torch.Tensor,
+                  mrope_section: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos_ND, sin_ND)`` of 3-D positions from the model's own rotary embedding."""
+    cos, sin = rotary(like, positions_3N[:, None, :])
+    if cos.ndim == 4:  # [3, 1, N, D]: the axes are merged by the attention (older versions)
+        if not mrope_section:
+            raise ImageError("the model's rotary embedding returns per-axis tables but its config "
+                             "has no mrope_section")
+        return recompose_mrope(cos[:, 0], mrope_section), recompose_mrope(sin[:, 0], mrope_section)
+    return cos[0], sin[0]
+
+
+def mrope_section_of(config: Any) -> list[int] | None:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(text, name, None) or {}
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return list(params["mrope_section"])
+    return None
+
+
+# ---------------------------------------------------------------------- prompts with images
+
+
+class VisionPrompts:
+    """Prompts with images for a VL model directory: each image checked and stored
+    (:func:`~tapioca.media.images.store_image`), each placeholder expanded for its image.
+
+    ``encode(row) -> (prompt_ids, prompt_text, refs)`` for a dataset row (``messages``
+    with image parts, ``images`` their bytes); :meth:`expand` for ids already rendered
+    (the proxy's). ``max_pixels`` / ``inline_max_bytes``: ``vlm.max_image_pixels`` /
+    ``vlm.inline_image_max_bytes``."""
+
+    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any, store: Any, *,
+                 max_pixels: int, inline_max_bytes: int) -> None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        spec = vision_spec(config)
+        if spec is None:
+            raise ImageError(f"the model at {model_dir} ({model_type_of(config)}) has no vision tower, so "
+                             "it cannot read images: use a vision-language model (model.arch qwen2_5_vl "
+                             "or qwen3_vl, or a Qwen2.5-VL / Qwen3-VL directory)")
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.store = store
+        self.processor = ImageProcessor.from_dir(model_dir)
+        self.max_pixels = max_pixels
+        self.inline_max_bytes = inline_max_bytes
+
+    def refs(self, blobs: Sequence[bytes]) -> list[Any]:
+        from ..media.images import store_image
+
+        return [store_image(b, self.store, max_pixels=self.max_pixels,
+                            inline_max_bytes=self.inline_max_bytes) for b in blobs]
+
+    def expand(self, ids: Sequence[int], refs: Sequence[Any]) -> list[int]:
+        grids = [self.processor.grid_for(r.width, r.height) for r in refs]
+        return expand_image_tokens(ids, grids, self.spec)
+
+    def encode(self, row: dict[str, Any]) -> tuple[list[int], str, list[Any]]:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        refs = self.refs(row.get("images") or [])
+        return self.expand(ids, refs), text, refs
+
+
+class ImageLoader:
+    """Image references -> their bytes (from the store, checked) and the processor's
+    tensors, keeping the tensors of the last ``cache_images`` images by sha256 (a group's
+    samples, and a step's sequences, share their prompt's)."""
+
+    def __init__(self, store: Any, processor: ImageProcessor, *, cache_images: int = 256) -> None:
+        from collections import OrderedDict
+
+        self.store = store
+        self.processor = processor
+        self.cache_images = cache_images
+        self._cache: "OrderedDict[str, tuple[torch.Tensor, tuple[int, int, int]]]" = OrderedDict()
+
+    def blobs(self, refs: Sequence[Any]) -> list[bytes]:
+        from ..media.images import ref_bytes
+
+        return [ref_bytes(r, self.store) for r in refs]
+
+    def pixels(self, refs: Sequence[Any]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """``(pixel_values [P, D], grids)`` of ``refs`` in order (recomputed from the bytes)."""
+        out = []
+        for ref in refs:
+            hit = self._cache.get(ref.sha256)
+            if hit is None:
+                pv, grid = self.processor(self.blobs([ref]))
+                hit = (pv, tuple(int(x) for x in grid[0].tolist()))
+                self._cache[ref.sha256] = hit
+                while len(self._cache) > self.cache_images:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(ref.sha256)
+            out.append(hit)
+        if not out:
+            return torch.empty(0), []
+        return torch.cat([pv for pv, _ in out]), [g for _, g in out]
