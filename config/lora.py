@@ -67,6 +67,9 @@ def check_lora_run(cfg: Any) -> None:
              f"actor.use_lora with {f.describe()}: the tensor / context parallel plan splits plain "
              "linear layers, not peft's adapter wrappers; train the adapter data parallel "
              "(fsdp.tensor_parallel_size=1, fsdp.context_parallel_size=1)")
+    _require(not cfg.actor.enable_tree_training,
+             "actor.use_lora with actor.enable_tree_training: prefix-tree packing is not tested "
+             "with peft's adapter layers yet; set actor.enable_tree_training=false")
     from ..models.families import VL_ARCHS
 
     _require(cfg.train_dataset.type != "visual" and (bool(cfg.model.path) or cfg.model.arch not in VL_ARCHS),

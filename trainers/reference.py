@@ -119,7 +119,12 @@ class AdapterOffReference(FrozenLogprobModel):
 
     def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int = 4096,
                  autocast_dtype: str = "", device: str | torch.device = "cpu",
-                 name: str = "reference") -> None:
+                 name: str = "reference", tree_training: bool = False,
+                 attention_backend: str = "auto") -> None:
+        # tree_training / attention_backend: config/lora.py refuses tree training in a
+        # LoRA run, so this reference always scores padded batches (self.packed None).
+        del tree_training, attention_backend
+        self.packed = None
         self.model = model
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens

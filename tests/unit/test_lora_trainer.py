@@ -287,6 +287,13 @@ def test_config_refuses_what_a_lora_run_cannot_do():
                                                "rollout.max_head_offpolicyness=2"])
     with pytest.raises(ConfigError, match="lora_name"):
         load_config(TrainConfig, None, base + ["gconfig.lora_name=a/b"])
+    # Combinations not built for adapters yet: each refused at load, with the way out.
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        load_config(TrainConfig, None, base + ["fsdp.world_size=2", "fsdp.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="enable_tree_training=false"):
+        load_config(TrainConfig, None, base + ["actor.enable_tree_training=true"])
+    with pytest.raises(ConfigError, match="vision-language"):
+        load_config(TrainConfig, None, base + ["model.arch=qwen2_5_vl"])
     cfg = load_config(TrainConfig, None, base)
     from tapioca.config.sections import rollout_section, trainer_section
 

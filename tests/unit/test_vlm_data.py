@@ -134,3 +134,23 @@ def test_prompt_records_carry_stored_references_and_expanded_placeholders(vl_dir
     small = VisionPrompts(vl_dir, tokenizer, store, max_pixels=100, inline_max_bytes=0)
     with pytest.raises(ConfigError, match=r"row visual-color-\d+: .*over vlm.max_image_pixels=100"):
         tokenize_records(rows[:1], small.encode, "visual")
+
+
+def test_a_vision_language_policy_refuses_what_would_train_its_tokens_without_images():
+    """TrainConfig.check_vision_policy: each combination is refused at load with its way out."""
+    import pytest
+
+    from tapioca.config.loader import load_config
+    from tapioca.config.schema import TrainConfig
+    from tapioca.schemas.errors import ConfigError
+
+    vl = ["model.arch=qwen2_5_vl", "train_dataset.type=visual"]
+    load_config(TrainConfig, None, vl)  # the tiny VL run itself loads
+    for extra, way_out in (
+        (["actor.enable_tree_training=true"], "enable_tree_training=false"),
+        (["fsdp.world_size=2", "fsdp.tensor_parallel_size=2"], "tensor_parallel_size=1"),
+        (["fsdp.world_size=2"], "fsdp.world_size=1"),
+        (["rollout.return_routed_experts=true"], "router_replay=disabled"),
+    ):
+        with pytest.raises(ConfigError, match=way_out):
+            load_config(TrainConfig, None, vl + extra)
