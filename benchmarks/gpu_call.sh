@@ -56,7 +56,8 @@ for s in "$@"; do
     rl_lora_eta4) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-20} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 4 --lora --out "$OUT/rl_lora_eta4.json" ;;
     eval_gsm8k) stage $s 300 python3 benchmarks/eval_gsm8k.py --device cuda --data "$GSM8K" --scoring-workers 8 --out "$OUT/eval_gsm8k.json" ;;
     moe_tests) stage $s 200 $PYTEST tests/unit/test_engine_moe.py tests/unit/test_moe_training.py tests/unit/test_kernels_triton.py -k "moe or cuda" ;;
-    moe_engine) stage $s 540 python3 benchmarks/moe_engine.py ;;
+    moe_cuda_tests) stage $s 150 $PYTEST -v tests/unit/test_engine_moe.py tests/unit/test_router_replay.py -k cuda ;;
+    moe_engine) stage $s ${MOE_LIMIT_S:-540} python3 benchmarks/moe_engine.py ${MOE_ARGS:-} ;;
     moe_trainer) stage $s 300 python3 benchmarks/moe_trainer.py ;;
     # Issue 28: tree training (prefix sharing), the step timeline + bus vs queue, FA4, the decode host side.
     tree_tests) stage $s 150 $PYTEST tests/unit/test_tree_attention_gpu.py tests/unit/test_tree_training.py ;;
@@ -70,7 +71,7 @@ for s in "$@"; do
     trainer_world1_ab) stage $s 200 python3 benchmarks/trainer_step.py --device cuda --world1-ab --steps 5 ;;
     fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
     vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py -k cuda ;;
-    vlm) stage $s 420 python3 benchmarks/vlm.py --device cuda ;;
+    vlm) stage $s ${VLM_LIMIT_S:-420} python3 benchmarks/vlm.py --device cuda --out "$OUT/vlm.json" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -336,9 +336,19 @@ class PagedDecoder(torch.nn.Module):
         inv_freq = getattr(rotary, "inv_freq", None)
         dev = inv_freq.device if inv_freq is not None else torch.device("cpu")
         pos_1P = torch.arange(self.max_positions, device=dev)[None]
-        cos_1PD, sin_1PD = rotary(torch.zeros(1, dtype=torch.float32, device=dev), pos_1P)
+        like = torch.zeros(1, dtype=torch.float32, device=dev)
+        from ..models.vision import mrope_cos_sin, mrope_section_of
+
+        section = mrope_section_of(model.config)
+        if section is not None:
+            # A VL model's text positions (t = h = w), through the helper that accepts either
+            # rotary signature (transformers 5.17 wants [3, B, P] positions, later ones also [B, P]).
+            cos_PD, sin_PD = mrope_cos_sin(rotary, pos_1P.expand(3, -1), like, section)
+        else:
+            cos_1PD, sin_1PD = rotary(like, pos_1P)
+            cos_PD, sin_PD = cos_1PD[0], sin_1PD[0]
         half = self.head_dim // 2
-        return torch.cat([cos_1PD[0, :, :half], sin_1PD[0, :, :half]], dim=-1).float().to(self.device)
+        return torch.cat([cos_PD[:, :half], sin_PD[:, :half]], dim=-1).float().to(self.device)
 
     # ------------------------------------------------------------------ cache and weights
 

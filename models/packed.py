@@ -215,6 +215,11 @@ class PackedCausalLM(nn.Module):
             from .vision import mrope_cos_sin
 
             cos_ND, sin_ND = mrope_cos_sin(self.rotary_emb, images.positions_3N, h_NH, self.mrope_section)
+        elif self.mrope_section is not None:  # a VL model's text-only micro-batch: t = h = w
+            from .vision import mrope_cos_sin
+
+            cos_ND, sin_ND = mrope_cos_sin(self.rotary_emb, position_ids_N.expand(3, -1), h_NH,
+                                           self.mrope_section)
         else:
             cos_1ND, sin_1ND = self.rotary_emb(h_NH[None], position_ids_N[None])
             cos_ND, sin_ND = cos_1ND[0], sin_1ND[0]
