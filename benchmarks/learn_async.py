@@ -64,6 +64,7 @@ MODES = {
         "rl": {"steps": 3, "prompts": 4, "samples": 4, "new_tokens": 64, "lr": 5e-4, "eval_every": 1,
                "eval_k": 2, "mb_tokens": 8192},
         "budget_s": 170,
+        "sft_share": 0.25,
     },
     "cuda": {
         "task": {"train_size": 50000, "test_size": 200, "max_steps": 24},
@@ -74,6 +75,7 @@ MODES = {
         "rl": {"steps": 40, "prompts": 32, "samples": 8, "new_tokens": 256, "lr": 2e-5, "eval_every": 5,
                "eval_k": 4, "mb_tokens": 32768},
         "budget_s": 540,
+        "sft_share": 0.3,
     },
 }
 
@@ -211,18 +213,24 @@ def warm_start(args, mode: dict, out: Path, model0: Path, rl_yaml: Path, budget_
     sft_yaml = out / "sft.yaml"
     sft_yaml.write_text(yaml.safe_dump(sft, sort_keys=False))
     final = out / "runs" / "sft" / "warmstart" / "final"
-    t0, rounds = time.monotonic(), []
+    t0, rounds, last_round_s = time.monotonic(), [], 0.0
     for r in range(1, s["max_rounds"] + 1):
         left = budget_s - (time.monotonic() - t0)
-        if rounds and left < 30:
+        if rounds and left < last_round_s:  # another round would overrun the SFT share
             break
         steps = r * s["round_steps"]  # resumes from the last round's checkpoint
         log = out / f"sft_round{r}.log"
-        proc = cli("sft", "--config", str(sft_yaml), f"total_train_steps={steps}", timeout_s=max(left, 60), log=log)
+        t_round = time.monotonic()
+        proc = cli("sft", "--config", str(sft_yaml), f"total_train_steps={steps}",
+                   timeout_s=max(left, 60) + 30, log=log)
+        if proc.returncode is None and rounds:  # out of time: the last round's final/ stands
+            print(f"sft: round {r} stopped at the time limit; keeping {rounds[-1]['steps']} steps", flush=True)
+            break
         if proc.returncode != 0:
             fail(f"tapioca sft (round {r})", log)
         acc = held_out(final, rl_yaml, out / "eval" / f"sft-{steps}", 120, out / f"sft_eval{r}.log")
         rounds.append({"steps": steps, "elapsed_s": round(time.monotonic() - t0, 1), **acc})
+        last_round_s = time.monotonic() - t_round
         print(f"sft: {steps} steps, {rounds[-1]['elapsed_s']} s: held-out greedy {acc['greedy']:.3f} "
               f"pass@1 {acc['pass@1']:.3f}", flush=True)
         if acc["greedy"] >= args.sft_target:
@@ -293,7 +301,8 @@ def plot(results: list[dict], target: float, path: Path) -> None:
         a.plot([p["train_s"] for p in xs], [p["pass@1"] for p in xs], marker="o", label=f"eta {r['eta']}")
         b.plot([p["version"] for p in xs], [p["pass@1"] for p in xs], marker="o", label=f"eta {r['eta']}")
     for ax, xl in ((a, "wall-clock s (from the first batch)"), (b, "step (policy version)")):
-        ax.axhline(target, color="grey", ls="--", lw=0.8)
+        if target:
+            ax.axhline(target, color="grey", ls="--", lw=0.8)
         ax.set_xlabel(xl)
         ax.set_ylabel("held-out pass@1")
         ax.legend()
@@ -308,18 +317,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default="/tmp/learn_async")
     ap.add_argument("--budget-s", type=float, default=0, help="the whole script's time (default: the mode's)")
-    ap.add_argument("--sft-share", type=float, default=0.25, help="share of the budget for the warm start")
+    ap.add_argument("--sft-share", type=float, default=0, help="share of the budget for the warm start "
+                    "(default: the mode's, 0.25 smoke / 0.3 cuda)")
     ap.add_argument("--sft-target", type=float, default=0.25, help="stop SFT at this held-out greedy accuracy")
     ap.add_argument("--etas", default="0,2,8", help="rollout.max_head_offpolicyness values")
     ap.add_argument("--steps", type=int, default=0, help="GRPO steps per run (default: the mode's)")
     ap.add_argument("--target", type=float, default=0.0,
                     help="held-out pass@1 to time (default: 90%% of the best final one)")
-    ap.add_argument("--weight-transport", default="file", choices=["file", "ipc"])
+    ap.add_argument("--sft-round-steps", type=int, default=0, help="SFT steps per round (default: the mode's)")
+    ap.add_argument("--sft-rounds", type=int, default=0, help="at most this many SFT rounds (default: the mode's)")
+    ap.add_argument("--weight-transport", default="", choices=["", "file", "ipc"],
+                    help="weights.transport of the GRPO runs (default: ipc on cuda, file on cpu)")
     args = ap.parse_args(argv)
+    args.weight_transport = args.weight_transport or ("ipc" if args.device == "cuda" else "file")
     if args.smoke and args.device != "cpu":
         raise SystemExit("--smoke runs on CPU; leave --device out")
-    mode = MODES["smoke" if args.smoke or args.device == "cpu" else "cuda"]
+    mode_name = "smoke" if args.smoke or args.device == "cpu" else "cuda"
+    mode = MODES[mode_name]
     budget = args.budget_s or mode["budget_s"]
+    mode = {**mode, "sft": {**mode["sft"], **({"round_steps": args.sft_round_steps} if args.sft_round_steps else {}),
+                            **({"max_rounds": args.sft_rounds} if args.sft_rounds else {})}}
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     model0 = out / "model-init"
     build_model(model0, mode, args.device)
     rl_yaml = rl_config(args, mode, out)
-    final, sft = warm_start(args, mode, out, model0, rl_yaml, args.sft_share * budget)
+    final, sft = warm_start(args, mode, out, model0, rl_yaml, (args.sft_share or mode["sft_share"]) * budget)
     etas = [int(e) for e in args.etas.split(",") if e]
-    report = {"mode": "smoke" if mode is MODES["smoke"] else "cuda", "device": args.device, "task": mode["task"],
+    report = {"mode": mode_name, "device": args.device, "task": mode["task"],
               "length_qwen_tokens": lengths, "model": mode["model"], "sft": sft, "rl": mode["rl"],
               "steps": args.steps or mode["rl"]["steps"], "runs": []}
     for i, eta in enumerate(etas):
@@ -353,20 +370,21 @@ def main(argv: list[str] | None = None) -> int:
               f"held-out pass@1 " + " ".join(f"v{p['version']}:{p['pass@1']:.3f}" for p in r["curve"])
               + f"; staleness {r['staleness_hist']}; k3 KL mean {r['rollout_train_k3_kl_mean']}", flush=True)
     finals = [r["final_pass@1"] for r in report["runs"] if r["final_pass@1"] is not None]
-    target = args.target or (0.9 * max(finals) if finals else 0.0)
+    # No run above 0: nothing to time (a target of 0 would be met by version 0).
+    target = args.target or (0.9 * max(finals) if finals and max(finals) > 0 else None)
     sync = next((r for r in report["runs"] if r["eta"] == 0), None)
     for r in report["runs"]:
-        r["time_to_target_train_s"] = time_to(r["curve"], target, "train_s")
-        r["time_to_target_wall_s"] = time_to(r["curve"], target, "wall_s")
+        r["time_to_target_train_s"] = time_to(r["curve"], target, "train_s") if target else None
+        r["time_to_target_wall_s"] = time_to(r["curve"], target, "wall_s") if target else None
         base = sync and sync["time_to_target_train_s"]
         mine = r["time_to_target_train_s"]
         r["speedup_vs_eta0"] = round(base / mine, 2) if base and mine else None
-    report["target_pass@1"] = round(target, 4)
+    report["target_pass@1"] = round(target, 4) if target else None
     report["total_s"] = round(time.monotonic() - start, 1)
     (out / "learn_async.json").write_text(json.dumps(report, indent=2))
     plot(report["runs"], target, out / "learn_async.png")
     for r in report["runs"]:
-        print(f"eta {r['eta']}: final pass@1 {r['final_pass@1']}, time to {target:.3f}: "
+        print(f"eta {r['eta']}: final pass@1 {r['final_pass@1']}, time to {target or 0:.3f}: "
               f"{r['time_to_target_train_s']} s (train clock), speed-up vs eta 0: {r['speedup_vs_eta0']}")
     print(f"wrote {out / 'learn_async.json'} and {out / 'learn_async.png'} in {report['total_s']} s", flush=True)
     return 0
