@@ -60,7 +60,7 @@ MODES = {
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 256},
         "tokenizer": "char",
-        "sft": {"round_steps": 30, "max_rounds": 1, "batch_size": 32, "lr": 2e-3, "max_length": 160},
+        "sft": {"rounds": [30], "batch_size": 32, "lr": 2e-3, "max_length": 160},
         "rl": {"steps": 3, "prompts": 4, "samples": 4, "new_tokens": 64, "lr": 5e-4, "eval_every": 1,
                "eval_k": 2, "mb_tokens": 8192},
         "budget_s": 170,
@@ -71,8 +71,10 @@ MODES = {
         "model": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 2,
                   "intermediate_size": 1536},
         "tokenizer": "qwen",
-        "sft": {"round_steps": 250, "max_rounds": 6, "batch_size": 128, "lr": 1e-3, "max_length": 320},
-        "rl": {"steps": 40, "prompts": 32, "samples": 8, "new_tokens": 256, "lr": 2e-5, "eval_every": 5,
+        # SFT steps done after each round (rounds grow: the first ones find a near-target
+        # model sooner, each costs a start-up and an evaluation)
+        "sft": {"rounds": [200, 400, 650, 950, 1300], "batch_size": 128, "lr": 1e-3, "max_length": 320},
+        "rl": {"steps": 40, "prompts": 32, "samples": 8, "new_tokens": 256, "lr": 3e-5, "eval_every": 5,
                "eval_k": 4, "mb_tokens": 32768},
         "budget_s": 540,
         "sft_share": 0.3,
@@ -168,7 +170,11 @@ def rl_config(args, mode: dict, out: Path) -> Path:
         "eval_gconfig": {"temperature": 1.0, "max_new_tokens": rl["new_tokens"]},
         "evaluator": {"eval_before_train": True, "freq_steps": rl["eval_every"]},
         "rollout": {"workers": 1, "device": device, "max_batch_size": rl["prompts"] * rl["samples"],
-                    "torch_threads": 1},
+                    "torch_threads": 1,
+                    # a fixed KV cache (tokens) for the rollout's and the evaluator's engine: a
+                    # step's sequences twice over, not a quarter of the GPU each
+                    **({"kv_cache_tokens": 2 * rl["prompts"] * rl["samples"] * (rl["new_tokens"] + 64)}
+                       if device == "cuda" else {})},
         "reward": {"workers": 1},
         "advantage": {"estimator": "grpo"},
         "weights": {"transport": args.weight_transport},
@@ -214,11 +220,11 @@ def warm_start(args, mode: dict, out: Path, model0: Path, rl_yaml: Path, budget_
     sft_yaml.write_text(yaml.safe_dump(sft, sort_keys=False))
     final = out / "runs" / "sft" / "warmstart" / "final"
     t0, rounds, last_round_s = time.monotonic(), [], 0.0
-    for r in range(1, s["max_rounds"] + 1):
+    for r, steps in enumerate(s["rounds"], 1):
         left = budget_s - (time.monotonic() - t0)
         if rounds and left < last_round_s:  # another round would overrun the SFT share
             break
-        steps = r * s["round_steps"]  # resumes from the last round's checkpoint
+        # total_train_steps=steps resumes from the last round's checkpoint
         log = out / f"sft_round{r}.log"
         t_round = time.monotonic()
         proc = cli("sft", "--config", str(sft_yaml), f"total_train_steps={steps}",
@@ -324,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="GRPO steps per run (default: the mode's)")
     ap.add_argument("--target", type=float, default=0.0,
                     help="held-out pass@1 to time (default: 90%% of the best final one)")
-    ap.add_argument("--sft-round-steps", type=int, default=0, help="SFT steps per round (default: the mode's)")
-    ap.add_argument("--sft-rounds", type=int, default=0, help="at most this many SFT rounds (default: the mode's)")
+    ap.add_argument("--rl-lr", type=float, default=0, help="GRPO learning rate (default: the mode's)")
+    ap.add_argument("--sft-rounds", default="", help="SFT steps done after each round, comma-separated, "
+                    "e.g. 200,400,650 (default: the mode's)")
     ap.add_argument("--weight-transport", default="", choices=["", "file", "ipc"],
                     help="weights.transport of the GRPO runs (default: ipc on cuda, file on cpu)")
     args = ap.parse_args(argv)
@@ -335,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     mode_name = "smoke" if args.smoke or args.device == "cpu" else "cuda"
     mode = MODES[mode_name]
     budget = args.budget_s or mode["budget_s"]
-    mode = {**mode, "sft": {**mode["sft"], **({"round_steps": args.sft_round_steps} if args.sft_round_steps else {}),
-                            **({"max_rounds": args.sft_rounds} if args.sft_rounds else {})}}
+    given = {"rl": {"lr": args.rl_lr}, "sft": {"rounds": [int(x) for x in args.sft_rounds.split(",") if x]}}
+    mode = {**mode, **{part: {**mode[part], **{k: v for k, v in values.items() if v}}
+                       for part, values in given.items()}}
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -348,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     task = ArithChainTask(**mode["task"])
     train = list(task.iter_records("train", 0))
     lengths = length_distribution(train[:5000], out / "qwen-tokenizer")
+    if mode["task"].get("max_steps", 24) != ArithChainTask.max_steps:  # the smoke's short chains
+        full = ArithChainTask(train_size=5000)
+        report_full = length_distribution(list(full.iter_records("train", 0)), out / "qwen-tokenizer")
+        print(f"the full task (max_steps {full.max_steps}): solution length in Qwen tokens median "
+              f"{report_full['median']}, p90 {report_full['p90']}, p99 {report_full['p99']}, max "
+              f"{report_full['max']}", flush=True)
     steps_n = sorted(r["steps"] for r in train)
     print(f"task arith: {len(train)} train / {mode['task']['test_size']} held-out problems; chain length "
           f"median {statistics.median(steps_n)}, p90 {quantile(steps_n, 0.9)}, max {steps_n[-1]}; solution "
@@ -384,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "learn_async.json").write_text(json.dumps(report, indent=2))
     plot(report["runs"], target, out / "learn_async.png")
     for r in report["runs"]:
-        print(f"eta {r['eta']}: final pass@1 {r['final_pass@1']}, time to {target or 0:.3f}: "
-              f"{r['time_to_target_train_s']} s (train clock), speed-up vs eta 0: {r['speedup_vs_eta0']}")
+        timed = (f"time to {target:.3f}: {r['time_to_target_train_s']} s (train clock), speed-up vs eta 0: "
+                 f"{r['speedup_vs_eta0']}" if target else "no run above 0, nothing to time")
+        print(f"eta {r['eta']}: final pass@1 {r['final_pass@1']}; {timed}")
     print(f"wrote {out / 'learn_async.json'} and {out / 'learn_async.png'} in {report['total_s']} s", flush=True)
     return 0
 

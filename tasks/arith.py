@@ -2,15 +2,16 @@
 
 Pure code, no Kafka; scored by this module's :meth:`ArithChainTask.reward` (the built-in
 reward scorer dispatches on the record's ``task``, ``arith``). A problem is a chain of
-``n`` additions / subtractions of two-digit numbers, ``n`` drawn from a capped Pareto
-distribution, so the correct solution's length grows with ``n`` and a few are 4-8x the
-median (the workload where a synchronous step waits for its longest sample):
+``n`` additions / subtractions of small numbers (``1..max_operand``, 9 by default) to a
+running value in 0..99, ``n`` drawn from a capped Pareto distribution, so the correct
+solution's length grows with ``n`` and a few are 4-8x the median (the workload where a
+synchronous step waits for its longest sample):
 
-    prompt   "57+12-30+8="
-    solution "57+12=69\\n69-30=39\\n39+8=47\\nanswer 47"
+    prompt   "57+2-9+8="
+    solution "57+2=59\\n59-9=50\\n50+8=58\\nanswer 58"
 
 Every running value stays in 0..99 (the generator picks ``+b`` or ``-b`` so that it
-does), so each line is one two-digit addition or subtraction: a small model learns the
+does), so each line is one small addition or subtraction: a small model learns the
 step; the whole answer is right only when all ``n`` steps are.
 
 Records: ``train_size`` problems for ``train`` and ``test_size`` for ``test`` /
@@ -62,14 +63,18 @@ def final_answer(text: str) -> str | None:
 
 @dataclass
 class ArithChainTask:
-    """Chains of ``min_steps..max_steps`` two-digit additions/subtractions (Pareto
-    ``alpha``), ``train_size`` + ``test_size`` problems from ``data_seed``."""
+    """Chains of ``min_steps..max_steps`` additions/subtractions of ``1..max_operand``
+    to a running value in 0..99 (Pareto ``alpha``), ``train_size`` + ``test_size``
+    problems from ``data_seed``."""
 
     train_size: int = 20000
     test_size: int = 200
     min_steps: int = 2
     max_steps: int = 24
     alpha: float = 1.5
+    # The largest operand b of a step (the running value is always 0..99): 9 makes each
+    # step "two digits +- one digit", which a small model learns in minutes; 99 is harder.
+    max_operand: int = 9
     data_seed: int = 27
     name: str = "arith"
     alphabet: str | None = ARITH_ALPHABET
@@ -79,6 +84,8 @@ class ArithChainTask:
             raise ConfigError(f"arith: need 1 <= min_steps <= max_steps, got {self.min_steps}, {self.max_steps}")
         if self.alpha <= 0:
             raise ConfigError(f"arith: alpha must be > 0 (the Pareto tail's index), got {self.alpha}")
+        if not 1 <= self.max_operand <= 99:
+            raise ConfigError(f"arith: max_operand must be in 1..99, got {self.max_operand}")
         if self.train_size < 1 or self.test_size < 1:
             raise ConfigError("arith: train_size and test_size must be >= 1")
         self._splits: dict[str, list[tuple[str, str, str, int]]] | None = None
@@ -91,7 +98,8 @@ class ArithChainTask:
         for _ in range(n):
             # +b needs value + b <= 99, -b needs b <= value: pick a side that has room.
             plus = value <= 1 or (value < 98 and rng.random() < 0.5)
-            b = rng.randint(1, 99 - value) if plus else rng.randint(1, value)
+            room = 99 - value if plus else value
+            b = rng.randint(1, min(self.max_operand, room))
             new = value + b if plus else value - b
             op = "+" if plus else "-"
             prompt += f"{op}{b}"
