@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     task = ArithChainTask(**mode["task"])
     train = list(task.iter_records("train", 0))
     lengths = length_distribution(train[:5000], out / "qwen-tokenizer")
+    report_full = None
     if mode["task"].get("max_steps", 24) != ArithChainTask.max_steps:  # the smoke's short chains
         full = ArithChainTask(train_size=5000)
         report_full = length_distribution(list(full.iter_records("train", 0)), out / "qwen-tokenizer")
@@ -373,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     final, sft = warm_start(args, mode, out, model0, rl_yaml, (args.sft_share or mode["sft_share"]) * budget)
     etas = [int(e) for e in args.etas.split(",") if e]
     report = {"mode": mode_name, "device": args.device, "task": mode["task"],
-              "length_qwen_tokens": lengths, "model": mode["model"], "sft": sft, "rl": mode["rl"],
+              "length_qwen_tokens": lengths, "length_qwen_tokens_full_task": report_full or lengths,
+              "model": mode["model"], "sft": sft, "rl": mode["rl"],
               "steps": args.steps or mode["rl"]["steps"], "runs": []}
     for i, eta in enumerate(etas):
         left = budget - (time.monotonic() - start)
