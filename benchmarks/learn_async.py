@@ -42,9 +42,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,16 +154,19 @@ def cli(*args: str, timeout_s: float, log: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
-def fail(what: str, log: Path) -> None:
-    raise SystemExit(f"{what} failed; the last lines of {log}:\n" + "\n".join(log.read_text().splitlines()[-40:]))
+def fail(what: str, log: Path, role_logs: Path | None = None) -> None:
+    """Stop with the tail of ``log`` and of each role's log (a run's ``logs/``)."""
+    tails = [(log, 40)] + [(p, 15) for p in sorted(role_logs.glob("*.log"))] if role_logs else [(log, 40)]
+    raise SystemExit(f"{what} failed\n" + "\n".join(f"--- the last lines of {p}:\n"
+                                                     + "\n".join(p.read_text().splitlines()[-n:]) for p, n in tails))
 
 
-def rl_config(args, mode: dict, out: Path) -> Path:
+def rl_config(args, mode: dict, out: Path, work: Path) -> Path:
     """The GRPO run's YAML (also the evaluation config of the SFT rounds)."""
     rl, device = mode["rl"], args.device
     task = mode["task"]
     cfg = {
-        "experiment_name": "learn-async", "run_dir": str(out / "runs"), "seed": 1,
+        "experiment_name": "learn-async", "run_dir": str(work / "runs"), "seed": 1,
         "total_train_steps": args.steps or rl["steps"], "stop_at_reward": None,
         "model": {"dtype": "bfloat16" if device == "cuda" else "float32"},
         "train_dataset": {"type": "arith", "prompts_per_step": rl["prompts"], "task_options": task},
@@ -198,18 +203,19 @@ def held_out(model_dir: Path, rl_yaml: Path, out_dir: Path, timeout_s: float, lo
     return {"greedy": total["greedy"], "pass@1": total["pass@1"]}
 
 
-def warm_start(args, mode: dict, out: Path, model0: Path, rl_yaml: Path, budget_s: float) -> tuple[Path, dict]:
+def warm_start(args, mode: dict, out: Path, work: Path, model0: Path, rl_yaml: Path,
+               budget_s: float) -> tuple[Path, dict]:
     """SFT rounds until the held-out greedy accuracy reaches ``--sft-target``."""
     from tapioca.tasks.arith import ArithChainTask
 
     s = mode["sft"]
-    data = out / "sft.jsonl"
+    data = work / "sft.jsonl"
     with data.open("w") as f:
         for r in ArithChainTask(**mode["task"]).iter_records("train", 0):
             f.write(json.dumps({"messages": [{"role": "user", "content": r["prompt"]},
                                              {"role": "assistant", "content": r["solution"]}]}) + "\n")
     sft = {
-        "experiment_name": "sft", "trial_name": "warmstart", "run_dir": str(out / "runs"), "seed": 1,
+        "experiment_name": "sft", "trial_name": "warmstart", "run_dir": str(work / "runs"), "seed": 1,
         "save_every_steps": 10 ** 6, "model": {"path": str(model0)},
         "actor": {"device": args.device, "optimizer": {"lr": s["lr"], "gradient_clipping": 1.0},
                   "mb_max_tokens": 65536, "torch_threads": 1,
@@ -219,7 +225,7 @@ def warm_start(args, mode: dict, out: Path, model0: Path, rl_yaml: Path, budget_
     }
     sft_yaml = out / "sft.yaml"
     sft_yaml.write_text(yaml.safe_dump(sft, sort_keys=False))
-    final = out / "runs" / "sft" / "warmstart" / "final"
+    final = work / "runs" / "sft" / "warmstart" / "final"
     t0, rounds, last_round_s = time.monotonic(), [], 0.0
     for r, steps in enumerate(s["rounds"], 1):
         left = budget_s - (time.monotonic() - t0)
@@ -235,7 +241,7 @@ def warm_start(args, mode: dict, out: Path, model0: Path, rl_yaml: Path, budget_
             break
         if proc.returncode != 0:
             fail(f"tapioca sft (round {r})", log)
-        acc = held_out(final, rl_yaml, out / "eval" / f"sft-{steps}", 120, out / f"sft_eval{r}.log")
+        acc = held_out(final, rl_yaml, work / "eval" / f"sft-{steps}", 120, out / f"sft_eval{r}.log")
         rounds.append({"steps": steps, "elapsed_s": round(time.monotonic() - t0, 1), **acc})
         last_round_s = time.monotonic() - t_round
         print(f"sft: {steps} steps, {rounds[-1]['elapsed_s']} s: held-out greedy {acc['greedy']:.3f} "
@@ -251,20 +257,24 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def grpo(eta: int, args, rl_yaml: Path, model: Path, out: Path, timeout_s: float) -> dict:
+def grpo(eta: int, args, rl_yaml: Path, model: Path, out: Path, work: Path, timeout_s: float) -> dict:
     trial = f"eta{eta}"
-    run_path = out / "runs" / "learn-async" / trial
+    run_path = work / "runs" / "learn-async" / trial
     log = out / f"grpo_{trial}.log"
     t0 = time.time()
     proc = cli("train", "--config", str(rl_yaml), f"model.path={model}", f"trial_name={trial}",
                f"rollout.max_head_offpolicyness={eta}", timeout_s=timeout_s, log=log)
     wall = time.time() - t0
     if proc.returncode not in (0, None):
-        fail(f"tapioca train (eta {eta})", log)
+        fail(f"tapioca train (eta {eta})", log, run_path / "logs")
+    for src, name in ((run_path / "metrics" / "metrics.jsonl", "trainer"),
+                      (run_path / "eval" / "metrics.jsonl", "eval")):
+        if src.exists():  # the raw rows beside the report (the run directory stays in the workdir)
+            shutil.copyfile(src, out / f"{trial}_{name}_metrics.jsonl")
     rows = read_jsonl(run_path / "metrics" / "metrics.jsonl")
     evals = read_jsonl(run_path / "eval" / "metrics.jsonl")
     if not rows:
-        fail(f"tapioca train (eta {eta}) wrote no metrics", log)
+        fail(f"tapioca train (eta {eta}) wrote no metrics", log, run_path / "logs")
     by_step = {r["step"]: r for r in rows}
     origin = rows[0]["trainer/batch_ready_at"]
     curve = []
@@ -296,8 +306,15 @@ def time_to(curve: list[dict], target: float, clock: str) -> float | None:
     return next((p[clock] for p in curve if p["pass@1"] >= target), None)
 
 
-def plot(results: list[dict], target: float, path: Path) -> None:
-    import matplotlib
+def plot(results: list[dict], target: float | None, path: Path) -> bool:
+    """The PNG; False (and a line saying so) where matplotlib is missing (the GPU box's
+    wheels do not carry it: draw it afterwards with ``--replot OUT``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no matplotlib here: {path} not drawn; run `python benchmarks/learn_async.py --replot "
+              f"{path.parent}` where it is installed", flush=True)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -316,13 +333,16 @@ def plot(results: list[dict], target: float, path: Path) -> None:
     fig.suptitle("GRPO on chain arithmetic (long-tailed length), from an SFT warm start")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few steps (CI)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--out", default="/tmp/learn_async")
+    ap.add_argument("--out", default="/tmp/learn_async", help="the report, logs and configs")
+    ap.add_argument("--workdir", default="", help="models, runs, weights (default: OUT/work on cpu, "
+                    "a fresh /tmp/learn_async-* on cuda)")
     ap.add_argument("--budget-s", type=float, default=0, help="the whole script's time (default: the mode's)")
     ap.add_argument("--sft-share", type=float, default=0, help="share of the budget for the warm start "
                     "(default: the mode's, 0.25 smoke / 0.3 cuda)")
@@ -331,12 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="GRPO steps per run (default: the mode's)")
     ap.add_argument("--target", type=float, default=0.0,
                     help="held-out pass@1 to time (default: 90%% of the best final one)")
+    ap.add_argument("--replot", default="", metavar="OUT",
+                    help="only draw OUT/learn_async.png from an earlier run's OUT/learn_async.json")
     ap.add_argument("--rl-lr", type=float, default=0, help="GRPO learning rate (default: the mode's)")
     ap.add_argument("--sft-rounds", default="", help="SFT steps done after each round, comma-separated, "
                     "e.g. 200,400,650 (default: the mode's)")
     ap.add_argument("--weight-transport", default="", choices=["", "file", "ipc"],
                     help="weights.transport of the GRPO runs (default: ipc on cuda, file on cpu)")
     args = ap.parse_args(argv)
+    if args.replot:
+        report = json.loads((Path(args.replot) / "learn_async.json").read_text())
+        plot(report["runs"], report["target_pass@1"], Path(args.replot) / "learn_async.png")
+        return 0
     args.weight_transport = args.weight_transport or ("ipc" if args.device == "cuda" else "file")
     if args.smoke and args.device != "cpu":
         raise SystemExit("--smoke runs on CPU; leave --device out")
@@ -348,10 +374,14 @@ def main(argv: list[str] | None = None) -> int:
                        for part, values in given.items()}}
     start = time.monotonic()
     out = Path(args.out)
-    if (out / "runs").exists():  # `tapioca sft` / `train` would resume those runs, not start afresh
-        raise SystemExit(f"{out} holds the runs of an earlier invocation ({out / 'runs'}); pass a fresh --out "
-                         "or remove that directory")
+    # Models, weights and checkpoints (GBs on cuda) stay out of OUT, which the GPU box sends back.
+    work = (Path(args.workdir) if args.workdir else out / "work" if mode_name == "smoke"
+            else Path(tempfile.mkdtemp(prefix="learn_async-")))
+    if (work / "runs").exists():  # `tapioca sft` / `train` would resume those runs, not start afresh
+        raise SystemExit(f"{work} holds the runs of an earlier invocation ({work / 'runs'}); pass a fresh "
+                         "--workdir (or --out) or remove that directory")
     out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging
 
     from tapioca.tasks.arith import ArithChainTask
@@ -359,11 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     task = ArithChainTask(**mode["task"])
     train = list(task.iter_records("train", 0))
-    lengths = length_distribution(train[:5000], out / "qwen-tokenizer")
+    lengths = length_distribution(train[:5000], work / "qwen-tokenizer")
     report_full = None
     if mode["task"].get("max_steps", 24) != ArithChainTask.max_steps:  # the smoke's short chains
         full = ArithChainTask(train_size=5000)
-        report_full = length_distribution(list(full.iter_records("train", 0)), out / "qwen-tokenizer")
+        report_full = length_distribution(list(full.iter_records("train", 0)), work / "qwen-tokenizer")
         print(f"the full task (max_steps {full.max_steps}): solution length in Qwen tokens median "
               f"{report_full['median']}, p90 {report_full['p90']}, p99 {report_full['p99']}, max "
               f"{report_full['max']}", flush=True)
@@ -372,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
           f"median {statistics.median(steps_n)}, p90 {quantile(steps_n, 0.9)}, max {steps_n[-1]}; solution "
           f"length in Qwen tokens median {lengths['median']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
           f"max {lengths['max']} ({lengths['max_over_median']}x the median)", flush=True)
-    model0 = out / "model-init"
+    model0 = work / "model-init"
     build_model(model0, mode, args.device)
-    rl_yaml = rl_config(args, mode, out)
-    final, sft = warm_start(args, mode, out, model0, rl_yaml, (args.sft_share or mode["sft_share"]) * budget)
+    rl_yaml = rl_config(args, mode, out, work)
+    final, sft = warm_start(args, mode, out, work, model0, rl_yaml, (args.sft_share or mode["sft_share"]) * budget)
     etas = [int(e) for e in args.etas.split(",") if e]
     report = {"mode": mode_name, "device": args.device, "task": mode["task"],
               "length_qwen_tokens": lengths, "length_qwen_tokens_full_task": report_full or lengths,
@@ -384,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, eta in enumerate(etas):
         left = budget - (time.monotonic() - start)
         share = left / (len(etas) - i)
-        r = grpo(eta, args, rl_yaml, final, out, timeout_s=max(share, 60))
+        r = grpo(eta, args, rl_yaml, final, out, work, timeout_s=max(share, 60))
         report["runs"].append(r)
         print(f"eta {eta}: {r['steps']} steps in {r['wall_s_total']} s{' (truncated)' if r['truncated'] else ''}; "
               f"held-out pass@1 " + " ".join(f"v{p['version']}:{p['pass@1']:.3f}" for p in r["curve"])
@@ -402,12 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     report["target_pass@1"] = round(target, 4) if target else None
     report["total_s"] = round(time.monotonic() - start, 1)
     (out / "learn_async.json").write_text(json.dumps(report, indent=2))
-    plot(report["runs"], target, out / "learn_async.png")
+    drawn = plot(report["runs"], target, out / "learn_async.png")
     for r in report["runs"]:
         timed = (f"time to {target:.3f}: {r['time_to_target_train_s']} s (train clock), speed-up vs eta 0: "
                  f"{r['speedup_vs_eta0']}" if target else "no run above 0, nothing to time")
         print(f"eta {r['eta']}: final pass@1 {r['final_pass@1']}; {timed}")
-    print(f"wrote {out / 'learn_async.json'} and {out / 'learn_async.png'} in {report['total_s']} s", flush=True)
+    print(f"wrote {out / 'learn_async.json'}{' and ' + str(out / 'learn_async.png') if drawn else ''} in "
+          f"{report['total_s']} s", flush=True)
     return 0
 
 
