@@ -116,6 +116,8 @@ def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[d
         return "gsm8k", get_task("gsm8k", path=ds.path or None, **ds.task_options).iter_records(ds.split, seed)
     if ds.type == "visual":
         return "visual", get_task("visual", **ds.task_options).iter_records(ds.split, seed)
+    if ds.type == "arith":  # chain arithmetic with shown work (tasks/arith.py)
+        return "arith", get_task("arith", **ds.task_options).iter_records(ds.split, seed)
     base_dir = os.path.dirname(os.path.abspath(ds.path))
 
     def rows():
