@@ -288,7 +288,17 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
-                    total_train_steps=sec.total_train_steps, lora=sec.lora, lora_seed=sec.seed)
+                    total_train_steps=sec.total_train_steps, lora=sec.lora, lora_seed=sec.seed,
+                    images=trainer_images(sec), freeze_vision_encoder=sec.vlm.freeze_vision_encoder)
+
+
+def trainer_images(sec: TrainerSection):
+    """The trainer's image loader (refs -> the processor's tensors), None for a text model."""
+    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
+
+    if not is_vision_dir(sec.model.path):
+        return None
+    return ImageLoader(image_store(sec.vlm), ImageProcessor.from_dir(sec.model.path))
 
 
 # ---------------------------------------------------------------- the roles
