@@ -70,8 +70,11 @@ class Train:
             time.sleep(0.2)
         pytest.fail(f"no {pattern!r} within {timeout_s} s:\n" + "\n".join(self.lines[-30:]))
 
-    def finish(self, timeout_s: float = 120) -> str:
-        self.proc.wait(timeout_s)
+    def finish(self, timeout_s: float = 240) -> str:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"tapioca train still running {timeout_s} s later:\n" + "\n".join(self.lines[-40:]))
         self._reader.join(10)
         return "\n".join(self.lines)
 
