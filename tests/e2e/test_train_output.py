@@ -37,8 +37,11 @@ class Train:
     """`tapioca train` as a subprocess with its stdout on a pipe, read line by line."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        # Ctrl-C as on a terminal: a shell without job control starts background commands
+        # with SIGINT ignored, and the child would inherit that (a CI script run with `&`).
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
