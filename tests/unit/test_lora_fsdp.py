@@ -46,8 +46,9 @@ def two_ranks(tmp_path_factory):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(2))
-    assert all(p.returncode == 0 for p in procs), logs
+    logs = [(out / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
+    assert base_worker.ranks_finished([p.returncode for p in procs], logs, (out / "result.json").exists()), \
+        "\n".join(logs)
     from safetensors.torch import load_file
 
     return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
