@@ -107,6 +107,15 @@ def _raise_storage_error(exc: Exception) -> None:
         raise error from exc
 
 
+def _consume_some(consumer: Consumer, most: int, wait_s: float) -> list[Message]:
+    """What ``consumer`` holds now, up to ``most`` records, after waiting up to ``wait_s``
+    for the first one."""
+    first = consumer.consume(1, timeout=wait_s)
+    if first and most > 1:
+        first += consumer.consume(most - 1, timeout=0)
+    return first
+
+
 class RoleRunner:
     """Runs one member of a role until stopped or ``role.finished(state)``."""
 
@@ -312,17 +321,25 @@ class RoleRunner:
             messages, self._held = self._held, []
             return self._handle_messages(messages)
         messages: list[tuple[Message, bool]] = []
+        # consume(n, t) waits for n records or t: wait for one, then take what is already
+        # there, so a sparse stream is not delayed by the poll timeout.
+        wait_s = min(self.poll_timeout_s, self.role.tick_interval_s)
         if self._bcast is not None:
-            messages += [(m, True) for m in self._bcast.consume(self.batch_size, timeout=0)]
+            # Broadcast only (the feeder): block here; else the group wait below does.
+            messages += [(m, True) for m in _consume_some(
+                self._bcast, self.batch_size, 0 if self._group is not None else wait_s)]
         if self._group is not None:
-            # consume(n, t) waits for n records or t; wait for one, then take what is
-            # already there, so a sparse stream is not delayed by the poll timeout.
-            first = self._group.consume(1, timeout=0 if messages else self.poll_timeout_s)
-            if first:
-                first += self._group.consume(self.batch_size - 1, timeout=0)
-            messages += [(m, False) for m in first]
-        elif not messages:
-            time.sleep(min(self.poll_timeout_s, self.role.tick_interval_s))
+            # Beside a broadcast input, wait in short slices, so a weights event that
+            # arrives meanwhile is handled within a slice, not after the whole timeout.
+            if messages:
+                wait_s = 0
+            elif self._bcast is not None:
+                wait_s = min(self.poll_timeout_s, self.cfg.broadcast_wait_slice_ms / 1000)
+            else:
+                wait_s = self.poll_timeout_s
+            messages += [(m, False) for m in _consume_some(self._group, self.batch_size, wait_s)]
+        elif self._bcast is None:  # no inputs: a timer-driven role
+            time.sleep(wait_s)
         return self._handle_messages(messages)
 
     def _poll_stopped_intake(self) -> bool:

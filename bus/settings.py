@@ -58,7 +58,15 @@ class BusConfig:
     # How long a produced event may stay undelivered before it is an error (or, when
     # the broker lost our producer id, before the producer is recreated).
     delivery_timeout_ms: int = 30000
-    linger_ms: int = 2
+    # 0: a produced event is sent at once (librdkafka still batches what queues up while
+    # a request is in flight). Every hop of a synchronous RL step is on its critical
+    # path, and 2 ms of linger was a third of a hop's cost (benchmarks/bus_hop.py).
+    linger_ms: int = 0
+    # A member with broadcast inputs (rollout's weights, the feeder's progress) and a
+    # group input waits on the group consumer in slices this long, checking the
+    # broadcast one between them: one blocking wait on the group let a weights event sit
+    # for up to the whole poll timeout (50 ms) while the worker idled for it.
+    broadcast_wait_slice_ms: int = 5
     # Bounded retry of a failing handler before its event is dead-lettered.
     handler_max_attempts: int = 3
     handler_backoff_s: float = 0.2
@@ -106,6 +114,8 @@ class BusConfig:
                 f"bus.heartbeat_interval_ms={self.heartbeat_interval_ms} must be at most a third "
                 f"of bus.session_timeout_ms={self.session_timeout_ms}"
             )
+        if self.broadcast_wait_slice_ms <= 0 or self.linger_ms < 0:
+            raise ConfigError("bus.broadcast_wait_slice_ms must be > 0 and bus.linger_ms >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("bus.max_message_bytes must be at least 1024")
         if self.handler_max_attempts < 1:

@@ -191,3 +191,59 @@ def test_of_another_run(own, event_run, another):
     from tapioca.schemas.envelope import of_another_run
 
     assert of_another_run(own, event_run) is another
+
+
+# ---------------------------------------------------------------------------
+# RoleRunner's poll waits (no broker: consumers that record how long they were asked to wait)
+
+
+class _WaitRecorder:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list:
+        self.waits.append(timeout)
+        return []
+
+
+def _runner_with(group: bool, bcast: bool):
+    from tapioca.bus.role import Role
+    from tapioca.bus.runner import RoleRunner
+
+    class Idle(Role[None]):
+        name = "idle"
+
+        def init_state(self) -> None:
+            return None
+
+        def handle(self, event, state, source):
+            return ()
+
+    runner = RoleRunner(Idle(), BusConfig(bootstrap_servers="127.0.0.1:9", broadcast_wait_slice_ms=5),
+                        poll_timeout_s=0.05)
+    runner._group = _WaitRecorder() if group else None
+    runner._bcast = _WaitRecorder() if bcast else None
+    return runner
+
+
+def test_runner_waits_in_slices_beside_a_broadcast_input():
+    """A weights event must not wait out the group consumer's whole poll timeout: beside a
+    broadcast input the group wait is one slice (bus.broadcast_wait_slice_ms)."""
+    runner = _runner_with(group=True, bcast=True)
+    runner._poll_once()
+    assert runner._bcast.waits == [0]
+    assert runner._group.waits == [0.005]
+
+
+def test_runner_group_only_waits_the_poll_timeout_and_broadcast_only_blocks_on_it():
+    group_only = _runner_with(group=True, bcast=False)
+    group_only._poll_once()
+    assert group_only._group.waits == [0.05]
+    bcast_only = _runner_with(group=False, bcast=True)  # the feeder: no sleep, a blocking wait
+    bcast_only._poll_once()
+    assert bcast_only._bcast.waits == [0.05]
+
+
+def test_bus_config_refuses_a_zero_broadcast_slice():
+    with pytest.raises(ConfigError, match="broadcast_wait_slice_ms"):
+        BusConfig(bootstrap_servers="127.0.0.1:9", broadcast_wait_slice_ms=0)
