@@ -16,8 +16,8 @@ events' own timestamps (``tapioca.ops.timeline``: weights publish -> event hop -
 switch -> generation -> reward -> advantage -> sample hop -> trainer wait -> step), then
 measures one hop of each of those events through the bus against an in-process queue
 (``benchmarks/bus_hop.py``, the run's own events as payloads) and reports what the bus
-adds to a step. ``--tiny`` runs the CPU demo's tiny model on the synthetic task instead
-(no data file, minutes on a laptop):
+adds to a step. ``--reward-workers`` (default 4) sets ``reward.workers``. ``--tiny`` runs
+the CPU demo's tiny model on the synthetic task instead (no data file, minutes on a laptop):
 
     python benchmarks/gpu_rl_loop.py --tiny --device cpu --timeline --steps 8
 """
@@ -74,7 +74,7 @@ def run(eta: int, args, model_path: Path | None, run_root: Path) -> dict:
         f"actor.device={args.device}", "actor.optimizer.lr=1e-6",
         f"actor.mb_max_tokens={args.mb_tokens}", "actor.checkpoint_every_steps=1000",
         f"run_dir={run_root}", "experiment_name=gpu", f"trial_name={trial}",
-        f"weights.transport={args.weight_transport}",
+        f"weights.transport={args.weight_transport}", f"reward.workers={args.reward_workers}",
     ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
     if args.lora:  # the adapter's lr: LoRA runs take a larger one (AReaL's gsm8k example: 1.7e-4)
         overrides += ["actor.use_lora=true", f"actor.lora_rank={args.lora_rank}",
@@ -109,6 +109,7 @@ def run(eta: int, args, model_path: Path | None, run_root: Path) -> dict:
         "eta": eta,
         "weight_transport": args.weight_transport,
         "lora": args.lora_rank if args.lora else 0,
+        "reward_workers": args.reward_workers,
         "steps": len(rows),
         "wall_s_total": round(wall, 1),
         "step_wall_s_median": round(statistics.median(steady), 3),
@@ -136,6 +137,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mb-tokens", type=int, default=32768)
     ap.add_argument("--etas", default="0,4")
+    ap.add_argument("--reward-workers", type=int, default=4,
+                    help="reward.workers: scorer processes (math-verify scores one response at a "
+                         "time, ~2 ms each; one worker was 0.28 s of the eta 0 step, issue 28)")
     ap.add_argument("--workdir", default="/tmp/tapioca-gpu")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda")
