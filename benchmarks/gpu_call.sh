@@ -10,9 +10,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+# FA4 (issue 28's `fa4` stage): its wheels do not fit one call; earlier calls left them in
+# /tmp/fa4 (benchmarks/gpu_fa4_wheels.sh), the 92 MB one in parts, joined here.
+FA4_PATH=""
+if ls /tmp/fa4/*.whl* > /dev/null 2>&1; then
+  for p in /tmp/fa4/*.part00; do [ -e "$p" ] && { w=${p%.part00}; [ -f "$w" ] || cat "$w".part* > "$w"; }; done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site /tmp/fa4/*.whl >> "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+  # What the wheel's .pth would add (PYTHONPATH entries do not run .pth files).
+  FA4_PATH=:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+fi
 # The tree's folders are the `tapioca` package's subpackages (pyproject's package-dir).
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/tapioca
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 OUT
+export PYTHONPATH=/tmp/pkg:/tmp/site$FA4_PATH PYTHONUNBUFFERED=1 OUT
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 PYTEST="python3 -m pytest -q -p no:cacheprovider"
@@ -34,6 +44,7 @@ for s in "$@"; do
     kernels_configs) stage $s 280 python3 benchmarks/kernels.py --configs ;;
     engine_tests) stage $s 120 $PYTEST tests/unit/test_engine_paged.py -k "cuda or graph" ;;
     engine_a) stage $s 300 python3 benchmarks/engine_generate.py --device cuda --workloads a ;;
+    engine_ab_paged) stage $s 300 python3 benchmarks/engine_generate.py --device cuda --workloads ab --systems paged ;;
     engine) stage $s 430 python3 benchmarks/engine_generate.py --device cuda ;;
     weights_tests) stage $s 60 $PYTEST tests/unit/test_weight_sync.py -k cuda ;;
     weight_switch_quick) stage $s 170 python3 benchmarks/weight_switch.py --device cuda --variants file,ipc-small,ipc-big --repeats 4 --file-repeats 1 ;;
@@ -64,7 +75,8 @@ for s in "$@"; do
     prefix_sharing) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --out "$OUT/prefix_sharing.json" ;;
     rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0,4 --timeline --out "$OUT/rl_timeline.json" ;;
     engine_host) stage $s 120 python3 benchmarks/profile_engine.py --device cuda --engine paged --n-seqs 256 --new-tokens 64 --host-breakdown --rows 15 ;;
-    fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only '0.5b/fast,1.5b/fast,3b/fast mb4k,fa4' --budget-s 170" ;;
+    fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only fa4 --steps ${FA4_STEPS:-3} --budget-s 170" ;;
+    fa4_profile) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "1.5b/fast fa4,1.5b/fast varlen" --profile --budget-s 130 ;;
     moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
     moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
     plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;

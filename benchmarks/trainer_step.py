@@ -136,7 +136,12 @@ RUNS = [
     ("explore", "1.5b/fast -recompute", M15, "8x2048", "actor", dict(FAST), 12),
     ("explore", "1.5b/fast lp chunk 16k", M15, "8x2048", "actor", dict(FAST_BIG, logprob_chunk_tokens=16384), 12),
     ("explore", "1.5b/fast -keep logits", M15, "8x2048", "actor", dict(FAST_BIG, logprob_keep_logits=False), 12),
-    # FlashAttention-4 (pip install flash-attn-4; models/attention_fa4.py) instead of FA2 varlen.
+    # FlashAttention-4 (pip install flash-attn-4; models/attention_fa4.py) against FA2 varlen, pinned
+    # (with FA4 installed, "auto" is FA4).
+    ("fa4", "0.5b/fast varlen", M05, "16x1024", "actor", dict(FAST, attention_backend="varlen"), 25),
+    ("fa4", "1.5b/fast varlen", M15, "8x2048", "actor", dict(FAST_BIG, attention_backend="varlen"), 15),
+    ("fa4", "3b/fast mb4k varlen", M3, "8x2048", "actor",
+     dict(FAST_BIG, mb_max_tokens=4096, attention_backend="varlen"), 15),
     ("fa4", "0.5b/fast fa4", M05, "16x1024", "actor", dict(FAST, attention_backend="fa4"), 25),
     ("fa4", "1.5b/fast fa4", M15, "8x2048", "actor", dict(FAST_BIG, attention_backend="fa4"), 15),
     ("fa4", "3b/fast mb4k fa4", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096, attention_backend="fa4"), 15),
@@ -275,7 +280,7 @@ def summary(results: dict, check: dict | None, args) -> None:
             print(f"  {name}: MFU {100 * get(name, 'mfu'):.1f}% (target >= 45), peak {get(name, 'peak_mem_gib')} GiB "
                   "(target <= 60)")
     for base in ("0.5b/fast", "1.5b/fast", "3b/fast mb4k"):
-        a, b = get(base, "tokens_per_s"), get(f"{base} fa4", "tokens_per_s")
+        a, b = get(f"{base} varlen", "tokens_per_s"), get(f"{base} fa4", "tokens_per_s")
         if a and b:
             print(f"  {base} fa4: {b / a:.2f}x tokens/s of FA2 varlen, MFU {100 * get(f'{base} fa4', 'mfu'):.1f}%")
     for size in ("0.5b", "1.5b"):
