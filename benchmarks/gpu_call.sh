@@ -73,10 +73,11 @@ for s in "$@"; do
     # Issue 28: tree training (prefix sharing), the step timeline + bus vs queue, FA4, the decode host side.
     tree_tests) stage $s 150 $PYTEST tests/unit/test_tree_attention_gpu.py tests/unit/test_tree_training.py ;;
     prefix_sharing) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --out "$OUT/prefix_sharing.json" ;;
+    prefix_sharing_varlen) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --attention-backend varlen --out "$OUT/prefix_sharing_varlen.json" ;;
     rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0,4 --timeline --out "$OUT/rl_timeline.json" ;;
     engine_host) stage $s 120 python3 benchmarks/profile_engine.py --device cuda --engine paged --n-seqs 256 --new-tokens 64 --host-breakdown --rows 15 ;;
-    fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only fa4 --steps ${FA4_STEPS:-3} --budget-s 170" ;;
-    fa4_profile) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "1.5b/fast fa4,1.5b/fast varlen" --profile --budget-s 130 ;;
+    fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only fa4 --steps ${FA4_STEPS:-3} --budget-s 170 --out $OUT/trainer_step_fa4.json" ;;
+    fa4_profile) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "${FA4_PROFILE:-1.5b/fast fa4,1.5b/fast varlen}" --profile --budget-s 130 --out "$OUT/trainer_step_fa4_profile.json" ;;
     moe_replay_tests) stage $s 200 $PYTEST tests/unit/test_router_replay.py tests/unit/test_engine_moe.py -k "cuda or engine_records" ;;
     moe_replay) stage $s 360 python3 benchmarks/moe_replay.py ;;
     plan_vs_measured) stage $s 240 python3 benchmarks/plan_vs_measured.py --device cuda ;;

@@ -141,7 +141,8 @@ def run_one(shape: str, items: list[SeqItem], opts: dict, args) -> dict:
             "wall_s_all": [round(w, 4) for w in walls], "warmup_s": round(warmup, 1),
             "tokens_per_s": round(tokens / wall, 1), "peak_mem_gib": peak,
             "micro_batches": metrics.get("actor/micro_batches"),
-            "tree_tokens_frac": metrics.get("actor/tree_tokens_frac"), "params": counts}
+            "tree_tokens_frac": metrics.get("actor/tree_tokens_frac"), "params": counts,
+            "kernels": actor.packed.describe() if actor.packed is not None else "padded HF forward"}
 
 
 def grad_check(shape: str, items: list[SeqItem], opts: dict, args) -> dict:
@@ -173,6 +174,7 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=512)
     ap.add_argument("--mb-tokens", type=int, default=16384, help="actor.mb_max_tokens")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--attention-backend", default="auto", help="actor.attention_backend (auto: FA4 where installed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--flops-only", action="store_true",
@@ -207,6 +209,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         base = FAST_BIG if shape not in (M05, *SMOKE_SHAPES) else FAST
         base = base if cuda else cpu_safe("actor", dict(base, param_dtype="float32"))
+        base = dict(base, attention_backend=args.attention_backend)
         kw = shape_kw(shape, args.smoke)
         for tree in (False, True):
             try:
