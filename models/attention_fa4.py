@@ -9,8 +9,8 @@ Optional: ``pip install flash-attn-4`` (imports as ``flash_attn.cute``; needs
 ``nvidia-cutlass-dsl``) on a Hopper or Blackwell GPU, bf16 / fp16. Nothing here is
 imported until a trainer asks for ``actor.attention_backend: fa4`` or ``auto``
 (importing the CuTe DSL takes seconds). On H200, fwd + bwd per layer measured 1.6-2.1x
-``torch.nn.attention.varlen`` (FA2) at the 0.5B-3B shapes (issue 28); the trainer's
-figure is ``benchmarks/trainer_step.py --only fa4``.
+``torch.nn.attention.varlen`` (FA2) at the 0.5B-3B shapes (issue 28); the whole trainer
+step 1.04-1.07x (``benchmarks/trainer_step.py --only fa4``): attention is ~14 % of it.
 """
 
 from __future__ import annotations

@@ -10,9 +10,6 @@ Two processes run tests/unit/fsdp_lora_worker.py (torchrun's environment on 127.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,34 +21,12 @@ import fsdp_lora_worker as worker  # noqa: E402
 import fsdp_worker as base_worker  # noqa: E402
 
 from tapioca.models.lora import adapter_parameter_names, adapter_state_dict  # noqa: E402
-from tapioca.trainers.fsdp_ranks import free_port  # noqa: E402
 from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp-lora")
-    port = free_port("127.0.0.1")
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log = open(out / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, worker.__file__, str(out)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=600)  # two interpreters importing torch, transformers, peft
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = [(out / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
-    assert base_worker.ranks_finished([p.returncode for p in procs], logs, (out / "result.json").exists()), \
-        "\n".join(logs)
-    from safetensors.torch import load_file
-
-    return json.loads((out / "result.json").read_text()), load_file(str(out / "tensors.safetensors"))
+    return base_worker.run_two_ranks(worker.__file__, tmp_path_factory.mktemp("fsdp-lora"))
 
 
 def test_two_gloo_ranks_train_the_adapter_as_one_process(two_ranks):
