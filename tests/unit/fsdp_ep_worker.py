@@ -15,6 +15,7 @@ sharded checkpoint, a second step, the checkpoint loaded back and the second ste
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -146,3 +147,5 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # past gloo's teardown at exit: see fsdp_worker.exit_now

@@ -108,3 +108,5 @@ def base_state_dict_of(sd: dict) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # past gloo's teardown at exit: see fsdp_worker.exit_now

@@ -311,3 +311,5 @@ def capped_step(step) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # past gloo's teardown at exit: see fsdp_worker.exit_now
