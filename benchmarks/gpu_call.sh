@@ -40,8 +40,8 @@ for s in "$@"; do
   case $s in
     kernels_tests) stage $s 90 $PYTEST tests/unit/test_kernels_gpu.py ;;
     kernels_triton_tests) stage $s 150 $PYTEST tests/unit/test_kernels_triton.py ;;
-    kernels) stage $s 130 python3 benchmarks/kernels.py ;;
-    kernels_configs) stage $s 280 python3 benchmarks/kernels.py --configs ;;
+    kernels) stage $s 130 python3 benchmarks/engine_kernels.py ;;
+    kernels_configs) stage $s 280 python3 benchmarks/engine_kernels.py --configs ;;
     engine_tests) stage $s 120 $PYTEST tests/unit/test_engine_paged.py -k "cuda or graph" ;;
     engine_a) stage $s 300 python3 benchmarks/engine_generate.py --device cuda --workloads a ;;
     engine_ab_paged) stage $s 300 python3 benchmarks/engine_generate.py --device cuda --workloads ab --systems paged ;;

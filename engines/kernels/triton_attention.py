@@ -154,7 +154,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """See :func:`tapioca.engines.kernels.reference.paged_decode_attention`.
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` are tuning knobs
-    (benchmarks/kernels.py --configs); the default split count is :func:`decode_splits`.
+    (benchmarks/engine_kernels.py --configs); the default split count is :func:`decode_splits`.
     """
     rows, num_heads, head_dim = q_BHD.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -12,9 +12,9 @@ graph. ``--configs`` adds a bounded sweep of tile sizes / warps / stages / split
 the attention and sampling kernels (it stops at ``--budget-s`` of wall time). Prints a
 table at the end; writes ``$OUT/kernels.json`` when ``$OUT`` is set.
 
-    python benchmarks/kernels.py                 # ~1-2 min on an H200
-    python benchmarks/kernels.py --configs       # ~3-4 min
-    python benchmarks/kernels.py --smoke         # tiny shapes on the CPU (Triton interpreter)
+    python benchmarks/engine_kernels.py                 # ~1-2 min on an H200
+    python benchmarks/engine_kernels.py --configs       # ~3-4 min
+    python benchmarks/engine_kernels.py --smoke         # tiny shapes on the CPU (Triton interpreter)
 """
 
 from __future__ import annotations
