@@ -5,8 +5,9 @@ Consumes ``weights.v1`` (broadcast: every version the trainer publishes) and
 ``MetricsEvent`` on ``metrics.v1`` (keyed by ``run_id``): one per evaluated version, with
 ``step`` and ``policy_version`` the version and ``eval/...`` metrics (pass@k, avg@k,
 maj@k, greedy; per subset as ``eval/<subset>/...``; producers/eval_run.py). The same
-numbers go to ``<run dir>/eval/metrics.jsonl`` and TensorBoard (``eval/tensorboard``),
-and each version's completions to ``<run dir>/eval/v<version>/samples.jsonl`` with its
+numbers go to ``<run dir>/eval/metrics.jsonl`` and TensorBoard (``eval/tensorboard``)
+once the result is read back from the log (the files mirror the log: a result lost with a
+killed process is in neither), and each version's completions to ``<run dir>/eval/v<version>/samples.jsonl`` with its
 ``summary.json``.
 
 Which versions (``evaluator`` config, AReaL's names; config/evaluation.py): version 0
@@ -32,6 +33,7 @@ Paused, its engine pauses; drained or stopped, an evaluation in flight is droppe
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ class EvaluatorState:
     marker_id: str = ""
     caught_up: bool = False
     evaluated: set[int] = field(default_factory=set)  # versions with a result on the log
+    mirrored: set[int] = field(default_factory=set)  # versions already in the local sink
     run: EvalRun | None = None
     last_started: float = 0.0  # wall clock of the last evaluation's start (freq_secs)
     skipped: int = 0  # wanted versions never evaluated (too slow, or their file gone)
@@ -102,7 +105,21 @@ class Evaluator(Role[EvaluatorState]):
         self.sink = sink
 
     def init_state(self) -> EvaluatorState:
-        return EvaluatorState(WeightsFollow("the evaluator", loaded_version=self.engine.version))
+        return EvaluatorState(WeightsFollow("the evaluator", loaded_version=self.engine.version),
+                              mirrored=self._mirrored_versions())
+
+    def _mirrored_versions(self) -> set[int]:
+        """The versions the local JSONL already holds (written before a restart)."""
+        path = Path(getattr(self.sink, "dir", "")) / "metrics.jsonl"
+        if self.sink is None or not path.is_file():
+            return set()
+        out = set()
+        for line in path.read_text().splitlines():
+            try:
+                out.add(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill: its version is written again
+        return out
 
     # ------------------------------------------------------------------ which versions
 
@@ -145,6 +162,11 @@ class Evaluator(Role[EvaluatorState]):
                 state.evaluated.add(event.policy_version)
                 state.last_started = max(state.last_started, event.produced_at)
                 state.skipped = max(state.skipped, int(event.metrics.get("eval/skipped_versions", 0)))
+                # The local files mirror the log: written once the result is on it, so a
+                # result lost with a killed process (written, never published) is in neither.
+                if self.sink is not None and event.policy_version not in state.mirrored:
+                    state.mirrored.add(event.policy_version)
+                    self.sink.write(event.policy_version, dict(event.metrics))
         return ()
 
     def on_tick(self, state: EvaluatorState, now: float) -> Iterable[Event | DeadLetter]:
@@ -221,8 +243,6 @@ class Evaluator(Role[EvaluatorState]):
                    "eval/skipped_versions": float(state.skipped)}
         state.evaluated.add(run.version)
         state.evaluations += 1
-        if self.sink is not None:
-            self.sink.write(run.version, metrics)
         total = summary["metrics"]["total"]
         log.info("evaluator: version %d: pass@1 %.3f, greedy %s (%.1f prompts/s)", run.version,
                  total["pass@1"], f"{total['greedy']:.3f}" if "greedy" in total else "-",

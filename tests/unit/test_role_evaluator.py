@@ -128,9 +128,33 @@ def test_published_numbers_equal_a_recomputation_from_the_jsonl(harness, weights
     assert {k: v for k, v in event.metrics.items() if k in recomputed} == recomputed
     assert json.loads((out / "summary.json").read_text())["metrics"]["total"]["pass@1"] == \
         event.metrics["eval/pass@1"]
-    # ... and the local sinks: eval/metrics.jsonl (and TensorBoard beside it)
-    line = json.loads((Path(h.cfg.run_path) / "eval" / "metrics.jsonl").read_text().splitlines()[-1])
+    # ... and the local sinks: eval/metrics.jsonl (and TensorBoard beside it), written once
+    # the result is read back from the log: the files mirror the log
+    jsonl = Path(h.cfg.run_path) / "eval" / "metrics.jsonl"
+    assert not jsonl.exists() or not jsonl.read_text().strip()
+    h.feed(event)
+    h.feed(event)  # a redelivery writes nothing more
+    (line,) = [json.loads(x) for x in jsonl.read_text().splitlines()]
     assert line["step"] == 10 and line["eval/pass@1"] == event.metrics["eval/pass@1"]
+
+
+def test_a_restarted_evaluator_mirrors_each_logged_result_once(harness, weights):
+    # Before the restart: version 10 evaluated, published and mirrored; version 20's result
+    # was written nowhere (the process died before publishing it).
+    h = harness("trial_name=restart")
+    h.catch_up()
+    h.feed(weights[10])
+    (event,) = h.evaluations(1)
+    h.feed(event)
+    h.close()
+    # The restart reads the log from the start: version 10's result again, no 20
+    again = harness("trial_name=restart")
+    assert again.cfg.run_path == h.cfg.run_path
+    again.feed(event)
+    again.catch_up()
+    rows = [json.loads(x)["step"] for x in
+            (Path(again.cfg.run_path) / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [10] and again.state.evaluated == {10}
 
 
 def test_eval_before_train_evaluates_version_0_first(harness, weights):

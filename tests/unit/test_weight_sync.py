@@ -8,6 +8,7 @@ CUDA variants skip without a GPU."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_mod
 import random
 import threading
 import time
@@ -253,9 +254,20 @@ def test_ipc_shm_from_another_process(tmp_path, publishers):
                                                     queue))
     proc.start()
     try:
-        got = _from_bytes(queue.get(timeout=120))
+        # Wait on the child, not on a clock: a spawned process imports torch and the test
+        # module first, which took over 120 s on a loaded 2-core box. A child that dies
+        # without a result fails at once; a live one gets 15 minutes.
+        deadline = time.monotonic() + 900
+        raw = None
+        while raw is None:
+            try:
+                raw = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                assert proc.is_alive() or not queue.empty(), f"the reader died (exit code {proc.exitcode})"
+                assert time.monotonic() < deadline, "the reader is still running after 15 minutes"
+        got = _from_bytes(raw)
     finally:
-        proc.join(60)
+        proc.join(120)
     assert proc.exitcode == 0
     assert_same(got, model)
 
