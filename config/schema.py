@@ -146,6 +146,20 @@ class GenerationConfig:
         _require(0 < self.top_p <= 1, "gconfig.top_p must be in (0, 1]")
 
 
+# Room for one prompt per group in a KV cache sized from the rollout's need: a group's
+# samples share its prompt's blocks (prefix caching), so a prompt counts once.
+KV_PROMPT_ALLOWANCE_TOKENS = 2048
+
+
+def kv_tokens_needed(max_rows: int, max_new_tokens: int, rows_per_prompt: int = 1) -> int:
+    """KV-cache tokens a rollout needs to run ``max_rows`` rows at once: every row's
+    output, plus :data:`KV_PROMPT_ALLOWANCE_TOKENS` per group of ``rows_per_prompt`` rows
+    (a longer prompt runs too, with fewer rows beside it). The engine's auto size
+    (``rollout.kv_cache_tokens`` 0) and the memory plan both use it."""
+    groups = -(-max_rows // max(1, rows_per_prompt))
+    return max_rows * max_new_tokens + groups * KV_PROMPT_ALLOWANCE_TOKENS
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     # eta: how many versions a trained token may lag the trainer. 0 = synchronous RL.
@@ -163,10 +177,17 @@ class RolloutConfig:
     paged: bool = True
     # Tokens per KV-cache block (the unit of allocation and of prefix sharing).
     kv_block_size_tokens: int = 16
-    # KV-cache size: > 0 fixes it in tokens; 0 sizes it from kv_cache_memory_fraction of
-    # the GPU's total memory (capped by what is free at start-up), or 64k tokens on CPU.
+    # KV-cache size: > 0 fixes it in tokens; 0 sizes it on a GPU from what the rollout
+    # needs (kv_tokens_needed: max_batch_size rows of max_new_tokens, and a prompt per
+    # group), capped by kv_cache_memory_fraction of the GPU's total memory and 90% of
+    # what is free at start-up; 64k tokens on CPU.
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.25
+    # Sleep mode (vLLM's name): the paged engine gives its KV cache's memory back to the
+    # device while it has nothing to generate (the trainer is stepping) and takes it back
+    # for the next request, keeping its address (CUDA graphs stay valid). null: on when
+    # the trainer and the engine share one GPU (config/device_defaults.py).
+    enable_sleep_mode: Optional[bool] = None
     # Prompt tokens one prefill forward computes (one prompt always goes, however long).
     max_prefill_tokens: int = 16384
     # Decode steps replayed as CUDA graphs (CUDA only; off = eager, for debugging).
@@ -366,8 +387,10 @@ class ActorConfig:
     device: str = "cpu"
     # The model's weights are in param_dtype (with bfloat16, AdamW keeps fp32 masters
     # unless fp32_master_weights is false); forward/backward run under autocast_dtype
-    # when set (e.g. bfloat16 on GPU). Published weights use model.dtype.
-    param_dtype: str = "float32"
+    # when set (e.g. bfloat16 on GPU). Published weights use model.dtype. auto: bfloat16
+    # on a GPU (one process; fp32 masters), float32 on the CPU and under FSDP (whose
+    # fsdp.param_dtype is the compute dtype): config/device_defaults.py.
+    param_dtype: str = "auto"
     autocast_dtype: str = ""
     torch_threads: int = 1
     # 1 makes restarts exact. Larger values save time, but a crash (kill -9) between
@@ -422,8 +445,10 @@ class ActorConfig:
     # its shared tokens once. Off until measured on the GPU (docs/trainer-performance.md).
     enable_tree_training: bool = False
     # liger-kernel's Triton RMSNorm, add+RMSNorm, rotary and SwiGLU (CUDA; pip install
-    # liger-kernel). Packed forward only.
-    liger_kernels: bool = False
+    # liger-kernel). Packed forward only. null (default): on where it runs -- a CUDA
+    # device, the package installed, a text model on the packed forward, no
+    # compile_layers, no tensor parallelism (models/fused_ops.py liger_by_default).
+    liger_kernels: Optional[bool] = None
     # torch.compile each decoder layer of the packed forward (first step compiles).
     compile_layers: bool = False
     # Activation checkpointing (AReaL's name): recompute checkpointed layers in backward.
@@ -501,12 +526,21 @@ class ActorConfig:
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.ppo_n_minibatches >= 1, "actor.ppo_n_minibatches must be >= 1")
         _require(self.checkpoint_every_steps >= 1, "actor.checkpoint_every_steps must be >= 1")
-        _require(self.param_dtype in ("float32", "bfloat16"),
-                 "actor.param_dtype must be float32 or bfloat16")
+        _require(self.param_dtype in ("auto", "float32", "bfloat16"),
+                 "actor.param_dtype must be auto (bfloat16 on a GPU, float32 on the CPU), float32 "
+                 "or bfloat16")
         _require(self.autocast_dtype in ("", "bfloat16", "float16"),
                  "actor.autocast_dtype must be empty (off), bfloat16 or float16")
         self._check_speed_switches()
         self._check_policy_loss()
+
+    @property
+    def weights_dtype(self) -> str:
+        """``param_dtype`` with ``auto`` resolved by this section's device alone (a run's
+        TrainConfig resolves it with the whole placement: config/device_defaults.py)."""
+        if self.param_dtype != "auto":
+            return self.param_dtype
+        return "bfloat16" if str(self.device).startswith("cuda") else "float32"
 
     def _check_lora(self) -> None:
         _require(self.peft_type == "lora",
@@ -556,7 +590,7 @@ class ActorConfig:
                      "enable_tree_training"):
             _require(self.packed_sequences or not getattr(self, name),
                      f"actor.{name} applies to the packed forward: set actor.packed_sequences=true")
-        _require(not self.offload_optimizer or (self.param_dtype == "bfloat16" and self.fp32_master_weights),
+        _require(not self.offload_optimizer or (self.weights_dtype == "bfloat16" and self.fp32_master_weights),
                  "actor.offload_optimizer moves the fp32 master weights to the CPU: set "
                  "actor.param_dtype=bfloat16 (with fp32_master_weights true)")
 
@@ -928,9 +962,15 @@ class TrainConfig:
         if self.actor.backend:
             from .distributed import fsdp_from_allocation
 
-            # The one place a config fills a section from another: AReaL's string and the
+            # A section filled from another: AReaL's string and the
             # fsdp fields are two spellings of one mesh (a conflict is refused).
             object.__setattr__(self, "fsdp", fsdp_from_allocation(self.fsdp, self.actor.backend))
+        from .device_defaults import resolve_device_defaults
+
+        # The one place "auto" meets the hardware (config/device_defaults.py), before the
+        # checks below see the values.
+        for name, section in resolve_device_defaults(self).items():
+            object.__setattr__(self, name, section)
         if self.fsdp.world_size > 1:
             from .distributed import check_sharded_trainer
 

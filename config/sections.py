@@ -119,6 +119,10 @@ class TrainerSection:
     # agent.mode online: a group past the tail gate is trained within
     # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
     online: bool = False
+    # rollout.enable_sleep_mode: an engine on the trainer's GPU takes its KV cache back
+    # when the next version comes, so the trainer returns its cached free memory to the
+    # device after each step, before publishing (torch.cuda.empty_cache).
+    release_memory_after_step: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +231,8 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
                           stats_logger=cfg.stats_logger, weights=cfg.weights,
-                          online=cfg.agent.online, vlm=cfg.vlm, lora=lora_spec(cfg))
+                          online=cfg.agent.online, vlm=cfg.vlm, lora=lora_spec(cfg),
+                          release_memory_after_step=bool(cfg.rollout.enable_sleep_mode))
 
 
 def proxy_section(cfg: TrainConfig) -> ProxySection:

@@ -21,8 +21,10 @@ class WeightsConfig:
     # file: a safetensors file per version (separate machines, the fallback); ipc: a
     # shared buffer on this host (CUDA IPC handles, or a shared-memory file on CPU);
     # nccl: rollout workers pull each version over a 2-rank process group (nccl on GPU,
-    # gloo on CPU) whose rendezvous the weights event announces.
-    transport: str = "file"
+    # gloo on CPU) whose rendezvous the weights event announces. auto: ipc when the local
+    # launcher runs the trainer and the in-process engines on this host's GPUs, else file
+    # (config/device_defaults.py).
+    transport: str = "auto"
     # Checksum (and nccl send) granularity of the flat weights buffer.
     bucket_bytes: int = 256 * 1024 * 1024
     # Buffers the trainer rotates through (ipc / nccl): with 2, a reader still copying
@@ -42,8 +44,8 @@ class WeightsConfig:
     transfer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _require(self.transport in TRANSPORTS,
-                 f"weights.transport={self.transport!r}: use file, ipc (trainer and engines on "
+        _require(self.transport in TRANSPORTS + ("auto",),
+                 f"weights.transport={self.transport!r}: use auto, file, ipc (trainer and engines on "
                  "one host) or nccl (engines on other GPUs or hosts)")
         _require(self.bucket_bytes >= 4096 and self.bucket_bytes % 4096 == 0,
                  f"weights.bucket_bytes={self.bucket_bytes}: use a multiple of 4096 "

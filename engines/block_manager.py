@@ -53,12 +53,13 @@ def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: i
 
 
 def plan_num_blocks(device: torch.device, *, block_bytes: int, block_size: int, cache_tokens: int,
-                    memory_fraction: float, cpu_default_tokens: int) -> int:
+                    memory_fraction: float, cpu_default_tokens: int, need_tokens: int = 0) -> int:
     """How many blocks to allocate (block 0 included).
 
-    ``cache_tokens > 0`` fixes the size. Otherwise on CUDA ``memory_fraction`` of the
-    device's total memory, capped by what is free now (less a 10% margin for activations
-    and graphs); on CPU ``cpu_default_tokens``.
+    ``cache_tokens > 0`` fixes the size. Otherwise on CUDA ``need_tokens`` (what the
+    rollout needs, config/schema.py kv_tokens_needed; 0: no bound), capped by
+    ``memory_fraction`` of the device's total memory and by what is free now (less a
+    10% margin for activations and graphs); on CPU ``cpu_default_tokens``.
     """
     if cache_tokens > 0:
         return blocks_for(cache_tokens, block_size) + 1
@@ -66,6 +67,8 @@ def plan_num_blocks(device: torch.device, *, block_bytes: int, block_size: int, 
         return blocks_for(cpu_default_tokens, block_size) + 1
     free, total = torch.cuda.mem_get_info(device)
     budget = min(int(total * memory_fraction), int(free * 0.9))
+    if need_tokens > 0:  # a colocated trainer gets the rest (issue 37: 20 GB where 2 did)
+        budget = min(budget, (blocks_for(need_tokens, block_size) + 1) * block_bytes)
     n = budget // block_bytes
     if n < 2:
         raise EngineError(

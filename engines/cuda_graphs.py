@@ -130,6 +130,12 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
+    def clear(self) -> None:
+        """Forget every captured graph (they replay addresses that are gone, e.g. a KV
+        cache reallocated after sleep mode without virtual memory): captured again on
+        their next use."""
+        self._graphs.clear()
+
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)

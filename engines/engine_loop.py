@@ -101,6 +101,20 @@ class EngineLoop(InferenceEngine):
     def _start(self) -> None:
         self._thread.start()
 
+    # Sleep mode (rollout.enable_sleep_mode): an engine idle this long gives its memory
+    # back (the trainer steps in the meantime); the next admission takes it again.
+    SLEEP_AFTER_IDLE_S = 0.05
+
+    def _can_sleep(self) -> bool:
+        """Whether this engine has memory to give back while idle (sleep mode on)."""
+        return False
+
+    def _sleep(self) -> None:
+        """Give the memory back (engine thread; nothing runs or is in flight)."""
+
+    def _wake(self) -> None:
+        """Take the memory again before the next admission (engine thread)."""
+
     # ------------------------------------------------------------------ subclass hooks
 
     @abc.abstractmethod
@@ -359,12 +373,20 @@ class EngineLoop(InferenceEngine):
                     draining = not self.interruptible and self._update_waiters > 0
                     if not blocked:
                         if self._queue and not draining:
+                            self._wake()
                             admitted = self._admit_locked(time.monotonic())
                         if self._live > 0 or admitted:
                             break
                     if self._has_inflight():  # finish the launched step before parking
                         flush = True
                         break
+                    if self._live == 0 and self._can_sleep():
+                        # Idle: after a short grace (the next request is often a moment
+                        # away), give the memory back until work comes.
+                        if not self._cv.wait(timeout=self.SLEEP_AFTER_IDLE_S) and self._live == 0 \
+                                and not self._closing and not self._has_inflight():
+                            self._sleep()
+                        continue
                     self._cv.wait()
                 closing = self._closing
                 version = self._version

@@ -71,6 +71,7 @@ from .block_manager import (
 )
 from .cuda_graphs import DecodeGraphs
 from .engine_loop import Delivered, EngineLoop, engine_device, stop_string_in_tail
+from .kv_memory import sleepable_buffer
 from .model_runner import PagedDecoder, PrefillImages, PrefillInputs
 from .sampling import RowParams, sample_next
 from .scheduler import DecodeRows, PrefillUnit, Scheduler, Sequence
@@ -122,6 +123,8 @@ class PagedEngine(EngineLoop):
         kv_block_size_tokens: int = 16,
         kv_cache_tokens: int = 0,
         kv_cache_memory_fraction: float = 0.25,
+        kv_cache_need_tokens: int = 0,
+        sleep_mode: bool = False,
         cuda_graphs: bool = True,
         prefix_caching: bool = True,
         overlap: bool = True,
@@ -142,10 +145,19 @@ class PagedEngine(EngineLoop):
         num_blocks = plan_num_blocks(
             device, block_bytes=block_bytes, block_size=kv_block_size_tokens,
             cache_tokens=kv_cache_tokens, memory_fraction=kv_cache_memory_fraction,
+            need_tokens=kv_cache_need_tokens,
             cpu_default_tokens=min(_CPU_CACHE_TOKENS, _CPU_CACHE_BYTES * kv_block_size_tokens // block_bytes))
-        self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
-                                          dec.num_kv_heads, dec.head_dim, dec.dtype, device)
+        shape = (dec.num_layers, 2, num_blocks, kv_block_size_tokens, dec.num_kv_heads, dec.head_dim)
+        # Sleep mode: memory the idle engine gives back (engines/kv_memory.py).
+        self._kv_mem = sleepable_buffer(num_blocks * block_bytes, device) if sleep_mode else None
+        if self._kv_mem is not None:
+            self.kv_cache = self._kv_mem.tensor.view(dec.dtype).view(shape)
+        else:
+            self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
+                                              dec.num_kv_heads, dec.head_dim, dec.dtype, device)
         dec.attach_kv_cache(self.kv_cache)
+        self.sleeps = 0
+        self.sleep_s = 0.0  # time spent giving memory back and taking it again
         if record_routes:  # before any graph is captured: the graphs write into it
             dec.attach_route_cache(num_blocks * kv_block_size_tokens)
         self.block_size = int(kv_block_size_tokens)
@@ -193,6 +205,27 @@ class PagedEngine(EngineLoop):
                 "decode_only_step_ms": round(1000 * self._decode_only_s / max(1, self._decode_only_steps), 3)}
 
     # ------------------------------------------------------------------ EngineLoop hooks
+
+    def _can_sleep(self) -> bool:
+        return self._kv_mem is not None and not self._kv_mem.asleep
+
+    def _sleep(self) -> None:
+        # Nothing runs: the cached prefixes go with the memory (a weight update drops them
+        # anyway), and every block is free again.
+        t0 = time.perf_counter()
+        self.bm.drop_prefix_cache()
+        self._kv_mem.release()
+        self.sleeps += 1
+        self.sleep_s += time.perf_counter() - t0
+
+    def _wake(self) -> None:
+        if self._kv_mem is None or not self._kv_mem.asleep:
+            return
+        t0 = time.perf_counter()
+        self._kv_mem.restore()
+        if not self._kv_mem.keeps_address:
+            self.graphs.clear()  # they replay the old address: captured again on demand
+        self.sleep_s += time.perf_counter() - t0
 
     def _validate_more(self, request: GenRequest) -> None:
         need = self.scheduler.total_blocks(len(request.prompt_ids), request.sampling.max_new_tokens)

@@ -151,5 +151,21 @@ class LigerOps(TorchOps):
         return down(self._silu_mul.apply(a, b))
 
 
+def liger_by_default(device, model: torch.nn.Module | None = None, *, parallel: bool = False,
+                     compile_layers: bool = False) -> bool:
+    """What ``actor.liger_kernels: null`` means: on where it runs -- a CUDA device with
+    liger-kernel installed, a text model (the VL rotary is multimodal), one process per
+    layer's weights (tensor parallelism holds DTensors) and no ``compile_layers`` (which
+    fuses the same ops)."""
+    if not str(device).startswith("cuda") or parallel or compile_layers:
+        return False
+    if model is not None:
+        from .vision import is_vision_model
+
+        if is_vision_model(model):
+            return False
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def make_ops(liger: bool) -> TorchOps:
     return LigerOps() if liger else TorchOps()

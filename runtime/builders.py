@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..bus.role import Role
-from ..config.schema import TrainConfig
+from ..config.schema import TrainConfig, kv_tokens_needed
 from ..config.sections import (
     EvalSection,
     TrainerSection,
@@ -105,10 +105,13 @@ def request_images(model_path: str, vlm, *, pixels: bool):
 
 
 def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
-                      decode: Callable[[list[int]], str], record_routes: bool = False):
+                      decode: Callable[[list[int]], str], record_routes: bool = False,
+                      kv_need_tokens: int = 0):
     """The in-process engine for a loaded transformers model: :class:`PagedEngine` for the
     architectures it runs (unless ``rollout.paged`` is off), else :class:`TorchEngine`.
-    ``record_routes``: results carry their routed experts (the paged engine only)."""
+    ``record_routes``: results carry their routed experts (the paged engine only).
+    ``kv_need_tokens``: the KV-cache tokens its callers need at most (0: unknown; the
+    cache is then sized by ``rollout.kv_cache_memory_fraction`` alone)."""
     from ..engines.model_runner import unsupported_reason
     from ..engines.paged_engine import PagedEngine
     from ..engines.torch_engine import TorchEngine
@@ -127,6 +130,7 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
         return PagedEngine(hf_model, kv_block_size_tokens=rollout.kv_block_size_tokens,
                            kv_cache_tokens=rollout.kv_cache_tokens,
                            kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
+                           kv_cache_need_tokens=kv_need_tokens, sleep_mode=bool(rollout.enable_sleep_mode),
                            cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
                            record_routes=record_routes, **common)
     if record_routes:
@@ -152,7 +156,8 @@ class EngineBundle:
 
 
 def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout", record_routes: bool = False, lora=None) -> EngineBundle:
+                 name: str = "rollout", record_routes: bool = False, lora=None,
+                 kv_need_tokens: int = 0) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
     weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
@@ -173,7 +178,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         hf_model, _ = load_model_and_tokenizer(model.path, dtype=model.dtype, device=rollout.device)
         context = getattr(hf_model.config, "max_position_embeddings", None)
         engine = in_process_engine(hf_model, tokenizer, rollout, seed=seed, decode=decode,
-                                   record_routes=record_routes)
+                                   record_routes=record_routes, kv_need_tokens=kv_need_tokens)
         del hf_model  # the engine holds what it needs (the paged engine keeps no model object)
         # Fetch over the event's transport (file / ipc / nccl), verify, copy at a step boundary.
         return EngineBundle(engine, make_weight_loader(engine, rollout.device, member=f"{name}-{member}",
@@ -242,7 +247,7 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
     if adv.estimator == "gae":
         model = build_value_model(actor.model, path=section.critic.path,
                                   init_from_policy=section.critic.init_critic_from_actor,
-                                  dtype=a.param_dtype)
+                                  dtype=a.weights_dtype)
         models["critic"] = Critic(model, section.critic, pad_token_id=actor.pad_token_id,
                                   device=device, autocast_dtype=a.autocast_dtype)
     if a.kl_ctl > 0 and not section.ref.path and section.lora is not None:
@@ -254,13 +259,13 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
                  models["reference"].saved_bytes / 1e9)
     elif a.kl_ctl > 0:
         models["reference"] = (
-            FrozenLogprobModel.from_path(section.ref.path, vocab_size=vocab, dtype=a.param_dtype,
+            FrozenLogprobModel.from_path(section.ref.path, vocab_size=vocab, dtype=a.weights_dtype,
                                          name="reference", **frozen)
             if section.ref.path else
             FrozenLogprobModel.copy_of(actor.model, name="reference", **frozen))
     if section.distill.kd_weight > 0:  # DistillConfig requires teacher_path with kd_weight
         models["teacher"] = FrozenLogprobModel.from_path(
-            section.distill.teacher_path, vocab_size=vocab, dtype=a.param_dtype, name="teacher",
+            section.distill.teacher_path, vocab_size=vocab, dtype=a.weights_dtype, name="teacher",
             **frozen)
     return models
 
@@ -284,7 +289,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     from ..models.factory import load_model_and_tokenizer
     from ..trainers.ppo_actor import PPOActor
 
-    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.param_dtype,
+    model, tokenizer = load_model_and_tokenizer(sec.model.path, dtype=sec.actor.weights_dtype,
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
@@ -324,7 +329,9 @@ def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     tokenizer = _tokenizer(sec.model.path)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member, record_routes=sec.record_routes, lora=sec.lora)
+                          member=member, record_routes=sec.record_routes, lora=sec.lora,
+                          kv_need_tokens=kv_tokens_needed(sec.rollout.max_batch_size,
+                                                          sec.gconfig.max_new_tokens, sec.gconfig.n_samples))
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}",
@@ -393,7 +400,9 @@ def build_eval_parts(sec: EvalSection, *, log_dir: str, member: int = 0):
     task = load_eval_task(sec.valid_dataset, prompt_encoder(tokenizer),
                           max_prompts=sec.eval.max_prompts)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 900 + member,
-                          tokenizer=tokenizer, log_dir=log_dir, member=member, name="evaluator")
+                          tokenizer=tokenizer, log_dir=log_dir, member=member, name="evaluator",
+                          kv_need_tokens=kv_tokens_needed(sec.rollout.max_batch_size,
+                                                          sec.sampling.max_new_tokens, sec.sampling.n_samples))
     return task, bundle, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -647,7 +647,7 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
     channel = Channel(init_process_groups(sec.fsdp, info, device), info)
     # On CUDA the model is loaded on the host: fully_shard moves only this rank's shard.
     model, tokenizer = load_model_and_tokenizer(
-        sec.model.path, dtype=sec.actor.param_dtype, device="cpu" if device.type == "cuda" else str(device))
+        sec.model.path, dtype=sec.actor.weights_dtype, device="cpu" if device.type == "cuda" else str(device))
     actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
                          pad_token_id=tokenizer.pad_token_id or 0, device=device,
                          followers=followers, total_train_steps=sec.total_train_steps,

@@ -48,6 +48,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..models.fused_ops import liger_by_default
+
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # MasterAdamW steps in buckets of this many elements (trainers/optim.py BUCKET_ELEMS).
@@ -386,10 +388,12 @@ def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 
     every = actor.gradient_checkpointing_every_n_layers if actor.gradient_checkpointing else 0
     return TrainShape(
         tokens=tokens or actor.mb_max_tokens, micro_batches=micro_batches, dp=fsdp.dp, tp=fsdp.tp,
-        cp=fsdp.cp, param_dtype=actor.param_dtype, autocast_dtype=actor.autocast_dtype,
+        cp=fsdp.cp, param_dtype=actor.weights_dtype, autocast_dtype=actor.autocast_dtype,
         fsdp_param_dtype=fsdp.param_dtype, fp32_master_weights=actor.fp32_master_weights,
         offload_optimizer=actor.offload_optimizer, fused_optimizer=actor.fused_optimizer,
-        liger=actor.liger_kernels, recompute_swiglu=actor.recompute_swiglu, checkpoint_every=every,
+        liger=(actor.liger_kernels if actor.liger_kernels is not None
+               else liger_by_default(actor.device, parallel=fsdp.tp > 1, compile_layers=actor.compile_layers)),
+        recompute_swiglu=actor.recompute_swiglu, checkpoint_every=every,
         attention="varlen" if attention.startswith("varlen") else "sdpa", logprob_kernel=kernel,
         keep_logits=actor.logprob_keep_logits, chunk_tokens=actor.logprob_chunk_tokens)
 

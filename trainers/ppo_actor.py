@@ -118,8 +118,14 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
                               f"forward, where {', '.join(on)} do not apply: unset them")
         log.warning("model family %r trains with the padded HF forward: %s", family, reason)
     elif cfg.packed_sequences:
+        liger = cfg.liger_kernels
+        if liger is None:  # null: on where it runs (issue 37: the fast path by default)
+            from ..models.fused_ops import liger_by_default
+
+            liger = liger_by_default(device, model, parallel=parallel is not None,
+                                     compile_layers=cfg.compile_layers)
         kwargs = dict(
-            attention_backend=cfg.attention_backend, liger=cfg.liger_kernels,
+            attention_backend=cfg.attention_backend, liger=liger,
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,

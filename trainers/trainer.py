@@ -496,6 +496,10 @@ class Trainer(Role[TrainerState]):
             # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
             raise FatalRoleError(f"training step {v_before + 1} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
+        if self.cfg.release_memory_after_step and torch.cuda.is_available():
+            # Sleep mode: the engine beside us takes its KV cache back for the next
+            # version; what the step cached and freed goes back to the device first.
+            torch.cuda.empty_cache()
         # Only a finished step consumes the batch (applied, or skipped as not finite); its
         # outcome goes into a draft of the state, committed once it is written.
         step = state.draft()

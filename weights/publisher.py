@@ -81,7 +81,10 @@ class WeightPublisher:
                     name: str = "weights", adapter: AdapterFiles | None = None) -> "WeightPublisher":
         """From the run's ``weights`` section (config/weights.py); ``device``: the
         trainer's (``actor.device``)."""
-        return cls(weights.transport, directory, device=device, publish_dtype=publish_dtype,
+        # auto is resolved with the run's placement (config/device_defaults.py); a section
+        # built without one (a tool, a test) knows no placement: the file, which always works.
+        transport = "file" if weights.transport == "auto" else weights.transport
+        return cls(transport, directory, device=device, publish_dtype=publish_dtype,
                    bucket_bytes=weights.bucket_bytes, buffer_slots=weights.buffer_slots,
                    file_every_versions=weights.file_every_versions, keep_versions=keep_versions,
                    nccl_host=weights.nccl_host, nccl_port=weights.nccl_port,
