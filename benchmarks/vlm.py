@@ -250,8 +250,11 @@ def train_ours(shape, w: Workload, items: list[SeqItem], args) -> dict:
     opts = dict(FAST, liger_kernels=cuda and importlib.util.find_spec("liger_kernel") is not None)
     if not cuda:
         opts.update(param_dtype="float32", fused_optimizer=False, logprob_keep_logits=False, recompute_swiglu=False)
+    if args.train_ac:  # activation checkpointing of every decoder layer: fits an 80 GB card
+        opts.update(gradient_checkpointing=True, recompute_swiglu=False)
     cfg = ActorConfig(optimizer=OptimizerConfig(lr=1e-6), device=args.device, **opts)
-    actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=args.device, images=w.loader)
+    actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=args.device, images=w.loader,
+                     freeze_vision_encoder=args.freeze_vision)
 
     def step() -> int:
         actor.train_step(items, policy_version=0)
@@ -265,7 +268,15 @@ def train_hf(shape, w: Workload, items: list[SeqItem], args) -> dict:
 
     cuda = args.device.startswith("cuda")
     model = build_model(shape, torch.float32, args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if cuda else None)
+    if args.train_ac:
+        model.gradient_checkpointing_enable()
+    if args.freeze_vision:
+        from tapioca.models.vision import vision_tower
+
+        for p in vision_tower(model).parameters():
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6,
+                            fused=True if cuda else None)
     mbs = [items[i:i + args.hf_mb_rows] for i in range(0, len(items), args.hf_mb_rows)]
     total_out = sum(it.length - it.prompt_len for it in items)
 
@@ -330,6 +341,9 @@ def main() -> None:
     ap.add_argument("--train-seqs", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--hf-mb-rows", type=int, default=8)
+    # Issue 37: the training rows on an 80 GB card (both systems alike)
+    ap.add_argument("--train-ac", action="store_true", help="activation checkpointing of the decoder layers")
+    ap.add_argument("--freeze-vision", action="store_true", help="vlm.freeze_vision_encoder: no grads for the tower")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     shape = QWEN25_VL_3B

@@ -204,6 +204,14 @@ class PagedEngine(EngineLoop):
                 "decode_only_steps": self._decode_only_steps,
                 "decode_only_step_ms": round(1000 * self._decode_only_s / max(1, self._decode_only_steps), 3)}
 
+    def describe(self) -> dict[str, float]:
+        """Sleep mode's numbers for the role's status (fleet.v1 / metrics.v1)."""
+        if self._kv_mem is None:
+            return {}
+        return {"engine/sleeps": float(self.sleeps), "engine/sleep_s": round(self.sleep_s, 4),
+                "engine/asleep": float(self._kv_mem.asleep),
+                "engine/kv_cache_gib": round(self._kv_mem.nbytes / 2**30, 3)}
+
     # ------------------------------------------------------------------ EngineLoop hooks
 
     def _can_sleep(self) -> bool:
