@@ -29,8 +29,12 @@ class SleepableBuffer:
 
     keeps_address = False
 
+    # Sizes are rounded up to this (the CUDA driver's granularity is 2 MiB; here a page,
+    # so the CPU tests see a buffer longer than asked, as the GPU gives).
+    GRANULARITY = 4096
+
     def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.nbytes = int(nbytes)
+        self.nbytes = -(-int(nbytes) // self.GRANULARITY) * self.GRANULARITY
         self.device = device
         self.tensor = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.asleep = False

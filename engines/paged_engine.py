@@ -151,7 +151,8 @@ class PagedEngine(EngineLoop):
         # Sleep mode: memory the idle engine gives back (engines/kv_memory.py).
         self._kv_mem = sleepable_buffer(num_blocks * block_bytes, device) if sleep_mode else None
         if self._kv_mem is not None:
-            self.kv_cache = self._kv_mem.tensor.view(dec.dtype).view(shape)
+            # the buffer is rounded up to the allocation granularity: its first bytes
+            self.kv_cache = self._kv_mem.tensor[: num_blocks * block_bytes].view(dec.dtype).view(shape)
         else:
             self.kv_cache = allocate_kv_cache(dec.num_layers, num_blocks, kv_block_size_tokens,
                                               dec.num_kv_heads, dec.head_dim, dec.dtype, device)

@@ -90,8 +90,9 @@ def test_an_engine_without_sleep_mode_never_sleeps():
 
 
 def test_the_cpu_buffer_keeps_its_views_across_release_and_restore():
-    buf = sleepable_buffer(4096, torch.device("cpu"))
+    buf = sleepable_buffer(4000, torch.device("cpu"))
     assert type(buf) is SleepableBuffer and not buf.keeps_address
+    assert buf.nbytes == 4096  # rounded up to the granularity, as the CUDA driver's is
     view = buf.tensor.view(torch.float32).view(4, 256)
     view.fill_(3.0)
     buf.release()
