@@ -96,6 +96,8 @@ class ModelConfig:
 class DatasetConfig:
     # synthetic (built-in), gsm8k, or a file: jsonl / parquet / hf_disk
     type: str = "synthetic"
+    # A relative path is read from the working directory, else from the repository root
+    # (examples/data/...: tasks/datasets.py data_path).
     path: str = ""
     split: str = "train"
     # Groups (prompts) per training step: B in the head gate k < (eta + v + 1) * B.
@@ -117,7 +119,8 @@ class DatasetConfig:
         _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "jsonl", "parquet", "hf_disk"),
                  f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, jsonl, "
                  "parquet or hf_disk")
-        _require(self.type in ("synthetic", "visual", "arith") or bool(self.path),
+        # gsm8k without a path: $TAPIOCA_DATA_DIR/gsm8k, else the copy in examples/data.
+        _require(self.type in ("synthetic", "visual", "arith", "gsm8k") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type} (the same "
                  "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
