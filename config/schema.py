@@ -875,8 +875,18 @@ class LauncherConfig:
     # whichever comes first.
     log_every_steps: int = 10
     log_every_s: float = 30.0
+    # Before any role starts, the run's memory plan (runtime/device_memory.py: trainer,
+    # engines, weight buffers on each GPU) is checked against each GPU it uses; a run
+    # that will not fit is refused with the settings that make it fit (docs/cli.md).
+    # false: skip the check.
+    check_memory: bool = True
+    # What each GPU offers the run, GiB, for that check (0: what the device has free at
+    # start; e.g. less to leave room for another job).
+    device_memory_gib: float = 0.0
 
     def __post_init__(self) -> None:
+        _require(self.device_memory_gib >= 0,
+                 "launcher.device_memory_gib must be >= 0 (0: what each GPU has free at start)")
         _require(self.log_every_steps >= 1, "launcher.log_every_steps must be >= 1")
         _require(self.log_every_s > 0, "launcher.log_every_s must be > 0")
         _require(self.max_restarts >= 0, "launcher.max_restarts must be >= 0 (0: never restart)")
