@@ -96,6 +96,8 @@ class ModelConfig:
 class DatasetConfig:
     # synthetic (built-in), gsm8k, or a file: jsonl / parquet / hf_disk
     type: str = "synthetic"
+    # A relative path is read from the working directory, else from the repository root
+    # (examples/data/...: tasks/datasets.py data_path).
     path: str = ""
     split: str = "train"
     # Groups (prompts) per training step: B in the head gate k < (eta + v + 1) * B.
@@ -117,7 +119,8 @@ class DatasetConfig:
         _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "jsonl", "parquet", "hf_disk"),
                  f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, jsonl, "
                  "parquet or hf_disk")
-        _require(self.type in ("synthetic", "visual", "arith") or bool(self.path),
+        # gsm8k without a path: $TAPIOCA_DATA_DIR/gsm8k, else the copy in examples/data.
+        _require(self.type in ("synthetic", "visual", "arith", "gsm8k") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type} (the same "
                  "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
@@ -872,8 +875,18 @@ class LauncherConfig:
     # whichever comes first.
     log_every_steps: int = 10
     log_every_s: float = 30.0
+    # Before any role starts, the run's memory plan (runtime/device_memory.py: trainer,
+    # engines, weight buffers on each GPU) is checked against each GPU it uses; a run
+    # that will not fit is refused with the settings that make it fit (docs/cli.md).
+    # false: skip the check.
+    check_memory: bool = True
+    # What each GPU offers the run, GiB, for that check (0: what the device has free at
+    # start; e.g. less to leave room for another job).
+    device_memory_gib: float = 0.0
 
     def __post_init__(self) -> None:
+        _require(self.device_memory_gib >= 0,
+                 "launcher.device_memory_gib must be >= 0 (0: what each GPU has free at start)")
         _require(self.log_every_steps >= 1, "launcher.log_every_steps must be >= 1")
         _require(self.log_every_s > 0, "launcher.log_every_s must be > 0")
         _require(self.max_restarts >= 0, "launcher.max_restarts must be >= 0 (0: never restart)")

@@ -31,7 +31,7 @@ def run_training(config: Optional[str], overrides: list[str], *,
     from ..runtime.run import resolve_run
     from . import train_view
     from .broker_state import train_bootstrap
-    from .launcher import Launcher
+    from .launcher import Launcher, RoleFailedError
     from .run_cli import resume_config
 
     hf_logging.disable_progress_bar()
@@ -57,6 +57,7 @@ def run_training(config: Optional[str], overrides: list[str], *,
         from .ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)
     interrupted = False
+    failure: RoleFailedError | None = None
     summary = None
     # On a terminal the live table redraws itself; elsewhere it would print only at the
     # end, so lines are printed instead (every launcher.log_every_steps / log_every_s).
@@ -97,6 +98,8 @@ def run_training(config: Optional[str], overrides: list[str], *,
         except KeyboardInterrupt:
             console.print("stopping every role (Ctrl-C)")
             interrupted = True
+        except RoleFailedError as exc:  # said below, after the closing line
+            failure = exc
         finally:
             launcher.stop()
     if not console.is_terminal and live:  # there, the live table's last line has no newline
@@ -109,11 +112,13 @@ def run_training(config: Optional[str], overrides: list[str], *,
                                         demo_config=str(EXAMPLES / DEMO_CONFIG)))
     # After the stop: the trainer checkpoints on its way out.
     ckpt = train_view.trainer_checkpoint(cfg.run_path)
-    console.print(train_view.closing_line(summary or launcher.summary, cfg, ckpt, resume=resume,
-                                          interrupted=interrupted),
-                  markup=False, highlight=False, soft_wrap=True)
-    if interrupted:
-        raise typer.Exit(130)
+    end = train_view.ending(summary or launcher.summary, cfg, ckpt, resume=resume, interrupted=interrupted,
+                            failure=failure.why if failure is not None else None)
+    console.print(end.line, markup=False, highlight=False, soft_wrap=True)
+    if failure is not None:
+        raise failure  # `error: ...` in full on stderr, and the role's exit status (ops/cli.py)
+    if end.exit_code:  # stopped before total_train_steps, or Ctrl-C
+        raise typer.Exit(end.exit_code)
 
 
 @app.command("train", context_settings=EXTRA_ARGS)

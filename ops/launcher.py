@@ -1,6 +1,8 @@
 """`tapioca train`: one run, every role its own OS process, all meeting on the log.
 
-Starts the embedded broker when no bootstrap server is configured, creates topics,
+Checks the run's memory plan against its GPUs before anything starts (a run that will not
+fit is refused with the settings that make it fit: ops/memory_check.py), starts the
+embedded broker when no bootstrap server is configured, creates topics,
 creates the tiny model when ``model.path`` is empty, writes the run's signing key
 (``secrets/bus.key``, bus/signing.py) and the resolved config to the run directory,
 launches the roles (``tapioca role NAME``), follows ``metrics.v1`` for a live display,
@@ -13,7 +15,9 @@ Supervision (``launcher`` config section):
   the run stops with an error naming the role and its log. Exit code 78 (a config or
   file problem, ``EXIT_NO_RESTART``) is never retried: the run stops at once with the
   role's one-line reason; nor is 74 (``EXIT_STORAGE``: a disk full, failing or
-  read-only), which stops the run with the role's one-line reason. Restarting is safe:
+  read-only), which stops the run with the role's one-line reason, nor 71 (``EXIT_OOM``:
+  a step ran out of device memory; its line names the settings that lower the memory,
+  ops/memory_check.py). Restarting is safe:
   every role resumes from the log and its checkpoint. A clean exit (0) of a role is a
   drain.
 - each role gets the write end of a pipe (``$TAPIOCA_REASON_FD``) for the one line that
@@ -67,8 +71,9 @@ from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import resolve_bus_run_id, resolve_run
-from ..schemas.errors import EXIT_CONFIG, EXIT_STORAGE, BusError, TapiocaError
+from ..schemas.errors import EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE, BusError, TapiocaError
 from . import run_record
+from .memory_check import check_at_start
 from .parent_death import guarded
 from .run_end import end_members, outside_members
 
@@ -93,7 +98,19 @@ REASON_FD_ENV = "TAPIOCA_REASON_FD"
 
 
 class RoleFailedError(TapiocaError):
-    """A role process exited with an error (and was not, or no longer, restarted)."""
+    """A role process exited with an error (and was not, or no longer, restarted).
+    ``why``: the one-line reason the closing line gives (default: the first line)."""
+
+    def __init__(self, message: str, *, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message.splitlines()[0]
+
+
+class RoleOutOfMemoryError(RoleFailedError):
+    """A role ran out of device memory (EXIT_OOM): not restarted, the run stops with the
+    role's line, which names the settings that lower the memory."""
+
+    exit_code = EXIT_OOM
 
 
 @dataclass
@@ -252,6 +269,9 @@ class Launcher:
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
+        # Before any role starts: a run that will not fit its GPUs is refused with the
+        # settings that make it fit (ops/memory_check.py).
+        check_at_start(self.cfg)
         for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
             log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
@@ -361,6 +381,9 @@ class Launcher:
         except KeyboardInterrupt:
             self._outcome = "interrupted"
             raise
+        except RoleOutOfMemoryError:
+            self._outcome = "out of memory"
+            raise
         except BaseException:
             self._outcome = "failed"
             raise
@@ -422,10 +445,15 @@ class Launcher:
         tail = f"last lines of {child.log_path}:\n{child.log_tail()}"
         if code == EXIT_STORAGE:
             # One line, the reason first: the log may be on the disk that is full.
+            why = f"role {child.label} stopped: {reason or 'a disk was full, failing or read-only'}"
             raise RoleFailedError(
-                f"role {child.label} stopped: {reason or 'a disk was full, failing or read-only'}"
-                f"; free space on that disk (or fix it) and run the same command again: the run "
-                f"resumes from its last checkpoint (log: {child.log_path})")
+                f"{why}; free space on that disk (or fix it) and run the same command again: the run "
+                f"resumes from its last checkpoint (log: {child.log_path})", why=why)
+        if code == EXIT_OOM:
+            # Not restarted: the same step would need the same memory again.
+            why = f"{child.label}: {reason or child.error_line() or 'ran out of device memory'}"
+            raise RoleOutOfMemoryError(f"{why} (not restarted: the same step needs the same memory; "
+                                       f"log: {child.log_path})", why=why)
         if reason:
             tail = f"{reason}; {tail}"
         if code == EXIT_NO_RESTART:
@@ -433,7 +461,8 @@ class Launcher:
             # runner have no pipe).
             reason = reason or child.error_line()
             if reason:  # one line, as the role said it (not restarted, so no alarm either)
-                raise RoleFailedError(f"{child.label}: {reason} (log: {child.log_path})")
+                raise RoleFailedError(f"{child.label}: {reason} (log: {child.log_path})",
+                                      why=f"{child.label}: {reason}")
             raise RoleFailedError(f"role {child.label} exited with code {code}: a config or "
                                   f"file problem that a restart cannot fix; {tail}")
         if recent >= lc.max_restarts:
@@ -441,7 +470,8 @@ class Launcher:
                       f"(launcher.max_restarts={lc.max_restarts})" if lc.max_restarts
                       else "restarts are off (launcher.max_restarts=0)")
             raise RoleFailedError(f"role {child.label} exited with code {code} and {budget}; "
-                                  f"{tail}")
+                                  f"{tail}", why=f"role {child.label} failed and {budget}"
+                                  + (f" (last: {reason})" if reason else ""))
         delay = min(backoff_s(lc.restart_backoff_s, recent + 1), lc.restart_backoff_max_s)
         record.times.append(now)
         record.last_code = code

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bus.settings import BOOTSTRAP_ENV
-from ..schemas.errors import ConfigError, TapiocaError
+from ..schemas.errors import EXIT_OOM, ConfigError, TapiocaError
 from .launcher import EXIT_NO_RESTART, Child, Launcher, role_command
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,10 @@ class _RoleActorImpl:
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                          preexec_fn=_parent_death_only)
         code = self.proc.wait()
-        if code not in (0, EXIT_NO_RESTART) and not self.stopping:
+        if code not in (0, EXIT_NO_RESTART, EXIT_OOM) and not self.stopping:
             # End the actor: Ray restarts it (max_restarts) and retries run() there. A
-            # config error is returned instead: no restart fixes it, the launcher says it.
+            # config error or an out-of-memory step is returned instead: no restart fixes
+            # it, the launcher says it.
             os._exit(code if 0 < code < 256 else 1)
         return code
 

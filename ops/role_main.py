@@ -2,7 +2,8 @@
 (the launcher runs ``python -m tapioca.ops.role_main`` the same way).
 
 Its exit status tells the launcher whether a restart can help (``EXIT_NO_RESTART``,
-``EXIT_STORAGE``: no), and a failure's one-line reason also goes to the pipe the launcher
+``EXIT_STORAGE``, ``EXIT_OOM``: no; an out-of-memory error gets the memory plan's advice,
+ops/memory_check.py), and a failure's one-line reason also goes to the pipe the launcher
 passed in ``$TAPIOCA_REASON_FD``: the role's log may be on the disk that is full."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..config.loader import load_config
 from ..config.schema import TrainConfig
 from ..runtime.builders import ROLES, build_role
 from ..runtime.run import resolve_run
-from ..schemas.errors import ConfigError, TapiocaError, storage_error
+from ..schemas.errors import ConfigError, DeviceMemoryError, TapiocaError, out_of_memory_error, storage_error
 from .launcher import REASON_FD_ENV
 
 
@@ -48,6 +49,7 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    cfg = None
     try:
         cfg = load_config(TrainConfig, config, overrides)
         if not cfg.trial_name:
@@ -66,9 +68,14 @@ def run_role_process(role: str, config: str, overrides: list[str], member: int =
         return 0
     except Exception as exc:
         # A TapiocaError exits with its exit_code: EXIT_CONFIG (a config error, a checkpoint
-        # format) and EXIT_STORAGE (a full or failing disk, raised by the role or met here)
-        # are not retried by the launcher (schemas/errors.py).
-        err = storage_error(exc) or exc
+        # format), EXIT_STORAGE (a full or failing disk, raised by the role or met here) and
+        # EXIT_OOM (out of device memory) are not retried by the launcher (schemas/errors.py).
+        err = storage_error(exc) or out_of_memory_error(exc) or exc
+        if isinstance(err, DeviceMemoryError) and cfg is not None:
+            # EXIT_OOM, not restarted: the line says what lowers the memory.
+            from .memory_check import with_oom_advice
+
+            err = with_oom_advice(err, cfg)
         _report(err, reason_fd)
         return err.exit_code if isinstance(err, TapiocaError) else 1
 

@@ -24,9 +24,11 @@ notices). Emits nothing on the bus.
   processor's counters live in the process (the feeder recovers its count from the log,
   the trainer from its checkpoint), so a restarted member starts them at 0: the view
   adds what the member's previous process had counted (:class:`MemberCounters`).
-- The closing line says whether the trial finished, stopped early (drained, or a
-  SIGTERM to the trainer), or was interrupted, with the steps done, the last checkpoint
-  and the command that resumes it.
+- The closing line says whether the trial finished or "stopped at step S of N" and why
+  (drained or a SIGTERM to the trainer, a role that failed for good: restarts exhausted,
+  out of memory; Ctrl-C), with the steps trained (not the version: rollbacks republish
+  earlier weights), the last checkpoint and the command that resumes it; the exit
+  status is 0 only for a finished trial (:func:`ending`).
 """
 
 from __future__ import annotations
@@ -285,6 +287,14 @@ def supervision_caption(health: dict | None) -> str | None:
 class Checkpoint:
     path: Path
     version: int
+    # Versions that republished earlier weights instead of a trained step (a trainer
+    # restarted without a checkpoint, `tapioca weights rollback`): ProgressEvent.rollbacks.
+    rollbacks: int = 0
+
+    @property
+    def trained(self) -> int:
+        """Steps the checkpointed model was trained (its version less the rollbacks)."""
+        return max(self.version - self.rollbacks, 0)
 
 
 def trainer_checkpoint(run_path: str | Path) -> Checkpoint | None:
@@ -296,11 +306,12 @@ def trainer_checkpoint(run_path: str | Path) -> Checkpoint | None:
     single = Path(run_path) / "checkpoints" / f"trainer{SUFFIX}"
     progress = read_progress(single)
     if progress is not None:
-        return Checkpoint(single, progress.version)
+        return Checkpoint(single, progress.version, progress.rollbacks)
     sharded = progress_path(single)
     try:
         record = json.loads(sharded.read_text())
-        return Checkpoint(sharded, int(record["progress"]["version"]))
+        return Checkpoint(sharded, int(record["progress"]["version"]),
+                          int(record["progress"].get("rollbacks", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -322,50 +333,88 @@ def start_line(cfg, ckpt: Checkpoint | None) -> str | None:
     """Said when the trial has a checkpoint: it resumes (or has nothing left to do)."""
     if ckpt is None or ckpt.version == 0:
         return None
-    if ckpt.version >= cfg.total_train_steps:
+    if ckpt.trained >= cfg.total_train_steps:
         return (f"trial {cfg.trial_name} is already complete: its checkpoint ({ckpt.path}) is at "
-                f"step {ckpt.version} of total_train_steps={cfg.total_train_steps}; nothing to "
+                f"step {ckpt.trained} of total_train_steps={cfg.total_train_steps}; nothing to "
                 "train (raise total_train_steps to go on, or start a new trial_name)")
     bus = "" if cfg.bus.run_id == cfg.run_id else f" (on bus run id {cfg.bus.run_id})"
-    return (f"resuming trial {cfg.trial_name} from step {ckpt.version} of "
+    return (f"resuming trial {cfg.trial_name} from step {ckpt.trained} of "
             f"{cfg.total_train_steps} ({ckpt.path}){bus}")
 
 
+# `tapioca train`'s exit status when the run stopped before total_train_steps (drained,
+# or its versions include rollbacks); a role that failed for good exits with its error's
+# code (1, EXIT_OOM 71, EXIT_STORAGE 74, EXIT_CONFIG 78), Ctrl-C with 130.
+EXIT_STOPPED_EARLY = 1
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class Ending:
+    line: str
+    exit_code: int
+
+
 def closing_line(summary, cfg, ckpt: Checkpoint | None, *, resume: str,
-                 interrupted: bool = False) -> str:
-    """The last line of `tapioca train`: what ran, and how it ended."""
+                 interrupted: bool = False, failure: str | None = None) -> str:
+    """The last line of `tapioca train`: what ran, and how it ended (:func:`ending`)."""
+    return ending(summary, cfg, ckpt, resume=resume, interrupted=interrupted, failure=failure).line
+
+
+def ending(summary, cfg, ckpt: Checkpoint | None, *, resume: str, interrupted: bool = False,
+           failure: str | None = None) -> Ending:
+    """The closing line and the exit status: 0 only when the trial trained its
+    ``total_train_steps`` (or reached ``stop_at_reward``). A run that stopped before says
+    "stopped at step S of N" and why: ``failure`` (a role failed for good: restarts
+    exhausted, out of memory), Ctrl-C, a drain, or versions that were rollbacks. S counts
+    the steps the checkpoint's model was trained, not its version number."""
     total = cfg.total_train_steps
     # The checkpoint is the truth; without one here (none yet, or the run directory is
     # on another host of a Ray cluster), the last step the metrics showed.
-    done = ckpt.version if ckpt is not None else summary.steps if summary is not None else 0
-    where = (f"last checkpoint {ckpt.path} (step {ckpt.version})" if ckpt is not None
-             else "no checkpoint yet")
+    done = ckpt.trained if ckpt is not None else summary.steps if summary is not None else 0
+    if ckpt is None:
+        where = "no checkpoint yet"
+    elif ckpt.rollbacks:
+        where = (f"last checkpoint {ckpt.path} (version {ckpt.version}: {ckpt.trained} steps trained, "
+                 f"{ckpt.rollbacks} versions republished earlier weights)")
+    else:
+        where = f"last checkpoint {ckpt.path} (step {ckpt.version})"
     supervision = summary.supervision_line() if summary is not None else ""
     supervision = f" ({supervision})" if supervision else ""
+    trained_now = len(summary.rewards) if summary is not None else 0
     if interrupted:
-        n = len(summary.rewards) if summary is not None else 0
-        session = f", {n} in this session" if n else ""
-        return (f"interrupted: {done} of {total} steps done{session}; {where}{supervision}. "
-                f"Resume: {resume}")
-    means = summary.window_means()
-    if means is None and done >= total:
-        return (f"done: nothing to train: trial {cfg.trial_name} was already complete "
-                f"(step {done} of {total}, {where})")
+        session = f", {trained_now} in this session" if trained_now else ""
+        return Ending(f"interrupted (Ctrl-C): stopped at step {done} of {total}{session}; {where}"
+                      f"{supervision}. Resume: {resume}", EXIT_INTERRUPTED)
+    means = summary.window_means() if summary is not None else None
+    if means is None and done >= total and failure is None:
+        return Ending(f"done: nothing to train: trial {cfg.trial_name} was already complete "
+                      f"(step {done} of {total}, {where})", 0)
     if means is None:
-        what = f"no training step completed ({summary.run_dir}){supervision}"
+        what = f"no training step completed ({summary.run_dir if summary else cfg.run_path}){supervision}"
     else:
         first, last, w = means
         steps = f"{w} steps" if w > 1 else "step"
-        what = (f"{summary.steps} steps in {summary.wall_s:.0f} s; mean reward {first:.3f} over "
-                f"the first {steps} -> {last:.3f} over the last {steps}"
+        what = (f"{trained_now} step{'' if trained_now == 1 else 's'} trained in {summary.wall_s:.0f} s; "
+                f"mean reward {first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
                 f"{held_out_change(summary.held_out)}{supervision}. "
                 f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")
+    if failure is not None:
+        return Ending(f"stopped at step {done} of {total}: {failure}; {where}. {what}. Resume: {resume}",
+                      EXIT_STOPPED_EARLY)
     if done >= total:
-        return f"done: {what}"
+        return Ending(f"done: {what}", 0)
     last_reward = summary.rewards[max(summary.rewards)] if summary.rewards else None
     if cfg.stop_at_reward is not None and last_reward is not None \
             and last_reward >= cfg.stop_at_reward:
-        return f"done (stop_at_reward={cfg.stop_at_reward:g} reached at step {done}): {what}"
-    return (f"stopped early: the trainer exited at step {done} of {total} (drained by "
-            f"`tapioca drain trainer`, or sent SIGTERM), not finished; {where}. {what}. "
-            f"Resume: {resume}")
+        return Ending(f"done (stop_at_reward={cfg.stop_at_reward:g} reached at step {done}): {what}", 0)
+    if ckpt is not None and ckpt.version >= total:
+        # The trainer finished by version, but some versions were not trained steps.
+        return Ending(f"stopped at step {done} of {total}: the trainer reached version {ckpt.version}, "
+                      f"but {ckpt.rollbacks} of its versions republished earlier weights (a trainer "
+                      "restarted without a checkpoint: actor.checkpoint_every_steps; or `tapioca weights "
+                      f"rollback`); {where}. {what}. To train the rest: {resume} "
+                      f"total_train_steps={ckpt.version + total - done}", EXIT_STOPPED_EARLY)
+    return Ending(f"stopped at step {done} of {total}: the trainer exited before total_train_steps "
+                  f"(drained by `tapioca drain trainer`, or sent SIGTERM); {where}. {what}. "
+                  f"Resume: {resume}", EXIT_STOPPED_EARLY)

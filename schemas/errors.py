@@ -3,7 +3,8 @@
 Every error a user can see derives from :class:`TapiocaError`; messages say what to do.
 A process that ends with one exits with its ``exit_code``: 1, or :data:`EXIT_CONFIG` for an
 error no restart can fix (a bad config or usage, a missing key file, a port taken), which
-the launcher does not retry and reports as that error's one line.
+the launcher does not retry and reports as that error's one line; :data:`EXIT_STORAGE`
+(a disk) and :data:`EXIT_OOM` (device memory) are not retried either.
 """
 
 import errno
@@ -15,6 +16,10 @@ EXIT_CONFIG = 78
 # sysexits.h EX_IOERR: a disk full, failing or read-only (StorageError): the run stops,
 # saying which file could not be written, until a person frees space.
 EXIT_STORAGE = 74
+# A device ran out of memory (DeviceMemoryError; sysexits.h's EX_OSERR number): not
+# restarted, since the same step would need the same memory; the run stops naming the
+# settings that lower it.
+EXIT_OOM = 71
 
 
 class TapiocaError(Exception):
@@ -86,6 +91,42 @@ class StorageError(FatalRoleError):
     (e.g. ``No space left on device writing runs/x/weights/v000028.safetensors``)."""
 
     exit_code = EXIT_STORAGE
+
+
+class DeviceMemoryError(FatalRoleError):
+    """A step ran out of device memory (``torch.OutOfMemoryError``, or a CUDA error that
+    says "out of memory"). No restart fixes it: the same step needs the same memory."""
+
+    exit_code = EXIT_OOM
+
+
+def out_of_memory_error(exc: BaseException, what: str = "") -> "DeviceMemoryError | None":
+    """``exc`` (or an error it was raised from) as a :class:`DeviceMemoryError` when it
+    is an out-of-memory error, its message cut to the first sentences (torch's goes on
+    about the allocator) and prefixed by ``what``; else None."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, DeviceMemoryError):
+            return e
+        text = str(e)
+        if type(e).__name__ == "OutOfMemoryError" or (isinstance(e, RuntimeError)
+                                                       and "out of memory" in text.lower()):
+            return DeviceMemoryError(f"{what}{_first_sentences(text)}")
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _first_sentences(text: str, limit: int = 240) -> str:
+    """Up to the sentence that says what is free (torch: "CUDA out of memory. Tried to
+    allocate 2.32 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.05 GiB is
+    free."), on one line."""
+    text = " ".join(text.split())
+    end = text.find(" is free.")
+    if 0 <= end < 400:
+        return text[:end + len(" is free.")]
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 # The OSError numbers :func:`storage_error` turns into a StorageError.

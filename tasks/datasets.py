@@ -4,6 +4,10 @@ Consumed by the tasks (``gsm8k`` ...) and by the prompt feeder for user datasets
 one dict per row, in file order, lazily (a large Parquet file is read batch by batch).
 Local paths only: nothing here downloads. :func:`dataset_rows` is the rows of a run's
 ``train_dataset`` section (the feeder's and the agent runners' prompts).
+
+A relative path is read from the working directory, else from the repository root
+(:func:`data_path`): the examples name their data as ``examples/data/...`` (GSM8K ships
+there), which works from the root of a clone and from any other directory.
 """
 
 from __future__ import annotations
@@ -19,7 +23,21 @@ from ..schemas.errors import ConfigError, TapiocaError
 if TYPE_CHECKING:
     from ..config.schema import DatasetConfig
 
+# The repository root: the package's own directory (examples/ sits beside tasks/ there).
+REPO_ROOT = Path(__file__).resolve().parent.parent
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+def data_path(path: str | os.PathLike) -> Path:
+    """``path`` as given when it is absolute or there from the working directory; else
+    the same relative path in the repository root, when there (``examples/data/gsm8k/
+    train.jsonl`` from any directory of a clone, and in a role whose working directory
+    is another, e.g. a Ray worker's)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    in_repo = REPO_ROOT / p
+    return in_repo if in_repo.exists() else p
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
@@ -84,9 +102,11 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     suffix (``.jsonl``/``.json``/``.ndjson``, ``.parquet``/``.pq``) or, for a directory,
     by the files ``save_to_disk`` writes.
     """
-    path = Path(path)
+    path = data_path(path)
     if not path.exists():
-        raise TapiocaError(f"dataset {path} does not exist; check the path (datasets are read locally only)")
+        where = "" if path.is_absolute() else f" (from {Path.cwd()}, nor in the repository {REPO_ROOT})"
+        raise TapiocaError(f"dataset {path} does not exist{where}; check the path (datasets are read "
+                           "locally only)")
     if path.is_dir():
         if _is_hf_datasets_dir(path):
             return _read_hf_datasets_dir(path, split)
@@ -118,7 +138,7 @@ def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[d
         return "visual", get_task("visual", **ds.task_options).iter_records(ds.split, seed)
     if ds.type == "arith":  # chain arithmetic with shown work (tasks/arith.py)
         return "arith", get_task("arith", **ds.task_options).iter_records(ds.split, seed)
-    base_dir = os.path.dirname(os.path.abspath(ds.path))
+    base_dir = os.path.dirname(os.path.abspath(data_path(ds.path)))
 
     def rows():
         for i, row in enumerate(read_records(ds.path)):

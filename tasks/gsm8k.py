@@ -5,8 +5,10 @@ JSONL / Parquet / a ``save_to_disk`` directory with those columns works. Records
 keyed ``gsm8k-{split}-{index}`` with ``index`` the row's position in the file, so the
 id of a problem never depends on the shuffle seed.
 
-Where the files are: ``path=`` (a file, or a folder holding ``{split}.jsonl``), else
-``$TAPIOCA_DATA_DIR/gsm8k/``, else ``../shared/data/gsm8k/`` beside the repository.
+Where the files are: ``path=`` (a file, or a folder holding ``{split}.jsonl``; relative:
+from the working directory, else the repository root), else ``$TAPIOCA_DATA_DIR/gsm8k/``,
+else the copy the repository ships, ``examples/data/gsm8k/`` (train and test, MIT
+licensed: its LICENSE).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from ..models.tokenizer import PRINTABLE_ALPHABET
 from ..schemas.errors import ConfigError, TapiocaError
 from .base import Record, reference_of, register_task, user_messages
-from .datasets import read_records
+from .datasets import REPO_ROOT, data_path, read_records
 from .math_reward import math_answer, math_reward
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -38,8 +40,7 @@ def default_data_dir() -> Path:
     env = os.environ.get("TAPIOCA_DATA_DIR")
     if env:
         return Path(env)
-    # tasks/ sits in the repository root; shared data lives beside the repository.
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+    return REPO_ROOT / "examples" / "data"  # GSM8K ships there (not in the wheel)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class GSM8KTask:
             if not p.exists():
                 raise ConfigError(f"no GSM8K file at {p}; pass path=... or set TAPIOCA_DATA_DIR")
             return list(read_records(p))
-        p = Path(self.path)
+        p = data_path(self.path)
         if p.is_dir() and not ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
             p = p / f"{split}.jsonl"  # a folder of the original {split}.jsonl files
             return list(read_records(p))

@@ -124,6 +124,12 @@ class TrainerProgress:
     # lost log dropped from the trainer's count of this log's (Trainer.describe).
     base_groups: int = 0
 
+    @property
+    def trained_steps(self) -> int:
+        """The versions that were trained steps: a rollback (an operator's, or a trainer
+        resumed below the log's highest version) republishes earlier weights."""
+        return self.version - self.rollbacks
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainerProgress":
         known = {f for f in cls.__dataclass_fields__}

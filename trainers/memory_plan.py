@@ -48,10 +48,14 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..models.fused_ops import liger_by_default
-
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (``float32``, ``bfloat16``, ``float16``)."""
+    return _BYTES[dtype]
+
 # MasterAdamW steps in buckets of this many elements (trainers/optim.py BUCKET_ELEMS).
 _MASTER_BUCKET_ELEMS = 1 << 27
 
@@ -161,6 +165,10 @@ class TrainShape:
     logprob_kernel: str = "torch"  # torch | triton
     keep_logits: bool = False
     chunk_tokens: int = 4096
+    # actor.use_lora: the adapter's parameters (0: full training) and the sum of its
+    # ranks over one decoder layer's targeted projections (what each saves per token).
+    lora_params: int = 0
+    lora_layer_rank: int = 0
 
     @property
     def world(self) -> int:
@@ -189,6 +197,7 @@ class TrainShape:
                 f"{'sharded ' + self.fsdp_param_dtype if self.sharded else self.param_dtype} weights"
                 f"{' + ' + self.autocast_dtype + ' autocast' if self.autocast_dtype else ''}{ac}"
                 f"{' liger' if self.liger else ''}{' recompute_swiglu' if self.recompute_swiglu else ''}"
+                f"{f' LoRA ({self.lora_params / 1e6:.1f}M adapter parameters)' if self.lora_params else ''}"
                 f", {self.attention} attention, {self.logprob_kernel} logprobs")
 
 
@@ -257,6 +266,9 @@ def layer_activation_bytes(m: ModelShape, t: TrainShape) -> tuple[float, float, 
         split += k * (per_channel * m.moe_intermediate * a + h * a) + 2 * 4 * m.experts
     else:
         split += per_channel * m.intermediate * a
+    # LoRA: each targeted projection's adapter keeps its rank-wide A output for B (its
+    # input is the projection's, saved once).
+    split += t.lora_layer_rank * a
     return seq, gathered, split
 
 
@@ -302,7 +314,8 @@ def head_bytes(m: ModelShape, t: TrainShape) -> tuple[float, float]:
         buffers = chunk * vocab * (4 + 4 + (0 if mm == 4 else mm))
     weights_bytes = _BYTES[t.fsdp_param_dtype if t.sharded else t.param_dtype]
     w_copy = vocab * h * mm if mm != weights_bytes else 0  # the weight in the matmul dtype
-    grad_w = vocab * h * 4  # fp32 accumulator over the chunks
+    # fp32 accumulator over the chunks; none for LoRA's frozen head.
+    grad_w = 0 if t.lora_params else vocab * h * 4
     grad_h = rows * h * 4 + n * h * a  # fp32, then scattered into the [n, H] gradient
     return saved, buffers + w_copy + grad_w + grad_h
 
@@ -350,24 +363,26 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
         head_grad = c * m.vocab * m.hidden / t.tp
     else:
         w = _BYTES[t.param_dtype]
-        n_params = m.params
-        p.parts["weights"] = w * n_params
+        # LoRA: the base is frozen in its dtype; only the adapter has gradients and state.
+        n_params = t.lora_params or m.params
+        p.parts["weights"] = w * (m.params + t.lora_params)
         if t.autocast:
             p.parts["autocast bf16 weight copies"] = 2 * m.layers * m.layer_params
         low = w < 4
         masters = low and t.fp32_master_weights
-        p.parts["gradients"] = w * n_params
+        p.parts["gradients" + (" (adapter)" if t.lora_params else "")] = w * n_params
         on_gpu_state = 0 if (masters and t.offload_optimizer) else (12 if masters else 8)
         p.parts["optimizer (moments" + (" + fp32 masters)" if masters else ")")] = on_gpu_state * n_params
         stays = p.parts["weights"] + p.parts.get("autocast bf16 weight copies", 0.0) + on_gpu_state * n_params
-        grads_resident = p.parts["gradients"] if t.micro_batches > 1 else 0.0
-        head_grad = 0.0 if t.micro_batches > 1 else w * m.vocab * m.hidden
+        grads = w * n_params
+        grads_resident = grads if t.micro_batches > 1 else 0.0
+        head_grad = 0.0 if t.micro_batches > 1 or t.lora_params else w * m.vocab * m.hidden
         backward_extra = 0.0
         if masters:
             step_extra = min(n_params, _MASTER_BUCKET_ELEMS) * 4 * (1 if t.fused_optimizer else 2)
         else:
             step_extra = 0.0 if t.fused_optimizer else 4 * n_params
-        step_extra += p.parts["gradients"]
+        step_extra += grads
     p.parts["activations (one micro-batch)"] = acts
     p.parts["LM head (saved)"] = head_saved
     p.parts["backward transient"] = max(head_transient + head_grad, layer_transient) + backward_extra
@@ -376,16 +391,27 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
     return p
 
 
-def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 2) -> TrainShape:
-    """A :class:`TrainShape` from the ``actor`` and ``fsdp`` config sections (on CUDA:
-    flash varlen attention and, at tp 1, the ``auto`` logprob kernel is Triton)."""
+def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 2,
+                model: ModelShape | None = None) -> TrainShape:
+    """A :class:`TrainShape` from the ``actor`` and ``fsdp`` config sections, as the
+    trainer will run them: on CUDA the ``auto`` logprob kernel is Triton at tp 1, and
+    ``auto`` attention is flash varlen where the layers compute in bf16 / fp16 (in fp32
+    the packed forward runs padded sdpa); ``liger_kernels: null`` is on where it runs.
+    ``model``: the shape a LoRA adapter (``actor.use_lora``) is counted on."""
+    from ..models.fused_ops import liger_by_default
+
+    cuda = str(actor.device).startswith("cuda")
     kernel = actor.logprob_kernel
     if kernel == "auto":
-        kernel = "triton" if actor.device.startswith("cuda") and fsdp.tp == 1 else "torch"
+        kernel = "triton" if cuda and fsdp.tp == 1 else "torch"
+    compute = actor.autocast_dtype or (fsdp.param_dtype if fsdp.world_size > 1 else actor.weights_dtype)
     attention = actor.attention_backend
     if attention == "auto":
-        attention = "varlen" if actor.device.startswith("cuda") else "sdpa"
+        attention = "varlen" if cuda and compute in ("bfloat16", "float16") else "sdpa"
     every = actor.gradient_checkpointing_every_n_layers if actor.gradient_checkpointing else 0
+    lora_params = lora_rank = 0
+    if actor.use_lora and model is not None:
+        lora_params, lora_rank = lora_shape(model, actor.lora_rank, actor.target_modules)
     return TrainShape(
         tokens=tokens or actor.mb_max_tokens, micro_batches=micro_batches, dp=fsdp.dp, tp=fsdp.tp,
         cp=fsdp.cp, param_dtype=actor.weights_dtype, autocast_dtype=actor.autocast_dtype,
@@ -394,8 +420,35 @@ def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 
         liger=(actor.liger_kernels if actor.liger_kernels is not None
                else liger_by_default(actor.device, parallel=fsdp.tp > 1, compile_layers=actor.compile_layers)),
         recompute_swiglu=actor.recompute_swiglu, checkpoint_every=every,
-        attention="varlen" if attention.startswith("varlen") else "sdpa", logprob_kernel=kernel,
-        keep_logits=actor.logprob_keep_logits, chunk_tokens=actor.logprob_chunk_tokens)
+        attention="sdpa" if attention == "sdpa" else "varlen", logprob_kernel=kernel,
+        keep_logits=actor.logprob_keep_logits, chunk_tokens=actor.logprob_chunk_tokens,
+        lora_params=lora_params, lora_layer_rank=lora_rank)
+
+
+# A decoder layer's linear projections as peft names them: (input, output) features.
+def projections(m: ModelShape) -> dict[str, tuple[int, int]]:
+    q, kv, h = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden
+    inter = m.intermediate if not m.experts else 0  # MoE experts are no nn.Linear to target
+    out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if inter:
+        out.update({"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)})
+    return out
+
+
+def lora_targets(m: ModelShape, target_modules) -> dict[str, tuple[int, int]]:
+    """The projections of one layer an adapter of ``actor.target_modules`` wraps
+    (``all-linear``: every one; peft leaves the LM head out)."""
+    names = list(target_modules)
+    proj = projections(m)
+    return proj if "all-linear" in names else {n: proj[n] for n in names if n in proj}
+
+
+def lora_shape(m: ModelShape, rank: int, target_modules) -> tuple[int, int]:
+    """``(adapter parameters, sum of the ranks over one layer's targets)``: A is
+    ``[rank, in]`` and B ``[out, rank]`` for every targeted projection of every layer."""
+    targets = lora_targets(m, target_modules)
+    per_layer = sum(rank * (i + o) for i, o in targets.values())
+    return m.layers * per_layer, rank * len(targets)
 
 
 def tiny_shape(model) -> ModelShape:

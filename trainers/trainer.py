@@ -7,7 +7,10 @@ durable file for a version is ready, or at start), ``ProgressEvent`` on ``progre
 version, whenever the rejected groups change, and at start), and ``MetricsEvent`` on
 ``metrics.v1``.
 
-- B groups (``train_dataset.prompts_per_step``) make one step; version v = steps done.
+- B groups (``train_dataset.prompts_per_step``) make one step; version v = steps done,
+  and rollbacks (versions that republish earlier weights); the run is done when the
+  trained steps (``TrainerProgress.trained_steps``) reach ``total_train_steps`` (an
+  operator's rollback to the last version ends it too, :meth:`Trainer.on_control`).
 - Tail gate: a group whose staleness ``v - min(output_versions)`` exceeds eta
   (``rollout.max_head_offpolicyness``) is not trained. It stays in the log, is counted
   (``trainer/rejected_stale``), and its slot is freed at the feeder by the next progress
@@ -38,7 +41,8 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   run's blob store are read at arrival (``sample_checks.check_routes``).
 - A step whose loss or gradient norm is not finite is not applied: the optimizer step is
   skipped (``trainer/skipped_steps``), the batch's groups are dead-lettered and rejected,
-  and the version does not move.
+  and the version does not move. A step that runs out of device memory stops the
+  trainer with ``DeviceMemoryError`` (exit 71, not restarted), nothing committed.
 - Token-level parts (:mod:`tapioca.trainers.token_advantages`): GAE with a critic,
   KL to a reference in the reward, batch-level normalisation, on-policy distillation.
   The critic trains after the policy on the same batch and is checkpointed with it
@@ -76,7 +80,7 @@ from ..bus.role import DeadLetter, Role, Source
 from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
 from ..schemas.envelope import Event
-from ..schemas.errors import BadEventError, FatalRoleError, storage_error
+from ..schemas.errors import BadEventError, FatalRoleError, out_of_memory_error, storage_error
 from ..schemas.events import (
     MetricsEvent,
     ProgressEvent,
@@ -242,7 +246,7 @@ class Trainer(Role[TrainerState]):
         # At start: the current version's bytes and progress (a restart names its last
         # rejections again, and the log may have lost the events of its last step).
         state.announce_progress = state.announce_weights = True
-        state.done = progress.version >= self.cfg.total_train_steps
+        state.done = progress.trained_steps >= self.cfg.total_train_steps
         self._resumed = resumed
         return state
 
@@ -293,7 +297,9 @@ class Trainer(Role[TrainerState]):
                                                 checkpoint=True, regate=True)
         weights.rollback_of = p.version
         state.pending += [weights, progress]  # published on the first tick (or with the first step)
-        state.done = state.progress.version >= self.cfg.total_train_steps
+        # The republished versions are no trained steps: a trainer restarted without a
+        # checkpoint trains on to total_train_steps (issue 37: it used to finish here).
+        state.done = state.progress.trained_steps >= self.cfg.total_train_steps
 
     def _publish_weights(self, state: TrainerState) -> WeightsEvent:
         """The bytes of the state's version, published over the transport."""
@@ -493,7 +499,12 @@ class Trainer(Role[TrainerState]):
                 token_metrics.update(self.critic.train_step(items))
         except Exception as exc:
             # Retrying the triggering event would lose the rest of the batch; a failed
-            # step (OOM, bad loss config) needs a person: stop with the cause, uncommitted.
+            # step (bad loss config) needs a person: stop with the cause, uncommitted. Out
+            # of memory has its own exit (EXIT_OOM): no restart, the launcher says what
+            # lowers the memory (ops/role_main.py adds the planner's advice).
+            oom = out_of_memory_error(exc, f"training step {v_before + 1} ran out of memory: ")
+            if oom is not None:
+                raise oom from exc
             raise FatalRoleError(f"training step {v_before + 1} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
         if self.cfg.release_memory_after_step and torch.cuda.is_available():
@@ -559,7 +570,7 @@ class Trainer(Role[TrainerState]):
         for lag, count in sorted(state.staleness_hist.items()):
             metrics[f"trainer/staleness_hist/{lag}"] = float(count)
         self.sink.write(p.version, metrics)
-        if p.version >= self.cfg.total_train_steps or (
+        if p.trained_steps >= self.cfg.total_train_steps or (
                 self.cfg.stop_at_reward is not None and state.last_reward >= self.cfg.stop_at_reward):
             state.done = True
         # The step's progress event names the rejections so far; more came only if some

@@ -6,7 +6,7 @@ process, the tiny model) run three times on the same trial.
    done, the last checkpoint and the command that resumes the trial.
 2. That command resumes it ("resuming trial T from step S"); `tapioca drain trainer
    --run-dir R` (the global option after the command) stops it, and the closing line says
-   it stopped early rather than finished.
+   "stopped at step S of N" rather than done, with a non-zero exit status.
 3. Run again with total_train_steps at its checkpoint, it says the trial is already
    complete and trains nothing.
 """
@@ -101,8 +101,8 @@ def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path):
         first.proc.send_signal(signal.SIGINT)
         out = first.finish()
         assert first.proc.returncode == 130, out
-        m = re.search(r"^interrupted: (\d+) of 100000 steps done, \d+ in this session; last "
-                      r"checkpoint (\S+) \(step (\d+)\)\. Resume: (.+)$", out, re.M)
+        m = re.search(r"^interrupted \(Ctrl-C\): stopped at step (\d+) of 100000, \d+ in this session; "
+                      r"last checkpoint (\S+) \(step (\d+)\)\. Resume: (.+)$", out, re.M)
         assert m, out
         done, ckpt, resume = int(m.group(1)), Path(m.group(2)), m.group(4)
         assert done >= 2 and int(m.group(3)) == done and ckpt.is_file()
@@ -120,9 +120,9 @@ def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path):
                                timeout=120)
         assert drain.returncode == 0, drain.stdout + drain.stderr
         out = second.finish()
-        assert second.proc.returncode == 0, out
-        m = re.search(r"^stopped early: the trainer exited at step (\d+) of 100000 \(drained by "
-                      r"`tapioca drain trainer`, or sent SIGTERM\), not finished; last "
+        assert second.proc.returncode == 1, out  # stopped before total_train_steps: not 0
+        m = re.search(r"^stopped at step (\d+) of 100000: the trainer exited before total_train_steps "
+                      r"\(drained by `tapioca drain trainer`, or sent SIGTERM\); last "
                       rf"checkpoint {re.escape(str(ckpt))} \(step \d+\)\..*Resume: ", out, re.M)
         assert m, out
         drained_at = int(m.group(1))

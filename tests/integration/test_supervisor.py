@@ -25,7 +25,7 @@ import yaml
 from tapioca.bus.admin import admin_client, topic_partitions
 from tapioca.bus.settings import BusConfig
 from tapioca.config.schema import LauncherConfig, ModelConfig, TrainConfig
-from tapioca.ops.launcher import Launcher, RoleFailedError
+from tapioca.ops.launcher import Launcher, RoleFailedError, RoleOutOfMemoryError
 from tapioca.schemas.registry import TOPICS
 
 pytestmark = pytest.mark.integration
@@ -51,6 +51,8 @@ if what == "crash":
     print("boom: this role always fails", flush=True); sys.exit(1)
 if what == "exit78":
     print("error: bad config", flush=True); sys.exit(78)
+if what == "exit71":
+    print("error: training step 2 ran out of memory: CUDA out of memory.", flush=True); sys.exit(71)
 deadline = time.time() + 120
 while time.time() < deadline:
     if what.startswith("done-when-file:") and os.path.exists(os.path.join(state, what.split(":", 1)[1])):
@@ -145,6 +147,24 @@ def test_a_config_error_is_not_retried(tmp_path, standin, broker):
     # One line: the role's own reason (its log's last "error:" line) and where its log is.
     log_path = Path(launcher.cfg.run_path) / "logs" / "advantage-0.log"
     assert str(err.value) == f"advantage-0: bad config (log: {log_path})"
+
+
+def test_an_out_of_memory_step_is_not_restarted(tmp_path, standin, broker):
+    """Issue 37: a trainer that ran out of memory was restarted and ran out again (the
+    same step needs the same memory); EXIT_OOM (71) stops the run with the role's line."""
+    launcher = make_launcher(tmp_path, standin, {"trainer": "exit71"}, bootstrap=broker.bootstrap)
+    launcher.start()
+    try:
+        with pytest.raises(RoleOutOfMemoryError) as err:
+            launcher.wait(timeout_s=60)
+    finally:
+        launcher.stop()
+    assert starts(launcher, "trainer-0") == 1
+    assert err.value.exit_code == 71
+    assert err.value.why == "trainer-0: training step 2 ran out of memory: CUDA out of memory."
+    assert "not restarted" in str(err.value)
+    record = json.loads((Path(launcher.cfg.run_path) / "launcher.json").read_text())
+    assert record["outcome"] == "out of memory"
 
 
 def test_a_role_the_user_started_ends_with_the_run(tmp_path, standin, broker):

@@ -14,9 +14,11 @@ from rich.console import Console
 from tapioca.config.schema import AdvantageConfig, LauncherConfig, RewardConfig, TrainConfig
 from tapioca.ops.launcher import RunSummary
 from tapioca.ops.train_view import (
+    EXIT_STOPPED_EARLY,
     Checkpoint,
     TrainView,
     closing_line,
+    ending,
     resume_command,
     start_line,
 )
@@ -222,23 +224,48 @@ def summary(steps: dict[int, float]) -> RunSummary:
 def test_closing_line_says_finished_drained_or_interrupted():
     c = cfg(total_train_steps=4)
     ckpt = Path("/r/checkpoints/trainer.safetensors")
-    finished = closing_line(summary({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}), c, Checkpoint(ckpt, 4),
-                            resume="R")
-    assert finished.startswith("done: 4 steps") and "Resume" not in finished
-    drained = closing_line(summary({1: 0.1, 2: 0.2}), c, Checkpoint(ckpt, 2), resume="R")
-    assert drained.startswith("stopped early: the trainer exited at step 2 of 4")
-    assert "tapioca drain trainer" in drained and str(ckpt) in drained and "Resume: R" in drained
-    interrupted = closing_line(summary({3: 0.3}), c, Checkpoint(ckpt, 3), resume="R",
-                               interrupted=True)
-    assert interrupted.startswith("interrupted: 3 of 4 steps done, 1 in this session")
-    assert f"last checkpoint {ckpt} (step 3)" in interrupted and interrupted.endswith("Resume: R")
+    finished = ending(summary({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}), c, Checkpoint(ckpt, 4), resume="R")
+    assert finished.line.startswith("done: 4 steps trained") and "Resume" not in finished.line
+    assert finished.exit_code == 0
+    drained = ending(summary({1: 0.1, 2: 0.2}), c, Checkpoint(ckpt, 2), resume="R")
+    assert drained.line.startswith("stopped at step 2 of 4: the trainer exited before total_train_steps")
+    assert "tapioca drain trainer" in drained.line and str(ckpt) in drained.line
+    assert drained.line.endswith("Resume: R") and drained.exit_code == EXIT_STOPPED_EARLY != 0
+    interrupted = ending(summary({3: 0.3}), c, Checkpoint(ckpt, 3), resume="R", interrupted=True)
+    assert interrupted.line.startswith("interrupted (Ctrl-C): stopped at step 3 of 4, 1 in this session")
+    assert f"last checkpoint {ckpt} (step 3)" in interrupted.line
+    assert interrupted.line.endswith("Resume: R") and interrupted.exit_code == 130
     early = closing_line(None, c, None, resume="R", interrupted=True)
-    assert "0 of 4 steps done; no checkpoint yet" in early
-    reached = closing_line(summary({1: 0.1, 2: 0.95}), cfg(total_train_steps=4, stop_at_reward=0.9),
-                           Checkpoint(ckpt, 2), resume="R")
-    assert reached.startswith("done (stop_at_reward=0.9 reached at step 2)")
-    complete = closing_line(summary({}), c, Checkpoint(ckpt, 4), resume="R")
-    assert complete.startswith("done: nothing to train: trial t1 was already complete")
+    assert "stopped at step 0 of 4; no checkpoint yet" in early
+    reached = ending(summary({1: 0.1, 2: 0.95}), cfg(total_train_steps=4, stop_at_reward=0.9),
+                     Checkpoint(ckpt, 2), resume="R")
+    assert reached.line.startswith("done (stop_at_reward=0.9 reached at step 2)") and reached.exit_code == 0
+    complete = ending(summary({}), c, Checkpoint(ckpt, 4), resume="R")
+    assert complete.line.startswith("done: nothing to train: trial t1 was already complete")
+    assert complete.exit_code == 0
+
+
+def test_a_run_that_stops_early_says_why_and_counts_trained_steps_not_versions():
+    """Issue 37: a trainer that ran out of memory at steps 2, 4 and 6 and was restarted
+    without a checkpoint republished the initial weights as versions 2, 4 and 6; the run
+    said "done: 5 steps" and exited 0. Versions that republish earlier weights are not
+    trained steps, and a role that failed for good is said before the resume command."""
+    c = cfg(total_train_steps=6)
+    ckpt = Path("/r/checkpoints/trainer.safetensors")
+    rolled = ending(summary({1: 0.1, 3: 0.2, 5: 0.3}), c, Checkpoint(ckpt, 6, rollbacks=4), resume="R")
+    assert rolled.exit_code == EXIT_STOPPED_EARLY
+    assert rolled.line.startswith("stopped at step 2 of 6: the trainer reached version 6, but 4 of its "
+                                  "versions republished earlier weights")
+    assert "(version 6: 2 steps trained, 4 versions republished earlier weights)" in rolled.line
+    assert "3 steps trained in 12 s" in rolled.line and "R total_train_steps=10" in rolled.line
+    oom = ending(summary({1: 0.1}), c, Checkpoint(ckpt, 1), resume="R",
+                 failure="trainer-0: training step 2 ran out of memory: CUDA out of memory.")
+    assert oom.line.startswith("stopped at step 1 of 6: trainer-0: training step 2 ran out of memory")
+    assert oom.line.endswith("Resume: R") and oom.exit_code != 0
+    gone = ending(summary({}), c, None, resume="R", failure="role reward-0 failed and it was restarted 5 "
+                  "times within 600 s (launcher.max_restarts=5)")
+    assert gone.line.startswith("stopped at step 0 of 6: role reward-0 failed and it was restarted 5 times")
+    assert "no checkpoint yet" in gone.line and gone.exit_code != 0
 
 
 def test_online_mode_shows_sessions_served_rewards_pending_and_trained():

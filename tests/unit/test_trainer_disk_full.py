@@ -205,6 +205,33 @@ def test_a_trainer_resumed_below_the_logs_highest_version_publishes_above_it(tmp
     t2.sink.close()
 
 
+def test_a_trainer_restarted_without_a_checkpoint_trains_on_to_total_train_steps(tmp_path):
+    """Issue 37: a trainer that died after step 1 with no checkpoint (checkpoint_every_steps
+    10) came back, republished the initial weights as version 2 and, with
+    total_train_steps=2, finished there: final/ held the untrained model. The
+    republished version is no trained step: it trains two more."""
+    import dataclasses
+
+    t = make_trainer(tmp_path, checkpoint_every_steps=10)
+    state = t.init_state()
+    log = list(t.on_tick(state, 0.0))
+    for k in range(2):
+        log += t.handle(sample(f"g{k}"), state, src(k))
+    assert state.progress.version == 1 and read_progress(t.ckpt_path) is None
+    t.sink.close()
+
+    t2 = make_trainer(tmp_path, seed=5)
+    t2.cfg = dataclasses.replace(t2.cfg, total_train_steps=2)
+    s2 = t2.init_state()
+    t2.recover(s2, [e for e in log if isinstance(e, WeightsEvent)])
+    assert (s2.progress.version, s2.progress.rollbacks, s2.progress.trained_steps) == (2, 2, 0)
+    assert not t2.finished(s2)
+    for k in range(2, 6):
+        t2.handle(sample(f"g{k}", min_version=k // 2), s2, src(k))
+    assert (s2.progress.version, s2.progress.trained_steps) == (4, 2) and t2.finished(s2)
+    t2.sink.close()
+
+
 def test_durable_writer_of_a_fast_transport_reports_a_full_disk(tmp_path, monkeypatch):
     pub = WeightPublisher("ipc", tmp_path / "weights", device="cpu", publish_dtype=None,
                           bucket_bytes=1 << 16, name=f"t{os.getpid()}")
