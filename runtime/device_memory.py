@@ -33,7 +33,8 @@ beside it (:attr:`DevicePlan.sleep_frees`). Not planned: a vLLM / SGLang server'
 
 :func:`fitting_changes` tries, in the planner, the settings that lower a device's total
 (``actor.mb_max_tokens`` halved, ``actor.gradient_checkpointing``, the KV cache's
-fraction, ``weights.buffer_slots=1``, ``actor.use_lora``, then combinations) and names
+fraction, ``weights.buffer_slots=1``, ``weights.transport=file``, ``actor.use_lora``, then
+combinations) and names
 those that fit.
 """
 
@@ -253,6 +254,11 @@ def _engine_parts(member: str, m: mp.ModelShape, cfg: Any, *, need_tokens: int,
     tokens = kv_cache_tokens(m, r, b, need_tokens=need_tokens, card_bytes=card_bytes)
     sleeps = bool(r.enable_sleep_mode) and r.paged
     parts.append(Part(member, f"KV cache ({tokens:,} tokens)", tokens * kv_bytes_per_token(m, b), sleeps))
+    if cfg.weights.transport in ("ipc", "nccl") and not cfg.actor.use_lora:
+        # weights/receiver.py copies each version into a buffer of its own, verifies its
+        # checksums there, then loads it (measured on the H100 at 3B: the engine held 20.6
+        # GiB where weights + KV + workspace + context plan 14.9; this is the rest).
+        parts.append(Part(member, f"{cfg.weights.transport} receive buffer", b * m.params))
     parts.append(Part(member, "decode graphs + prefill workspace", engine_workspace_bytes(
         m, b, max_rows=r.max_batch_size, max_prefill_tokens=r.max_prefill_tokens,
         cuda_graphs=r.cuda_graphs)))
@@ -402,6 +408,11 @@ def fitting_changes(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *
         and cfg.weights.buffer_slots > 1 else {}
     if slots:
         single.append(lambda: slots if _fits(attempt(slots), budgets) else None)
+    # file: no device buffer on either side (the trainer's slots, the engine's receive
+    # buffer), for a file written and read per version.
+    files = {"weights.transport": "file"} if cfg.weights.transport in ("ipc", "nccl") else {}
+    if files:
+        single.append(lambda: files if _fits(attempt(files), budgets) else None)
     lora = {} if a.use_lora else {"actor.use_lora": True}
     if lora:
         single.append(lambda: lora if _fits(attempt(lora), budgets) else None)
