@@ -268,6 +268,15 @@ def train_offline(
         raise ConfigError(f"archive {from_archive} does not exist; pass the archive "
                           "directory (archive.dir of the run, or `tapioca archive DIR`)")
     cfg = load_config(TrainConfig, config, list(ctx.args))
+    damaged = Damaged() if skip_damaged else None
+    # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
+    # the archive's groups make (their count is read from the Parquet footers, which are
+    # checked: a damaged file stops here, before a run directory or a model is made).
+    if source == "samples":
+        groups = count_records(from_archive, topic="samples", damaged=damaged)
+    else:
+        groups = count_records(from_archive, topic="trajectories", damaged=damaged) // cfg.gconfig.n_samples
+    bound = groups // cfg.train_dataset.prompts_per_step
     if trial is None:  # never resume another offline run's checkpoint by accident
         trial = f"{resolve_run(cfg).trial_name}-offline"
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
@@ -278,15 +287,6 @@ def train_offline(
     cfg = resolve_run(cfg, values=values, trial_name=trial, topic_prefix=G.prefix or None,
                       prepare=True)
     run_dir = Path(cfg.run_path)
-    damaged = Damaged() if skip_damaged else None
-    # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
-    # the archive's groups make (their count is read from the Parquet footers, which are
-    # checked: a damaged file stops here, before the model is built).
-    if source == "samples":
-        groups = count_records(from_archive, topic="samples", damaged=damaged)
-    else:
-        groups = count_records(from_archive, topic="trajectories", damaged=damaged) // cfg.gconfig.n_samples
-    bound = groups // cfg.train_dataset.prompts_per_step
     producer = None
     if publish:
         # --bootstrap-server / TAPIOCA_BOOTSTRAP first: a run's config.yaml names the
