@@ -24,11 +24,21 @@ A crash between writing a file and committing its offsets makes the archiver wri
 the same records again (at-least-once), possibly into a file with other bounds. The
 readers here drop repeated ``(topic, partition, offset)`` coordinates, so they yield
 every archived record exactly once.
+
+Damaged files. The readers check every file against :data:`ARCHIVE_SCHEMA` before
+they use a row: its columns' names and types (from the footer: a column stored as
+strings where offsets are int64 is refused before a row is read; integer and float
+widths are cast), and no null where the schema has none (from the footer's statistics,
+then from the data). A file that fails is an :class:`ArchiveError` naming the file and
+the column; with a :class:`Damaged` (``--skip-damaged`` of `tapioca replay` and
+`tapioca train-offline`) it is skipped and counted instead, as is a record whose
+payload does not decode, and everything else is read.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import re
 import time
@@ -79,6 +89,8 @@ ARCHIVE_SCHEMA = pa.schema([
 ], metadata={b"tapioca.archive_format": b"1"})
 
 _FILE_RE = re.compile(r"^part-(\d+)-(\d+)-(\d+)\.parquet$")
+
+log = logging.getLogger(__name__)
 
 
 class ArchiveError(TapiocaError):
@@ -323,17 +335,116 @@ def _file_order(f: Path) -> tuple[str, int, int]:
     return (f.parent.name, -1, -1)  # foreign name: its rows are sorted after reading
 
 
-def _read_rows(f: Path) -> list[dict[str, Any]]:
-    try:
-        # ParquetFile, not read_table: no pyarrow.dataset import (a second of start-up).
-        table = pq.ParquetFile(f).read()
-    except (OSError, pa.ArrowException) as exc:
-        raise ArchiveError(f"cannot read archive file {f}: {exc}") from None
-    missing = set(ARCHIVE_SCHEMA.names) - set(table.column_names)
+@dataclass
+class Damaged:
+    """What the readers skipped instead of raising (``--skip-damaged``): damaged files
+    (path -> why, each once however often it is read) and records whose payload does
+    not decode (their ``(topic, partition, offset)``)."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    records: set[tuple[str, int, int]] = field(default_factory=set)
+
+    def skip_file(self, f: Path, error: ArchiveError) -> None:
+        if str(f) not in self.files:
+            self.files[str(f)] = str(error)
+            log.warning("skipped (--skip-damaged): %s", error)
+
+    def skip_record(self, rec: "ArchivedRecord", error: Exception) -> None:
+        key = (rec.topic, rec.partition, rec.offset)
+        if key not in self.records:
+            self.records.add(key)
+            log.warning("skipped (--skip-damaged): %s", error)
+
+
+def _damaged(f: Path, what: str) -> ArchiveError:
+    return ArchiveError(f"{f}: {what}; the file is damaged or was not written by Tapioca's archiver "
+                        "(its Parquet structure is valid): move it out of the archive, or pass "
+                        "--skip-damaged to read everything else")
+
+
+def _fits(actual: pa.DataType, expected: pa.DataType, nullable: bool) -> bool:
+    """Whether a column of type ``actual`` holds the values of ``expected`` (widths may
+    differ: they are cast)."""
+    if actual == expected or (nullable and pa.types.is_null(actual)):
+        return True
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(actual)
+    if pa.types.is_floating(expected):
+        return pa.types.is_floating(actual) or pa.types.is_integer(actual)
+    if pa.types.is_string(expected):
+        return pa.types.is_string(actual) or pa.types.is_large_string(actual)
+    return False
+
+
+def _check_schema(f: Path, schema: pa.Schema) -> None:
+    """The columns' names and types against :data:`ARCHIVE_SCHEMA`."""
+    missing = set(ARCHIVE_SCHEMA.names) - set(schema.names)
     if missing:
         raise ArchiveError(f"{f} is not a Tapioca archive file (missing columns "
                            f"{sorted(missing)})")
-    return table.select(ARCHIVE_SCHEMA.names).to_pylist()
+    for want in ARCHIVE_SCHEMA:
+        got = schema.field(want.name).type
+        if not _fits(got, want.type, want.nullable):
+            raise _damaged(f, f"column {want.name!r} holds {got}, not {want.type}")
+
+
+def _open_checked(f: Path) -> pq.ParquetFile:
+    """The file, its footer checked: the columns' types, and (where the writer kept
+    statistics) no nulls in a column that allows none."""
+    try:
+        pf = pq.ParquetFile(f)
+        _check_schema(f, pf.schema_arrow)
+        md = pf.metadata
+        leaf = {md.schema.column(j).path: j for j in range(md.num_columns)}
+        for want in ARCHIVE_SCHEMA:
+            j = leaf.get(want.name)
+            if want.nullable or j is None:
+                continue
+            nulls = 0
+            for i in range(md.num_row_groups):
+                stats = md.row_group(i).column(j).statistics
+                if stats is not None and stats.has_null_count:
+                    nulls += stats.null_count
+            if nulls:
+                raise _damaged(f, f"column {want.name!r} has {nulls} null value(s) (every row needs one)")
+    except ArchiveError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"cannot read archive file {f}: {exc}") from None
+    return pf
+
+
+def _read_rows(f: Path) -> list[dict[str, Any]]:
+    try:
+        # ParquetFile, not read_table: no pyarrow.dataset import (a second of start-up).
+        table = _open_checked(f).read(columns=ARCHIVE_SCHEMA.names)
+    except ArchiveError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"cannot read archive file {f}: {exc}") from None
+    columns = []
+    for want in ARCHIVE_SCHEMA:
+        col = table.column(want.name)
+        if not want.nullable and col.null_count:
+            raise _damaged(f, f"column {want.name!r} has {col.null_count} null value(s) (every row needs one)")
+        if col.type != want.type:
+            try:
+                col = col.cast(want.type, safe=True)
+            except pa.ArrowException as exc:
+                raise _damaged(f, f"column {want.name!r} ({table.column(want.name).type}) does not fit "
+                                  f"{want.type}: {exc}") from None
+        columns.append(col)
+    return pa.Table.from_arrays(columns, schema=ARCHIVE_SCHEMA).to_pylist()
+
+
+def _rows_or_skip(f: Path, damaged: Damaged | None) -> list[dict[str, Any]]:
+    try:
+        return _read_rows(f)
+    except ArchiveError as exc:
+        if damaged is None:
+            raise
+        damaged.skip_file(f, exc)
+        return []
 
 
 def _partition_streams(path: str | Path, topics: set[str] | None
@@ -348,11 +459,12 @@ def _partition_streams(path: str | Path, topics: set[str] | None
     return by_tp
 
 
-def _iter_partition(files: list[Path], topics: set[str] | None) -> Iterator[ArchivedRecord]:
+def _iter_partition(files: list[Path], topics: set[str] | None,
+                    damaged: Damaged | None = None) -> Iterator[ArchivedRecord]:
     """Rows of one partition's files in offset order, each offset once."""
     last: dict[tuple[str, int], int] = {}
     for f in files:
-        rows = sorted(_read_rows(f), key=lambda r: (r["topic"], r["partition"], r["offset"]))
+        rows = sorted(_rows_or_skip(f, damaged), key=lambda r: (r["topic"], r["partition"], r["offset"]))
         for row in rows:
             if not _topic_matches(row["topic"], topics):
                 continue
@@ -363,17 +475,22 @@ def _iter_partition(files: list[Path], topics: set[str] | None) -> Iterator[Arch
             yield ArchivedRecord(**row)
 
 
-def count_records(path: str | Path, *, topic: str | Sequence[str] | None = None) -> int:
+def count_records(path: str | Path, *, topic: str | Sequence[str] | None = None,
+                  damaged: Damaged | None = None) -> int:
     """How many records the archive's files hold (of ``topic``), from the Parquet footers
-    alone: a bound for a progress bar (a record written twice is read once)."""
+    alone: a bound for a progress bar (a record written twice is read once). Every
+    footer is checked (column types, nulls), so a damaged file is found before a row is
+    read: an :class:`ArchiveError`, or skipped into ``damaged``."""
     topics = _normalise_topics(topic)
     total = 0
     for files in _partition_streams(path, topics).values():
         for f in files:
             try:
-                total += pq.ParquetFile(f).metadata.num_rows
-            except (OSError, pa.ArrowException) as exc:
-                raise ArchiveError(f"cannot read archive file {f}: {exc}") from None
+                total += _open_checked(f).metadata.num_rows
+            except ArchiveError as exc:
+                if damaged is None:
+                    raise
+                damaged.skip_file(f, exc)
     return total
 
 
@@ -384,25 +501,27 @@ def _normalise_topics(topic: str | Sequence[str] | None) -> set[str] | None:
 
 
 def iter_records(path: str | Path, *, topic: str | Sequence[str] | None = None,
-                 order: Literal["offset", "time"] = "offset") -> Iterator[ArchivedRecord]:
+                 order: Literal["offset", "time"] = "offset",
+                 damaged: Damaged | None = None) -> Iterator[ArchivedRecord]:
     """Every archived record under ``path`` (a directory or one file), once each.
 
     ``topic``: a base name (``"trajectories"``), a full name, or several. ``order``:
     ``"offset"`` sorts by (topic, partition, offset); ``"time"`` merges the partitions
     by record timestamp (each partition stays in offset order), which is close to the
-    order a consumer of several topics saw them in.
+    order a consumer of several topics saw them in. A damaged file raises
+    :class:`ArchiveError` naming the file and the column, or (``damaged``) is skipped.
     """
     topics = _normalise_topics(topic)
     streams = _partition_streams(path, topics)
     if order == "offset":
         for key in sorted(streams):
             if key[1] < 0:  # foreign file names: sort their rows in memory
-                yield from sorted(_iter_partition(streams[key], topics),
+                yield from sorted(_iter_partition(streams[key], topics, damaged),
                                   key=lambda r: (r.topic, r.partition, r.offset))
             else:
-                yield from _iter_partition(streams[key], topics)
+                yield from _iter_partition(streams[key], topics, damaged)
     elif order == "time":
-        iters = [_iter_partition(streams[k], topics) for k in sorted(streams)]
+        iters = [_iter_partition(streams[k], topics, damaged) for k in sorted(streams)]
         yield from heapq.merge(*iters, key=lambda r: (r.timestamp_ms, r.topic, r.partition,
                                                       r.offset))
     else:
@@ -410,11 +529,26 @@ def iter_records(path: str | Path, *, topic: str | Sequence[str] | None = None,
 
 
 def iter_events(path: str | Path, *, topic: str | Sequence[str] | None = None,
-                order: Literal["offset", "time"] = "offset") -> Iterator[tuple[Source, Event]]:
+                order: Literal["offset", "time"] = "offset",
+                damaged: Damaged | None = None) -> Iterator[tuple[Source, Event]]:
     """``(Source, Event)`` for every archived event, decoded with ``decode_event``;
-    ordered by (topic, partition, offset) unless ``order="time"``."""
-    for rec in iter_records(path, topic=topic, order=order):
-        yield rec.source, rec.event()
+    ordered by (topic, partition, offset) unless ``order="time"``. With ``damaged``,
+    damaged files and records that do not decode are skipped into it."""
+    for rec in iter_records(path, topic=topic, order=order, damaged=damaged):
+        event = decoded_or_skip(rec, damaged)
+        if event is not None:
+            yield rec.source, event
+
+
+def decoded_or_skip(rec: ArchivedRecord, damaged: Damaged | None) -> Event | None:
+    """``rec.event()``; None (skipped into ``damaged``) when it does not decode."""
+    try:
+        return rec.event()
+    except SchemaError as exc:
+        if damaged is None:
+            raise
+        damaged.skip_record(rec, exc)
+        return None
 
 
 def read_table(path: str | Path, *, topic: str | Sequence[str] | None = None) -> pa.Table:

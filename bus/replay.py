@@ -161,15 +161,21 @@ class ReplayStats:
     groups_dropped: Optional[int] = None
     wall_s: float = 0.0
     by_topic: dict[str, int] = field(default_factory=dict)
+    # --skip-damaged: archive files and records skipped as damaged (bus/archive.py).
+    damaged_files: int = 0
+    damaged_records: int = 0
 
 
-def items_from_archive(path: str, topics: list[str] | None) -> Iterator[ReplayItem]:
+def items_from_archive(path: str, topics: list[str] | None, damaged=None) -> Iterator[ReplayItem]:
     """Archived records merged across topics by record time (close to the order the
-    run's consumers saw them)."""
-    from .archive import iter_records
+    run's consumers saw them). ``damaged`` (a :class:`~tapioca.bus.archive.Damaged`):
+    damaged files and undecodable records are skipped into it instead of raising."""
+    from .archive import decoded_or_skip, iter_records
 
-    for rec in iter_records(path, topic=topics or None, order="time"):
-        yield ReplayItem(rec.source, rec.payload.encode(), rec.event())
+    for rec in iter_records(path, topic=topics or None, order="time", damaged=damaged):
+        event = decoded_or_skip(rec, damaged)
+        if event is not None:
+            yield ReplayItem(rec.source, rec.payload.encode(), event)
 
 
 def items_from_topic(cfg, name: str, stats: ReplayStats, *, partition: int | None = None,

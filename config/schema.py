@@ -733,14 +733,26 @@ class VlmConfig:
     # The image store (media/store.py): a directory or file:// URL, or s3://bucket/prefix.
     # Empty: <run dir>/images (set by `tapioca train`).
     image_store: str = ""
-    # An image of more pixels (width x height, before any resize) is refused: 400 at the
-    # proxy, a refused dataset row, a dead letter elsewhere.
+    # An image of more pixels (width x height, before any resize, read from its header
+    # before anything is decoded) is refused: 400 at the proxy, a refused dataset row, a
+    # dead letter in the rollout worker and the trainer (media/images.py ImageRule).
     max_image_pixels: int = 4096 * 4096
+    # ... and so is an image of more encoded bytes (OpenAI's limit: 20 MB).
+    max_image_bytes: int = 20 * 1024 * 1024
     # Images of at most this many encoded bytes also travel on the events (ImageRef.data_b64).
     inline_image_max_bytes: int = 4096
+    # The proxy: pixels being decoded at once, over all its requests (an image at
+    # max_image_pixels takes ~300 MiB while decoded and processed; one larger than this
+    # budget decodes alone). A decode waits up to decoding_wait_s for room, then the
+    # request gets 503 with Retry-After.
+    max_decoding_pixels: int = 2 * 4096 * 4096
+    decoding_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.max_image_pixels >= 1, "vlm.max_image_pixels must be >= 1")
+        _require(self.max_image_bytes >= 1, "vlm.max_image_bytes must be >= 1")
+        _require(self.max_decoding_pixels >= 1, "vlm.max_decoding_pixels must be >= 1")
+        _require(self.decoding_wait_s >= 0, "vlm.decoding_wait_s must be >= 0 (seconds)")
         _require(self.inline_image_max_bytes >= 0,
                  "vlm.inline_image_max_bytes must be >= 0 (0: never inline)")
 

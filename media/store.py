@@ -81,6 +81,11 @@ class ImageStore(abc.ABC):
     def has(self, sha256: str) -> bool:
         """Whether a blob of that name is stored."""
 
+    def size(self, sha256: str) -> int | None:
+        """The stored blob's size in bytes without reading it, where the backend can tell
+        cheaply (None: unknown or absent); lets a reader refuse an oversized blob unread."""
+        return None
+
     @abc.abstractmethod
     def _read(self, sha256: str) -> bytes | None:
         """The stored bytes, or None."""
@@ -103,6 +108,13 @@ class FileImageStore(ImageStore):
     def has(self, sha256: str) -> bool:
         _check_name(sha256)
         return self.path(sha256).is_file()
+
+    def size(self, sha256: str) -> int | None:
+        _check_name(sha256)
+        try:
+            return self.path(sha256).stat().st_size
+        except OSError:
+            return None
 
     def _read(self, sha256: str) -> bytes | None:
         try:

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..media.images import ImageError
+from ..media.images import ImageError, ImageRule, PixelBudget, decoded_images
 
 VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
@@ -250,20 +250,12 @@ class ImageProcessor:
             raise ImageError(f"the image is {width} x {height}: {exc}") from None
         return 1, h // patch, w // patch
 
-    def __call__(self, blobs: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        import io
-
-        from PIL import Image
-
-        images = []
-        for data in blobs:
-            try:
-                with Image.open(io.BytesIO(data)) as im:
-                    images.append(im.convert("RGB"))
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-                # Stored bytes that are no image (a writer outside Tapioca): the event's fault.
-                raise ImageError(f"the image bytes cannot be decoded ({type(exc).__name__}: {exc})") from None
-        out = self._proc(images=images, return_tensors="pt")
+    def __call__(self, blobs: Sequence[bytes], *, rule: ImageRule = ImageRule(),
+                 budget: PixelBudget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each image admitted by ``rule`` from its header before it is decoded; its
+        pixels held in ``budget`` while decoded and processed (media/images.py)."""
+        with decoded_images(blobs, rule, budget=budget) as images:
+            out = self._proc(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
 
@@ -348,15 +340,18 @@ def mrope_section_of(config: Any) -> list[int] | None:
 
 class VisionPrompts:
     """Prompts with images for a VL model directory: each image checked and stored
-    (:func:`~tapioca.media.images.store_image`), each placeholder expanded for its image.
+    (:func:`~tapioca.media.images.admit_images`), each placeholder expanded for its image.
 
     ``encode(row) -> (prompt_ids, prompt_text, refs)`` for a dataset row (``messages``
-    with image parts, ``images`` their bytes); :meth:`expand` for ids already rendered
-    (the proxy's). ``max_pixels`` / ``inline_max_bytes``: ``vlm.max_image_pixels`` /
-    ``vlm.inline_image_max_bytes``."""
+    with image parts, ``images`` their bytes); :meth:`admit` for the proxy (every image
+    of a request checked, stored only by its ``commit``); :meth:`expand` for ids already
+    rendered (the proxy's). ``max_pixels`` / ``max_bytes`` / ``inline_max_bytes``:
+    ``vlm.max_image_pixels`` / ``vlm.max_image_bytes`` / ``vlm.inline_image_max_bytes``;
+    ``budget``: the decoded pixels in flight (the proxy's, ``vlm.max_decoding_pixels``)."""
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer: Any, store: Any, *,
-                 max_pixels: int, inline_max_bytes: int) -> None:
+                 max_pixels: int, inline_max_bytes: int, max_bytes: int | None = None,
+                 budget: PixelBudget | None = None) -> None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -369,14 +364,27 @@ class VisionPrompts:
         self.tokenizer = tokenizer
         self.store = store
         self.processor = ImageProcessor.from_dir(model_dir)
-        self.max_pixels = max_pixels
+        self.rule = ImageRule(max_pixels=max_pixels, **({} if max_bytes is None else {"max_bytes": max_bytes}))
         self.inline_max_bytes = inline_max_bytes
+        self.budget = budget
+
+    @property
+    def max_pixels(self) -> int:
+        return self.rule.max_pixels
+
+    def admit(self, blobs: Sequence[bytes]) -> Any:
+        """Every one of ``blobs`` checked, none stored: an
+        :class:`~tapioca.media.images.AdmittedImages` (its ``commit()`` stores them)."""
+        from ..media.images import admit_images
+
+        return admit_images(blobs, self.store, self.rule, inline_max_bytes=self.inline_max_bytes,
+                            budget=self.budget)
 
     def refs(self, blobs: Sequence[bytes]) -> list[Any]:
-        from ..media.images import store_image
-
-        return [store_image(b, self.store, max_pixels=self.max_pixels,
-                            inline_max_bytes=self.inline_max_bytes) for b in blobs]
+        """Every one of ``blobs`` checked, then all stored (none when one is refused)."""
+        admitted = self.admit(blobs)
+        admitted.commit()
+        return list(admitted)
 
     def expand(self, ids: Sequence[int], refs: Sequence[Any]) -> list[int]:
         grids = [self.processor.grid_for(r.width, r.height) for r in refs]
@@ -386,35 +394,63 @@ class VisionPrompts:
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        refs = self.refs(row.get("images") or [])
-        return self.expand(ids, refs), text, refs
+        admitted = self.admit(row.get("images") or [])
+        expanded = self.expand(ids, admitted)  # placeholders that do not match: nothing stored
+        admitted.commit()
+        return expanded, text, list(admitted)
 
 
 class ImageLoader:
     """Image references -> their bytes (from the store, checked) and the processor's
     tensors, keeping the tensors of the last ``cache_images`` images by sha256 (a group's
-    samples, and a step's sequences, share their prompt's)."""
+    samples, and a step's sequences, share their prompt's).
 
-    def __init__(self, store: Any, processor: ImageProcessor, *, cache_images: int = 256) -> None:
+    Every image passes ``rule`` (``vlm.max_image_pixels`` / ``max_image_bytes``) before it
+    is decoded, and must be the size its reference claims: an event's bomb is refused
+    from its header (:class:`~tapioca.media.images.ImageError`; the role dead-letters the
+    event). ``budget``: the decoded pixels in flight (the proxy's)."""
+
+    def __init__(self, store: Any, processor: ImageProcessor, *, cache_images: int = 256,
+                 rule: ImageRule = ImageRule(), budget: PixelBudget | None = None) -> None:
         from collections import OrderedDict
 
         self.store = store
         self.processor = processor
         self.cache_images = cache_images
+        self.rule = rule
+        self.budget = budget
         self._cache: "OrderedDict[str, tuple[torch.Tensor, tuple[int, int, int]]]" = OrderedDict()
 
-    def blobs(self, refs: Sequence[Any]) -> list[bytes]:
-        from ..media.images import ref_bytes
+    def admitted(self, refs: Sequence[Any], given: dict[str, bytes] | None = None) -> list[tuple[bytes, Any]]:
+        """``(bytes, ImageInfo)`` of each of ``refs``: from ``given`` (sha256 -> bytes of
+        images not stored yet), inline or the store, each admitted from its header."""
+        from ..media.images import admit_image, ref_bytes
 
-        return [ref_bytes(r, self.store) for r in refs]
+        out = []
+        for ref in refs:
+            data = given.get(ref.sha256) if given else None
+            if data is None:
+                data = ref_bytes(ref, self.store, self.rule)
+            out.append((data, admit_image(data, self.rule, expect=ref)))
+        return out
 
-    def pixels(self, refs: Sequence[Any]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    def blobs(self, refs: Sequence[Any], given: dict[str, bytes] | None = None) -> list[bytes]:
+        return [data for data, _ in self.admitted(refs, given)]
+
+    def grids(self, refs: Sequence[Any], given: dict[str, bytes] | None = None
+              ) -> tuple[list[tuple[int, int, int]], list[bytes]]:
+        """``(grids, blobs)`` without decoding a pixel (a server engine decodes them)."""
+        pairs = self.admitted(refs, given)
+        return [self.processor.grid_for(info.width, info.height) for _, info in pairs], [d for d, _ in pairs]
+
+    def pixels(self, refs: Sequence[Any], given: dict[str, bytes] | None = None
+               ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """``(pixel_values [P, D], grids)`` of ``refs`` in order (recomputed from the bytes)."""
         out = []
         for ref in refs:
             hit = self._cache.get(ref.sha256)
             if hit is None:
-                pv, grid = self.processor(self.blobs([ref]))
+                pv, grid = self.processor(self.blobs([ref], given), rule=self.rule, budget=self.budget)
                 hit = (pv, tuple(int(x) for x in grid[0].tolist()))
                 self._cache[ref.sha256] = hit
                 while len(self._cache) > self.cache_images:

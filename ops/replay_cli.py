@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 
 import typer
 
-from ..bus.archive import count_records
+from ..bus.archive import Damaged, count_records
 from ..bus.replay import (
     Replayer,
     ReplayFilter,
@@ -95,6 +95,9 @@ def replay(
     rate: float = typer.Option(0.0, help="Events per second (0: as fast as possible)."),
     limit: Optional[int] = typer.Option(None, help="Stop after publishing this many."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be published."),
+    skip_damaged: bool = typer.Option(
+        False, "--skip-damaged", help="Skip (and count) archive files whose columns are damaged "
+        "and records that do not decode, instead of stopping at the first."),
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Republish a Parquet log, or a live topic's offset or time range, to a topic or a
@@ -147,11 +150,14 @@ def replay(
                                     from_offset=from_offset)
     else:
         def items() -> Iterator[ReplayItem]:
-            return items_from_archive(archive, list(topic))
+            return items_from_archive(archive, list(topic), damaged)
+    damaged = Damaged() if skip_damaged else None
+    # The footers first: a damaged file stops the replay before anything is published.
+    total = (count_records(archive, topic=list(topic) or None, damaged=damaged)
+             if archive is not None else None)
     if not dry_run:
         ensure_topics(dest_cfg)
         replayer.producer = EventProducer(dest_cfg, "tapioca-replay")
-    total = count_records(archive, topic=list(topic) or None) if archive is not None else None
     verb = "would publish" if dry_run else "published"
 
     def progress(read: int, st: ReplayStats, first_pass: bool) -> None:
@@ -166,11 +172,16 @@ def replay(
     finally:
         if replayer.producer is not None:
             replayer.producer.close()
+    if damaged is not None:
+        stats.damaged_files, stats.damaged_records = len(damaged.files), len(damaged.records)
     if output == "json":
         emit_json(stats.__dict__)
         return
     console.print(f"{verb} {stats.published} of {stats.read} events in {stats.wall_s:.1f} s "
                   f"({stats.skipped} filtered out, {stats.undecodable} undecodable)")
+    if damaged is not None:
+        console.print(f"  skipped as damaged (--skip-damaged): {stats.damaged_files} file(s), "
+                      f"{stats.damaged_records} record(s)")
     if stats.groups_kept is not None:
         console.print(f"  groups: {stats.groups_kept} kept, {stats.groups_dropped} dropped "
                       "(whole; --per-event filters record by record)")
@@ -234,6 +245,10 @@ def train_offline(
                    "timestamped trial when the config has none)."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps."),
     publish: bool = typer.Option(True, help="Publish weights and metrics to the broker."),
+    skip_damaged: bool = typer.Option(
+        False, "--skip-damaged", help="Skip (and count) archive files whose columns are damaged, "
+        "records that do not decode and samples the trainer refuses (what a live run "
+        "dead-letters), instead of stopping at the first."),
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Train the policy from a Parquet log (decoupled PPO on the recorded behaviour
@@ -253,6 +268,15 @@ def train_offline(
         raise ConfigError(f"archive {from_archive} does not exist; pass the archive "
                           "directory (archive.dir of the run, or `tapioca archive DIR`)")
     cfg = load_config(TrainConfig, config, list(ctx.args))
+    damaged = Damaged() if skip_damaged else None
+    # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
+    # the archive's groups make (their count is read from the Parquet footers, which are
+    # checked: a damaged file stops here, before a run directory or a model is made).
+    if source == "samples":
+        groups = count_records(from_archive, topic="samples", damaged=damaged)
+    else:
+        groups = count_records(from_archive, topic="trajectories", damaged=damaged) // cfg.gconfig.n_samples
+    bound = groups // cfg.train_dataset.prompts_per_step
     if trial is None:  # never resume another offline run's checkpoint by accident
         trial = f"{resolve_run(cfg).trial_name}-offline"
     # Recorded versions count the online trainer's steps: no gate (see trainers/offline.py).
@@ -283,18 +307,11 @@ def train_offline(
         producer = EventProducer(cfg.bus, f"{cfg.run_id}-trainer-offline")
     trainer = build_role("trainer", cfg)
     if source == "samples":
-        samples = samples_from_log(iter_events(from_archive, topic="samples"))
+        samples = samples_from_log(iter_events(from_archive, topic="samples", damaged=damaged))
     else:
         samples = samples_from_log(
-            iter_events(from_archive, topic=["trajectories", "rewards"], order="time"),
+            iter_events(from_archive, topic=["trajectories", "rewards"], order="time", damaged=damaged),
             build_role("advantage", cfg))
-    # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
-    # the archive's groups make (their count is read from the Parquet footers).
-    if source == "samples":
-        groups = count_records(from_archive, topic="samples")
-    else:
-        groups = count_records(from_archive, topic="trajectories") // cfg.gconfig.n_samples
-    bound = groups // cfg.train_dataset.prompts_per_step
 
     def shown_total(result) -> int:
         left = max(cfg.total_train_steps - result.start_version, 0)
@@ -306,7 +323,8 @@ def train_offline(
             result = OfflineTrainer(
                 trainer, publish=producer.publish if producer else None, max_steps=max_steps,
                 progress=lambda r: shown.update(r.steps, shown_total(r),
-                                                info=f"{r.groups_read:,} groups read")
+                                                info=f"{r.groups_read:,} groups read"),
+                skip_refused=skip_damaged,
             ).run(samples)
     finally:
         if producer is not None:
@@ -315,6 +333,9 @@ def train_offline(
                "final_version": result.final_version, "losses": result.losses,
                "weights": result.weights[-1].path if result.weights else None,
                "already_complete": result.already_complete}
+    if damaged is not None:
+        summary.update(damaged_files=len(damaged.files), damaged_records=len(damaged.records),
+                       refused_samples=result.refused)
     if output == "json":
         emit_json(summary)
         return
@@ -327,3 +348,7 @@ def train_offline(
     console.print(f"offline: {result.steps} steps from {result.groups_read} groups of "
                   f"{from_archive}; version {result.final_version}; weights "
                   f"{summary['weights']}; metrics {run_dir}/metrics/metrics.jsonl")
+    if damaged is not None:
+        console.print(f"  skipped as damaged (--skip-damaged): {summary['damaged_files']} file(s), "
+                      f"{summary['damaged_records']} record(s), {result.refused} sample(s) the "
+                      "trainer refused")

@@ -69,34 +69,53 @@ def image_store(vlm):
     return open_image_store(vlm.image_store)
 
 
-def vision_prompts(model_path: str, tokenizer, vlm):
+def vision_prompts(model_path: str, tokenizer, vlm, *, budget=None):
     """Prompts with images for ``model_path`` (None when it is a text-only model)."""
     from ..models.vision import VisionPrompts, is_vision_dir
 
     if not is_vision_dir(model_path):
         return None
     return VisionPrompts(model_path, tokenizer, image_store(vlm), max_pixels=vlm.max_image_pixels,
-                         inline_max_bytes=vlm.inline_image_max_bytes)
+                         max_bytes=vlm.max_image_bytes, inline_max_bytes=vlm.inline_image_max_bytes,
+                         budget=budget)
 
 
-def request_images(model_path: str, vlm, *, pixels: bool):
-    """``refs -> RequestImages`` for an engine of ``model_path``: the bytes from the image
-    store, and (``pixels``: an in-process engine runs the tower) the processor's tensors;
-    None for a text-only model."""
+def image_loader(model_path: str, vlm, *, budget=None):
+    """Refs -> checked bytes and the processor's tensors (models/vision.py ``ImageLoader``)
+    under the run's image rule (``vlm.max_image_pixels`` / ``max_image_bytes``)."""
+    from ..media.images import ImageRule
+    from ..models.vision import ImageLoader, ImageProcessor
+
+    return ImageLoader(image_store(vlm), ImageProcessor.from_dir(model_path), rule=ImageRule.of(vlm),
+                       budget=budget)
+
+
+def decoding_budget(vlm, retry_after_s: int = 5):
+    """The proxy's bound on decoded pixels in flight (``vlm.max_decoding_pixels``)."""
+    from ..media.images import PixelBudget
+
+    return PixelBudget(vlm.max_decoding_pixels, wait_s=vlm.decoding_wait_s, retry_after_s=retry_after_s)
+
+
+def request_images(model_path: str, vlm, *, pixels: bool, budget=None):
+    """``(refs, given=None) -> RequestImages`` for an engine of ``model_path``: the bytes
+    (``given``: sha256 -> bytes of images not stored yet, else the image store's), each
+    admitted by the run's image rule, and (``pixels``: an in-process engine runs the
+    tower) the processor's tensors; None for a text-only model."""
     from ..engines.base import RequestImages
-    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
+    from ..models.vision import is_vision_dir
 
     if not is_vision_dir(model_path):
         return None
-    loader = ImageLoader(image_store(vlm), ImageProcessor.from_dir(model_path))
+    loader = image_loader(model_path, vlm, budget=budget)
 
-    def prepare(refs) -> RequestImages:
+    def prepare(refs, given=None) -> RequestImages:
         shas = [r.sha256 for r in refs]
         if pixels:
-            pv, grids = loader.pixels(refs)
+            pv, grids = loader.pixels(refs, given)
             return RequestImages(shas, grids, pv)
-        grids = [loader.processor.grid_for(r.width, r.height) for r in refs]
-        return RequestImages(shas, grids, None, [(r.mime, b) for r, b in zip(refs, loader.blobs(refs))])
+        grids, blobs = loader.grids(refs, given)
+        return RequestImages(shas, grids, None, [(r.mime, b) for r, b in zip(refs, blobs)])
 
     return prepare
 
@@ -299,11 +318,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
 
 def trainer_images(sec: TrainerSection):
     """The trainer's image loader (refs -> the processor's tensors), None for a text model."""
-    from ..models.vision import ImageLoader, ImageProcessor, is_vision_dir
+    from ..models.vision import is_vision_dir
 
     if not is_vision_dir(sec.model.path):
         return None
-    return ImageLoader(image_store(sec.vlm), ImageProcessor.from_dir(sec.model.path))
+    return image_loader(sec.model.path, sec.vlm)
 
 
 # ---------------------------------------------------------------- the roles
@@ -458,11 +477,14 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
 
     sec = proxy_section(cfg)
     tokenizer = _tokenizer(sec.model.path)
+    budget = decoding_budget(sec.vlm, sec.proxy.retry_after_s)
     bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 500 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
                           member=member, name="proxy", lora=sec.lora)
     return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
                         load_weights=bundle.load_weights,
                         max_context_tokens=bundle.max_context_tokens,
-                        vision=vision_prompts(sec.model.path, tokenizer, sec.vlm),
-                        images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))
+                        # One budget for both: the checks' decodes and the processor's.
+                        vision=vision_prompts(sec.model.path, tokenizer, sec.vlm, budget=budget),
+                        images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch",
+                                              budget=budget))

@@ -31,11 +31,13 @@ online because the gap grows with every offline step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from ..bus.role import Role, Source
 from ..schemas.envelope import Event
+from ..schemas.errors import BadEventError
 from ..schemas.events import (
     MetricsEvent,
     RewardEvent,
@@ -43,6 +45,8 @@ from ..schemas.events import (
     TrajectoryEvent,
     WeightsEvent,
 )
+
+log = logging.getLogger(__name__)
 
 #: The trainer's eta offline: larger than any version gap a log can hold (see above).
 OFFLINE_ETA = 10**12
@@ -62,6 +66,9 @@ class OfflineResult:
     # nothing left to train then (total_train_steps reached by an earlier run).
     start_version: int = 0
     already_complete: bool = False
+    # Samples the trainer refused (BadEventError: a live run dead-letters them), skipped
+    # with skip_refused.
+    refused: int = 0
 
 
 def samples_from_log(events: Iterable[tuple[Source, Event]], advantage: Role | None = None
@@ -92,10 +99,15 @@ class OfflineTrainer:
 
     def __init__(self, trainer: Role, *, publish: Publish | None = None,
                  max_steps: int | None = None,
-                 progress: Callable[[OfflineResult], None] | None = None) -> None:
+                 progress: Callable[[OfflineResult], None] | None = None,
+                 skip_refused: bool = False) -> None:
+        """``skip_refused``: a sample the trainer refuses (what a live run dead-letters:
+        an image over the limits, tokens the model does not have) is skipped and
+        counted (``refused``) instead of stopping the run."""
         self.trainer = trainer
         self.publish = publish or (lambda _event: None)
         self.max_steps = max_steps
+        self.skip_refused = skip_refused
         # Called with the result so far after each group (a CLI's progress bar).
         self.progress = progress or (lambda _result: None)
 
@@ -123,7 +135,13 @@ class OfflineTrainer:
                                             and result.steps >= self.max_steps):
                     break
                 result.groups_read += 1
-                self._emit(role.handle(sample, state, source), result)
+                try:
+                    self._emit(role.handle(sample, state, source), result)
+                except BadEventError as exc:
+                    if not self.skip_refused:
+                        raise
+                    result.refused += 1
+                    log.warning("skipped (--skip-damaged) a sample the trainer refused: %s", exc)
                 self._emit(role.on_tick(state, 0.0), result)
                 self.progress(result)
         finally:

@@ -30,7 +30,9 @@ HTTP API (errors: ``{"error": {"message", "type", "param", "code"}}``)
     ``key_in_use`` while a call of it is generating.
     ``POST /v1/sessions/{id}/reward`` (session or admin key) ``{"reward": float,
     "completion_id": str|null}``: ``"{response id}:{choice}"``, a response id (every
-    choice of that call), or null (the last completion) -> ``{"completion_ids", ...}``.
+    choice of that call), or null (the last completion) -> ``{"completion_ids", "reward",
+    "replaced"}``: before the end the last reward wins, ``replaced`` maps each completion
+    whose earlier reward it replaced to that reward (AReaL overwrites too).
     After ``end`` (online mode: seconds to days later) it rewards the whole session
     (its last completion) -> ``{"traj_ids", "group_id", "published"}``; 404 unknown,
     409 already rewarded / not for training, 410 past the reward window
@@ -258,7 +260,9 @@ def create_app(svc: ProxyService) -> FastAPI:
         if not admin and svc.store.by_api_key(key) is not session:
             raise ApiError(403, "this API key belongs to another session", code="wrong_session")
         ids = svc.store.set_reward(session, reward, completion_id)
-        return _json_response({"session_id": session_id, "completion_ids": ids, "reward": reward})
+        # Before the end the last reward wins; the rewards it replaced are reported.
+        return _json_response({"session_id": session_id, "completion_ids": ids, "reward": reward,
+                               "replaced": ids.replaced})
 
     @app.post("/v1/sessions/{session_id}/end")
     async def end_session(session_id: str, request: Request) -> Response:

@@ -40,6 +40,7 @@ from ...bus.runner import RoleRunner
 from ...bus.settings import BusConfig
 from ...config.sections import ProxySection
 from ...engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
+from ...media.images import AdmittedImages, ImageBusyError
 from ...schemas.envelope import Event, encode_event
 from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError, TapiocaError
 from ...schemas.events import TrajectoryEvent
@@ -54,6 +55,7 @@ from .delayed_rewards import (
     reward_window_s,
 )
 from .gate import PROXY_PRODUCER_PREFIX, HeadGate, WeightsFollower, recover_admitted
+from .images import busy as busy_images
 from .openai_errors import ApiError, bad_request
 from .responses import ResponseText
 from .sessions import Ended, Session, SessionStore
@@ -368,8 +370,12 @@ class ProxyService:
                 "conversation or lower max_tokens", "messages", code="context_length_exceeded")
         images = None
         if image_refs:
+            # Admitted, not yet stored (proxy/images.py): their bytes come with them.
+            given = image_refs.blobs if isinstance(image_refs, AdmittedImages) else None
             try:
-                images = await asyncio.to_thread(self.request_images, list(image_refs))
+                images = await asyncio.to_thread(self.request_images, list(image_refs), given)
+            except ImageBusyError as exc:
+                raise busy_images(exc) from None
             except TapiocaError as exc:  # e.g. a blob that is not in the store
                 raise bad_request(str(exc), "messages", code="invalid_image") from None
         requests = [GenRequest(f"{call_id}:{i}", list(prompt_ids), sampling, images) for i in range(n)]
@@ -381,6 +387,9 @@ class ProxyService:
         self.store.begin_call(session, reserved)
         results: list[GenResult] | None = None
         try:
+            if isinstance(image_refs, AdmittedImages) and not image_refs.committed:
+                # Accepted: only now are its images stored (a refused request stores nothing).
+                await asyncio.to_thread(image_refs.commit)
             futures = self.engine.submit_all(requests)  # n choices: one prompt prefill
             results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except EngineError as exc:

@@ -237,6 +237,15 @@ def _move_prompt_tail(piece: _Piece, keep: int) -> None:
     piece.turn_boundaries = [b + len(tail) for b in piece.turn_boundaries]
 
 
+class RewardSet(list):
+    """The completion ids a reward before the end was set on; ``replaced``: completion
+    id -> the reward it replaced (the last reward before the end wins)."""
+
+    def __init__(self, ids=()) -> None:
+        super().__init__(ids)
+        self.replaced: dict[str, float] = {}
+
+
 class SessionStore:
     """Sessions and groups of one proxy; every method is thread-safe.
 
@@ -415,9 +424,14 @@ class SessionStore:
                 if not ids and content is not None:
                     session.raw_by_content[content] = raw
 
-    def set_reward(self, session: Session, reward: float, completion_id: str | None) -> list[str]:
+    def set_reward(self, session: Session, reward: float, completion_id: str | None) -> "RewardSet":
         """Set ``reward`` on one completion (``call_id:index``), every choice of one call
-        (``call_id``), or the last completion (None). Returns the completion ids set."""
+        (``call_id``), or the last completion (None). Returns the completion ids set.
+
+        Before the end the last reward wins (AReaL's ``set_reward`` overwrites too): a
+        second reward for a completion replaces the first, and the result's ``replaced``
+        (completion id -> the reward replaced) says so. After the end a session takes one
+        reward (409 ``already_rewarded``, producers/proxy/delayed_rewards.py)."""
         with self._lock:
             if session.state != "open":
                 raise ApiError(409, f"session {session.session_id} is already {session.state}; set "
@@ -426,7 +440,7 @@ class SessionStore:
             if not session.completions and completion_id is None:
                 # Nothing to reward (an agent that failed before its first call): accepted,
                 # so the harness can end the session the same way as any other.
-                return []
+                return RewardSet()
             if completion_id is None:
                 targets = [session.completions[-1]]
             else:
@@ -435,11 +449,14 @@ class SessionStore:
                 if not targets:
                     raise ApiError(404, f"no completion {completion_id!r} in this session",
                                    param="completion_id", code="completion_not_found")
+            out = RewardSet(c.completion_id for c in targets)
             for c in targets:
+                if c.reward is not None:
+                    out.replaced[c.completion_id] = c.reward
                 c.reward = float(reward)
             session.reward_leaf = targets[-1]
             session.last_active = self.clock()
-            return [c.completion_id for c in targets]
+            return out
 
     # ------------------------------------------------------------------ ending
 

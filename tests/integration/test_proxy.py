@@ -243,9 +243,15 @@ def test_multi_turn_group_trajectories(proxy, tokenizer, wait_until):
                 messages.append({"role": "user", "content": follow_up})
         conversations.append(messages)
         usages.append(used)
-        status, _ = _post(server.base_url, f"/sessions/{s['session_id']}/reward", {"reward": 1.0},
-                          s["api_key"])
+        if s is first:  # before the end the last reward wins, and the reply says what it replaced
+            status, early = _post(server.base_url, f"/sessions/{s['session_id']}/reward", {"reward": 0.3},
+                                  s["api_key"])
+            assert status == 200 and early["replaced"] == {}, early
+        status, rewarded = _post(server.base_url, f"/sessions/{s['session_id']}/reward", {"reward": 1.0},
+                                 s["api_key"])
         assert status == 200
+        if s is first:
+            assert rewarded["replaced"] == {rewarded["completion_ids"][0]: 0.3}, rewarded
     status, end1 = _post(server.base_url, f"/sessions/{first['session_id']}/end",
                          {"mode": "concat", "discount": 0.5}, first["api_key"])
     assert status == 200 and end1["rewards"] == [0.5] and not end1["published"]

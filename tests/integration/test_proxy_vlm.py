@@ -5,7 +5,10 @@ Qwen2.5-VL in the paged engine, the real embedded broker); its sessions' traject
 carry the images by sha256 (stored in the run's image store), and they train: the
 advantage processor and the trainer role, fed the events read back from the topics,
 take a step whose vision tower moves. Bad images get a 400 that says why, and nothing
-else of the session is lost."""
+else of the session is lost; a refused request leaves nothing in the image store; six
+concurrent requests never decode more pixels at once than ``vlm.max_decoding_pixels``
+(the budget's high-water mark), and with the budget full a request gets 503 with
+``Retry-After``."""
 
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def images_dir(tmp_path_factory):
 def proxy(start_proxy, model_dir, images_dir):
     return start_proxy(model_dir, api_key=ADMIN, run_id="vlmproxy.t0", gconfig__n_samples=2,
                        gconfig__max_new_tokens=2, train_dataset__prompts_per_step=1000,
-                       vlm__image_store=str(images_dir), vlm__max_image_pixels=200 * 200)
+                       vlm__image_store=str(images_dir), vlm__max_image_pixels=200 * 200,
+                       vlm__max_decoding_pixels=2 * 200 * 200)
 
 
 def _post(base_url: str, path: str, body, key: str):
@@ -171,3 +175,91 @@ def test_an_image_for_a_text_only_model_is_a_400(start_proxy, tmp_path):
             {"type": "image_url", "image_url": {"url": ok}}, {"type": "text", "text": "color?"}]}]}, s["api_key"])
     assert status == 400 and body["error"]["code"] == "unsupported_content", body
     server.stop()
+
+
+def _url(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def _stored(images_dir: Path) -> set[str]:
+    return {p.name for p in Path(images_dir).rglob("*") if p.is_file()}
+
+
+def test_a_refused_request_stores_nothing(proxy, images_dir):
+    server, _ = proxy
+    s = _post(server.base_url, "/sessions", {"task": "visual"}, ADMIN)[1]
+    fresh = [_png(20 + k, (k, 200, 100)) for k in range(3)]  # never sent before
+    before = _stored(images_dir)
+
+    def chat(content):
+        return _post(server.base_url, "/chat/completions", {
+            "model": "tapioca", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}, s["api_key"])
+
+    # Three good images, then one over the pixel limit: refused whole.
+    status, body = chat([_url(d) for d in fresh] + [_url(_png(300))])
+    assert status == 400 and "image 4 of 4" in body["error"]["message"]
+    # Good images, refused after they were checked (a literal placeholder in the text).
+    status, body = chat([_url(fresh[0]), {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"}])
+    assert status == 400 and "placeholder" in body["error"]["message"]
+    assert _stored(images_dir) == before
+    status, body = chat([_url(fresh[0]), {"type": "text", "text": "color?"}])
+    assert status == 200, body  # accepted: now it is stored
+    assert _stored(images_dir) == before | {hashlib.sha256(fresh[0]).hexdigest()}
+
+
+def test_concurrent_images_stay_within_the_decoding_budget(proxy, monkeypatch):
+    import threading
+
+    from PIL import ImageFile
+
+    server, _ = proxy
+    budget = server.svc.vision.budget
+    assert budget.capacity == 2 * 200 * 200
+    load = ImageFile.ImageFile.load
+
+    def slow_load(self):  # decodes that overlap: the budget, not luck, keeps them apart
+        import time
+
+        time.sleep(0.1)
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", slow_load)
+    sessions = [_post(server.base_url, "/sessions", {"task": "visual"}, ADMIN)[1] for _ in range(6)]
+    statuses: list[int] = []
+
+    def call(k: int) -> None:
+        status, _ = _post(server.base_url, "/chat/completions", {
+            "model": "tapioca", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                _url(_png(200, (k, 7, 7))), {"type": "text", "text": "color?"}]}]}, sessions[k]["api_key"])
+        statuses.append(status)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert statuses == [200] * 6
+    # Six images at the pixel limit, each decoded twice (checked, then processed): never
+    # more than two at once. Counted in the budget, not in RSS.
+    assert 200 * 200 <= budget.high_water <= budget.capacity and budget.in_use == 0
+
+
+def test_a_full_decoding_budget_answers_503_with_retry_after(proxy):
+    server, _ = proxy
+    budget = server.svc.vision.budget
+    s = _post(server.base_url, "/sessions", {"task": "visual"}, ADMIN)[1]
+    body = {"model": "tapioca", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        _url(_png(50, (1, 2, 3))), {"type": "text", "text": "color?"}]}]}
+    req = urllib.request.Request(server.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json",
+                                                         "Authorization": f"Bearer {s['api_key']}"})
+    wait_s, budget.wait_s = budget.wait_s, 0.0
+    try:
+        with budget.hold(budget.capacity):  # other requests' images fill the budget
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=60)
+    finally:
+        budget.wait_s = wait_s
+    assert err.value.code == 503 and err.value.headers["Retry-After"] == "5"
+    assert json.loads(err.value.read())["error"]["code"] == "images_busy"
+    assert _post(server.base_url, "/chat/completions", body, s["api_key"])[0] == 200  # room again

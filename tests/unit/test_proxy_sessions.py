@@ -400,3 +400,23 @@ def test_a_fixed_key_ends_its_previous_episode_and_untrained_groups_hold_no_slot
     done = st.end(second, None, None)
     assert done.events == [] and not done.abandoned
     assert done.reason == "not for training: served past the staleness bound"
+
+
+def test_before_the_end_the_last_reward_wins_and_says_what_it_replaced():
+    """AReaL's rule (its InteractionCache.set_reward overwrites): a second reward before
+    the end replaces the first, and the result reports the replaced value; the trajectory
+    carries the last one. After the end: 409 (test_keys_expire_and_tokens_are_limited)."""
+    st = store()
+    admit = iter(range(100)).__next__
+    s = st.start(group_id=None, group_size=1, sample_index=None, task="", task_data={}, policy_version=0,
+                 admit=admit)
+    st.record(s, [comp("a", [1], [2])], ["x"], ["x"], [[]])
+    st.record(s, [comp("b", [1, 2, 5], [3, 4], index=0), comp("b", [1, 2, 5], [6], index=1)], ["y", "z"],
+              ["y", "z"], [[], []])
+    first = st.set_reward(s, 0.25, "b:1")
+    assert first == ["b:1"] and first.replaced == {}
+    again = st.set_reward(s, 1.0, "b")  # every choice of the call: b:1 had 0.25
+    assert again == ["b:0", "b:1"] and again.replaced == {"b:1": 0.25}
+    assert st.set_reward(s, 0.5, "a").replaced == {}
+    ended = st.end(s, "per_completion", 0.0)  # discount 0: each completion keeps its own reward
+    assert ended.rewards == [0.5, 1.0, 1.0]

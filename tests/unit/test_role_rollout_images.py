@@ -3,20 +3,24 @@ broker): the images are fetched from the store and processed as the builder wire
 (runtime/builders.py ``request_images``), the trajectories carry the prompt's references,
 and a prompt whose images cannot be used is dead-lettered at once (BadEventError), the
 worker going on: a blob missing from the store, placeholders that do not match the
-images, and any image for a worker whose model reads none."""
+images, any image for a worker whose model reads none, and an image bomb (a small
+inline PNG that decodes to 13000 x 13000), refused from its header before a pixel of it
+is decoded."""
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
+from test_image_admission import bomb_png, spy_decodes
 
 from tapioca.bus.role import Source
 from tapioca.config.schema import GenerationConfig, VlmConfig
 from tapioca.config.sections import RolloutSection
 from tapioca.engines.paged_engine import PagedEngine
 from tapioca.engines.torch_engine import TorchEngine
-from tapioca.media.store import FileImageStore
+from tapioca.media.store import FileImageStore, sha256_hex
 from tapioca.models.factory import load_model_and_tokenizer, save_tiny_checkpoint
 from tapioca.models.vision import VisionPrompts
 from tapioca.producers.rollout import RolloutWorker
@@ -95,3 +99,24 @@ def test_unusable_images_are_dead_lettered_and_the_worker_goes_on(setup, tmp_pat
             text.handle(prompt("g4", [1, 2, 3], refs), state, Source("p", 0, 4))
     finally:
         text.on_stop(state)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_an_image_bomb_is_dead_lettered_before_it_is_decoded(setup, monkeypatch):
+    decodes = spy_decodes(monkeypatch)
+    path, model, tokenizer, vlm, vp = setup
+    ids, _, refs = vp.encode(next(iter_rows()))
+    bomb = bomb_png()  # ~20 KB inline, its sha256 right: 13000 x 13000 = 507 MB as RGB
+    ref = ImageRef(sha256=sha256_hex(bomb), mime="image/png", width=13000, height=13000,
+                   data_b64=base64.b64encode(bomb).decode())
+    role = worker(TorchEngine(model, seed=0), request_images(str(path), vlm, pixels=True))
+    state = role.init_state()
+    try:
+        with pytest.raises(BadEventError, match=r"prompt gb cannot be generated: the image is 13000 x 13000 "
+                                                r"= 169,000,000 pixels, over vlm.max_image_pixels"):
+            role.handle(prompt("gb", ids, [ref]), state, Source("p", 0, 5))
+        assert (13000, 13000) not in decodes and "gb" not in state.inflight
+        role.handle(prompt("g6", ids, refs), state, Source("p", 0, 6))  # the next good one is served
+        assert "g6" in state.inflight and (56, 56) in decodes  # (the spy sees decodes)
+    finally:
+        role.on_stop(state)

@@ -10,11 +10,13 @@ tokens for engine, trainer and reference alike (the rule of models/vision.py).""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
 import pytest
 import torch
+from test_image_admission import bomb_png, spy_decodes
 
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
@@ -22,7 +24,7 @@ from tapioca.engines.base import GenRequest, RequestImages, SamplingParams
 from tapioca.engines.paged_engine import PagedEngine
 from tapioca.engines.torch_engine import TorchEngine
 from tapioca.media.images import ImageError
-from tapioca.media.store import FileImageStore
+from tapioca.media.store import FileImageStore, sha256_hex
 from tapioca.models.factory import load_model_and_tokenizer, save_tiny_checkpoint
 from tapioca.models.vision import (
     ImageLoader,
@@ -35,7 +37,7 @@ from tapioca.models.vision import (
     placeholder_mask,
 )
 from tapioca.schemas.errors import BadEventError, EngineError
-from tapioca.schemas.events import SampleEvent, SampleSequence
+from tapioca.schemas.events import ImageRef, SampleEvent, SampleSequence
 from tapioca.tasks.visual import VISUAL_ALPHABET, draw
 from tapioca.trainers.batching import SeqItem
 from tapioca.trainers.ppo_actor import PPOActor
@@ -297,7 +299,9 @@ def test_freeze_vision_encoder(vl, freeze):
     assert all((id(p) in optimised) is not freeze for p in model.model.visual.parameters())
 
 
-def test_trainer_dead_letters_samples_whose_images_it_cannot_use(vl, tmp_path):
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_trainer_dead_letters_samples_whose_images_it_cannot_use(vl, tmp_path, monkeypatch):
+    decodes = spy_decodes(monkeypatch)
     items, results = _items(vl)
     it, r = items[1], results[1]
 
@@ -318,6 +322,15 @@ def test_trainer_dead_letters_samples_whose_images_it_cannot_use(vl, tmp_path):
         missing.check_images(sample([big]))
     with pytest.raises(BadEventError, match="placeholder"):
         actor.check_images(sample(it.images + it.images))  # two images, one placeholder run
+    # An image bomb inline on the sample (a ~20 KB PNG of 13000 x 13000): refused from its
+    # header, nothing of it decoded; the next good sample is still usable.
+    bomb = bomb_png()
+    bomb_ref = ImageRef(sha256=sha256_hex(bomb), width=13000, height=13000,
+                        data_b64=base64.b64encode(bomb).decode())
+    with pytest.raises(BadEventError, match="group g: the image is 13000 x 13000 = 169,000,000 pixels, over"):
+        actor.check_images(sample([bomb_ref]))
+    assert (13000, 13000) not in decodes
+    actor.check_images(sample(it.images))
     text_dir = save_tiny_checkpoint(tmp_path / "text", alphabet=VISUAL_ALPHABET)
     text_actor = PPOActor(load_model_and_tokenizer(text_dir)[0], ActorConfig(), temperature=1.0, pad_token_id=0)
     with pytest.raises(BadEventError, match="no vision tower"):
