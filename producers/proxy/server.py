@@ -80,23 +80,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...engines.base import GenResult
 from ...schemas.errors import ConfigError, TapiocaError
-from .delayed_rewards import check_reward
+from .chat_call import ChatRequest, run_chat
+from .chat_call import usage as chat_usage
+from .http_requests import is_admin, json_response, read_body, request_key, session_of
 from .http_timeouts import with_header_timeout
-from .images import expand as expand_images
-from .images import take_images
+from .messages_api import messages_router
 from .openai_errors import ApiError, bad_request, error_body
-from .responses import build_chat_choices, build_text_choices
-from .service import ProxyService, float_field, int_field
-from .sessions import Session
-from .tool_calls import prepare_messages, validate_tool_choice, validate_tools
+from .responses import build_text_choices
+from .responses_api import responses_router
+from .service import ProxyService, int_field
+from .sessions_api import sessions_router
+from .tool_calls import validate_tool_choice, validate_tools
 
 log = logging.getLogger(__name__)
-
-
-def _json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def _sse(obj: Any) -> bytes:
@@ -111,229 +108,70 @@ def create_app(svc: ProxyService) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:
-        response = _json_response(exc.body(), exc.status)
+        response = json_response(exc.body(), exc.status)
         response.headers.update(exc.headers)
         return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
-        return _json_response(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+        return json_response(error_body(exc.status_code, str(exc.detail)), exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception) -> Response:
         log.exception("proxy request failed")
-        return _json_response(error_body(500, f"internal error: {exc!r}", code="internal_error"), 500)
+        return json_response(error_body(500, f"internal error: {exc!r}", code="internal_error"), 500)
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        limit = svc.max_request_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(413, f"request body of {length} bytes exceeds proxy.max_request_bytes={limit}",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds proxy.max_request_bytes={limit}",
-                               code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw:
-            return {}
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise bad_request("the body must be a JSON object", code="invalid_json")
-        return obj
-
-    def bearer(request: Request) -> str:
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
-        return key.strip()
-
-    def is_admin(key: str) -> bool:
-        return secrets.compare_digest(key.encode(), svc.api_key.encode())
-
-    def session_of(request: Request) -> Session:
-        key = bearer(request)
-        if is_admin(key):
-            raise ApiError(403, "completions need a session key: start a session with POST "
-                           "/v1/sessions and use its api_key", code="session_key_required")
-        return svc.store.by_api_key(key)
-
-    def own_session(request: Request, session_id: str) -> Session:
-        key = bearer(request)
-        if is_admin(key):
-            return svc.store.get(session_id)
-        session = svc.store.by_api_key(key)
-        if session.session_id != session_id:
-            raise ApiError(403, "this API key belongs to another session", code="wrong_session")
-        return session
-
-    # -------------------------------------------------------------- sessions
-
-    @app.post("/v1/sessions")
-    async def start_session(request: Request) -> Response:
-        if not is_admin(bearer(request)):
-            raise ApiError(401, "starting a session needs the proxy's admin key (proxy.api_key)",
-                           code="invalid_api_key")
-        body = await body_of(request)
-        group_id = body.get("group_id")
-        if group_id is not None and (not isinstance(group_id, str) or not group_id):
-            raise bad_request("group_id must be a non-empty string or null", "group_id")
-        group_size = int_field(body, "group_size", svc.default_group_size, 1, 4096)
-        sample_index = body.get("sample_index")
-        if sample_index is not None:
-            sample_index = int_field(body, "sample_index", 0, 0, 4095)
-        task = body.get("task", "")
-        task_data = body.get("task_data") or {}
-        if not isinstance(task, str) or not isinstance(task_data, dict):
-            raise bad_request("task must be a string and task_data an object", "task_data")
-        api_key = _client_key(body.get("api_key"), is_admin)
-        previous = None
-        if api_key is not None:  # a fixed key: its open episode ends (and is published) first
-            prev = svc.store.end_previous(api_key)
-            if prev is not None:
-                previous = await svc.finish(*prev)
-        start = dict(group_id=group_id, group_size=group_size, sample_index=sample_index,
-                     task=task, task_data=task_data, api_key=api_key)
-        while True:
-            session = svc.store.start(**start, policy_version=svc.engine.version,
-                                      admit=svc.gate.try_admit)
-            if session is not None:
-                break
-            if svc._stop.is_set():
-                raise ApiError(503, "the proxy is shutting down", code="shutting_down")
-            # Held by the head gate (proxy.admission): wait until a weights event frees a
-            # slot, or answer now (a live user is never left without an answer).
-            if svc.admission != "wait" and not svc.gate.ready.is_set():
-                svc.refused_starts += 1
-                raise ApiError(503, "the proxy is still loading the run's latest weights; retry",
-                               code="not_ready", headers={"Retry-After": str(svc.retry_after_s)})
-            if svc.admission == "reject":
-                svc.refused_starts += 1
-                raise ApiError(
-                    429, f"the trainer is {svc.gate.eta} versions behind the sessions already "
-                    "admitted (rollout.max_head_offpolicyness): a new one could not train within "
-                    f"the staleness bound; retry after {svc.retry_after_s} s",
-                    code="staleness_bound", headers={"Retry-After": str(svc.retry_after_s)})
-            if svc.admission == "serve_untrained":
-                session = svc.store.start(
-                    **start, policy_version=svc.engine.version, admit=svc.gate.try_admit,
-                    untrained="served past the staleness bound (proxy.admission=serve_untrained)")
-                break
-            if await request.is_disconnected():
-                return Response(status_code=499)
-            await asyncio.sleep(0.05)
-        return _json_response({"session_id": session.session_id, "api_key": session.api_key,
-                               "policy_version": session.policy_version,
-                               "group_id": session.group.group_id,
-                               "sample_index": session.sample_index,
-                               "group_size": session.group.group_size,
-                               "for_training": not session.group.untrained,
-                               "previous": previous})
-
-    @app.post("/v1/sessions/{session_id}/reward")
-    async def set_reward(session_id: str, request: Request) -> Response:
-        key = bearer(request)
-        admin = is_admin(key)
-        body = await body_of(request)
-        reward = check_reward(body.get("reward"))
-        completion_id = body.get("completion_id")
-        if completion_id is not None and not isinstance(completion_id, str):
-            raise bad_request("completion_id must be a string or null", "completion_id")
-        session = svc.store.open_session(session_id)
-        if session is None:  # ended: the session's reward, now or later (delayed_rewards.py)
-            if completion_id is not None:
-                raise bad_request("after end a reward goes to the whole session (its last "
-                                  "completion, AReaL's rule); leave completion_id out",
-                                  "completion_id")
-            out = await asyncio.to_thread(svc.reward_after_end, session_id, reward,
-                                          None if admin else key)
-            return _json_response(out)
-        if not admin and svc.store.by_api_key(key) is not session:
-            raise ApiError(403, "this API key belongs to another session", code="wrong_session")
-        ids = svc.store.set_reward(session, reward, completion_id)
-        return _json_response({"session_id": session_id, "completion_ids": ids, "reward": reward})
-
-    @app.post("/v1/sessions/{session_id}/end")
-    async def end_session(session_id: str, request: Request) -> Response:
-        session = own_session(request, session_id)
-        body = await body_of(request)
-        mode = body.get("mode")
-        if mode not in (None, "concat", "per_completion"):
-            raise bad_request("mode must be concat, per_completion or null", "mode")
-        discount = body.get("discount")
-        if discount is not None:
-            discount = float_field(body, "discount", 1.0, 0.0, 1.0)
-        ended = svc.store.end(session, mode, discount)
-        return _json_response(await svc.finish(session, ended))
+    app.include_router(sessions_router(svc))
+    app.include_router(responses_router(svc))
+    app.include_router(messages_router(svc))
 
     # -------------------------------------------------------------- OpenAI routes
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        key = bearer(request)
-        if not is_admin(key):
+        key = request_key(request)
+        if not is_admin(svc, key):
             svc.store.by_api_key(key)
-        return _json_response({"object": "list", "data": [
+        return json_response({"object": "list", "data": [
             {"id": svc.served_model_name, "object": "model", "created": 0, "owned_by": "tapioca"}]})
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str, request: Request) -> Response:
-        key = bearer(request)
-        if not is_admin(key):
+        key = request_key(request)
+        if not is_admin(svc, key):
             svc.store.by_api_key(key)
         if model_id != svc.served_model_name:
             raise ApiError(404, f"the proxy serves {svc.served_model_name!r}, not {model_id!r}",
                            param="model", code="model_not_found")
-        return _json_response({"id": model_id, "object": "model", "created": 0, "owned_by": "tapioca"})
+        return json_response({"id": model_id, "object": "model", "created": 0, "owned_by": "tapioca"})
 
     @app.get("/health")
     async def health() -> Response:
         ok = svc.runner_error is None
-        return _json_response({"ok": ok, "policy_version": svc.engine.version,
+        return json_response({"ok": ok, "policy_version": svc.engine.version,
                                "gate_capacity": svc.gate.capacity(), "ready": svc.gate.ready.is_set(),
                                "sessions": svc.session_counts()},
                               200 if ok else 503)
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")  # AReaL's online proxy serves it at the root
     async def chat_completions(request: Request) -> Response:
-        session = session_of(request)
-        body = await body_of(request)
+        session = session_of(svc, request)
+        body = await read_body(svc, request)
         tools = body.get("tools")
         tools = validate_tools(tools) if tools else None
         tool_choice = validate_tool_choice(body.get("tool_choice"))
         stream, include_usage = _stream_fields(body)
         want_logprobs = _chat_logprobs_fields(body)
         sampling, n = svc.sampling_from(body)
-        # Rendering (a Jinja template + tokenising a long conversation) and decoding
-        # are CPU work: worker threads, so the event loop keeps serving other sessions.
-        # image_url parts: stored by sha256, rendered as placeholders (proxy/images.py).
-        messages, image_refs = await asyncio.to_thread(take_images, body.get("messages"), svc.vision)
-        prompt_ids = await asyncio.to_thread(_render_chat, svc, session, messages, tools)
-        prompt_ids = expand_images(prompt_ids, image_refs, svc.vision)
-        call_id = f"chatcmpl-{secrets.token_hex(12)}"
-        results = await svc.generate(session, call_id, prompt_ids, sampling, n, image_refs)
-        built = await asyncio.to_thread(
-            build_chat_choices, svc.text, call_id, prompt_ids, results, sampling.stop_strings,
-            parse_tools=tools is not None and tool_choice != "none", logprobs=want_logprobs,
-            stream=stream)
-        for completion in built.completions:
-            completion.images = list(image_refs)
-        svc.store.record(session, built.completions, built.raws, built.contents, built.tool_call_ids)
-        usage = _usage(prompt_ids, results)
+        done = await run_chat(svc, session, ChatRequest(body.get("messages"), tools, tool_choice, sampling, n,
+                                                        want_logprobs, stream),
+                              f"chatcmpl-{secrets.token_hex(12)}")
+        call_id, built, usage, extra = done.call_id, done.built, done.usage, done.extra
         created = int(time.time())
-        extra = {"completion_ids": [c.completion_id for c in built.completions],
-                 "policy_versions": [r.output_versions[-1] if r.output_versions else svc.engine.version
-                                     for r in results]}
         fingerprint = f"tapioca-v{svc.engine.version}"
         if not stream:
-            return _json_response({"id": call_id, "object": "chat.completion", "created": created,
+            return json_response({"id": call_id, "object": "chat.completion", "created": created,
                                    "model": svc.served_model_name, "choices": built.choices, "usage": usage,
                                    "system_fingerprint": fingerprint, "tapioca": extra})
 
@@ -361,8 +199,8 @@ def create_app(svc: ProxyService) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        session = session_of(request)
-        body = await body_of(request)
+        session = session_of(svc, request)
+        body = await read_body(svc, request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -384,11 +222,11 @@ def create_app(svc: ProxyService) -> FastAPI:
         built = await asyncio.to_thread(build_text_choices, svc.text, call_id, prompt_ids, results,
                                         sampling.stop_strings, stream=stream, logprobs=want_logprobs)
         svc.store.record(session, built.completions, built.raws, built.contents, built.tool_call_ids)
-        usage = _usage(prompt_ids, results)
+        usage = chat_usage(prompt_ids, results)
         created = int(time.time())
         extra = {"completion_ids": [c.completion_id for c in built.completions]}
         if not stream:
-            return _json_response({"id": call_id, "object": "text_completion", "created": created,
+            return json_response({"id": call_id, "object": "text_completion", "created": created,
                                    "model": svc.served_model_name, "choices": built.choices, "usage": usage,
                                    "tapioca": extra})
 
@@ -409,34 +247,6 @@ def create_app(svc: ProxyService) -> FastAPI:
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     return app
-
-
-def _client_key(value: Any, is_admin) -> str | None:
-    """A session's own key chosen by its client (a fixed key across episodes), or None."""
-    if value is None:
-        return None
-    if (not isinstance(value, str) or not 16 <= len(value) <= 256 or not value.isprintable()
-            or " " in value):
-        raise bad_request("api_key must be 16 to 256 printable characters without spaces (or "
-                          "null: the proxy makes one)", "api_key")
-    if value.startswith("tpk-") or is_admin(value):
-        raise bad_request("api_key must not be the admin key nor start with tpk- (the proxy's "
-                          "own keys)", "api_key")
-    return value
-
-
-def _usage(prompt_ids: list[int], results: list[GenResult]) -> dict[str, int]:
-    out = sum(len(r.output_ids) for r in results)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": out,
-            "total_tokens": len(prompt_ids) + out}
-
-
-def _render_chat(svc: ProxyService, session: Session, messages: Any,
-                 tools: list[dict[str, Any]] | None) -> list[int]:
-    templated = prepare_messages(messages, tools, template_has_tools=svc.template_has_tools,
-                                 raw_by_tool_call_id=session.raw_by_tool_call_id,
-                                 raw_by_content=session.raw_by_content)
-    return svc.render(templated, tools)
 
 
 def _bool_field(body: dict[str, Any], key: str) -> bool:
