@@ -63,8 +63,11 @@ from .tool_calls import validate_tool_choice, validate_tools
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_TOP_LOGPROBS = 20
-# Responses kept for previous_response_id, over all open sessions (oldest forgotten first).
-MAX_KEPT_RESPONSES = 100_000
+# Responses kept for previous_response_id, over all open sessions (oldest forgotten first);
+# each holds only its own new messages (at most one request body, proxy.max_request_bytes).
+MAX_KEPT_RESPONSES = 10_000
+# Every this many responses, those of sessions no longer open are forgotten.
+PRUNE_EVERY = 256
 
 
 def unsupported(message: str, param: str) -> ApiError:
@@ -341,11 +344,13 @@ def stream_events(response: dict[str, Any], pieces: list[str]) -> list[bytes]:
 class ResponseHistory:
     """What ``previous_response_id`` refers to, per open session: each response's new
     messages (its input and its output) and its parent, so a chain of n calls is kept
-    in O(n) messages. Forgotten when the session is no longer open (checked as new
-    responses come) or past :data:`MAX_KEPT_RESPONSES`, oldest first."""
+    in O(n) messages. Forgotten when the session is no longer open (checked every
+    :data:`PRUNE_EVERY` responses) or past :data:`MAX_KEPT_RESPONSES`, oldest first."""
 
-    def __init__(self, max_kept: int = MAX_KEPT_RESPONSES) -> None:
+    def __init__(self, max_kept: int = MAX_KEPT_RESPONSES, prune_every: int = PRUNE_EVERY) -> None:
         self.max_kept = max_kept
+        self.prune_every = prune_every
+        self._added = 0
         self._lock = threading.Lock()
         # response id -> (session id, parent response id, its messages)
         self._kept: dict[str, tuple[str, str | None, list[dict[str, Any]]]] = {}
@@ -368,7 +373,8 @@ class ResponseHistory:
              messages: list[dict[str, Any]], is_open) -> None:
         with self._lock:
             self._kept[response_id] = (session.session_id, parent, messages)
-            if len(self._kept) > self.max_kept:
+            self._added += 1
+            if len(self._kept) > self.max_kept or self._added % self.prune_every == 0:
                 for rid in [r for r, e in self._kept.items() if not is_open(e[0])]:
                     del self._kept[rid]
                 while len(self._kept) > self.max_kept:
