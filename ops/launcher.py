@@ -82,6 +82,16 @@ from .run_setup import last_member_warning, role_command, role_counts  # noqa: F
 
 log = logging.getLogger(__name__)
 
+# Said at start by an online run on a broker of its own (docs/online.md, "Where rewards
+# wait, and restarts"): its log lives in that broker's memory and dies with the run.
+ONLINE_ON_OWN_BROKER = (
+    "online mode on the run's own embedded broker, which keeps the log in memory: stopping "
+    "or restarting `tapioca train` loses every session still waiting for its reward (its "
+    "trajectories, the ended-session index; a later reward gets 404 session_not_found). For "
+    "rewards that survive a restart of the service, start the broker first with `tapioca "
+    "broker up` (it outlives the run; the log is lost only when the broker stops) or run on "
+    "Apache Kafka (bus.bootstrap_servers)")
+
 
 # After the other roles stopped, how long the archiver may read their last events
 # (it polls continuously, so its lag is well under this) before it is stopped.
@@ -280,6 +290,8 @@ class Launcher:
         if not self.cfg.bus.bootstrap_servers:
             self._start_broker()
             self.cfg = resolve_run(self.cfg, bootstrap=self.broker.bootstrap)
+            if self.cfg.agent.online:
+                log.warning("%s", ONLINE_ON_OWN_BROKER)
         ensure_topics(self.cfg.bus)
         self.expected_topics = topic_partitions(self.cfg.bus)
         self.cfg = resolve_run(self.cfg, bus_run_id=resolve_bus_run_id(self.cfg),

@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -26,6 +27,7 @@ from typing import Any, Callable
 import pytest
 
 from tapioca.bus import BusConfig, EmbeddedBroker, RoleRunner, ensure_topics, find_tansu
+from tapioca.engines.base import GenResult, InferenceEngine
 from tapioca.schemas.errors import BusError
 
 
@@ -217,6 +219,72 @@ def start_proxy(broker, one_torch_thread):
         server = ProxyServer(build_proxy_service(cfg), "127.0.0.1", 0).start()
         servers.append(server)
         return server, bus
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+class ScriptedEngine(InferenceEngine):
+    """An ``InferenceEngine`` that answers the k-th request with ``replies[k % len]``, or
+    with ``replies[pick(prompt_ids)]`` (output ids; logprob -0.25, version 0, finish
+    "stop"): the tiny random model cannot be made to write a tool call, so tests of the
+    proxy's tool-call replies script the engine (everything else, HTTP, the SDKs,
+    sessions and the broker, is the real thing)."""
+
+    def __init__(self, replies: list[list[int]], pick: Callable[[list[int]], int] | None = None) -> None:
+        self.replies = replies
+        self.pick = pick
+        self.request_ids: list[str] = []
+
+    def submit(self, request):
+        k = self.pick(request.prompt_ids) if self.pick else len(self.request_ids) % len(self.replies)
+        out = list(self.replies[k])
+        self.request_ids.append(request.request_id)
+        future: concurrent.futures.Future[GenResult] = concurrent.futures.Future()
+        future.set_result(GenResult(request.request_id, list(request.prompt_ids), out, [-0.25] * len(out),
+                                    [0] * len(out), "stop", {"generate_s": 0.0}))
+        return future
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, weights, version: int) -> None: ...
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def shutdown(self) -> None: ...
+
+
+@pytest.fixture
+def start_scripted_proxy(bus_cfg):
+    """``start_scripted_proxy(tokenizer, replies: list[str], pick=None, run_id="scripted",
+    api_key="test-admin-key") -> (ProxyServer, ScriptedEngine)``: a proxy whose engine
+    replays ``replies`` (texts, each tokenised and closed with the tokenizer's eos) in
+    turn, or the one ``pick(prompt text)`` names, on this test's bus."""
+    from tapioca.config.schema import GenerationConfig, ProxyConfig
+    from tapioca.config.sections import ProxySection
+    from tapioca.producers.proxy import ProxyServer, ProxyService
+
+    servers: list = []
+
+    def start(tokenizer, replies: list[str], pick: Callable[[str], int] | None = None,
+              run_id: str = "scripted", api_key: str = "test-admin-key"):
+        engine = ScriptedEngine([list(tokenizer(r, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+                                 for r in replies],
+                                pick and (lambda ids: pick(tokenizer.decode(ids))))
+        section = ProxySection(
+            proxy=ProxyConfig(api_key=api_key, served_model_name="tapioca", max_tokens_per_request=4096,
+                              max_tokens_per_session=100_000, max_request_bytes=1 << 20, session_ttl_s=600.0),
+            gconfig=GenerationConfig(n_samples=1, max_new_tokens=128), max_head_offpolicyness=0,
+            prompts_per_step=100, run_id=run_id, seed=0)
+        server = ProxyServer(ProxyService(section, engine=engine, tokenizer=tokenizer, bus=bus_cfg,
+                                          load_weights=lambda e: None)).start()
+        servers.append(server)
+        return server, engine
 
     yield start
     for server in servers:
