@@ -46,6 +46,10 @@ Tapioca's conventions (peers differ; each one has a golden test):
   tiny non-zero advantage).
 * **extreme values**: the std is computed on values scaled by their largest
   magnitude, so rewards near 1e300 do not overflow to an infinite std.
+* **group unit**: one value per sample (the GRPO paper's, verl's, TRL's); with
+  ``group_unit="token"`` every trained token of the group is one element (AReaL's
+  ``Normalization`` over the loss mask, :func:`_normalize_tokens`), so a sample weighs
+  its trained tokens. docs/algorithms.md says why the default is per sample.
 """
 
 from __future__ import annotations
