@@ -13,6 +13,7 @@ Modules (docs/algorithms.md has the formulas, switches and conventions):
   policy_losses       one pipeline for PPO, GSPO, SAPO, CISPO surrogates + entropy bonus
   rejection_sampling  behaviour weight, its cap, rejection sampling (IcePop, KPop), M2PO
   prox_logp           proximal logprobs: loglinear approximation
+  stale_tokens        stale-token masking: the loss masks of actor.max_token_version_gap
   aggregation         token/sequence loss aggregation modes (torch)
   preference          DPO (sigmoid, IPO) and Bradley-Terry losses
   supervised          masked NLL, chunked forward KL for distillation

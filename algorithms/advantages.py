@@ -46,6 +46,10 @@ Tapioca's conventions (peers differ; each one has a golden test):
   tiny non-zero advantage).
 * **extreme values**: the std is computed on values scaled by their largest
   magnitude, so rewards near 1e300 do not overflow to an infinite std.
+* **group unit**: one value per sample (the GRPO paper's, verl's, TRL's); with
+  ``group_unit="token"`` every trained token of the group is one element (AReaL's
+  ``Normalization`` over the loss mask, :func:`_normalize_tokens`), so a sample weighs
+  its trained tokens. docs/algorithms.md says why the default is per sample.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ from .errors import AlgorithmInputError
 
 #: Values of ``mean_level`` / ``std_level``.
 LEVELS: tuple[str, ...] = ("group", "batch", "none")
+
+#: Values of ``group_unit``: what one element of a group's mean and std is. ``sequence``
+#: (the default; the GRPO paper's, verl's and TRL's): one value per sample. ``token``
+#: (AReaL's ``Normalization`` over the loss mask): every trained token of a sample
+#: counts once, so a sample of n trained tokens weighs n.
+GROUP_UNITS: tuple[str, ...] = ("sequence", "token")
 
 #: Each estimator (``advantage.estimator``) as a normalisation preset. The processor
 #: applies the ``group`` parts; the trainer applies the ``batch`` parts over each
@@ -123,8 +133,10 @@ def estimator_norm(estimator: str, *, eps: float = 1e-6,
 
 
 def check_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
-               std_unbiased: bool = False, eps: float = 1e-6) -> None:
+               std_unbiased: bool = False, eps: float = 1e-6, group_unit: str = "sequence") -> None:
     """Raise :class:`AlgorithmInputError` unless the normalisation is one Tapioca can run."""
+    if group_unit not in GROUP_UNITS:
+        raise AlgorithmInputError(f"group_unit={group_unit!r}: use one of {', '.join(GROUP_UNITS)}.")
     for name, level in (("mean_level", mean_level), ("std_level", std_level)):
         if level not in LEVELS:
             raise AlgorithmInputError(
@@ -143,9 +155,15 @@ def check_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
 
 
 def check_reward_norm(*, mean_level: str, std_level: str, mean_leave1out: bool = False,
-                      std_unbiased: bool = False, eps: float = 1e-6) -> None:
+                      std_unbiased: bool = False, eps: float = 1e-6, group_unit: str = "sequence") -> None:
     """Raise :class:`AlgorithmInputError` unless the reward normalisation is one the
-    advantage processor can apply: a valid norm with ``group`` or ``none`` levels."""
+    advantage processor can apply: a valid norm with ``group`` or ``none`` levels, one
+    value per sequence."""
+    if group_unit != "sequence":
+        # AReaL's reward_norm normalises the [batch] reward scores: one per sequence.
+        raise AlgorithmInputError(
+            f"group_unit={group_unit!r} is not supported for reward_norm: a reward is one value per "
+            "sequence (as AReaL's reward_norm). Token weighting is an adv_norm switch.")
     batch = [name for name, level in (("mean_level", mean_level), ("std_level", std_level))
              if level == "batch"]
     if batch:
@@ -213,6 +231,42 @@ def _normalize(values: list[float], *, level: str, mean_level: str, std_level: s
     return list(centred)
 
 
+def _normalize_tokens(values: list[float], weights: list[int], *, mean_level: str, std_level: str,
+                      mean_leave1out: bool, std_unbiased: bool, eps: float) -> list[float]:
+    """The group levels with every trained token one element (AReaL's masked
+    normalisation when a sample's tokens share its value): sample i stands for
+    ``w_i`` copies of ``r_i``, ``N = sum w``. ``b = sum_i w_i r_i / N`` (leave-one-out
+    leaves out one *token*: ``(N r_i - S) / (N - 1)`` after centring), ``s = sqrt(sum_i
+    w_i c_i^2 / d)``, ``d = N - 1`` if ``std_unbiased`` else ``N``. Samples without a
+    trained token (``w = 0``) count in nothing and get 0. The edge cases are the
+    per-sequence ones with N for n: one token, or all trained samples equal, give zeros
+    when a mean is subtracted; no std step without spread or with ``d = 0``."""
+    n = len(values)
+    live = [i for i in range(n) if weights[i] > 0]
+    out = [0.0] * n
+    total = sum(weights[i] for i in live)
+    if not live:
+        return out
+    vals = [values[i] for i in live]
+    ws = [weights[i] for i in live]
+    centred = vals
+    if mean_level == "group":
+        if total == 1 or max(vals) == min(vals):
+            return out
+        mean = math.fsum(w * v for w, v in zip(ws, vals)) / total
+        factor = total / (total - 1) if mean_leave1out else 1.0
+        centred = [factor * (v - mean) for v in vals]
+    if std_level == "group":
+        d = total - 1 if std_unbiased else total
+        peak = max(abs(c) for c in centred)
+        if d > 0 and peak > 0.0:
+            std = peak * math.sqrt(math.fsum(w * (c / peak) ** 2 for w, c in zip(ws, centred)) / d)
+            centred = [c / (std + eps) for c in centred]
+    for i, c in zip(live, centred):
+        out[i] = c
+    return out
+
+
 def normalize_group(
     rewards: Sequence[float],
     *,
@@ -221,16 +275,30 @@ def normalize_group(
     mean_leave1out: bool = False,
     std_unbiased: bool = False,
     eps: float = 1e-6,
+    group_unit: str = "sequence",
+    token_counts: Sequence[int] | None = None,
 ) -> list[float]:
     """The group-level parts of a normalisation, applied to one group's rewards.
 
     Only levels equal to ``"group"`` act here; ``"batch"`` levels are the trainer's
     (:func:`normalize_batch` over a training batch) and ``"none"`` does nothing.
     See the module docstring for the formula and the edge-case conventions.
+    ``group_unit="token"`` weighs each sample by its trained tokens (``token_counts``,
+    required then; AReaL's convention, :func:`_normalize_tokens`).
     """
     check_norm(mean_level=mean_level, std_level=std_level, mean_leave1out=mean_leave1out,
-               std_unbiased=std_unbiased, eps=eps)
+               std_unbiased=std_unbiased, eps=eps, group_unit=group_unit)
     values = _finite_values(rewards, "normalize_group")
+    if group_unit == "token" and "group" in (mean_level, std_level):
+        if token_counts is None or len(token_counts) != len(values):
+            raise AlgorithmInputError(
+                f"normalize_group: group_unit=token needs one token count per reward, got "
+                f"{None if token_counts is None else len(token_counts)} for {len(values)}.")
+        counts = [int(c) for c in token_counts]
+        if any(c < 0 for c in counts):
+            raise AlgorithmInputError(f"normalize_group: token counts must be >= 0, got {counts}.")
+        return _normalize_tokens(values, counts, mean_level=mean_level, std_level=std_level,
+                                 mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
     return _normalize(values, level="group", mean_level=mean_level, std_level=std_level,
                       mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
 
@@ -243,6 +311,7 @@ def normalize_batch(
     mean_leave1out: bool = False,
     std_unbiased: bool = False,
     eps: float = 1e-6,
+    group_unit: str = "sequence",
 ) -> list[float]:
     """The batch-level parts of a normalisation, over one training batch.
 
@@ -254,7 +323,7 @@ def normalize_batch(
     groups when taken per sequence).
     """
     check_norm(mean_level=mean_level, std_level=std_level, mean_leave1out=mean_leave1out,
-               std_unbiased=std_unbiased, eps=eps)
+               std_unbiased=std_unbiased, eps=eps, group_unit=group_unit)
     vals = _finite_values(values, "normalize_batch")
     return _normalize(vals, level="batch", mean_level=mean_level, std_level=std_level,
                       mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
@@ -268,6 +337,7 @@ def normalize_rewards(
     mean_leave1out: bool = False,
     std_unbiased: bool = False,
     eps: float = 1e-6,
+    group_unit: str = "sequence",
 ) -> list[float]:
     """AReaL's ``reward_norm`` on one group's shaped rewards, before the estimator.
 
@@ -276,7 +346,8 @@ def normalize_rewards(
     ``none`` levels are accepted (:func:`check_reward_norm`).
     """
     check_reward_norm(mean_level=mean_level, std_level=std_level,
-                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)
+                      mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps,
+                      group_unit=group_unit)
     values = _finite_values(rewards, "normalize_rewards")
     return _normalize(values, level="group", mean_level=mean_level, std_level=std_level,
                       mean_leave1out=mean_leave1out, std_unbiased=std_unbiased, eps=eps)

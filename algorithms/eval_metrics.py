@@ -30,6 +30,15 @@ metric is the mean over prompts of the per-prompt value below):
 
 A completion is *correct* when its reward reaches ``correct_min_reward`` (1.0 by
 default: full credit), decided by the caller and stored with each sample.
+
+**Version proof** (AReaL #1479's rule): a score is attributed to policy version v only
+when every scored token carries v (:func:`attributed_version`; the tokens with loss mask
+1 where a mask is given, every output token otherwise). A completion whose tokens do
+not all prove v (mixed versions, after a weights switch mid-generation, or another
+version) is dropped and counted; a prompt with a dropped completion is left out whole
+(its pass@k needs all its samples): rows marked ``dropped`` in ``samples.jsonl`` make
+:func:`prompts_from_rows` leave their prompt out, so a recomputation agrees.
+:func:`live_scores` applies the same rule to rewarded live traffic (online mode).
 """
 
 from __future__ import annotations
@@ -169,14 +178,33 @@ def summarize(prompts: Sequence[PromptSamples], k: int,
     return {"total": prompt_metrics(prompts, k, pass_ks), "subsets": by_subset}
 
 
+def attributed_version(versions: Sequence[int], loss_mask: Sequence[int] | None = None) -> int | None:
+    """The policy version every scored token carries, or None when they differ or no
+    token is scored. Scored: the tokens whose ``loss_mask`` is 1 when a mask is given (a
+    multi-turn trajectory's tool and user tokens are not the policy's), else all."""
+    scored = set(versions) if not loss_mask else {v for v, m in zip(versions, loss_mask) if m}
+    return next(iter(scored)) if len(scored) == 1 else None
+
+
+def dropped_prompts(rows: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The prompts with a row marked ``dropped`` (a completion whose score could not be
+    attributed to the evaluated version): their scores are left out whole."""
+    return {str(r["prompt_id"]) for r in rows if r.get("dropped")}
+
+
 def prompts_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[PromptSamples]:
     """Regroup per-sample rows (an evaluation's ``samples.jsonl``: ``prompt_id``,
     ``sample_index`` (-1 for the greedy completion), ``reward``, ``correct``,
     ``extracted_answer``, ``subset``) into prompts, samples in ``sample_index`` order,
-    prompts in order of first appearance."""
+    prompts in order of first appearance. Prompts with a ``dropped`` row are left out
+    (the version proof, :func:`dropped_prompts`)."""
+    rows = list(rows)
+    out = dropped_prompts(rows)
     by_id: dict[str, PromptSamples] = {}
     indexed: dict[str, list[tuple[int, Sample]]] = {}
     for row in rows:
+        if str(row["prompt_id"]) in out:
+            continue
         pid = str(row["prompt_id"])
         p = by_id.setdefault(pid, PromptSamples(pid, subset=str(row.get("subset") or "")))
         answer = row.get("extracted_answer")
@@ -190,3 +218,36 @@ def prompts_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[PromptSamples]:
     for pid, samples in indexed.items():
         by_id[pid].samples = [s for _, s in sorted(samples, key=lambda x: x[0])]
     return list(by_id.values())
+
+
+@dataclass
+class VersionScore:
+    """The live traffic one version served alone: its rewarded trajectories and their rewards."""
+
+    version: int
+    trajectories: int = 0
+    reward_sum: float = 0.0
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / self.trajectories if self.trajectories else 0.0
+
+
+def live_scores(items: Iterable[tuple[Sequence[int], Sequence[int], float]]) -> tuple[dict[int, VersionScore], int]:
+    """Per-version scores of rewarded live traffic (online mode) under the version proof:
+    ``items`` are ``(output_versions, loss_mask, reward)`` of each rewarded trajectory; a
+    trajectory counts for version v only when every loss-bearing token carries v
+    (:func:`attributed_version`). Returns ``({version: VersionScore}, dropped)``,
+    ``dropped`` the trajectories whose tokens prove no single version (mixed versions:
+    a session that spanned a weights switch)."""
+    scores: dict[int, VersionScore] = {}
+    dropped = 0
+    for versions, mask, reward in items:
+        v = attributed_version(versions, mask)
+        if v is None:
+            dropped += 1
+            continue
+        score = scores.setdefault(v, VersionScore(v))
+        score.trajectories += 1
+        score.reward_sum += float(reward)
+    return dict(sorted(scores.items())), dropped

@@ -32,6 +32,10 @@ class NormConfig:
     ``group_size`` is accepted so AReaL configs load (``${gconfig.n_samples}``), but
     groups are keyed by ``group_id``: when set it must equal ``gconfig.n_samples``
     (checked by ``TrainConfig``) and it changes nothing else.
+    ``group_unit``: what one element of the group levels' mean and std is: ``sequence``
+    (the default: one value per sample, the GRPO paper's, verl's and TRL's) or
+    ``token`` (AReaL's: every trained token, so a sample weighs its trained tokens;
+    docs/algorithms.md says why the default differs). Batch levels are always per token.
     """
 
     #: The config key this section sits under (error messages name it).
@@ -44,6 +48,8 @@ class NormConfig:
     eps: float = 1e-6
     # AReaL's name; only checked against gconfig.n_samples (see the class docstring).
     group_size: Optional[int] = None
+    # Group levels over samples (sequence) or over trained tokens (token: AReaL's math).
+    group_unit: str = "sequence"
 
     def __post_init__(self) -> None:
         from ..algorithms.errors import AlgorithmInputError
@@ -68,14 +74,16 @@ class NormConfig:
         """Keyword arguments of ``normalize_group`` / ``normalize_batch``."""
         return {"mean_level": self.mean_level, "std_level": self.std_level,
                 "mean_leave1out": self.mean_leave1out, "std_unbiased": self.std_unbiased,
-                "eps": self.eps}
+                "eps": self.eps, "group_unit": self.group_unit}
 
     def spec(self) -> str:
         """One canonical line naming this normalisation (``SampleEvent.adv_norm``: the
         trainer checks the processor normalised as its own config says)."""
+        # The unit only when it is not the default: specs of older events stay equal.
+        unit = f" unit={self.group_unit}" if self.group_unit != "sequence" else ""
         return (f"mean={self.mean_level} std={self.std_level} "
                 f"leave1out={int(self.mean_leave1out)} unbiased={int(self.std_unbiased)} "
-                f"eps={self.eps:g}")
+                f"eps={self.eps:g}{unit}")
 
 
 def reward_norm_spec(norm: Optional[NormConfig]) -> str:

@@ -432,6 +432,13 @@ class ActorConfig:
     # beyond, or when null (the default), it is rejected and dead-lettered with the
     # reason (docs/online.md).
     late_reward_max_offpolicyness: Optional[int] = None
+    # Stale-token masking (AReaL's name; docs/algorithms.md): an output token generated
+    # more than this many versions behind the version being trained leaves the loss mask
+    # (the policy loss, GAE, the batch normalisation, the critic) and stays as context
+    # (algorithms/stale_tokens.py). 0: only tokens of the version being trained. null
+    # (the default): off. Reported as actor/stale_masked_ratio and
+    # actor/stale_empty_minibatch_fraction.
+    max_token_version_gap: Optional[int] = None
     # --- training-step speed and memory (docs/trainer-performance.md) ---
     # Micro-batches as packed sequences: concatenated without padding, position ids
     # restarting per sequence, block-diagonal causal attention; mb_max_tokens then
@@ -529,6 +536,11 @@ class ActorConfig:
         _require(self.mb_max_tokens >= 16, "actor.mb_max_tokens must be >= 16")
         _require(self.ppo_n_minibatches >= 1, "actor.ppo_n_minibatches must be >= 1")
         _require(self.checkpoint_every_steps >= 1, "actor.checkpoint_every_steps must be >= 1")
+        _require(self.max_token_version_gap is None or (
+            isinstance(self.max_token_version_gap, int) and not isinstance(self.max_token_version_gap, bool)
+            and self.max_token_version_gap >= 0),
+            "actor.max_token_version_gap must be an integer >= 0 (0: train only the tokens of the "
+            "version being trained) or null (off)")
         _require(self.param_dtype in ("auto", "float32", "bfloat16"),
                  "actor.param_dtype must be auto (bfloat16 on a GPU, float32 on the CPU), float32 "
                  "or bfloat16")

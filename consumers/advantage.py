@@ -322,7 +322,9 @@ class AdvantageProcessor(Role[AdvantageState]):
         if filtered or self.estimator == "gae":
             advantages = [0.0] * len(shaped)
         else:
-            advantages = normalize_group(normed, **self.norm)
+            # Trained tokens per sample: the weights of adv_norm.group_unit token (AReaL's).
+            counts = [sum(t.loss_mask) if t.loss_mask else len(t.output_ids) for t in trajs]
+            advantages = normalize_group(normed, **self.norm, token_counts=counts)
         norm_rewards = normed if self.reward_norm else [None] * len(shaped)
         if not all(math.isfinite(x) for x in (*shaped, *normed, *advantages)):
             raise AlgorithmInputError(

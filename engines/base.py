@@ -53,6 +53,13 @@ class SamplingParams:
     match in the decoded output (needs an engine built with ``decode=``), or
     ``max_new_tokens`` tokens. The stop token / the token completing a stop string is
     kept in ``output_ids``.
+
+    ``seed``: the request's sampling seed (0 <= seed < 2**63). The paged engine keys every
+    draw of the request by (seed, position of the token sampled), so the same seed, prompt
+    and weights give the same tokens whatever the request is batched with (up to the
+    logits themselves, docs/provenance.md); None: the engine draws one and reports it on
+    :attr:`GenResult.seed`. Engines that cannot key draws per request ignore it
+    (TorchEngine, servers) and report None.
     """
 
     temperature: float = 1.0
@@ -61,6 +68,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -75,6 +83,8 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: use an integer >= 1")
         if any(not s for s in self.stop_strings):
             raise ConfigError("stop_strings contains an empty string; remove it")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed={self.seed!r}: use an integer in [0, 2**63) or None (the engine draws one)")
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +94,16 @@ class SamplingParams:
     def filtered(self) -> bool:
         """Sampling from a top-p / top-k nucleus (greedy ignores both)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> "SamplingParams":
+        """These settings with a prompt's own (``PromptEvent.sampling``: temperature, top_p,
+        top_k, max_new_tokens, stop_token_ids, stop_strings; other keys ignored)."""
+        if not overrides:
+            return self
+        keys = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_strings")
+        base = {k: getattr(self, k) for k in keys}
+        base.update({k: v for k, v in overrides.items() if k in base})
+        return SamplingParams(**base, seed=self.seed)
 
     @classmethod
     def from_generation(cls, gconfig: Any) -> "SamplingParams":
@@ -131,7 +151,8 @@ class GenResult:
     (admitted -> finished), in seconds. ``routed_experts``: with an engine recording
     routes (MoE models), the expert ids of every token it fed (prompt + output but the
     last sampled token) in every MoE layer, an integer array ``[tokens, MoE layers,
-    top_k]``; None otherwise.
+    top_k]``; None otherwise. ``seed``: the sampling seed the request was drawn with (an
+    engine that keys draws per request, the paged engine; None otherwise).
     """
 
     request_id: str
@@ -142,6 +163,7 @@ class GenResult:
     finish_reason: FinishReason
     timings: dict[str, float] = field(default_factory=dict)
     routed_experts: Any = None
+    seed: int | None = None
 
 
 class InferenceEngine(abc.ABC):

@@ -1,15 +1,16 @@
 """Decode steps with static buffers, replayed as CUDA graphs per batch-size bucket.
 
 Consumes the host arrays of one decode step (token fed, position, slot, context length,
-block table, temperature per row); emits the sampled tokens and their fp32 logprobs (or
-the logits, for batches that need top-k / top-p). Keyed by ``(rows bucket, block-table
-width bucket, sampling in the graph)``.
+block table, temperature, sampling seed and counter per row); emits the sampled tokens
+and their fp32 logprobs (or the logits, for batches that need top-k / top-p). Keyed by
+``(rows bucket, block-table width bucket, sampling in the graph)``.
 
 Every input lives in a static device buffer of ``max_rows`` rows per block-table width;
 a step stages its rows in pinned host memory and copies them in (padding rows up to the
 bucket get slot -1 and context 0: they write nowhere and read nothing). The graph holds
-the whole step: the decoder's forward, :func:`kernels.sample_tokens` and the in-graph
-advance of the RNG seed tensor, so a replay is one launch and nothing in it reads the
+the whole step: the decoder's forward and :func:`kernels.sample_tokens` keyed per row by
+the static seed and counter buffers (the request's seed, the position of the token
+sampled: no RNG state to advance), so a replay is one launch and nothing in it reads the
 host. Graphs are captured lazily the first time a key is used (the first steps of a
 run pay ~tens of ms per key); all share one memory pool. Weight updates copy into the
 captured parameters in place, so no graph is ever re-captured.
@@ -50,7 +51,8 @@ class _Staging:
     """Host arrays of one step's inputs (pinned on CUDA, so the copies are asynchronous)."""
 
     def __init__(self, max_rows: int, width: int, pin: bool) -> None:
-        self.i64 = torch.zeros((3, max_rows), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        # ids, positions, slots, sampling seeds, sampling counters (the position sampled)
+        self.i64 = torch.zeros((5, max_rows), dtype=torch.int64, pin_memory=pin)
         self.ctx = torch.zeros((max_rows,), dtype=torch.int32, pin_memory=pin)
         self.bt = torch.zeros((max_rows, width), dtype=torch.int32, pin_memory=pin)
         self.temp = torch.ones((max_rows,), dtype=torch.float32, pin_memory=pin)
@@ -80,19 +82,24 @@ class DecodeBuffers:
             self.i64, self.ctx, self.bt, self.temp = self._staging[0].tensors()
 
     def load(self, n: int, rows: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
-             bt: np.ndarray, temp: np.ndarray, rope_pos: np.ndarray | None = None) -> None:
+             bt: np.ndarray, temp: np.ndarray, rope_pos: np.ndarray | None = None,
+             seed: np.ndarray | int = 0) -> None:
         """Stage ``n`` real rows, pad to ``rows``, and copy the first ``rows`` rows in.
-        ``rope_pos``: the rotary positions when they are not ``pos`` (VL prompts)."""
+        ``rope_pos``: the rotary positions when they are not ``pos`` (VL prompts).
+        ``seed``: each row's sampling seed; its counter is ``pos + 1``, the position of the
+        token the step samples."""
         stage = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         i64, ctx, bt_h, temp_h = stage.np
         i64[0, :n], i64[1, :n], i64[2, :n] = ids, (pos if rope_pos is None else rope_pos), slots
+        i64[3, :n], i64[4, :n] = seed, pos + 1
         ctx[:n] = pos + 1
         bt_h[:n] = bt
         temp_h[:n] = temp
         if rows > n:  # padding rows: no write (slot -1), no read (context 0)
             i64[:2, n:rows] = 0
             i64[2, n:rows] = -1
+            i64[3:, n:rows] = 0
             ctx[n:rows] = 0
             bt_h[n:rows] = 0
             temp_h[n:rows] = 1.0
@@ -104,8 +111,13 @@ class DecodeBuffers:
 
     def pad_all(self) -> None:
         """Every row padding (the content a capture's warm-up runs on); synchronous."""
-        for dev, fill in ((self.i64[:2], 0), (self.i64[2], -1), (self.ctx, 0), (self.bt, 0), (self.temp, 1.0)):
+        for dev, fill in ((self.i64[:2], 0), (self.i64[2], -1), (self.i64[3:], 0), (self.ctx, 0), (self.bt, 0),
+                          (self.temp, 1.0)):
             dev.fill_(fill)
+
+    def sampling_keys(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seed_B, counter_B)`` of the first ``rows`` rows (device views)."""
+        return self.i64[3, :rows], self.i64[4, :rows]
 
     def inputs(self, rows: int) -> DecodeInputs:
         return DecodeInputs(self.i64[0, :rows], self.i64[1, :rows], self.i64[2, :rows],
@@ -116,11 +128,10 @@ class DecodeGraphs:
     """The decode step, eager or as lazily captured CUDA graphs (see module docstring)."""
 
     def __init__(self, decoder: PagedDecoder, *, max_rows: int, device: torch.device,
-                 seed_1: torch.Tensor, use_graphs: bool) -> None:
+                 use_graphs: bool) -> None:
         self.decoder = decoder
         self.max_rows = max_rows
         self.device = device
-        self.seed_1 = seed_1
         self.use_graphs = use_graphs and device.type == "cuda"
         # Pad steps to rows / width buckets: always with graphs; a CPU test turns it on to
         # run the graphs' padding eagerly.
@@ -175,8 +186,9 @@ class DecodeGraphs:
         logits_BV = forward(buf.inputs(rows))
         if not sample:
             return (logits_BV,)
-        tok_B, logp_B = kernels.sample_tokens(logits_BV, buf.temp[:rows], self.seed_1, 0)
-        self.seed_1.add_(1)  # in the graph: every replay draws fresh noise
+        # Each row keyed by its request's seed and the position it samples: a replay draws
+        # fresh noise because the counters moved, and a row's draw ignores the other rows.
+        tok_B, logp_B = kernels.sample_tokens(logits_BV, buf.temp[:rows], *buf.sampling_keys(rows))
         return tok_B, logp_B
 
     def run(self, buf: DecodeBuffers, rows: int, sample: bool) -> tuple:
@@ -196,7 +208,6 @@ class DecodeGraphs:
         # The inputs of the step being run are staged already; the warm-up runs on all-padding
         # rows instead (no cache writes, no reads), then the real rows are staged back.
         saved = [t.clone() for t in (buf.i64, buf.ctx, buf.bt, buf.temp)]  # after the staged copies
-        seed = self.seed_1.clone()
         buf.pad_all()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -208,5 +219,4 @@ class DecodeGraphs:
             outputs = self._body(buf, rows, sample)
         for dst, src in zip((buf.i64, buf.ctx, buf.bt, buf.temp), saved):
             dst.copy_(src)
-        self.seed_1.copy_(seed)  # the warm-up's draw does not count
         return graph, outputs

@@ -40,18 +40,25 @@ its :class:`~tapioca.engines.base.GenResult`. The group's copied partial block c
 its routes too. That gather, for all rows finishing in a step, is the one host wait it
 adds, on a side stream (:meth:`~tapioca.engines.model_runner.PagedDecoder.read_routes`).
 
-Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary, keyed by a
-seed tensor advanced every step) unless a row of the batch needs top-k / top-p: then
-the whole batch takes :func:`~tapioca.engines.sampling.sample_next` (torch, seeded
-generator) on the logits. Either way the logprob follows the convention of
-:mod:`tapioca.engines.base`. Reproducibility: with ``seed`` set, the same requests
-submitted the same way give the same outputs on the same device (sampled values differ
-from TorchEngine's: another noise source).
+Sampling: :func:`kernels.sample_tokens` (Gumbel-max over the full vocabulary) unless a
+row of the batch needs top-k / top-p: then the whole batch takes
+:func:`~tapioca.engines.sampling.sample_next` (torch, inverse CDF) on the logits. Either
+way the logprob follows the convention of :mod:`tapioca.engines.base`, and every row's
+noise is keyed by its own request's seed (``SamplingParams.seed``; drawn from the
+engine's ``seed`` when a request has none, and reported on ``GenResult.seed``) and the
+position of the token it samples: a counter-based hash computed on the device, so a
+row's draw never depends on what it is batched with, and regenerating a logged
+trajectory needs only its prompt, seed and weights (docs/provenance.md says exactly what
+is reproducible: the logits themselves may still depend on the batch). With ``seed``
+set, the same requests submitted the same way give the same outputs on the same device
+(sampled values differ from TorchEngine's: another noise source).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import random
 import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
@@ -166,13 +173,10 @@ class PagedEngine(EngineLoop):
         self.scheduler = Scheduler(self.bm, max_rows=self.max_batch_size,
                                    max_prefill_tokens=int(max_prefill_tokens), eos=self._eos)
         self.rows = DecodeRows(self.max_batch_size, self.block_size)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)))
-        self._seed_1 = torch.tensor([int(seed)], dtype=torch.int64, device=device)
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(int(seed))
+        # The seeds of requests that come without one (SamplingParams.seed), in submission order.
+        self._request_seeds = random.Random(seed)
         self.graphs = DecodeGraphs(dec, max_rows=self.max_batch_size, device=device,
-                                   seed_1=self._seed_1, use_graphs=cuda_graphs)
+                                   use_graphs=cuda_graphs)
         if device.type == "cuda":
             # MoE kernels tune their tiles at a shape's first call; a decode graph's first
             # call is its capture's warm-up, on padding rows that all route alike: tune on
@@ -235,6 +239,13 @@ class PagedEngine(EngineLoop):
         if not self._kv_mem.keeps_address:
             self.graphs.clear()  # they replay the old address: captured again on demand
         self.sleep_s += time.perf_counter() - t0
+
+    def _enqueue(self, requests: list[GenRequest]) -> list[concurrent.futures.Future]:
+        # Every request draws from a seed of its own (reported on its result).
+        seeded = [r if r.sampling.seed is not None else dataclasses.replace(
+            r, sampling=dataclasses.replace(r.sampling, seed=self._request_seeds.getrandbits(63)))
+            for r in requests]
+        return super()._enqueue(seeded)
 
     def _validate_more(self, request: GenRequest) -> None:
         need = self.scheduler.total_blocks(len(request.prompt_ids), request.sampling.max_new_tokens)
@@ -439,7 +450,7 @@ class PagedEngine(EngineLoop):
         # The tokens fed are the last step's samples, still on the device: the ids buffer is
         # staged with their indices in the last step's outputs and gathered in place.
         rope_pos = pos + r.delta[:n] if self._vision is not None else None
-        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n], rope_pos)
+        buf.load(n, rows, r.src[:n], pos, slots, r.bt[:n, :width], r.temp[:n], rope_pos, seed=r.seed[:n])
         ids_B = buf.i64[0, :n]
         ids_B.copy_(self._last_tokens.index_select(0, ids_B))
         if not r.filtered[:n].any():
@@ -448,7 +459,8 @@ class PagedEngine(EngineLoop):
         t, p, k = r.temp[:n], r.top_p[:n], r.top_k[:n]
         params = RowParams(self._to_device(t), self._to_device(p), self._to_device(k), all_greedy=False,
                            any_filter=True)
-        return sample_next(logits_BV[:n], params, self._generator)
+        seed_B, counter_B = buf.sampling_keys(n)
+        return sample_next(logits_BV[:n], params, seed_B=seed_B, counter_B=counter_B)
 
     def _to_device(self, x) -> torch.Tensor:
         """A host array on the device without waiting for the device (pinned, asynchronous)."""
@@ -564,11 +576,13 @@ class PagedEngine(EngineLoop):
             t(np.asarray(temps, dtype=np.float32)), t(np.asarray([sp.top_p for sp in sps], dtype=np.float32)),
             t(np.asarray([sp.top_k for sp in sps], dtype=np.int64)), all_greedy=all(x == 0 for x in temps),
             any_filter=any(sp.filtered for sp in sps))
+        # Each row keyed by its request's seed and the position of its first token.
+        seed_R = t(np.asarray([seq.seed for seq in rows], dtype=np.int64))
+        counter_R = t(np.asarray([seq.prompt_len for seq in rows], dtype=np.int64))
         if params.any_filter:
-            tok_R, logp_R = sample_next(logits_RV, params, self._generator)
+            tok_R, logp_R = sample_next(logits_RV, params, seed_B=seed_R, counter_B=counter_R)
         else:
-            tok_R, logp_R = kernels.sample_tokens(logits_RV, params.temperature_B, self._seed_1, 1)
-            self._seed_1.add_(1)
+            tok_R, logp_R = kernels.sample_tokens(logits_RV, params.temperature_B, seed_R, counter_R)
         return tok_R, logp_R, rows
 
     def _prefill_vision(self, units: list[PrefillUnit], cu: np.ndarray):

@@ -42,7 +42,7 @@ class Sequence:
 
     __slots__ = ("pending", "tokens", "prompt_len", "max_new", "logprobs", "version_runs", "blocks",
                  "reserve_left", "hashed", "last_key", "stops", "stop_strings", "done", "epoch",
-                 "rope_delta")
+                 "rope_delta", "seed")
 
     def __init__(self, pending: Pending, eos: tuple[int, ...]) -> None:
         sp = pending.request.sampling
@@ -62,6 +62,8 @@ class Sequence:
         self.stop_strings = sp.stop_strings
         self.done = False  # its result is delivered (a later in-flight token is dropped)
         self.epoch = -1  # the block manager's epoch at admission (weights it was prefilled with)
+        # The request's sampling seed: every draw is keyed by (seed, position sampled).
+        self.seed = int(sp.seed or 0)
 
     @property
     def num_out(self) -> int:
@@ -78,7 +80,8 @@ class Sequence:
             request_id=p.request.request_id, prompt_ids=list(p.request.prompt_ids),
             output_ids=self.tokens[self.prompt_len:], output_logprobs=list(self.logprobs),
             output_versions=versions, finish_reason=reason,  # type: ignore[arg-type]
-            timings={"queued_s": p.t_admit - p.t_submit, "generate_s": now - p.t_admit})
+            timings={"queued_s": p.t_admit - p.t_submit, "generate_s": now - p.t_admit},
+            seed=p.request.sampling.seed)
 
 
 @dataclass
@@ -213,6 +216,7 @@ class DecodeRows:
         self.top_p = np.ones(max_rows, np.float32)
         self.top_k = np.zeros(max_rows, np.int64)
         self.filtered = np.zeros(max_rows, bool)
+        self.seed = np.zeros(max_rows, np.int64)  # the request's sampling seed
         self.bt = np.zeros((max_rows, 8), np.int32)
 
     def fit_width(self, width: int) -> None:
@@ -239,6 +243,7 @@ class DecodeRows:
         self.top_p[rows] = [sp.top_p for sp in sps]
         self.top_k[rows] = [sp.top_k for sp in sps]
         self.filtered[rows] = [sp.filtered for sp in sps]
+        self.seed[rows] = [s.seed for s in seqs]
         width = max(len(s.blocks) for s in seqs)
         self.fit_width(max(blocks_for(s.prompt_len + s.max_new, self.block_size) for s in seqs))
         self.bt[rows, :width] = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
@@ -248,7 +253,8 @@ class DecodeRows:
         """Keep rows ``idx`` (in that order) as rows ``0..len(idx)-1``."""
         k = len(idx)
         width = int(self.nblk[idx].max()) if k else 0
-        for name in ("pos", "delta", "src", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered"):
+        for name in ("pos", "delta", "src", "nblk", "n_out", "max_new", "temp", "top_p", "top_k", "filtered",
+                     "seed"):
             arr = getattr(self, name)
             arr[:k] = arr[idx]
         self.bt[:k, :width] = self.bt[idx, :width]  # columns past a row's blocks are never read

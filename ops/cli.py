@@ -36,6 +36,7 @@ from . import (
     plan_cli,
     plot,
     proxy_cli,
+    regenerate_cli,
     replay_cli,
     run_cli,
     supervised_cli,
@@ -46,8 +47,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Tapioca: asynchronous RL for LLMs over Kafka.")
 # Each module's top-level commands, in the order `tapioca --help` lists them, then the
 # command groups (Typer lists a group's commands before its sub-groups).
-for _module in (admin_cli, commands, run_cli, eval_cli, plot, fleet_cli, supervised_cli, plan_cli, proxy_cli,
-                replay_cli, lora_cli):
+for _module in (admin_cli, commands, run_cli, eval_cli, regenerate_cli, plot, fleet_cli, supervised_cli, plan_cli,
+                proxy_cli, replay_cli, lora_cli):
     app.add_typer(_module.app)
 for _name, _group in (("broker", admin_cli.broker_app), ("topics", admin_cli.topics_app),
                       ("schemas", admin_cli.schemas_app),

@@ -3,7 +3,7 @@ invocation (``G``, set by the root callback in ops/cli.py), the bus settings the
 (``bus_config()``) and the output helpers (``emit_json``, ``check_output``).
 
 The command modules (admin_cli, commands, run_cli, eval_cli, plot, fleet_cli, supervised_cli,
-plan_cli, proxy_cli, replay_cli) import this module and never ops/cli.py, which imports them
+plan_cli, proxy_cli, replay_cli, regenerate_cli) import this module and never ops/cli.py, which imports them
 and composes them into the one ``tapioca`` command: no import circle.
 """
 

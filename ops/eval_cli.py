@@ -12,7 +12,13 @@ server with ``rollout.engine=vllm``), built as a rollout worker builds it.
 
 Writes ``samples.jsonl`` (one row per completion) and ``summary.json`` to ``--out-dir``
 and prints a table (``-o json``: the summary). ``--samples FILE`` recomputes the
-metrics of an earlier evaluation's samples.jsonl without a model.
+metrics of an earlier evaluation's samples.jsonl without a model. Scores are version
+proof: a completion counts only when all its tokens carry the evaluated version.
+
+``--online`` (a run with ``agent.mode: online``, docs/online.md): the score of live
+traffic per version, from the run's ``trajectories.v1`` and ``rewards.v1``: each rewarded
+trajectory counts for the version all its loss-bearing tokens carry; one that spans
+versions is dropped and counted (algorithms/eval_metrics.py ``live_scores``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ def metrics_table(metrics: dict[str, Any], title: str) -> Table:
         table.add_row(name or "-", f"{values['prompts']:.0f}",
                       *(f"{values[c]:.3f}" if c in values else "-" for c in cols))
     return table
+
+
+def proof_line(summary: dict[str, Any]) -> str:
+    """What the version proof says under the table: the versions behind the scores and
+    what it dropped (producers/eval_run.py ``version_proof``)."""
+    versions = ", ".join(f"v{v}" for v in summary.get("versions", [])) or "none"
+    dropped = summary.get("mixed_version_samples", 0)
+    tail = (f"; {dropped} completion(s) not all of version {summary['version']} dropped, their "
+            f"{summary.get('prompts_dropped', 0)} prompt(s) left out" if dropped else
+            "; every completion's tokens are of the evaluated version")
+    return f"scores from tokens of {versions}{tail}"
 
 
 def held_out_cell(row: dict[str, Any]) -> str | None:
@@ -129,6 +146,52 @@ def _weights(run_dir: str, version: Optional[int]):
     return version, WeightsEvent(version=version, path=str(path), sha256=sha256_file(path))
 
 
+def online_scores(run_dir: Optional[str], output: str) -> None:
+    """``--online``: mean reward per version of the run's rewarded live traffic."""
+    from ..algorithms.eval_metrics import live_scores
+    from ..algorithms.reward_shaping import weighted_reward
+    from ..bus.reader import read_events
+    from ..schemas.envelope import ANY_RUN
+    from .cli_context import bus_config, run_bus_section, run_dir_run_id
+
+    if run_dir:
+        G.run_dir = run_dir
+    if not G.run_dir:
+        raise ConfigError("--online scores a run's live traffic: pass --run-dir RUN_DIR")
+    weights = {}
+    config = Path(G.run_dir) / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        raw = yaml.safe_load(config.read_text()) or {}
+        weights = dict(((raw.get("advantage") or {}).get("reward_weights")) or {})
+    run_bus_section(G.run_dir)  # a clear error for a directory that is no run
+    bus, run_id = bus_config(), run_dir_run_id()
+    mine = (lambda e: True) if run_id == ANY_RUN else (lambda e: e.run_id == run_id)
+    trajs = {e.traj_id: e for e in read_events(bus, "trajectories") if mine(e)}
+    rewards: dict[str, dict[str, float]] = {}
+    for e in read_events(bus, "rewards"):
+        if mine(e) and e.traj_id in trajs:
+            rewards.setdefault(e.traj_id, {})[e.scorer] = e.reward
+    # One reward per trajectory: the run's weighted sum of its scorers, else its one scorer's.
+    items = [(trajs[t].output_versions, trajs[t].loss_mask,
+              weighted_reward(r, weights) if weights else next(iter(r.values())))
+             for t, r in rewards.items() if not weights or all(s in r for s in weights)]
+    scores, dropped = live_scores(items)
+    summary = {"run_dir": G.run_dir, "rewarded_trajectories": len(items), "mixed_version_dropped": dropped,
+               "versions": {str(v): {"trajectories": s.trajectories, "mean_reward": s.mean_reward}
+                            for v, s in scores.items()}}
+    if output == "json":
+        emit_json(summary)
+        return
+    table = Table("version", "trajectories", "mean reward", title=f"live traffic of {G.run_dir}")
+    for v, s in scores.items():
+        table.add_row(f"v{v}", str(s.trajectories), f"{s.mean_reward:.3f}")
+    console.print(table)
+    console.print(f"{len(items)} rewarded trajectories; {dropped} spanning several versions dropped "
+                  "(a score counts for a version only when every loss-bearing token carries it)")
+
+
 def recompute(samples: str, k: Optional[int], output: str) -> None:
     from ..algorithms.eval_metrics import summarize
     from ..producers.eval_run import read_samples
@@ -161,6 +224,9 @@ def eval_command(
                                           "evaluation's samples.jsonl (no model)."),
     k: Optional[int] = typer.Option(None, "--k", help="With --samples: k of pass@k / avg@k / "
                                     "maj@k (default: the samples per prompt)."),
+    online: bool = typer.Option(False, "--online", help="The run's live traffic (agent.mode "
+                                "online): mean reward per version, from its trajectories and "
+                                "rewards on the log."),
     output: str = typer.Option("table", "-o", "--output", help=OUTPUT_HELP),
 ) -> None:
     """Evaluate a model (or a run's version) on held-out data: pass@k, avg@k, maj@k,
@@ -169,6 +235,9 @@ def eval_command(
     check_output(output)
     if samples:
         recompute(samples, k, output)
+        return
+    if online:
+        online_scores(run_dir, output)
         return
     from transformers.utils import logging as hf_logging
 
@@ -220,6 +289,7 @@ def eval_command(
         emit_json(summary)
         return
     console.print(metrics_table(summary["metrics"], f"{task.dataset}, version {version}"))
+    console.print(proof_line(summary))
     console.print(f"{len(task.prompts)} prompts x {sec.eval.k} samples"
                   f"{' + greedy' if sec.eval.greedy else ''} in {summary['wall_s']:.1f} s: "
                   f"{summary['prompts_per_s']:.2f} prompts/s, "

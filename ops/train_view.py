@@ -95,6 +95,16 @@ def _fmt(value: Any, spec: str) -> str:
     return spec.format(value) if isinstance(value, (int, float)) else "-"
 
 
+def _masked(trainer: dict[str, Any]) -> str:
+    """The staleness cell's tail with stale-token masking on (actor.max_token_version_gap):
+    the step's share of tokens masked, and of minibatches left empty when any was."""
+    ratio = trainer.get("actor/stale_masked_ratio")
+    if not isinstance(ratio, (int, float)):
+        return ""
+    empty = trainer.get("actor/stale_empty_minibatch_fraction") or 0.0
+    return f" m{ratio:.0%}" + (f" e{empty:.0%}" if empty else "")
+
+
 class TrainView:
     """The live view of one `tapioca train`: fed metrics rows, asked for a table (on a
     terminal) or for the lines to print now (off one)."""
@@ -191,7 +201,7 @@ class TrainView:
             "tok/s train": compact(t.get("actor/tokens_per_s")),
             **traffic,
             "stale avg/max": f"{_fmt(t.get('trainer/staleness_mean'), '{:.2f}')}/"
-                             f"{_fmt(t.get('trainer/staleness_max'), '{:.0f}')}",
+                             f"{_fmt(t.get('trainer/staleness_max'), '{:.0f}')}{_masked(t)}",
             "rej": _fmt(t.get("trainer/rejected_stale"), "{:.0f}"),
             "s/step": _fmt(t.get("actor/step_time_s"), "{:.2f}"),
         }
@@ -209,8 +219,10 @@ class TrainView:
         table.add_row(*cells.values())
         legend = ("sessions: served by the proxy; rewards pending: ended, not yet rewarded"
                   if self.online else "backlog: prompt/sample groups")
+        masked = ("; stale m: tokens masked past actor.max_token_version_gap, e: empty minibatches"
+                  if "actor/stale_masked_ratio" in self.latest.get("trainer", {}) else "")
         lines = [Text(f"reward: mean of the last 20 steps; {legend}; "
-                      "rej: over the staleness bound", style="dim")]
+                      f"rej: over the staleness bound{masked}", style="dim")]
         note = self.waiting_note()
         if note:
             lines.append(Text(note, style="yellow"))

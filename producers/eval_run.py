@@ -11,6 +11,13 @@ metrics, total and per subset, with the settings and throughput). Rows are keyed
 ``prompt_id``: :func:`tapioca.algorithms.eval_metrics.prompts_from_rows` regroups them,
 so anyone can recompute the numbers from the file.
 
+Version proof (algorithms/eval_metrics.py): a completion counts for the evaluated version
+only when every output token carries it (``GenResult.output_versions``); one that does
+not (a weights switch mid-generation, another version) is kept in ``samples.jsonl`` with
+``dropped`` (why) and its prompt is left out of the metrics; the summary names the
+versions behind the scores (``versions``) and counts what was dropped
+(``mixed_version_samples``, ``prompts_dropped``).
+
 Nothing here blocks: :meth:`EvalRun.start` queues every completion (the engine batches
 them), :meth:`EvalRun.poll` scores the finished ones, so a role can poll from its tick.
 """
@@ -26,7 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..algorithms.eval_metrics import PromptSamples, prompts_from_rows, summarize
+from ..algorithms.eval_metrics import (
+    PromptSamples,
+    attributed_version,
+    dropped_prompts,
+    prompts_from_rows,
+    summarize,
+)
 from ..engines.base import GenRequest, GenResult, InferenceEngine, SamplingParams
 from ..schemas.errors import ConfigError, EngineError, TapiocaError
 
@@ -194,6 +207,8 @@ class EvalRun:
     finished_at: float = 0.0
     output_tokens: int = 0
     scoring_errors: int = 0
+    # Completions whose tokens do not all carry ``version`` (the version proof).
+    mixed_version_samples: int = 0
     _pending: list[_Pending] = field(default_factory=list)
     _left: list[int] = field(default_factory=list)  # completions still running, per prompt
 
@@ -266,9 +281,16 @@ class EvalRun:
                "sample_index": pending.sample_index, "output_text": pending.text, "reward": reward,
                "correct": reward >= self.correct_min_reward, "extracted_answer": answer,
                "reference_answer": prompt.answer, "finish_reason": result.finish_reason,
-               "output_tokens": len(result.output_ids)}
+               "output_tokens": len(result.output_ids),
+               "token_versions": sorted(set(result.output_versions))}
         if error:
             row["score_error"] = error
+        if attributed_version(result.output_versions) != self.version:
+            # Not the evaluated version's alone: not its score (AReaL #1479's rule).
+            self.mixed_version_samples += 1
+            row["dropped"] = (f"its tokens carry versions {row['token_versions']}, not all "
+                              f"{self.version}: its prompt's score is not attributed")
+            log.warning("prompt %s sample %d: %s", prompt.prompt_id, pending.sample_index, row["dropped"])
         self.rows.append(row)
         self.output_tokens += len(result.output_ids)
         self._left[pending.prompt] -= 1
@@ -281,8 +303,20 @@ class EvalRun:
 
     def metrics(self) -> dict[str, Any]:
         """``{"total": ..., "subsets": ...}`` of algorithms/eval_metrics.summarize, from
-        the rows exactly as they are written."""
-        return summarize(prompts_from_rows(self.sorted_rows()), self.k)
+        the rows exactly as they are written (prompts with a dropped completion left out;
+        when that is every prompt, counts of 0 and no score)."""
+        prompts = prompts_from_rows(self.sorted_rows())
+        if not prompts:
+            return {"total": {"prompts": 0.0, "samples": 0.0}, "subsets": {}}
+        return summarize(prompts, self.k)
+
+    def version_proof(self) -> dict[str, Any]:
+        """The versions behind the scores (of every scored completion's tokens) and what
+        the proof dropped."""
+        out = dropped_prompts(self.rows)
+        kept = [r for r in self.rows if r["prompt_id"] not in out]
+        return {"versions": sorted({v for r in kept for v in r["token_versions"]}),
+                "mixed_version_samples": self.mixed_version_samples, "prompts_dropped": len(out)}
 
     def summary(self, **extra: Any) -> dict[str, Any]:
         wall = max(self.finished_at - self.started_at, 1e-9)
@@ -290,7 +324,7 @@ class EvalRun:
                 "k": self.k, "greedy": self.greedy, "correct_min_reward": self.correct_min_reward,
                 "sampling": {k: getattr(self.sampling, k)
                              for k in ("temperature", "top_p", "top_k", "max_new_tokens")},
-                **extra, "metrics": self.metrics(), "wall_s": wall,
+                **extra, "metrics": self.metrics(), **self.version_proof(), "wall_s": wall,
                 "prompts_per_s": len(self.task.prompts) / wall,
                 "output_tokens_per_s": self.output_tokens / wall,
                 "scoring_errors": self.scoring_errors, "samples_file": SAMPLES_FILE}

@@ -4,7 +4,9 @@ Consumes ``weights.v1`` (broadcast: every version the trainer publishes) and
 ``metrics.v1`` (broadcast, from the start: its own earlier results). Emits
 ``MetricsEvent`` on ``metrics.v1`` (keyed by ``run_id``): one per evaluated version, with
 ``step`` and ``policy_version`` the version and ``eval/...`` metrics (pass@k, avg@k,
-maj@k, greedy; per subset as ``eval/<subset>/...``; producers/eval_run.py). The same
+maj@k, greedy; per subset as ``eval/<subset>/...``; producers/eval_run.py), scored only
+from completions whose every token carries that version (the version proof: others are
+dropped and counted, ``eval/mixed_version_samples``, ``eval/prompts_dropped``). The same
 numbers go to ``<run dir>/eval/metrics.jsonl`` and TensorBoard (``eval/tensorboard``)
 once the result is read back from the log (the files mirror the log: a result lost with a
 killed process is in neither), and each version's completions to ``<run dir>/eval/v<version>/samples.jsonl`` with its
@@ -240,13 +242,18 @@ class Evaluator(Role[EvaluatorState]):
         metrics = {**flat_metrics(summary["metrics"]),
                    "eval/prompts_per_s": summary["prompts_per_s"], "eval/wall_s": summary["wall_s"],
                    "eval/scoring_errors": float(run.scoring_errors),
-                   "eval/skipped_versions": float(state.skipped)}
+                   "eval/skipped_versions": float(state.skipped),
+                   # The version proof: completions not all of this version, their prompts.
+                   "eval/mixed_version_samples": float(summary["mixed_version_samples"]),
+                   "eval/prompts_dropped": float(summary["prompts_dropped"])}
         state.evaluated.add(run.version)
         state.evaluations += 1
         total = summary["metrics"]["total"]
-        log.info("evaluator: version %d: pass@1 %.3f, greedy %s (%.1f prompts/s)", run.version,
-                 total["pass@1"], f"{total['greedy']:.3f}" if "greedy" in total else "-",
-                 summary["prompts_per_s"])
+        log.info("evaluator: version %d: pass@1 %s, greedy %s (%.1f prompts/s; %d completion(s) not "
+                 "all of this version dropped)", run.version,
+                 f"{total['pass@1']:.3f}" if "pass@1" in total else "-",
+                 f"{total['greedy']:.3f}" if "greedy" in total else "-",
+                 summary["prompts_per_s"], summary["mixed_version_samples"])
         return [MetricsEvent(source=self.member_id, step=run.version, policy_version=run.version,
                              metrics=metrics)]
 

@@ -5,7 +5,9 @@ Consumes ``prompts.v1`` (consumer group: each group goes to one worker) and
 on ``progress.v1``, which a worker does not read).
 Emits ``TrajectoryEvent`` on ``trajectories.v1``, keyed by ``group_id``;
 ``traj_id`` is ``{group_id}:{sample_index}``, so a redelivered prompt produces the
-same identities and downstream de-duplication absorbs it.
+same identities and downstream de-duplication absorbs it. Each completion draws from a
+sampling seed derived from the run's seed and its ``traj_id``, recorded on its trajectory
+(``sampling_seed``; what `tapioca regenerate` replays, docs/provenance.md).
 
 Generation runs asynchronously in the inference engine; the loop keeps polling.
 A new version on ``weights.v1`` is fetched over the event's transport, verified
@@ -47,13 +49,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from ..bus.dedup import SeenSet
 from ..bus.role import DeadLetter, Role, Source
 from ..config.sections import RolloutSection
 from ..engines.base import GenRequest, GenResult, InferenceEngine, RequestImages, SamplingParams
+from ..engines.sampling import request_seed
 from ..schemas.envelope import Event
 from ..schemas.errors import BadEventError, TapiocaError
 from ..schemas.events import MetricsEvent, PromptEvent, TrajectoryEvent, WeightsEvent
@@ -135,6 +138,7 @@ class RolloutWorker(Role[RolloutState]):
         self.prepare_images = images
         self.load_weights = load_weights
         self.sampling = SamplingParams.from_generation(section.gconfig)
+        self.seed = section.seed
         self.decode = decode
         self.member_id = member_id
         self.metrics_every_s = metrics_every_s
@@ -199,7 +203,10 @@ class RolloutWorker(Role[RolloutState]):
                 raise ValueError(f"it has {len(prompt.images)} image(s) and this worker's model reads no "
                                  "images; serve a vision-language model (docs/vlm.md)")
             images = self.prepare_images(list(prompt.images))
-        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids), sampling, images)
+        # Each completion's sampling seed from the run's seed and its trajectory id: the
+        # same on a redelivery, and recorded on the trajectory (sampling_seed).
+        return [GenRequest(f"{prompt.group_id}:{i}", list(prompt.prompt_ids),
+                           replace(sampling, seed=request_seed(self.seed, f"{prompt.group_id}:{i}")), images)
                 for i in range(prompt.n_samples)]
 
     def _submit(self, prompt: PromptEvent) -> list[concurrent.futures.Future]:
@@ -210,12 +217,7 @@ class RolloutWorker(Role[RolloutState]):
         state.weights.forget(event)  # this worker keeps its version; the next candidate is tried
 
     def _sampling_for(self, prompt: PromptEvent) -> SamplingParams:
-        if not prompt.sampling:
-            return self.sampling
-        base = {k: getattr(self.sampling, k) for k in (
-            "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop_strings")}
-        base.update({k: v for k, v in prompt.sampling.items() if k in base})
-        return SamplingParams(**base)
+        return self.sampling.with_overrides(prompt.sampling)
 
     def on_tick(self, state: RolloutState, now: float) -> Iterable[Event | DeadLetter]:
         out: list[Event | DeadLetter] = []
@@ -278,6 +280,7 @@ class RolloutWorker(Role[RolloutState]):
             timings={**(submit_timings or {}), **{k: float(v) for k, v in result.timings.items()}},
             images=list(prompt.images),
             routed_experts=self._routes(result),
+            sampling_seed=result.seed,
         )
 
     def _routes(self, result: GenResult):

@@ -123,6 +123,22 @@ def request_images(model_path: str, vlm, *, pixels: bool, budget=None):
 # ---------------------------------------------------------------- engines and weights
 
 
+def engine_kwargs(rollout, tokenizer, *, seed: int, decode: Callable[[list[int]], str]) -> dict:
+    """The in-process engines' settings from ``rollout`` (both engines take them)."""
+    return dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
+                interruptible=rollout.interruptible, seed=seed, decode=decode,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
+                max_prefill_tokens=rollout.max_prefill_tokens)
+
+
+def paged_engine_kwargs(rollout) -> dict:
+    """The paged engine's own settings from ``rollout`` (a regeneration builds its engine
+    with the same ones, runtime/regenerate.py)."""
+    return dict(kv_block_size_tokens=rollout.kv_block_size_tokens, kv_cache_tokens=rollout.kv_cache_tokens,
+                kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
+                cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching)
+
+
 def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
                       decode: Callable[[list[int]], str], record_routes: bool = False,
                       kv_need_tokens: int = 0):
@@ -140,18 +156,11 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
     if cannot is not None:
         raise ConfigError(cannot)
 
-    common = dict(device=rollout.device, max_batch_size=rollout.max_batch_size,
-                  interruptible=rollout.interruptible, seed=seed, decode=decode,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
-                  max_prefill_tokens=rollout.max_prefill_tokens)
+    common = engine_kwargs(rollout, tokenizer, seed=seed, decode=decode)
     reason = unsupported_reason(hf_model) if rollout.paged else "rollout.paged is off"
     if reason is None:
-        return PagedEngine(hf_model, kv_block_size_tokens=rollout.kv_block_size_tokens,
-                           kv_cache_tokens=rollout.kv_cache_tokens,
-                           kv_cache_memory_fraction=rollout.kv_cache_memory_fraction,
-                           kv_cache_need_tokens=kv_need_tokens, sleep_mode=bool(rollout.enable_sleep_mode),
-                           cuda_graphs=rollout.cuda_graphs, prefix_caching=rollout.prefix_caching,
-                           record_routes=record_routes, **common)
+        return PagedEngine(hf_model, **paged_engine_kwargs(rollout), kv_cache_need_tokens=kv_need_tokens,
+                           sleep_mode=bool(rollout.enable_sleep_mode), record_routes=record_routes, **common)
     if record_routes:
         raise ConfigError(
             f"routed experts are recorded by the paged engine (Qwen3-MoE), which cannot run model "

@@ -89,6 +89,13 @@ TRAJECTORY: dict[str, str] = {
                       "run's blob store, <run dir>/blobs). null: not recorded; a trainer with "
                       "actor.router_replay R3 then routes the sequence live or rejects it "
                       "(actor.router_replay_missing).",
+    "sampling_seed": "The sampling seed of the one generation request that produced "
+                     "output_ids (0 <= seed < 2**63): the paged engine keys every draw by "
+                     "(seed, position of the token sampled), so `tapioca regenerate` can "
+                     "replay the trajectory from its prompt, this seed and the logged "
+                     "versions' weights (docs/provenance.md). null: not recorded (an engine "
+                     "without per-request seeds, a proxy trajectory of several requests, an "
+                     "event written before the field).",
 }
 
 REWARD: dict[str, str] = {

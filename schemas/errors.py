@@ -34,6 +34,15 @@ class ConfigError(TapiocaError):
     exit_code = EXIT_CONFIG
 
 
+class CannotRegenerateError(TapiocaError):
+    """A logged trajectory cannot be regenerated (`tapioca regenerate`): not found, no
+    sampling seed recorded, a version's weights no longer on disk, an engine that does not
+    key its draws per request. Exit code 2: 0 and 1 are the command's verdicts
+    (identical / differs)."""
+
+    exit_code = 2
+
+
 class SchemaError(TapiocaError):
     """An event failed to encode, decode or validate."""
 

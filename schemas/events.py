@@ -183,6 +183,11 @@ class TrajectoryEvent(Event):
     # The experts every token was routed to in every MoE layer (rollout.return_routed_experts;
     # None: not recorded). The trainer replays them with actor.router_replay R3.
     routed_experts: Optional[RoutedExperts] = None
+    # The sampling seed of the one generation request that produced output_ids (the paged
+    # engine keys each draw by (seed, token position); `tapioca regenerate` replays it,
+    # docs/provenance.md). None: not recorded (an engine without per-request seeds, a
+    # proxy trajectory made of several requests, an event from before the field).
+    sampling_seed: Optional[int] = None
 
     def validate(self) -> None:
         super().validate()

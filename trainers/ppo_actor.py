@@ -93,6 +93,9 @@ class StepResult:
     skipped_minibatches: int = 0
     applied_minibatches: int = 0
     skipped_group_ids: set[str] = field(default_factory=set)
+    # Minibatches with no trained token (every token masked, e.g. stale-token masking):
+    # their optimizer step changes nothing (no gradient); AReaL's stale_empty_minibatch_fraction.
+    empty_minibatches: int = 0
 
 
 def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | torch.device,
@@ -394,6 +397,7 @@ class PPOActor:
         kwargs = self._loss_kwargs()
         sums: dict[str, float] = {}
         skipped: list[int] = []
+        empty = sum(1 for mb_ids in minibatches if not any(n_tok[i] for i in mb_ids))
         for mb_index, mb_ids in enumerate(minibatches):
             mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
             mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
@@ -478,7 +482,7 @@ class PPOActor:
         bad = {g for m in skipped for i in minibatches[m] for g in mbs[i].group_ids}
         return StepResult(metrics, total_tokens, skipped_minibatches=len(skipped),
                           applied_minibatches=len(minibatches) - len(skipped),
-                          skipped_group_ids=bad)
+                          skipped_group_ids=bad, empty_minibatches=empty)
 
     def _router_loss(self) -> torch.Tensor | None:
         """The last training forward's router losses times their coefficients (None: off)."""

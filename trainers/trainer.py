@@ -76,6 +76,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..algorithms.stale_tokens import StaleCounts, stale_token_masks
 from ..bus.role import DeadLetter, Role, Source
 from ..config.algorithms import reward_norm_spec
 from ..config.sections import TrainerSection
@@ -211,6 +212,10 @@ class Trainer(Role[TrainerState]):
             publish_dtype=getattr(torch, section.model.dtype),
             keep_versions=keep_weight_versions, name=member_id, adapter=adapter_files)
         self._reward_norm_spec = reward_norm_spec(section.advantage.reward_norm)
+        # Stale-token masking (actor.max_token_version_gap; algorithms/stale_tokens.py).
+        # Offline the recorded versions count another trainer's steps: no gap to measure.
+        self._stale_gap = (section.actor.max_token_version_gap
+                           if section.max_head_offpolicyness < OFFLINE_ETA else None)
         # The facts a sample is checked against (sample_checks.py).
         model = actor.model
         sizes = [m.num_embeddings if hasattr(m, "num_embeddings") else m.out_features
@@ -492,6 +497,7 @@ class Trainer(Role[TrainerState]):
         ready_at = time.time()  # the batch is complete: the step timeline's "trainer wait" ends
         try:
             items = flatten_groups(samples)
+            stale = self._mask_stale_tokens(items, state.progress.version)
             token_metrics = self.token_adv.compute(items) if self.token_adv.active else {}
             t_adv = time.perf_counter() - t0
             result = self.actor.train_step(items, policy_version=state.progress.version)
@@ -542,6 +548,8 @@ class Trainer(Role[TrainerState]):
         p = state.progress
         metrics = dict(result.metrics)
         metrics.update(token_metrics)
+        metrics.update(stale.metrics(empty_minibatches=result.empty_minibatches,
+                                     minibatches=result.applied_minibatches + result.skipped_minibatches))
         lags = [v_before - s.min_version for s in samples]
         metrics.update({
             "reward/mean": state.last_reward,
@@ -579,6 +587,16 @@ class Trainer(Role[TrainerState]):
         return self._take_pending(state) + dead + [
             weights, progress, MetricsEvent(source=self.member_id, step=p.version, policy_version=p.version,
                                   metrics=metrics)]
+
+    def _mask_stale_tokens(self, items: list, version: int) -> StaleCounts:
+        """Take the tokens more than ``actor.max_token_version_gap`` versions behind
+        ``version`` (the weights being trained) out of the items' loss masks, before the
+        token advantages and the loss see them; they stay in the sequences as context."""
+        masks, counts = stale_token_masks([it.versions for it in items], [it.loss_mask for it in items],
+                                          version=version, max_gap=self._stale_gap)
+        for it, mask in zip(items, masks):
+            it.loss_mask = mask
+        return counts
 
     def _write_version(self, state: TrainerState, new: TrainerState, what: str, *,
                        checkpoint: bool | None = None,

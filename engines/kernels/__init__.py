@@ -144,18 +144,21 @@ def silu_and_mul(x_TI2: torch.Tensor) -> torch.Tensor:
     return backend("norm_act", x_TI2).silu_and_mul(x_TI2)
 
 
-def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: torch.Tensor,
-                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed: torch.Tensor,
+                  offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass per row: Gumbel-max sample of ``softmax(logits / T)`` over the full vocab.
 
     ``logits_BV`` fp32/bf16 ``[B, V]``; ``temperature_B`` fp32 ``[B]`` (``<= 0`` = greedy,
-    logprob at T = 1); ``seed_1`` int64 ``[1]`` on the logits' device (advance it inside
-    the graph each step); ``offset`` host int that separates draws under one seed.
-    Returns ``(tokens_B int64, logprobs_B fp32)``, ``logprobs_B = log_softmax(logits /
-    T)[token]``. Noise is counter-based (seed, offset, row, vocab index): graph safe and
-    reproducible per backend (the reference and Triton draw different streams).
+    logprob at T = 1). The noise is counter-based, keyed one of two ways: ``seed`` int64
+    ``[1]`` on the logits' device with ``offset`` a host int (the key is (seed, offset,
+    row, vocab index); advance the seed inside the graph each step), or ``seed`` and
+    ``offset`` int64 ``[B]`` device tensors (each row keyed by its own (seed, counter) and
+    the vocab index, whatever the batch: the paged engine's request seed and token
+    position, docs/provenance.md). Returns ``(tokens_B int64, logprobs_B fp32)``,
+    ``logprobs_B = log_softmax(logits / T)[token]``. Graph safe and reproducible per
+    backend (the reference and Triton draw different streams).
     """
-    return backend("sampling", logits_BV).sample_tokens(logits_BV, temperature_B, seed_1, offset)
+    return backend("sampling", logits_BV).sample_tokens(logits_BV, temperature_B, seed, offset)
 
 
 def moe_route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

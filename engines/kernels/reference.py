@@ -240,21 +240,56 @@ def gumbel_noise(seed_1: torch.Tensor, offset: int, rows: int, vocab: int) -> to
     key = _mix32(((seed >> 32) & _MASK32) ^ _mix32((seed & _MASK32) ^ _mix32(torch.full_like(seed, offset & _MASK32))))
     row_R1 = torch.arange(rows, device=seed_1.device, dtype=torch.int64)[:, None]
     key_R1 = _mix32(key ^ _mix32(row_R1 * 0x9E3779B9 & _MASK32))
-    idx_1V = torch.arange(vocab, device=seed_1.device, dtype=torch.int64)[None, :]
-    bits_RV = _mix32(_mix32(idx_1V ^ key_R1) ^ key)
+    return _gumbel_from(key_R1, key, vocab)
+
+
+def _gumbel_from(key_R1: torch.Tensor, key2: torch.Tensor, vocab: int) -> torch.Tensor:
+    idx_1V = torch.arange(vocab, device=key_R1.device, dtype=torch.int64)[None, :]
+    bits_RV = _mix32(_mix32(idx_1V ^ key_R1) ^ key2)
     w_RV = ((bits_RV >> 1).double() + 0.5) * 2.0 ** -31
     return (-torch.log(-torch.log1p(-w_RV))).float()
 
 
-def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: torch.Tensor,
-                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_keys(seed_B: torch.Tensor, counter_B: torch.Tensor) -> torch.Tensor:
+    """A 32-bit key per row from its own (seed, counter) only: ``[B, 1]`` int64."""
+    seed, ctr = seed_B.long().reshape(-1, 1), counter_B.long().reshape(-1, 1)
+    key = _mix32((ctr >> 32) & _MASK32)
+    key = _mix32((ctr & _MASK32) ^ key)
+    key = _mix32((seed & _MASK32) ^ key)
+    return _mix32(((seed >> 32) & _MASK32) ^ key)
+
+
+def row_gumbel_noise(seed_B: torch.Tensor, counter_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 Gumbel(0, 1) noise ``[B, vocab]`` where row b depends only on ``(seed_B[b],
+    counter_B[b])`` and the vocab index: not on the row's place in the batch nor on the
+    other rows. The paged engine keys a row by its request's seed and the position of the
+    token it samples, so a trajectory's draws do not depend on what it was batched with
+    (docs/provenance.md). Vectorised integer hashing, no generator, graph safe."""
+    key_R1 = _row_keys(seed_B, counter_B)
+    return _gumbel_from(_mix32(key_R1 ^ 0x5BD1E995), key_R1, vocab)
+
+
+def row_uniform(seed_B: torch.Tensor, counter_B: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row from ``(seed_B[b], counter_B[b])`` alone
+    (53 bits from two hashes): the top-k / top-p path's inverse-CDF draw, batch-independent
+    like :func:`row_gumbel_noise` (a different stream: salted)."""
+    key_R1 = _row_keys(seed_B, counter_B)
+    hi = _mix32(key_R1 ^ 0x68E31DA4)[:, 0] >> 11  # 21 bits
+    lo = _mix32(key_R1 ^ 0xB5297A4D)[:, 0]        # 32 bits
+    return ((hi * 2**32 + lo).double() + 0.5) * 2.0 ** -53
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed: torch.Tensor,
+                  offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from ``softmax(logits / T)`` over the full vocabulary.
 
     Gumbel-max (argmax of ``logits / T + g``); rows with ``T <= 0`` take the argmax (first
     index on ties) and report their logprob at T = 1. Returns ``(tokens_B int64,
     logprobs_B fp32)`` with ``logprobs_B = log_softmax(logits / T)[token]`` in fp32.
-    ``seed_1`` int64 device tensor ``[1]``; ``offset`` a host int naming the draw (the
-    engine advances the seed inside its graph; offset separates draws of one step).
+    Two ways to key the noise: ``seed`` int64 ``[1]`` with ``offset`` a host int naming
+    the draw (rows told apart by their index; the caller advances the seed), or
+    ``seed`` and ``offset`` int64 ``[B]`` device tensors, a key per row
+    (:func:`row_gumbel_noise`: a row's draw does not depend on the batch).
     """
     rows, vocab = logits_BV.shape
     logits_BV = logits_BV.float()
@@ -262,7 +297,11 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seed_1: 
     temp_B1 = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).float()[:, None]
     scaled_BV = logits_BV / temp_B1
     logp_BV = torch.log_softmax(scaled_BV, dim=-1)
-    noisy_BV = scaled_BV + gumbel_noise(seed_1, offset, rows, vocab)
+    if isinstance(offset, torch.Tensor):
+        noise_BV = row_gumbel_noise(seed, offset, vocab)
+    else:
+        noise_BV = gumbel_noise(seed, offset, rows, vocab)
+    noisy_BV = scaled_BV + noise_BV
     score_BV = torch.where(greedy_B[:, None], logits_BV, noisy_BV)
     tokens_B = score_BV.argmax(dim=-1)
     return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)

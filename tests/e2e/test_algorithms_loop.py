@@ -48,6 +48,7 @@ SWITCH_METRICS = {
     "m2po": ["actor/m2po_masked_ratio"],
     "sapo": ["actor/sapo_gate_mean"],
     "entropy_bonus": ["actor/policy_entropy"],
+    "stale_tokens": ["actor/stale_masked_ratio", "actor/stale_empty_minibatch_fraction"],
 }
 
 

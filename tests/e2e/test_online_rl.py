@@ -271,3 +271,27 @@ def test_every_rewarded_trajectory_trained_exactly_once_within_the_bound(run):
     # The 10 s rewards came at least 10 s after their trajectories.
     late = [samples[group_of[sid]].reward_delay_s for sid in list(facts["rewarded"])[:2]]
     assert min(late) >= 9.0, late
+
+
+def test_live_traffic_is_scored_per_version_with_the_version_proof(run):
+    cfg, _, facts = run
+    done = tapioca(cfg, "eval", "--online", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # By hand from the log: each rewarded session's trajectory counts for the version all
+    # its loss-bearing tokens carry (the five rewards the users gave).
+    trajs = {t.session_id: t for t in read_events(cfg.bus, "trajectories")
+             if isinstance(t, TrajectoryEvent) and t.run_id == cfg.bus.run_id}
+    expected: dict[str, list[float]] = {}
+    dropped = 0
+    for sid, value in facts["rewarded"].items():
+        t = trajs[sid]
+        scored = {v for v, m in zip(t.output_versions, t.loss_mask or [1] * len(t.output_versions)) if m}
+        if len(scored) == 1:
+            expected.setdefault(str(scored.pop()), []).append(value)
+        else:
+            dropped += 1
+    assert report["rewarded_trajectories"] == len(facts["rewarded"]) == 5
+    assert report["mixed_version_dropped"] == dropped
+    assert {v: (s["trajectories"], round(s["mean_reward"], 9)) for v, s in report["versions"].items()} == \
+        {v: (len(r), round(sum(r) / len(r), 9)) for v, r in expected.items()}

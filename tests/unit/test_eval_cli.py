@@ -88,11 +88,15 @@ def run_dir(tiny_dir, tmp_path_factory) -> Path:
 def test_eval_a_run_at_a_version_newest_by_default(run_dir):
     newest = json.loads(ok("eval", "--run-dir", str(run_dir), "-o", "json"))
     assert newest["version"] == 6 and newest["weights"].endswith("v000006.safetensors")
+    # Version proof: every scored token was made by v6, nothing dropped.
+    assert (newest["versions"], newest["mixed_version_samples"], newest["prompts_dropped"]) == ([6], 0, 0)
     assert (run_dir / "eval" / "manual-v000006" / "samples.jsonl").is_file()
     assert json.loads(ok("eval", "--run-dir", str(run_dir), "--version", "5", "-o", "json"))["version"] == 5
     # version 0 without a file is the run's initial model
     initial = json.loads(ok("eval", "--run-dir", str(run_dir), "--version", "0", "-o", "json"))
     assert initial["version"] == 0 and initial["weights"] == ""
+    assert "scores from tokens of v5; every completion" in ok("eval", "--run-dir", str(run_dir),
+                                                              "--version", "5")
 
 
 def test_a_version_not_on_disk_any_more_says_which_are(run_dir):

@@ -400,3 +400,52 @@ def test_reward_norm_bad_values_are_rejected():
         normalize_rewards([1.0, float("nan")])
     with pytest.raises(AlgorithmInputError, match="empty"):
         normalize_rewards([])
+
+
+# --- adv_norm.group_unit token: AReaL's token-weighted group levels ---------------------
+# Issue 41's case: rewards 1 (1 trained token) and 0 (3 trained tokens). As tokens the
+# group is [1, 0, 0, 0]: N = 4, mean 1/4.
+
+def test_token_unit_group_mean_weighs_each_sample_by_its_trained_tokens():
+    # Mean only: 1 - 1/4 = 0.75, 0 - 1/4 = -0.25 (AReaL's); per sequence 0.5 / -0.5.
+    kw = dict(mean_level="group", std_level="none")
+    assert normalize_group([1.0, 0.0], **kw, group_unit="token", token_counts=[1, 3]) == \
+        pytest.approx([0.75, -0.25], **A)
+    assert normalize_group([1.0, 0.0], **kw) == pytest.approx([0.5, -0.5], **A)
+
+
+def test_token_unit_group_std_is_over_tokens_too():
+    # Centred tokens 0.75, -0.25 x3: sum of squares 0.5625 + 3 * 0.0625 = 0.75.
+    # Population (/4): std sqrt(0.1875) = sqrt(3)/4 -> 0.75 / (sqrt(3)/4) = sqrt(3),
+    # -0.25 / (sqrt(3)/4) = -1/sqrt(3). Unbiased (/3): std 0.5 -> 1.5, -0.5.
+    kw = dict(mean_level="group", std_level="group", eps=0.0, group_unit="token", token_counts=[1, 3])
+    assert normalize_group([1.0, 0.0], **kw) == pytest.approx([math.sqrt(3), -1 / math.sqrt(3)], **A)
+    assert normalize_group([1.0, 0.0], **kw, std_unbiased=True) == pytest.approx([1.5, -0.5], **A)
+
+
+def test_token_unit_leave_one_out_leaves_out_one_token():
+    # Token of sample 0: 1 - (1 - 1)/3 = 1; tokens of sample 1: 0 - (1 - 0)/3 = -1/3.
+    out = normalize_group([1.0, 0.0], mean_level="group", std_level="none", mean_leave1out=True,
+                          group_unit="token", token_counts=[1, 3])
+    assert out == pytest.approx([1.0, -1 / 3], **A)
+
+
+def test_token_unit_edge_cases():
+    kw = dict(mean_level="group", std_level="group", group_unit="token")
+    # A sample without trained tokens counts in nothing and gets 0: the others as before.
+    assert normalize_group([1.0, 0.0, 5.0], mean_level="group", std_level="none", group_unit="token",
+                           token_counts=[1, 3, 0]) == pytest.approx([0.75, -0.25, 0.0], **A)
+    # One sample (many tokens), all trained samples equal, one token, no token: exact zeros.
+    assert normalize_group([0.3], **kw, token_counts=[7]) == [0.0]
+    assert normalize_group([0.3, 0.3, 9.0], **kw, token_counts=[2, 5, 0]) == [0.0, 0.0, 0.0]
+    assert normalize_group([1.0, 0.0], **kw, token_counts=[1, 0]) == [0.0, 0.0]
+    assert normalize_group([1.0, 0.0], **kw, token_counts=[0, 0]) == [0.0, 0.0]
+    # Equal token counts: the per-sequence numbers (each sample weighs the same).
+    assert normalize_group(R, **kw, token_counts=[4] * len(R)) == pytest.approx(
+        normalize_group(R, mean_level="group", std_level="group"), **A)
+    with pytest.raises(AlgorithmInputError, match="one token count per reward"):
+        normalize_group([1.0, 0.0], **kw)
+    with pytest.raises(AlgorithmInputError, match="group_unit='tokens'"):
+        normalize_group([1.0, 0.0], mean_level="group", std_level="group", group_unit="tokens")
+    with pytest.raises(AlgorithmInputError, match="not supported for reward_norm"):
+        check_reward_norm(mean_level="group", std_level="group", group_unit="token")

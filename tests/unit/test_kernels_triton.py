@@ -354,3 +354,23 @@ def test_fused_moe_triton_matches_reference(block_m):
     # One pair by hand: token 0's output is the weighted sum of its experts' SwiGLUs.
     by_hand = sum(weights[0, j] * (w2[e] @ R.silu_and_mul(w13[e] @ x[0])) for j, e in enumerate(ids[0].tolist()))
     torch.testing.assert_close(out[0], by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_sample_tokens_triton_per_row_keys_ignore_the_batch():
+    # A key per row (the paged engine's request seed and token position): a row draws the
+    # same token alone or among others, in any place; other keys draw otherwise.
+    vocab = 64
+    logits = torch.zeros(6, vocab, device=DEV)  # uniform: the draw is all noise
+    temps = torch.ones(6, device=DEV)
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16], dtype=torch.int64, device=DEV)
+    ctrs = torch.tensor([5, 5, 9, 1 << 40, 0, 7], dtype=torch.int64, device=DEV)
+    batch, lp = triton_sampling.sample_tokens(logits, temps, seeds, ctrs, block_v=64)
+    for i in range(6):
+        alone, _ = triton_sampling.sample_tokens(logits[i:i + 1], temps[:1], seeds[i:i + 1], ctrs[i:i + 1],
+                                                 block_v=64)
+        assert alone.item() == batch[i].item()
+    flipped, _ = triton_sampling.sample_tokens(logits, temps, seeds.flip(0), ctrs.flip(0), block_v=64)
+    assert torch.equal(flipped, batch.flip(0))
+    other, _ = triton_sampling.sample_tokens(logits, temps, seeds, ctrs + 1, block_v=64)
+    assert not torch.equal(other, batch)
+    torch.testing.assert_close(lp, torch.full_like(lp, -math.log(vocab)), rtol=1e-5, atol=1e-6)

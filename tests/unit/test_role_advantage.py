@@ -13,7 +13,7 @@ from tapioca.bus.role import Source
 from tapioca.config.schema import AdvantageConfig, NormConfig, RewardNormConfig
 from tapioca.config.sections import AdvantageSection, advantage_section
 from tapioca.consumers.advantage import AdvantageProcessor
-from tapioca.schemas.errors import BadEventError
+from tapioca.schemas.errors import BadEventError, ConfigError
 from tapioca.schemas.events import RewardEvent, SampleEvent, TrajectoryEvent
 
 TRAJ, REW = "t.trajectories.v1", "t.rewards.v1"
@@ -931,3 +931,26 @@ def test_a_group_without_a_shared_prompt_is_built_and_trained(tmp_path):
         assert sorted(verdict) == sorted(s.group_id for s in samples)
     finally:
         trainer.sink.close()
+
+
+def test_adv_norm_group_unit_token_weighs_samples_by_trained_tokens_and_names_itself():
+    # AReaL's convention: rewards 1 (1 trained token) and 0 (3: one more is a tool token,
+    # loss mask 0) -> mean over tokens 1/4 -> 0.75, -0.25 (per sequence: 0.5, -0.5).
+    role = processor(estimator="grpo", n_samples=2, adv_norm={
+        "mean_level": "group", "std_level": "none", "group_unit": "token"})
+    feed = Feed(role)
+    feed(TrajectoryEvent(traj_id="g:0", group_id="g", prompt_id="p-g", sample_index=0, group_size=2,
+                         prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-0.5], output_versions=[0]))
+    feed(TrajectoryEvent(traj_id="g:1", group_id="g", prompt_id="p-g", sample_index=1, group_size=2,
+                         prompt_ids=[1, 2], output_ids=[4, 5, 6, 7], output_logprobs=[-0.5] * 4,
+                         output_versions=[0] * 4, loss_mask=[1, 0, 1, 1]))
+    feed(reward("g", 0, 1.0))
+    (sample,) = feed(reward("g", 1, 0.0))
+    assert [s.advantage for s in sample.sequences] == pytest.approx([0.75, -0.25])
+    assert sample.adv_norm.endswith(" unit=token")
+    # The default unit keeps the spec of events written before the switch.
+    assert " unit=" not in NormConfig().spec()
+    with pytest.raises(ConfigError, match="group_unit"):
+        RewardNormConfig(group_unit="token")
+    with pytest.raises(ConfigError, match="group_unit"):
+        NormConfig(group_unit="tokens")

@@ -296,3 +296,20 @@ def test_online_mode_shows_sessions_served_rewards_pending_and_trained():
     assert max(len(line) for line in text.splitlines()) <= 80
     line = view.line()
     assert "sessions 7 | rewards pending 3 | trained 3" in line and "gen" not in line
+
+
+def test_the_staleness_cell_shows_masked_tokens_with_stale_token_masking_on():
+    view = TrainView(cfg())
+    view.observe(trainer_row(3, **{"trainer/staleness_mean": 1.5, "trainer/staleness_max": 2.0}))
+    assert view._cells()["stale avg/max"] == "1.50/2"  # off: as before
+    view.observe(trainer_row(4, **{"trainer/staleness_mean": 1.5, "trainer/staleness_max": 2.0,
+                                   "actor/stale_masked_ratio": 0.125,
+                                   "actor/stale_empty_minibatch_fraction": 0.0}))
+    assert view._cells()["stale avg/max"] == "1.50/2 m12%"
+    view.observe(trainer_row(5, **{"trainer/staleness_mean": 2.0, "trainer/staleness_max": 2.0,
+                                   "actor/stale_masked_ratio": 1.0,
+                                   "actor/stale_empty_minibatch_fraction": 0.5}))
+    cell = view._cells()["stale avg/max"]
+    assert cell == "2.00/2 m100% e50%"
+    assert f"staleness {cell}" in view.line()
+    assert "stale m: tokens masked" in render(view.table())
