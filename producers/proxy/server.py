@@ -82,6 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engines.base import GenResult
 from ...schemas.errors import ConfigError, TapiocaError
+from .call_stats import CallStatsMiddleware
 from .delayed_rewards import check_reward
 from .http_timeouts import with_header_timeout
 from .images import expand as expand_images
@@ -108,6 +109,8 @@ def _sse(obj: Any) -> bytes:
 
 def create_app(svc: ProxyService) -> FastAPI:
     app = FastAPI(title="Tapioca agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    # Every answer of the routes and of the ApiError handler passes through it (a 429 included).
+    app.add_middleware(CallStatsMiddleware, stats=svc.calls)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:
