@@ -170,6 +170,8 @@ class TrajectoryTracer:
                 return self.span_id or random_ids.generate_span_id()
 
         self._ids = DerivedIds()
+        self.failed_spans = 0  # spans the exporter could not deliver (e.g. no collector)
+        exporter = self._counting(exporter)
         attributes = {"service.name": SERVICE_NAME}
         if run_id:
             attributes["tapioca.run_id"] = run_id
@@ -178,6 +180,29 @@ class TrajectoryTracer:
         self._tracer = self.provider.get_tracer("tapioca.ops.traces")
         self._lock = threading.Lock()  # the ids are set per span: one trajectory at a time
         self.exported = 0
+        self._shut = False
+
+    def _counting(self, exporter: Any) -> Any:
+        """``exporter``, counting the spans it failed to deliver (the SDK's processors
+        only log that): `traces export` says so instead of claiming success."""
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        tracer = self
+
+        class Counting(SpanExporter):
+            def export(self, spans):
+                result = exporter.export(spans)
+                if result != SpanExportResult.SUCCESS:
+                    tracer.failed_spans += len(spans)
+                return result
+
+            def shutdown(self) -> None:
+                exporter.shutdown()
+
+            def force_flush(self, timeout_millis: int = 30000) -> bool:
+                return exporter.force_flush(timeout_millis)
+
+        return Counting()
 
     @staticmethod
     def _ns(t: float) -> int:
@@ -218,6 +243,9 @@ class TrajectoryTracer:
         return n
 
     def shutdown(self) -> None:
-        """Flush what is batched and stop the exporter."""
+        """Flush what is batched and stop the exporter (once; later calls do nothing)."""
+        if self._shut:
+            return
+        self._shut = True
         self.provider.force_flush()
         self.provider.shutdown()

@@ -120,6 +120,11 @@ def export(
         if missing:
             raise TapiocaError(f"no trajectory {', '.join(missing)} on the log")
         n = tracer.export_all(chosen)
+        tracer.shutdown()
+        if tracer.failed_spans:
+            raise TapiocaError(f"{url} did not accept {tracer.failed_spans} span(s) of {n} trace(s): is an "
+                               "OTLP/HTTP collector listening there (Jaeger, the OpenTelemetry Collector: "
+                               "port 4318)? pass --endpoint")
         console.print(f"exported {n} trace(s) to {url}", markup=False, highlight=False)
     finally:
         tracer.shutdown()
@@ -163,7 +168,11 @@ def _follow(tracer, url: str) -> None:
             for ts in ready:
                 tracer.export_all(ts)
             if ready:
+                failed = tracer.failed_spans
                 tracer.provider.force_flush()
+                if tracer.failed_spans > failed:  # said once per failing turn; the SDK retried
+                    console.print(f"warning: {url} did not accept {tracer.failed_spans - failed} span(s) "
+                                  "(is the collector up?)", markup=False, highlight=False, soft_wrap=True)
     except KeyboardInterrupt:
         pass
     finally:
