@@ -21,7 +21,6 @@ from typing import Callable, Optional
 
 from ..bus.reader import Record, TopicReader
 from ..bus.settings import BusConfig
-from ..schemas.errors import TapiocaError
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +28,17 @@ FOLLOW_FETCH_WAIT_MS = 500
 
 
 class LogFollower:
-    """``topics``: name -> tail (None: from the start). ``caught_up(name)`` is set once a
-    topic was read to its end the first time."""
+    """``topics``: name -> tail (None: from the start)."""
 
     def __init__(self, cfg: BusConfig, topics: dict[str, Optional[int]],
-                 on_record: Callable[[str, Record], None], *, retry_s: float = 2.0,
-                 on_error: Callable[[str, Exception], None] | None = None) -> None:
+                 on_record: Callable[[str, Record], None], *, retry_s: float = 2.0) -> None:
         self.cfg = dataclasses.replace(cfg, fetch_wait_max_ms=max(cfg.fetch_wait_max_ms, FOLLOW_FETCH_WAIT_MS))
         self.topics = dict(topics)
         self.on_record = on_record
-        self.on_error = on_error
         self.retry_s = retry_s
         self._stop = threading.Event()
-        self._caught_up = {name: threading.Event() for name in self.topics}
         self._threads: list[threading.Thread] = []
+        self._warned: set[str] = set()
 
     def start(self) -> "LogFollower":
         for name, tail in self.topics.items():
@@ -50,12 +46,6 @@ class LogFollower:
             t.start()
             self._threads.append(t)
         return self
-
-    def caught_up(self, name: str) -> threading.Event:
-        return self._caught_up[name]
-
-    def wait_caught_up(self, timeout_s: float | None = None) -> bool:
-        return all(e.wait(timeout_s) for e in self._caught_up.values())
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -66,17 +56,21 @@ class LogFollower:
         while not self._stop.is_set():
             try:
                 with TopicReader(self.cfg, name, tail=tail) as reader:
-                    # To the end first (caught up), then follow in turns short enough to stop.
-                    for record in reader.records(idle_s=0.5, timeout_s=None):
-                        self.on_record(name, record)
-                        if self._stop.is_set():
-                            return
-                    self._caught_up[name].set()
+                    # In turns short enough to see a stop.
                     while not self._stop.is_set():
                         for record in reader.records(follow=True, timeout_s=0.5):
-                            self.on_record(name, record)
-            except (TapiocaError, Exception) as exc:  # a missing topic, a lost broker: retry
+                            self._hand(name, record)
+            except Exception as exc:  # a missing topic, a lost broker: read again
                 log.debug("following %s: %s (retrying in %.0f s)", name, exc, self.retry_s)
-                if self.on_error is not None:
-                    self.on_error(name, exc)
                 self._stop.wait(self.retry_s)
+
+    def _hand(self, name: str, record: Record) -> None:
+        """One record to ``on_record``; one it cannot take is skipped (read again from the
+        start, it would fail again, forever), and said once per topic."""
+        try:
+            self.on_record(name, record)
+        except Exception as exc:
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("skipped a record of %s at %d@%d that could not be used: %s", name,
+                            record.source.partition, record.source.offset, exc)
