@@ -39,6 +39,7 @@ from .algorithms import (  # noqa: F401
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
 from .evaluation import EvalConfig, EvalGenerationConfig, EvaluatorConfig
+from .observability import ObservabilityConfig
 from .optimizer import OptimizerConfig
 from .servers import ENGINES, InferenceServerConfig
 from .stats_logger import StatsLoggerConfig
@@ -988,6 +989,9 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Metrics to Weights & Biases / MLflow too (off by default; config/stats_logger.py).
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    # A Prometheus endpoint and OpenTelemetry traces, derived from the log (off by default;
+    # config/observability.py, docs/fleet.md).
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         _require(self.total_train_steps >= 1, "total_train_steps must be >= 1")

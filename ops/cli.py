@@ -33,6 +33,7 @@ from . import (
     eval_cli,
     fleet_cli,
     lora_cli,
+    metrics_cli,
     plan_cli,
     plot,
     proxy_cli,
@@ -40,6 +41,7 @@ from . import (
     replay_cli,
     run_cli,
     supervised_cli,
+    traces_cli,
 )
 from .cli_context import G
 
@@ -54,7 +56,8 @@ for _name, _group in (("broker", admin_cli.broker_app), ("topics", admin_cli.top
                       ("schemas", admin_cli.schemas_app),
                       ("checkpoint", admin_cli.checkpoint_app),
                       ("weights", fleet_cli.weights_app), ("dlq", fleet_cli.dlq_app),
-                      ("config", run_cli.config_app)):
+                      ("config", run_cli.config_app), ("metrics", metrics_cli.metrics_app),
+                      ("traces", traces_cli.traces_app)):
     app.add_typer(_group, name=_name)
 
 

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from ..config.schema import TrainConfig
 
+# The processes that only read the log to show it: their `tapioca` command (ops/metrics_cli.py,
+# ops/traces_cli.py).
+OBSERVERS = {"metrics": ("metrics", "serve"), "traces": ("traces", "export", "--follow")}
+
 
 def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
     # reward.scorer none: rewards come from an external service, no built-in scorer.
@@ -26,6 +30,10 @@ def role_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
         agents = 0 if cfg.agent.online else cfg.agent.workers
         counts = [("archiver", archiver), ("trainer", 1), ("advantage", 1), ("proxy", 1),
                   ("agent", agents), ("evaluator", evaluator)]
+    # Watching the run (config/observability.py): a Prometheus endpoint, OTLP traces.
+    obs = cfg.observability
+    counts += [("metrics", 1 if obs.prometheus_port is not None else 0),
+               ("traces", 1 if obs.otlp_endpoint is not None else 0)]
     return [(role, n) for role, n in counts if n > 0]
 
 
@@ -36,6 +44,9 @@ def role_command(role: str, member: int, config_path: Path) -> list[str]:
     if role == "agent":
         return [sys.executable, "-m", "tapioca.agents.runner", "--config", str(config_path),
                 "--member", str(member)]
+    if role in OBSERVERS:  # the run's directory gives the broker, run id, port, endpoint
+        return [sys.executable, "-m", "tapioca.ops.cli", "--run-dir", str(config_path.parent),
+                *OBSERVERS[role]]
     return [sys.executable, "-m", "tapioca.ops.role_main", role, "--config", str(config_path),
             "--member", str(member)]
 
@@ -49,6 +60,10 @@ def last_member_warning(role: str, config_path: Path) -> str:
     if role == "evaluator":
         return (f"warning: no evaluator member left: the run goes on without held-out "
                 f"evaluation; start one with `tapioca role evaluator --config {config_path}`\n")
+    if role in OBSERVERS:
+        return (f"warning: the run's `tapioca {' '.join(OBSERVERS[role])}` exited: the run goes on "
+                f"without it; start it again with `tapioca --run-dir {config_path.parent} "
+                f"{' '.join(OBSERVERS[role])}`\n")
     if role == "agent":
         start = f"python -m tapioca.agents.runner --config {config_path}"
     elif role == "proxy":

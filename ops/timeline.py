@@ -8,8 +8,10 @@ events where the tree has them, else the weights events' ``group_ids``), ``metri
 ``trajectories.v1`` (``produced_at``; ``timings``: ``submitted_at``, ``queued_s``,
 ``generate_s`` and the weights switch the group was generated after:
 ``weights_version``, ``weights_received_at``, ``weights_loaded_at``), ``rewards.v1`` and
-``samples.v1`` (``produced_at``). Emits :class:`StepTimeline` rows (seconds) and a text
-table. Keyed by the policy version a step made. Nothing is written anywhere.
+``samples.v1`` (``produced_at``), indexed by :class:`~tapioca.ops.lifecycle.RunLog`: the
+one derivation of these timestamps, which the trajectory traces (ops/traces.py) read
+too. Emits :class:`StepTimeline` rows (seconds) and a text table. Keyed by the policy
+version a step made. Nothing is written anywhere.
 
 For the step that made version ``v`` from groups generated under version ``u``
 (``u = v - 1`` at eta 0), the critical path of its last group, in order:
@@ -55,7 +57,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..schemas.envelope import Event
-from ..schemas.events import MetricsEvent, RewardEvent, SampleEvent, TrajectoryEvent, WeightsEvent
+from .lifecycle import RunLog
 
 STAGES = ("publish_s", "weights_hop_s", "switch_s", "prompt_wait_s", "generation_s", "reward_s",
           "advantage_s", "sample_hop_s", "trainer_wait_s", "step_s", "cycle_s")
@@ -90,76 +92,58 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def _publish_s(metrics: dict[str, float] | None, weights: WeightsEvent | None) -> float | None:
+def _publish_s(metrics: dict[str, float] | None, published_at: float | None) -> float | None:
     """The publish of the version a step made: from its work's end to its weights event."""
-    if metrics is None or weights is None or "actor/step_time_s" not in metrics:
+    if metrics is None or published_at is None or "actor/step_time_s" not in metrics:
         return None
     done = metrics["trainer/batch_ready_at"] + metrics.get("trainer/token_advantages_s", 0.0) \
         + metrics["actor/step_time_s"]
-    return weights.produced_at - done
+    return published_at - done
 
 
 def step_timelines(events: Iterable[Event]) -> list[StepTimeline]:
     """One :class:`StepTimeline` per training step found in ``events`` (any order)."""
-    weights: dict[int, WeightsEvent] = {}
-    trained: dict[int, list[str]] = {}  # version -> the groups that made it
-    trainer: dict[int, dict[str, float]] = {}
-    trajs: dict[str, list[TrajectoryEvent]] = {}
-    rewards: dict[str, float] = {}
-    samples: dict[str, float] = {}
-    for e in events:
-        if getattr(e, "TYPE", "") == "progress":
-            # Trees with progress.v1 name a version's groups there (weights.v1: bytes only).
-            if e.group_ids:
-                trained.setdefault(e.version, list(e.group_ids))
-        elif isinstance(e, WeightsEvent) and e.rollback_of is None:
-            # The first event of a version is its publish (re-announcements come later).
-            if e.version not in weights or e.produced_at < weights[e.version].produced_at:
-                weights[e.version] = e
-            if e.group_ids:  # trees before progress.v1
-                trained.setdefault(e.version, list(e.group_ids))
-        elif isinstance(e, MetricsEvent) and "trainer/batch_ready_at" in e.metrics:
-            trainer[e.step] = e.metrics
-        elif isinstance(e, TrajectoryEvent):
-            trajs.setdefault(e.group_id, []).append(e)
-        elif isinstance(e, RewardEvent):
-            rewards[e.traj_id] = min(e.produced_at, rewards.get(e.traj_id, e.produced_at))
-        elif isinstance(e, SampleEvent):
-            samples[e.group_id] = min(e.produced_at, samples.get(e.group_id, e.produced_at))
+    return timelines_of(RunLog.of(events))
+
+
+def timelines_of(log: RunLog) -> list[StepTimeline]:
+    """The steps of an indexed run (ops/lifecycle.py: the trajectories' timestamps the
+    traces read too)."""
     rows = []
-    for v in sorted(weights):
-        w, m, groups = weights[v], trainer.get(v), trained.get(v)
+    for v in sorted(log.weights_at):
+        published, m, groups = log.weights_at[v], log.trainer_steps.get(v), log.trained.get(v)
         if m is None or not groups:
             continue
-        ts = [t for g in groups for t in trajs.get(g, [])]
-        timings = [t.timings for t in ts]
-        under = max((int(x["weights_version"]) for x in timings if "weights_version" in x), default=None)
-        switch = next((x for x in timings if x.get("weights_version") == under), {}) if under is not None else {}
-        prev, used = weights.get(v - 1), weights.get(under) if under is not None else None
-        submitted = [x["submitted_at"] for x in timings if "submitted_at" in x]
+        ts = [t for g in groups for t in log.group_trajectories(g)]
+        under = max((t.weights_version for t in ts if t.weights_version is not None), default=None)
+        switch = next((t for t in ts if t.weights_version == under), None) if under is not None else None
+        prev, used = log.weights_at.get(v - 1), log.weights_at.get(under) if under is not None else None
+        submitted = [t.submitted_at for t in ts if t.submitted_at is not None]
         first_submit = min(submitted) if submitted else None
-        last_traj = max((t.produced_at for t in ts), default=None)
-        reward_ts = [rewards[t.traj_id] for t in ts if t.traj_id in rewards]
+        last_traj = max((t.published_at for t in ts), default=None)
+        reward_ts = [t.reward_at for t in ts if t.reward_at is not None]
         last_reward = max(reward_ts) if len(reward_ts) == len(ts) and ts else None
-        sample_ts = [samples[g] for g in groups if g in samples]
+        sample_ts = [log.samples[g].produced_at for g in groups if g in log.samples]
         last_sample = max(sample_ts) if len(sample_ts) == len(groups) else None
         ready = m.get("trainer/batch_ready_at")
+        received = switch.weights_received_at if switch else None
+        loaded = switch.weights_loaded_at if switch else None
         rows.append(StepTimeline(
-            version=v, generated_under=under, publish_s=_publish_s(trainer.get(under), used),
-            weights_hop_s=_diff(switch.get("weights_received_at"), used.produced_at if used else None),
-            switch_s=_diff(switch.get("weights_loaded_at"), switch.get("weights_received_at")),
-            prompt_wait_s=_diff(first_submit, switch.get("weights_loaded_at")),
+            version=v, generated_under=under, publish_s=_publish_s(log.trainer_steps.get(under), used),
+            weights_hop_s=_diff(received, used),
+            switch_s=_diff(loaded, received),
+            prompt_wait_s=_diff(first_submit, loaded),
             generation_s=_diff(last_traj, first_submit),
             reward_s=_diff(last_reward, last_traj),
             advantage_s=_diff(last_sample, last_reward),
             # From when the trainer could take the last sample: its publish, or the end of the
             # trainer's previous step when it was still busy (eta > 0: then it was queued).
-            sample_hop_s=_diff(ready, None if last_sample is None else max(last_sample, prev.produced_at)
-                               if prev else last_sample),
-            trainer_wait_s=_diff(ready, prev.produced_at if prev else None),
-            step_s=_diff(w.produced_at, ready),
+            sample_hop_s=_diff(ready, None if last_sample is None else max(last_sample, prev)
+                               if prev is not None else last_sample),
+            trainer_wait_s=_diff(ready, prev),
+            step_s=_diff(published, ready),
             train_s=m.get("actor/step_time_s"),
-            cycle_s=_diff(w.produced_at, prev.produced_at if prev else None)))
+            cycle_s=_diff(published, prev)))
     return rows
 
 

@@ -217,6 +217,9 @@ class PromptFeeder(Role[FeederState]):
     def describe(self, state: FeederState) -> dict[str, Any]:
         return {"groups": state.next_group_index, "epoch": state.epoch,
                 "version": state.latest_version, "exhausted": state.exhausted,
+                # The head gate's open slots now (groups it may still admit; ops/log_metrics.py).
+                "open_slots": max(head_gate_capacity(state.next_group_index, state.latest_version, self.eta,
+                                                     self.B, freed=state.freed, rollbacks=state.rollbacks), 0),
                 "freed": state.freed, "ignored_rejections": state.ignored_rejections,
                 "trainer_rejected": state.trainer_rejected}
 

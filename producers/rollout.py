@@ -320,4 +320,5 @@ class RolloutWorker(Role[RolloutState]):
                 "inflight": len(state.inflight),
                 "generating": sum(1 for g in state.inflight.values() if g.futures),
                 "groups_done": state.groups_done, "trajectories": state.trajectories,
+                "tokens": state.tokens,
                 "weights_dead_lettered": state.weights.dead_lettered}

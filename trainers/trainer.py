@@ -826,7 +826,8 @@ class Trainer(Role[TrainerState]):
                 "groups_done_on_log": len(state.trained) + len(state.rejected)
                 - state.progress.base_groups,
                 "groups_trained": len(state.trained),
-                "rejected_stale": state.rejected_stale, "reward": state.last_reward,
+                "rejected_stale": state.rejected_stale, "rejected_dropped": state.rejected_dropped,
+                "reward": state.last_reward,
                 "dead_lettered": state.dead_lettered, "skipped_steps": state.skipped_steps}
 
 

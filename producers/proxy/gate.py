@@ -211,6 +211,7 @@ class WeightsFollower(Role[ProxyFollow]):
 
     def describe(self, state: ProxyFollow) -> dict[str, Any]:
         return {"version": self.gate.version, "admitted": self.gate.admitted,
+                "open_slots": max(self.gate.capacity(), 0),
                 "rejected": self.gate.rejected, "weight_loads": state.loads,
                 "weight_load_failures": state.load_failures,
                 "weights_dead_lettered": state.dead_lettered}

@@ -90,6 +90,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...schemas.errors import ConfigError, TapiocaError
+from .call_stats import CallStatsMiddleware
 from .chat_call import ChatRequest, run_chat
 from .chat_call import usage as chat_usage
 from .http_requests import is_admin, json_response, read_body, request_key, session_of
@@ -114,6 +115,8 @@ def _sse(obj: Any) -> bytes:
 
 def create_app(svc: ProxyService) -> FastAPI:
     app = FastAPI(title="Tapioca agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    # Every answer of the routes and of the ApiError handler passes through it (a 429 included).
+    app.add_middleware(CallStatsMiddleware, stats=svc.calls)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> Response:

@@ -45,6 +45,7 @@ from ...schemas.envelope import Event, encode_event
 from ...schemas.errors import BusError, ConfigError, EngineError, SchemaError, TapiocaError
 from ...schemas.events import TrajectoryEvent
 from ...schemas.registry import topic_for
+from .call_stats import CallStats
 from .delayed_rewards import (
     EndedSession,
     EndedSessions,
@@ -138,6 +139,8 @@ class ProxyService:
         self.undeliverable: dict[str, str] = {}
         self.refused_starts = 0
         self.dead_lettered = 0
+        # Call latency and 429s (the HTTP app's middleware counts them), in the status row.
+        self.calls = CallStats()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.runner_error: BaseException | None = None
@@ -307,13 +310,15 @@ class ProxyService:
 
     def session_counts(self) -> dict[str, int]:
         """Sessions served, open, with a call generating, not for training, refused at the
-        gate; ended ones rewarded or waiting for a reward (the live table's numbers)."""
+        gate; ended ones rewarded or waiting for a reward (the live table's numbers); the
+        calls' latency histogram and the 429s (producers/proxy/call_stats.py), which the
+        sessions member's status row carries to `tapioca metrics serve`."""
         sessions = list(self.store.sessions.values())
         return {"served": self.store.started,
                 "open": sum(1 for s in sessions if s.state == "open"),
                 "generating": sum(s.in_flight for s in sessions),
                 "untrained": self.store.untrained_sessions, "refused": self.refused_starts,
-                "dead_lettered": self.dead_lettered, **self.ended.counts()}
+                "dead_lettered": self.dead_lettered, **self.ended.counts(), **self.calls.counts()}
 
     # ------------------------------------------------------------------ requests
 

@@ -106,6 +106,11 @@ def test_models_and_chat(proxy):
     assert choice.finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == len("<bos>2+3=") - 4  # <bos> is one token
     assert 1 <= out.usage.completion_tokens <= 5
+    # Timed for the status row (tapioca_proxy_call_latency_seconds): every call within the
+    # largest bucket, the sum positive.
+    counts = server.svc.session_counts()
+    assert counts["calls"] >= 1 and counts["call_latency_le_120"] == counts["calls"]
+    assert counts["call_latency_sum_s"] > 0
 
 
 def test_session_wrapper_with_a_wrong_admin_key_is_a_one_line_error(proxy):

@@ -254,6 +254,8 @@ def test_past_the_staleness_bound_429_or_served_untrained(serve):
     assert (status, body["error"]["code"], headers.get("retry-after")) == (429, "staleness_bound", "5")
     assert body["error"]["type"] == "rate_limit_error"
     assert server.svc.session_counts()["refused"] == 1
+    # The 429 is counted for the status row (`tapioca_proxy_rate_limited_total`).
+    assert server.svc.session_counts()["rate_limited"] == 1
     untrained, cfg = serve(proxy=ProxyConfig(api_key=ADMIN, port=0, admission="serve_untrained"),
                            **gate)
     session(untrained)
