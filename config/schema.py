@@ -94,7 +94,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
-    # synthetic (built-in), gsm8k, or a file: jsonl / parquet / hf_disk
+    # a built-in task (synthetic, gsm8k, visual, arith, longchain) or a file: jsonl / parquet / hf_disk
     type: str = "synthetic"
     path: str = ""
     split: str = "train"
@@ -114,10 +114,11 @@ class DatasetConfig:
     image_key: str = "images"
 
     def __post_init__(self) -> None:
-        _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "jsonl", "parquet", "hf_disk"),
-                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, jsonl, "
-                 "parquet or hf_disk")
-        _require(self.type in ("synthetic", "visual", "arith") or bool(self.path),
+        _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "longchain", "jsonl", "parquet",
+                               "hf_disk"),
+                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, longchain, "
+                 "jsonl, parquet or hf_disk")
+        _require(self.type in ("synthetic", "visual", "arith", "longchain") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type} (the same "
                  "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")
