@@ -1,23 +1,25 @@
 """Long chains with shown work: a reasoning-like task whose correct solutions are long
-(median ~570 tokens) with a long tail (p99 ~4,300, at most 6,502).
+(median ~570 tokens) with a long tail (p99 ~4,300-4,500, at most 6,502).
 
 Pure code, no Kafka; scored by :meth:`LongChainTask.reward` (the built-in reward scorer
 dispatches on the record's ``task``, ``longchain``). A problem asks for ``x + n*b`` mod
 100 the long way: ``n`` additions of ``b`` to a running value in 0..99, one line each,
-numbered, the wrap-around shown, then ``answer``:
+numbered down from ``n`` (the lines left), the wrap-around shown, then ``answer``:
 
     prompt   "97+9x25="            (start at 97, add 9, 25 times, mod 100)
-    solution "1: 97+9=106-100=6\\n2: 6+9=15\\n3: 15+9=24\\n...\\n25: 14+9=23\\nanswer 23"
+    solution "25: 97+9=106-100=6\\n24: 6+9=15\\n23: 15+9=24\\n...\\n1: 14+9=23\\nanswer 23"
 
 Why this shape (benchmarks/learn_async.py, issue 42): a synchronous RL step waits for the
 longest sample of its batch, so the workload that shows what asynchrony buys is long
 generations with a long tail. ``n`` is drawn from a Pareto distribution
 (``floor(min_steps * U ** (-1 / alpha))``, capped at ``max_steps``): with the defaults
 (24, 1.9, 300) the median chain is 34 lines, p90 81, p99 260, and 0.7 % are at the cap.
-Every line depends only on the line above it and on the prompt's ``b`` and ``n`` (the
-step number says when to stop), so a small model learns the step by SFT from random
-init in minutes, however long the chain; the answer is right only when all ``n`` lines
-are, so sampling noise compounds over the chain and RL has something to sharpen.
+Every line depends only on the line above it (its label minus one, its result, its
+``b``; the first line copies ``n``, the start and ``b`` from the prompt), and the line
+labelled 1 is the last, so a small model learns the step by SFT from random init however
+long the chain (no counting against a number far back); the answer is right only when
+all ``n`` lines are, so sampling noise compounds over the chain and RL has something to
+sharpen.
 
 Token counts: with the char tokenizer (:mod:`tapioca.models.tokenizer`) a token is a
 character (+1 for ``<eos>``); Qwen2's BPE splits digits one by one, so it counts within
@@ -53,9 +55,10 @@ MODULUS = 100
 
 
 def solve(start: int, addend: int, steps: int) -> tuple[str, int]:
-    """The shown work of ``start + steps * addend`` mod 100 and the answer."""
+    """The shown work of ``start + steps * addend`` mod 100 and the answer. Lines count
+    down (``steps``, ..., 1): the label after 1 is the answer, so the stop is local too."""
     value, lines = start, []
-    for k in range(1, steps + 1):
+    for k in range(steps, 0, -1):
         total = value + addend
         if total >= MODULUS:
             lines.append(f"{k}: {value}+{addend}={total}-{MODULUS}={total - MODULUS}")

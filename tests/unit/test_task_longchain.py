@@ -16,7 +16,7 @@ from tapioca.tasks.datasets import dataset_rows
 from tapioca.tasks.longchain import LONGCHAIN_ALPHABET, LongChainTask, solve
 
 
-def test_solutions_are_correct_numbered_and_rewarded():
+def test_solutions_are_correct_numbered_down_and_rewarded():
     task = get_task("longchain", train_size=200, test_size=20, min_steps=3, max_steps=40)
     for r in task.iter_records("train", seed=0):
         start, rest = r["prompt"].rstrip("=").split("+")
@@ -24,17 +24,17 @@ def test_solutions_are_correct_numbered_and_rewarded():
         lines = r["solution"].split("\n")
         assert n == r["steps"] and len(lines) == n + 1 and lines[-1] == f"answer {r['answer']}"
         value = int(start)
-        for k, line in enumerate(lines[:-1], 1):
+        for k, line in enumerate(lines[:-1]):
             number, work = line.split(": ")
             parts = work.split("=")  # "x+b", the sum ("s-100" when it wraps), the new value
             total = int(parts[1].removesuffix("-100"))
-            assert int(number) == k and parts[0] == f"{value}+{addend}" and total == value + addend
+            assert int(number) == n - k and parts[0] == f"{value}+{addend}" and total == value + addend
             value = (value + addend) % 100
             assert int(parts[-1]) == value and (len(parts) == 3) == (total >= 100)
         assert int(r["answer"]) == (int(start) + n * addend) % 100 == value
         assert task.reward(r["solution"], r) == 1.0
         assert task.reward(r["solution"] + "<eos>answer 1000", r) == 1.0  # after the end of turn: ignored
-    assert solve(97, 9, 2) == ("1: 97+9=106-100=6\n2: 6+9=15\nanswer 15", 15)
+    assert solve(97, 9, 2) == ("2: 97+9=106-100=6\n1: 6+9=15\nanswer 15", 15)  # lines count down
     assert task_reward("longchain")("1: 2+3=5\nanswer 5", {"answer": "5"}) == 1.0
     assert task_reward("longchain")("answer 6", "5") == 0.0
     assert task_answer("longchain")("...\nanswer 42<|im_end|>") == "42"
@@ -48,7 +48,7 @@ def test_lengths_meet_the_issue_in_tokens_of_the_char_tokenizer():
     assert 512 <= statistics.median(tokens) <= 700
     assert tokens[int(0.99 * (len(tokens) - 1))] >= 4096
     # The longest possible solution: 300 lines of at most 22 characters ("300: 99+99=198-100=98\n"),
-    # 2 fewer for lines 1-9 and 1 fewer for 10-99, then "answer 99", then <eos>: 6,502 tokens,
+    # 2 fewer for the lines labelled 1-9 and 1 fewer for 10-99, then "answer 99", then <eos>: 6,502 tokens,
     # under the benchmark's max_new_tokens (6,600).
     assert tokens[-1] <= 300 * 22 - 9 * 2 - 90 + len("answer 99") + 1 == 6502
     tok = build_char_tokenizer(LONGCHAIN_ALPHABET)
