@@ -3,9 +3,10 @@
 
 One script, one workload per invocation (``--task``):
 
-- ``longchain`` (``tasks/longchain.py``, the default): ``n`` numbered additions mod 100
-  with the work shown, ``n`` Pareto-distributed: correct solutions of median ~570 tokens,
-  p99 ~4,300, at most 6,502 (``--describe`` prints the distribution in seconds, on CPU).
+- ``longchain`` (``tasks/longchain.py``, the default): ``n`` additions mod 100 with the
+  work shown, one line each numbered down to 1, ``n`` Pareto-distributed: correct
+  solutions of median ~570 tokens, p99 ~4,300-4,500, at most 6,502 (``--describe`` prints
+  the distribution in seconds, on CPU).
   A synchronous step waits for its longest sample: the workload where asynchrony pays.
 - ``arith`` (``tasks/arith.py``): issue 27's short chains (median 29 Qwen tokens, max 197).
 
@@ -137,7 +138,7 @@ PROFILES: dict[str, dict[str, dict]] = {
             "sft": {"max_steps": 3000, "batch_size": 128, "lr": 1e-3, "rows": 50000, "eval_every": 200,
                     "eval_prompts": 500, "target": 0.4, "metric": "greedy"},
             "rl": {"steps": 150, "prompts": 32, "samples": 8, "new_tokens": 256, "lr": 2e-5, "eval_k": 4,
-                   "eval": {"freq_secs": 5}, "mb_tokens": 32768},
+                   "eval": {"freq_secs": 8}, "mb_tokens": 32768},
             "budget_s": 525, "sft_share": 0.4, "etas": "0,4", "seeds": "0",
         },
         "full": {

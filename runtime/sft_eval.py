@@ -70,7 +70,7 @@ class SFTHeldOut:
         validate_prompts(self.task, self.bundle.engine, self.sampling)  # fail at start, not mid-run
         self.scorer = Scorer(self.task, self.sec.eval.scoring_workers)
         self.sink = MetricsSink(run_dir / EVAL_DIR)
-        self._trained_since = time.monotonic()  # training time since the last evaluation ended
+        self._trained_since: float | None = None  # the end of the last evaluation (or the first call)
 
     def due(self, version: int, last: bool) -> bool:
         ev = self.sec.evaluator
@@ -78,9 +78,12 @@ class SFTHeldOut:
             return ev.eval_before_train
         if last or (ev.freq_steps is not None and version % ev.freq_steps == 0):
             return True
-        return ev.freq_secs is not None and time.monotonic() - self._trained_since >= ev.freq_secs
+        since = self._trained_since if self._trained_since is not None else time.monotonic()
+        return ev.freq_secs is not None and time.monotonic() - since >= ev.freq_secs
 
     def __call__(self, version: int, model: torch.nn.Module, last: bool) -> bool:
+        if self._trained_since is None:  # start-up (model, data, engine) is not training time
+            self._trained_since = time.monotonic()
         if not self.due(version, last):
             return False
         result = self.evaluate(version, model)
