@@ -138,7 +138,9 @@ def prompt_metrics(prompts: Sequence[PromptSamples], k: int,
                    pass_ks: Sequence[int] | None = None) -> dict[str, float]:
     """The metrics of ``prompts`` (means over prompts): ``pass@j`` for j in ``pass_ks``
     (default :func:`default_pass_ks`), ``avg@k``, ``maj@k``, ``greedy`` (when some prompt
-    has a greedy sample), and the counts ``prompts``, ``samples`` and ``greedy_prompts``.
+    has a greedy sample), the standard errors ``pass@1_stderr`` and ``greedy_stderr`` (2
+    prompts or more: :func:`stderr_of_mean`), and the counts ``prompts``, ``samples`` and
+    ``greedy_prompts``.
     Raises AlgorithmInputError when there are no prompts or a prompt has fewer than the
     largest k asked for."""
     if not prompts:
@@ -153,16 +155,31 @@ def prompt_metrics(prompts: Sequence[PromptSamples], k: int,
     out: dict[str, float] = {"prompts": float(n_prompts),
                              "samples": float(sum(len(p.samples) for p in prompts))}
     for j in ks:
-        out[f"pass@{j}"] = math.fsum(
-            pass_at_k(len(p.samples), sum(s.correct for s in p.samples), j) for p in prompts
-        ) / n_prompts
+        per_prompt = [pass_at_k(len(p.samples), sum(s.correct for s in p.samples), j) for p in prompts]
+        out[f"pass@{j}"] = math.fsum(per_prompt) / n_prompts
+        if j == 1 and n_prompts > 1:
+            out["pass@1_stderr"] = stderr_of_mean(per_prompt)
     out[f"avg@{k}"] = math.fsum(avg_at_k(p.samples, k) for p in prompts) / n_prompts
     out[f"maj@{k}"] = math.fsum(maj_at_k(p.samples, k) for p in prompts) / n_prompts
     greedy = [p.greedy for p in prompts if p.greedy is not None]
     out["greedy_prompts"] = float(len(greedy))
     if greedy:
         out["greedy"] = sum(1 for g in greedy if g.correct) / len(greedy)
+        if len(greedy) > 1:
+            out["greedy_stderr"] = stderr_of_mean([float(g.correct) for g in greedy])
     return out
+
+
+def stderr_of_mean(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values`` over prompts: the sample standard
+    deviation (n - 1) over sqrt(n), as lm-evaluation-harness reports ``_stderr``. It is
+    the spread of the score over draws of the held-out set; with k samples per prompt it
+    holds the sampling noise too. Needs 2 values or more."""
+    n = len(values)
+    if n < 2:
+        raise AlgorithmInputError("a standard error needs 2 prompts or more")
+    mean = math.fsum(values) / n
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def summarize(prompts: Sequence[PromptSamples], k: int,

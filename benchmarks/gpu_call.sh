@@ -89,8 +89,15 @@ for s in "$@"; do
     fsdp_step) stage $s 150 python3 benchmarks/fsdp_step.py --device cuda ;;
     vlm_tests) stage $s 150 $PYTEST tests/unit/test_vlm_models.py -k cuda ;;
     vlm) stage $s ${VLM_LIMIT_S:-420} python3 benchmarks/vlm.py --device cuda --out "$OUT/vlm.json" ;;
-    # Issue 27: time to held-out accuracy, SFT warm start then GRPO at eta 0, 2, 8 (budget 575 s).
-    learn_async) stage $s 595 python3 benchmarks/learn_async.py --device cuda --out "$OUT/learn_async" ${LA_ARGS:-} ;;
+    # Issues 27 + 42: time to held-out accuracy, a warm start stopped at a held-out target, then
+    # GRPO at several etas (benchmarks/learn_async.py; docs/evaluation.md). learn_async: the
+    # quick profile on the long workload (1 seed, eta 0 and 4, timelines; budget 525 s).
+    # learn_async_full: 2,500 held-out problems (SE <= 1 point), one seed per call
+    # (LA_ARGS="--seed 1"); learn_async_arith: issue 27's short workload. Several calls of one
+    # task combine here: python benchmarks/learn_async.py --combine DIR1,DIR2 --out DIR.
+    learn_async) stage $s 555 python3 benchmarks/learn_async.py --device cuda --profile quick --budget-s 525 --timeline --out "$OUT/learn_async" ${LA_ARGS:-} ;;
+    learn_async_full) stage $s 560 python3 benchmarks/learn_async.py --device cuda --profile full --out "$OUT/learn_async_full" ${LA_ARGS:-} ;;
+    learn_async_arith) stage $s 555 python3 benchmarks/learn_async.py --device cuda --task arith --profile quick --budget-s 525 --out "$OUT/learn_async_arith" ${LA_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -95,7 +95,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
-    # synthetic (built-in), gsm8k, or a file: jsonl / parquet / hf_disk
+    # a built-in task (synthetic, gsm8k, visual, arith, longchain) or a file: jsonl / parquet / hf_disk
     type: str = "synthetic"
     # A relative path is read from the working directory, else from the repository root
     # (examples/data/...: tasks/datasets.py data_path).
@@ -117,11 +117,12 @@ class DatasetConfig:
     image_key: str = "images"
 
     def __post_init__(self) -> None:
-        _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "jsonl", "parquet", "hf_disk"),
-                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, jsonl, "
-                 "parquet or hf_disk")
+        _require(self.type in ("synthetic", "gsm8k", "visual", "arith", "longchain", "jsonl", "parquet",
+                               "hf_disk"),
+                 f"train_dataset.type={self.type!r}: use synthetic, gsm8k, visual, arith, longchain, "
+                 "jsonl, parquet or hf_disk")
         # gsm8k without a path: $TAPIOCA_DATA_DIR/gsm8k, else the copy in examples/data.
-        _require(self.type in ("synthetic", "visual", "arith", "gsm8k") or bool(self.path),
+        _require(self.type in ("synthetic", "visual", "arith", "longchain", "gsm8k") or bool(self.path),
                  f"train_dataset.path is required for train_dataset.type={self.type} (the same "
                  "for valid_dataset)")
         _require(self.prompts_per_step >= 1, "train_dataset.prompts_per_step must be >= 1")

@@ -38,6 +38,7 @@ from .schema import (
     admission_of,
 )
 from .stats_logger import StatsLoggerConfig
+from .supervised import SFTConfig
 from .weights import WeightsConfig
 
 
@@ -265,3 +266,16 @@ def eval_section(cfg: TrainConfig) -> EvalSection:
                        seed=cfg.seed, run_dir=cfg.run_path,
                        total_train_steps=cfg.total_train_steps,
                        prompts_per_step=cfg.train_dataset.prompts_per_step)
+
+
+def sft_eval_section(cfg: SFTConfig) -> EvalSection:
+    """The held-out evaluation of an SFT run (runtime/sft_eval.py): its sections as an
+    RL run's evaluator gets them, sampling over GenerationConfig's defaults."""
+    if cfg.valid_dataset is None:
+        raise ConfigError("no evaluation dataset: set valid_dataset in the SFT config (e.g. "
+                          "valid_dataset.type=arith valid_dataset.split=test)")
+    sampling = GenerationConfig(n_samples=cfg.eval.k, **cfg.eval_gconfig.resolve(GenerationConfig()))
+    return EvalSection(valid_dataset=cfg.valid_dataset, eval=cfg.eval, sampling=sampling,
+                       evaluator=cfg.evaluator, model=cfg.model, rollout=cfg.rollout,
+                       seed=cfg.seed, run_dir=cfg.run_path, total_train_steps=cfg.total_train_steps,
+                       prompts_per_step=cfg.train_dataset.batch_size)

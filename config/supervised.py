@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..bus.settings import BusConfig
 from ..schemas.errors import require_config as _require
+from .evaluation import EvalConfig, EvalGenerationConfig, EvaluatorConfig
 from .optimizer import OptimizerConfig
-from .schema import ModelConfig
+from .schema import DatasetConfig, ModelConfig, RolloutConfig
 from .stats_logger import StatsLoggerConfig
 
 DATA_SOURCES = ("file", "synthetic", "topics", "archive")
@@ -111,6 +113,9 @@ class SupervisedTrainConfig:
     total_train_steps: int = 100
     # > 0: stop after this many passes over the data (or total_train_steps, if fewer).
     total_train_epochs: int = 0
+    # > 0: stop once training has run this long (seconds, start-up not counted), saving
+    # weights, checkpoint and final/ as at the end (a rerun resumes from there).
+    time_limit_s: float = 0.0
     # Save weights (+ a WeightsEvent when a broker is configured) and a checkpoint
     # every this many steps; the last step is always saved.
     save_every_steps: int = 50
@@ -130,6 +135,8 @@ class SupervisedTrainConfig:
         _require(self.total_train_epochs >= 0, "total_train_epochs must be >= 0 (0 = off)")
         _require(self.save_every_steps >= 1, "save_every_steps must be >= 1")
         _require(self.keep_weight_versions >= 0, "keep_weight_versions must be >= 0 (0 = keep all)")
+        _require(self.time_limit_s >= 0 and math.isfinite(self.time_limit_s),
+                 "time_limit_s must be >= 0 seconds (0 = no limit)")
 
     @property
     def run_id(self) -> str:
@@ -140,11 +147,60 @@ class SupervisedTrainConfig:
         return os.path.join(self.run_dir, self.experiment_name, self.trial_name)
 
 
+# The eval metrics SFT can stop at: greedy, or pass@j / avg@j / maj@j with j <= eval.k.
+_STOP_METRIC = re.compile(r"greedy|(pass|avg|maj)@(\d+)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig(SupervisedTrainConfig):
-    """Supervised fine-tuning: masked NLL over response tokens only."""
+    """Supervised fine-tuning: masked NLL over response tokens only.
+
+    Held-out evaluation while training (docs/supervised-trainers.md): with
+    ``valid_dataset`` and an ``evaluator`` trigger (``freq_steps``, ``freq_secs``,
+    ``eval_before_train``; the RL run's sections, the same meaning) the trainer's current
+    weights are loaded into an engine of ``rollout.*`` in this process and scored as
+    `tapioca eval` scores them (``eval``, ``eval_gconfig``); the last step is always
+    evaluated. ``stop_at_eval`` ends training at the first evaluation whose
+    ``eval/<stop_at_eval_metric>`` reaches it: ``total_train_steps`` is then a cap."""
 
     experiment_name: str = "sft"
+    valid_dataset: Optional[DatasetConfig] = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # Sampling of the eval.k completions; null fields take GenerationConfig's defaults
+    # (max_new_tokens 8: set eval_gconfig.max_new_tokens for anything longer).
+    eval_gconfig: EvalGenerationConfig = field(default_factory=EvalGenerationConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    # The evaluation's engine (rollout.device must be actor.device: one process).
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Stop at the first evaluation with eval/<stop_at_eval_metric> >= this (null: never).
+    stop_at_eval: Optional[float] = None
+    stop_at_eval_metric: str = "greedy"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(not self.evaluator.enabled or self.valid_dataset is not None,
+                 "evaluator.* asks for held-out evaluations but valid_dataset is not set: set "
+                 "valid_dataset (e.g. valid_dataset.type=arith valid_dataset.split=test) or unset "
+                 "the evaluator's triggers")
+        _require(self.evaluator.freq_epochs is None,
+                 "evaluator.freq_epochs counts RL epochs of prompts; during SFT use "
+                 "evaluator.freq_steps or evaluator.freq_secs")
+        _require(self.valid_dataset is None or self.rollout.device == self.actor.device,
+                 f"the held-out evaluation's engine runs in the trainer's process: set "
+                 f"rollout.device={self.actor.device} (now {self.rollout.device})")
+        _require(self.stop_at_eval is None or self.evaluator.enabled,
+                 "stop_at_eval needs held-out evaluations: set valid_dataset and evaluator.freq_steps "
+                 "(or evaluator.freq_secs)")
+        _require(self.stop_at_eval is None or math.isfinite(self.stop_at_eval),
+                 "stop_at_eval must be a finite number (or null: never stop early)")
+        match = _STOP_METRIC.fullmatch(self.stop_at_eval_metric)
+        _require(match is not None, f"stop_at_eval_metric={self.stop_at_eval_metric!r}: use greedy, "
+                 "pass@J, avg@J or maj@J")
+        assert match is not None
+        _require(match.group(2) is None or int(match.group(2)) <= self.eval.k,
+                 f"stop_at_eval_metric={self.stop_at_eval_metric} needs eval.k >= {match.group(2)}")
+        _require(self.stop_at_eval_metric != "greedy" or self.eval.greedy or self.stop_at_eval is None,
+                 "stop_at_eval_metric=greedy needs eval.greedy=true")
 
 
 @dataclass(frozen=True, kw_only=True)

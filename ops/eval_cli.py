@@ -39,15 +39,22 @@ app = typer.Typer()
 
 
 def metrics_table(metrics: dict[str, Any], title: str) -> Table:
-    """One row for the total and one per subset; a column per metric."""
+    """One row for the total and one per subset; a column per metric, its standard error
+    (``pass@1_stderr``, ``greedy_stderr``) beside it in the same cell."""
     total = metrics["total"]
     skip = {"prompts", "samples", "greedy_prompts"}
-    cols = [k for k in total if k not in skip]
+    cols = [k for k in total if k not in skip and not k.endswith("_stderr")]
     table = Table("subset", "prompts", *cols, title=title)
     rows = [("all", total)] + sorted(metrics["subsets"].items())
+
+    def cell(values: dict[str, Any], c: str) -> str:
+        if c not in values:
+            return "-"
+        se = values.get(f"{c}_stderr")
+        return f"{values[c]:.3f}" + (f" ±{se:.3f}" if se is not None else "")
+
     for name, values in rows:
-        table.add_row(name or "-", f"{values['prompts']:.0f}",
-                      *(f"{values[c]:.3f}" if c in values else "-" for c in cols))
+        table.add_row(name or "-", f"{values['prompts']:.0f}", *(cell(values, c) for c in cols))
     return table
 
 

@@ -52,12 +52,29 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
     # The run directory (absolute), the tiny model when model.path is empty, the run id.
     cfg = resolve_run(cfg, prepare=True)
     loss_key = f"{kind}/loss"
+    out_console = console if output == "table" else err_console
+    # SFT with valid_dataset + an evaluator trigger: held-out evaluations while training
+    # (runtime/sft_eval.py), one line each; stop_at_eval may end training early.
+    held_out = None
+    if kind == "sft" and cfg.valid_dataset is not None and cfg.evaluator.enabled:
+        from ..runtime.sft_eval import SFTHeldOut
+
+        held_out = SFTHeldOut(cfg, on_result=lambda r: out_console.print(
+            f"{kind}: step {r.step}: held-out " + ", ".join(
+                f"{name} {r.metrics[f'eval/{name}']:.3f}" for name in ("pass@1", "greedy")
+                if f"eval/{name}" in r.metrics) + f" ({r.wall_s:.1f} s)", soft_wrap=True))
     # -o json keeps stdout one document: the bar (or lines) go to stderr there.
-    with CommandProgress(kind, "steps", console=console if output == "table" else err_console,
-                         total=cfg.total_train_steps) as shown:
-        summary = train(cfg, progress=lambda step, total, metrics: shown.update(
-            step, total, info=f"{loss_key} {metrics[loss_key]:.4f}" if loss_key in metrics else ""))
+    try:
+        with CommandProgress(kind, "steps", console=out_console, total=cfg.total_train_steps) as shown:
+            summary = train(cfg, progress=lambda step, total, metrics: shown.update(
+                step, total, info=f"{loss_key} {metrics[loss_key]:.4f}" if loss_key in metrics else ""),
+                **({"hook": held_out} if held_out is not None else {}))
+    finally:
+        if held_out is not None:
+            held_out.close()
     meta = run_metadata(summary)
+    if held_out is not None:
+        meta["held_out"] = held_out.summary()
     if output == "json":
         emit_json(meta)
         return
@@ -70,7 +87,10 @@ def _run(kind: str, config: Optional[str], overrides: list[str], output: str) ->
     first, last = meta["first"].get(loss_key), meta["last"].get(loss_key)
     trend = (f"; {loss_key} {first:.4f} -> {last:.4f}"
              if first is not None and last is not None else "")
-    console.print(f"{kind}: {summary.steps} steps in {summary.wall_s:.1f} s{trend}")
+    why = {"hook": f" (stopped: held-out {getattr(cfg, 'stop_at_eval_metric', '')} reached "
+                   f"{getattr(cfg, 'stop_at_eval', None)})",
+           "time_limit_s": f" (stopped: time_limit_s={cfg.time_limit_s:g})"}.get(summary.stopped, "")
+    console.print(f"{kind}: {summary.steps} steps in {summary.wall_s:.1f} s{trend}{why}")
     console.print(f"metrics: {summary.run_dir}/metrics/metrics.jsonl; "
                   f"final model: {summary.final_model_dir}")
 

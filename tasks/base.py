@@ -70,7 +70,7 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
 
 def _load_builtins() -> None:
     # Imported here, not at module top, so base.py has no import cycle with the tasks.
-    from . import arith, gsm8k, synthetic, visual  # noqa: F401  (they register themselves)
+    from . import arith, gsm8k, longchain, synthetic, visual  # noqa: F401  (they register themselves)
 
 
 def task_names() -> list[str]:

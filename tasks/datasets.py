@@ -138,6 +138,8 @@ def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[d
         return "visual", get_task("visual", **ds.task_options).iter_records(ds.split, seed)
     if ds.type == "arith":  # chain arithmetic with shown work (tasks/arith.py)
         return "arith", get_task("arith", **ds.task_options).iter_records(ds.split, seed)
+    if ds.type == "longchain":  # long chains with shown work, long-tailed (tasks/longchain.py)
+        return "longchain", get_task("longchain", **ds.task_options).iter_records(ds.split, seed)
     base_dir = os.path.dirname(os.path.abspath(data_path(ds.path)))
 
     def rows():

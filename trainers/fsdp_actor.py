@@ -474,7 +474,7 @@ class ShardedActor(PPOActor):
                         if key in r["metrics"]]
             if key in ("actor/trained_tokens", "actor/micro_batches", "actor/router_replay_tokens"):
                 out[key] = float(sum(v for v, _ in vals))
-            elif key in ("actor/step_time_s",):
+            elif key in ("actor/step_time_s", "actor/rollout_train_abs_logprob_diff_max"):
                 out[key] = float(max(v for v, _ in vals))
             else:
                 w = sum(t for _, t in vals)

@@ -549,7 +549,10 @@ class RouteStats:
 
     * Every policy: ``actor/rollout_train_k3_kl``, the mean over trained tokens of
       ``exp(d) - 1 - d``, ``d = log pi_train - log pi_behav`` (Schulman's k3; AReaL's
-      R3 metric; 0 when the trainer reproduces the rollout's logprobs).
+      R3 metric; 0 when the trainer reproduces the rollout's logprobs), and
+      ``actor/rollout_train_abs_logprob_diff_mean`` / ``_max``, the mean and max of
+      ``|d|`` over the same tokens (with eta > 0, ``d`` holds the policy's change since
+      the behaviour version too, not only the engines' numerical mismatch).
     * R3: ``actor/router_replay_agreement``, the share of replayed tokens whose
       trainer router picks the rollout's experts (as a set) in every MoE layer, and
       ``actor/router_replay_tokens``, the tokens routed by recorded routes (prompt and
@@ -562,7 +565,8 @@ class RouteStats:
     def __init__(self, packed, mode: str) -> None:
         self.packed = packed
         self.mode = mode
-        self._sums: torch.Tensor | None = None  # [k3 sum, trained tokens, replayed, agreeing]
+        self._sums: torch.Tensor | None = None  # [k3 sum, trained tokens, replayed, agreeing, |d| sum]
+        self._max_abs: torch.Tensor | None = None  # max |d| over the trained tokens seen
 
     def first_pass(self, batch: TensorBatch, logp_BT: torch.Tensor | None, *, record: bool,
                    count: bool = True) -> None:
@@ -575,21 +579,30 @@ class RouteStats:
         if not count:
             return
         parts = []
+        zero = torch.zeros((), dtype=torch.float64, device=batch.mask_BT.device)
+        abs_sum = zero
         if logp_BT is not None:
             d = torch.where(batch.mask_BT, logp_BT.detach().float() - batch.behav_logprobs_BT.float(), 0.0)
             parts += [(torch.expm1(d) - d).double().sum(), batch.mask_BT.sum().double()]
+            abs_d = d.abs()  # 0 off the mask
+            abs_sum = abs_d.double().sum()
+            top = abs_d.max().double() if abs_d.numel() else zero
+            self._max_abs = top if self._max_abs is None else torch.maximum(self._max_abs, top)
         else:
-            parts += [torch.zeros((), dtype=torch.float64, device=batch.mask_BT.device)] * 2
+            parts += [zero] * 2
         agree = self.packed.route_agreement() if self.packed is not None and self.mode == "R3" else None
-        parts += list(agree.double()) if agree is not None else [parts[0].new_zeros(())] * 2
-        sums = torch.stack(parts)
+        parts += list(agree.double()) if agree is not None else [zero] * 2
+        sums = torch.stack(parts + [abs_sum])
         self._sums = sums if self._sums is None else self._sums + sums
 
     def metrics(self) -> dict[str, float]:
         if self._sums is None:
             return {}
-        k3, tokens, replayed, agreeing = self._sums.tolist()
-        out = {"actor/rollout_train_k3_kl": k3 / tokens} if tokens else {}
+        top = self._max_abs if self._max_abs is not None else self._sums.new_zeros(())
+        k3, tokens, replayed, agreeing, abs_sum, max_abs = torch.cat([self._sums, top.view(1)]).tolist()
+        out = {"actor/rollout_train_k3_kl": k3 / tokens,
+               "actor/rollout_train_abs_logprob_diff_mean": abs_sum / tokens,
+               "actor/rollout_train_abs_logprob_diff_max": max_abs} if tokens else {}
         if self.mode == "R3":
             out["actor/router_replay_tokens"] = replayed
             out["actor/router_replay_agreement"] = agreeing / replayed if replayed else 0.0

@@ -121,6 +121,13 @@ def test_summary_totals_and_subsets_by_hand():
     # greedy: A right, B wrong, C right
     assert total["greedy"] == pytest.approx(2 / 3)
     assert (total["prompts"], total["samples"], total["greedy_prompts"]) == (3, 12, 3)
+    # standard errors (sample sd with n - 1, over sqrt(n)): pass@1 per prompt 9/12, 3/12, 0,
+    # deviations from 4/12: 5/12, -1/12, -4/12 -> var = (25 + 1 + 16) / 144 / 2 = 7/48,
+    # SE = sqrt(7/48 / 3) = sqrt(7) / 12; greedy 1, 0, 1: var = (1 + 4 + 1) / 9 / 2 = 1/3,
+    # SE = sqrt(1/9) = 1/3
+    assert total["pass@1_stderr"] == pytest.approx(math.sqrt(7) / 12)
+    assert total["greedy_stderr"] == pytest.approx(1 / 3)
+    assert "pass@1_stderr" not in summarize([PromptSamples("A", a.samples)], k=4)["total"]  # one prompt
     easy, hard = out["subsets"]["easy"], out["subsets"]["hard"]
     assert easy["pass@1"] == pytest.approx(0.5)     # (3/4 + 1/4) / 2
     assert easy["pass@4"] == 1.0

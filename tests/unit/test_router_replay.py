@@ -347,7 +347,7 @@ def test_r2_records_routes_without_a_prox_forward_under_loglinear():
 
 def test_rollout_train_k3_kl_golden():
     # Behaviour logprobs = the trainer's own + 0.1: d = log pi_train - log pi_behav = -0.1
-    # on every trained token, k3 = exp(-0.1) - 1 + 0.1 = 0.0048374.
+    # on every trained token, k3 = exp(-0.1) - 1 + 0.1 = 0.0048374, |d| = 0.1.
     its = items()
     a = actor(moe_model())
     for it in its:
@@ -357,6 +357,9 @@ def test_rollout_train_k3_kl_golden():
         it.behav_logprobs = (lp[mb.mask_BT] + 0.1).tolist()
     m = actor(moe_model()).train_step(its, policy_version=0).metrics
     assert m["actor/rollout_train_k3_kl"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-4)
+    # |d| = 0.1 on every trained token: mean and max 0.1
+    assert m["actor/rollout_train_abs_logprob_diff_mean"] == pytest.approx(0.1, rel=1e-4)
+    assert m["actor/rollout_train_abs_logprob_diff_max"] == pytest.approx(0.1, rel=1e-4)
 
 
 def test_router_replay_needs_a_model_with_moe_layers_on_the_packed_forward():

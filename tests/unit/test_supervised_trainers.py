@@ -503,3 +503,55 @@ def test_no_usable_examples_is_a_clear_error(tiny, tokenizer, tmp_path):
     rows.write_text(json.dumps({"prompt": "max(1,2)=" * 30, "response": "2"}) + "\n")
     with pytest.raises(TapiocaError, match="no usable examples.*max_length"):
         load_sft_examples(SupervisedDatasetConfig(source="file", path=str(rows), max_length=16), tokenizer)
+
+
+# ------------------------------------------------------------- held-out evaluation (SFT)
+
+def test_sft_stops_at_a_held_out_target_and_records_each_evaluation(tiny, tmp_path):
+    """valid_dataset + evaluator.freq_steps: the trainer's weights are scored in this
+    process at v0 and every 10 steps; stop_at_eval ends training at the first evaluation
+    reaching it (total_train_steps is then a cap), saving that version and final/."""
+    from tapioca.runtime.sft_eval import SFTHeldOut
+    from tapioca.trainers.supervised.sft import train_sft
+
+    cfg = _cfg(SFTConfig, tiny, tmp_path, "total_train_steps=80", "actor.optimizer.lr=2e-3",
+               "train_dataset.batch_size=16", "save_every_steps=1000",
+               "valid_dataset.type=synthetic", "valid_dataset.split=train", "eval.k=1",
+               "eval.max_prompts=20", "eval_gconfig.max_new_tokens=4", "evaluator.freq_steps=10",
+               "evaluator.eval_before_train=true", "stop_at_eval=0.6")
+    held_out = SFTHeldOut(cfg)
+    try:
+        summary = train_sft(cfg, hook=held_out)
+    finally:
+        held_out.close()
+    steps = [r.step for r in held_out.results]
+    # Measured (the same 80-step run without the stop): greedy 0.00 -> 0.99 of the table.
+    assert summary.stopped == "hook" and held_out.stopped_at == summary.steps == steps[-1] < 80
+    assert steps == list(range(0, summary.steps + 1, 10))
+    greedy = [r.metrics["eval/greedy"] for r in held_out.results]
+    assert greedy[0] < 0.3 and greedy[-1] >= 0.6 and all(g < 0.6 for g in greedy[:-1])
+    run = Path(cfg.run_path)
+    rows = [json.loads(line) for line in (run / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == steps and rows[-1]["eval/greedy"] == greedy[-1]
+    assert len((run / "eval" / "v000000" / "samples.jsonl").read_text().splitlines()) == 20 * 2
+    # the version it stopped at is saved (a rerun resumes there) and is the final model
+    assert (run / "weights" / f"v{summary.steps:06d}.safetensors").is_file()
+    assert (run / "final" / "config.json").is_file() and held_out.summary()["stopped_at_step"] == summary.steps
+
+
+def test_sft_time_limit_and_held_out_config_errors(tiny, tmp_path):
+    from tapioca.trainers.supervised.sft import train_sft
+
+    summary = train_sft(_cfg(SFTConfig, tiny, tmp_path, "total_train_steps=100000", "time_limit_s=0.5",
+                             "train_dataset.batch_size=4"))
+    assert summary.stopped == "time_limit_s" and 0 < summary.steps < 100000
+    assert (Path(summary.run_dir) / "final" / "config.json").is_file()
+    with pytest.raises(ConfigError, match="stop_at_eval needs held-out evaluations"):
+        _cfg(SFTConfig, tiny, tmp_path, "stop_at_eval=0.5")
+    with pytest.raises(ConfigError, match="valid_dataset is not set"):
+        _cfg(SFTConfig, tiny, tmp_path, "evaluator.freq_steps=5")
+    with pytest.raises(ConfigError, match="rollout.device=cuda"):
+        _cfg(SFTConfig, tiny, tmp_path, "actor.device=cuda", "valid_dataset.type=synthetic")
+    with pytest.raises(ConfigError, match="eval.k >= 4"):
+        _cfg(SFTConfig, tiny, tmp_path, "valid_dataset.type=synthetic", "evaluator.freq_steps=5",
+             "stop_at_eval=0.5", "stop_at_eval_metric=pass@4", "eval.k=2")

@@ -43,6 +43,11 @@ from ..optim import lr_factor, set_lr
 E = TypeVar("E")
 # ``progress(step, total_steps, metrics)``, called after each step (a CLI's progress bar).
 StepProgress = Callable[[int, int, dict[str, float]], None]
+# ``hook(version, model, last) -> stop``: once before the first step of a fresh run
+# (version 0) and after each step, ``last`` when training ends there anyway (step budget
+# or ``time_limit_s``); True stops training at that version (runtime/sft_eval.py: the
+# held-out evaluation and ``stop_at_eval``).
+StepHook = Callable[[int, torch.nn.Module, bool], bool]
 
 
 def write_supervised_run(cfg: SupervisedTrainConfig) -> Path:
@@ -120,6 +125,9 @@ class SupervisedSummary:
     # The checkpoint had reached the step budget already: nothing was trained.
     already_complete: bool = False
     checkpoint: Path | None = None
+    # Why training ended before total_train_steps: "hook" (the step hook asked, e.g.
+    # stop_at_eval), "time_limit_s"; "" when it ran to the budget.
+    stopped: str = ""
 
 
 class SupervisedTrainerBase(Generic[E]):
@@ -188,21 +196,36 @@ class SupervisedTrainerBase(Generic[E]):
 
     # ---------------------------------------------------------------- loop
 
-    def fit(self, progress: StepProgress | None = None) -> SupervisedSummary:
-        """Train to the step budget; ``progress(step, total, metrics)`` after each step
-        (a CLI's progress bar). A run whose checkpoint is at the budget already trains
-        nothing and says so (``already_complete``)."""
+    def fit(self, progress: StepProgress | None = None, hook: StepHook | None = None) -> SupervisedSummary:
+        """Train to the step budget (or ``time_limit_s``, or until ``hook`` says stop);
+        ``progress(step, total, metrics)`` after each step (a CLI's progress bar). A run
+        whose checkpoint is at the budget already trains nothing and says so
+        (``already_complete``). Stopped early, the version reached is saved (weights,
+        checkpoint) and ``final/`` written, as at the end."""
         t_start = time.perf_counter()
         final = self.run_dir / "final"
         complete = self.progress.version >= self.total_steps
+        limit = self.cfg.time_limit_s
         sink = MetricsSink(self.run_dir / "metrics", self.cfg.stats_logger,
                            config=dataclasses.asdict(self.cfg))
         history: list[dict[str, float]] = []
+        stopped = ""
         try:
-            while self.progress.version < self.total_steps:
+            if hook is not None and not complete and self.progress.version == 0 and hook(0, self.model, False):
+                stopped = "hook"
+            while self.progress.version < self.total_steps and not stopped:
                 history.append(self._step(sink))
                 if progress is not None:
                     progress(self.progress.version, self.total_steps, history[-1])
+                out_of_time = bool(limit) and time.perf_counter() - t_start >= limit
+                last = out_of_time or self.progress.version >= self.total_steps
+                if hook is not None and hook(self.progress.version, self.model, last):
+                    stopped = "hook"
+                elif out_of_time and self.progress.version < self.total_steps:
+                    stopped = "time_limit_s"
+            if stopped and self.progress.weights_path != str(
+                    weights_file(self.run_dir / WEIGHTS_DIR, self.progress.version).resolve()):
+                self._save_version()  # the version it stopped at (a rerun resumes from it)
             if not (complete and final.is_dir()):
                 self.save_final(final)
         finally:
@@ -210,8 +233,8 @@ class SupervisedTrainerBase(Generic[E]):
             if self.producer is not None:
                 self.producer.close()
         return SupervisedSummary(self.kind, self.run_dir, self.progress.version,
-                              time.perf_counter() - t_start, history, final, self.data_metrics,
-                              already_complete=complete, checkpoint=self.ckpt_path)
+                                 time.perf_counter() - t_start, history, final, self.data_metrics,
+                                 already_complete=complete, checkpoint=self.ckpt_path, stopped=stopped)
 
     def _step(self, sink: MetricsSink) -> dict[str, float]:
         step = self.progress.version  # 0-based index of the step being taken
@@ -271,4 +294,4 @@ def run_metadata(summary: SupervisedSummary) -> dict[str, Any]:
     last = summary.history[-1] if summary.history else {}
     return {"kind": summary.kind, "steps": summary.steps, "wall_s": round(summary.wall_s, 2),
             "run_dir": str(summary.run_dir), "final_model": str(summary.final_model_dir),
-            "first": first, "last": last}
+            "first": first, "last": last, "stopped": summary.stopped}

@@ -20,6 +20,7 @@ from ...config.supervised import SFTConfig
 from ..batching import pack
 from .data import SeqExample, load_sft_examples
 from .loop import (
+    StepHook,
     StepProgress,
     SupervisedSummary,
     SupervisedTrainerBase,
@@ -50,8 +51,11 @@ class SFTTrainer(SupervisedTrainerBase[SeqExample]):
                 "sft/examples": float(len(batch))}
 
 
-def train_sft(cfg: SFTConfig, *, progress: StepProgress | None = None) -> SupervisedSummary:
-    """Run SFT as configured (creates the run directory; resumes from its checkpoint)."""
+def train_sft(cfg: SFTConfig, *, progress: StepProgress | None = None,
+              hook: StepHook | None = None) -> SupervisedSummary:
+    """Run SFT as configured (creates the run directory; resumes from its checkpoint);
+    ``hook``: see :data:`~tapioca.trainers.supervised.loop.StepHook` (the held-out
+    evaluation of runtime/sft_eval.py)."""
     model, tokenizer = setup_supervised(cfg)
     examples, stats = load_sft_examples(cfg.train_dataset, tokenizer, bus=cfg.bus, seed=cfg.seed)
-    return SFTTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress)
+    return SFTTrainer(cfg, model, tokenizer, examples, data_metrics=stats.metrics()).fit(progress, hook)
