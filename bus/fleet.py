@@ -26,20 +26,17 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaError, TopicPartition
 
-from ..schemas.envelope import ANY_RUN, decode_event, of_another_run, run_addresses, run_reads
+from ..schemas.envelope import ANY_RUN, Event, decode_event, of_another_run, run_addresses, run_reads
 from ..schemas.errors import FatalRoleError, SchemaError, TapiocaError
 from ..schemas.events import ControlAckEvent, ControlEvent, FleetEvent
 from ..schemas.registry import topic
-from .role import Source
+from .role import DeadLetter, Role, Source
 from .settings import BusConfig
 from .signing import SignatureError
-
-if TYPE_CHECKING:
-    from .runner import RoleRunner
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +173,30 @@ def numeric(values: dict[str, Any], limit: int = 64) -> dict[str, float]:
     return out
 
 
+class FleetRunner(Protocol):
+    """What :class:`MemberFleet` drives: the runner's public surface (bus/runner.py
+    RoleRunner, which imports this module; this one names it structurally)."""
+
+    member_id: str
+    group_id: str
+    role: Role
+    state: Any
+    cfg: BusConfig
+    stats: Any  # RunnerStats: the member's counters
+    producer: Any  # EventProducer
+
+    def publish_outputs(self, events: Iterable[Event | DeadLetter] | None) -> None: ...
+
+    def publish_own(self, event: Event) -> None: ...
+
+    def dead_letter(self, raw: bytes | None, source: Source, exc: BaseException, *,
+                    attempts: int) -> None: ...
+
+    def set_intake(self, *, group: bool, broadcast: bool) -> None: ...
+
+    def input_lag(self) -> dict[str, int]: ...
+
+
 class MemberFleet:
     """The member side of fleet control for one :class:`RoleRunner`: reads its commands
     from ``control.v1``, carries out pause / resume / drain on the runner's consumers and
@@ -185,7 +206,7 @@ class MemberFleet:
     (``publish_outputs``, ``publish_own``, ``dead_letter``, ``set_intake``,
     ``input_lag``, and its ``role``, ``state``, ``cfg``, ``stats`` and ``producer``)."""
 
-    def __init__(self, runner: RoleRunner) -> None:
+    def __init__(self, runner: FleetRunner) -> None:
         self.runner = runner
         self.control = MemberControl(runner.member_id, runner.role.name,
                                      run_id=runner.cfg.run_id)

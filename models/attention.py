@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,7 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from ..schemas.errors import ConfigError
-from .attention_fa4 import fa4_import_error, fa4_varlen, probe_fa4
+from .attention_fa4 import fa4_available, fa4_import_error, fa4_varlen
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "varlen", "sdpa", "fa4")
 
@@ -185,6 +188,26 @@ def probe_varlen(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_
         if err < 0.05:  # bf16 rounding is ~1e-2 at most here
             return variant
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def probe_fa4(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> bool:
+    """FA4 runs forward + backward on a small packed batch and agrees with sdpa (once per
+    shape; the first call compiles the kernels, seconds). Here, not in attention_fa4.py:
+    the probe is this module's (kernel_error, packed_seqs, sdpa_attention), and FA4's
+    module imports nothing of this one."""
+    if not fa4_available(device, dtype):
+        return False
+    seqs = packed_seqs([37, 5, 64], device)
+    cu = seqs.cu_seqlens_S1
+    try:
+        err = kernel_error(lambda q, k, v, scale: fa4_varlen(q, k, v, cu, cu, seqs.max_len, seqs.max_len, scale),
+                           lambda q, k, v, scale: sdpa_attention(q, k, v, seqs, scale),
+                           seqs.n_tokens, device, dtype, n_heads, n_kv, head_dim)
+    except Exception as exc:  # a kernel the DSL cannot build for this shape / GPU
+        log.warning("attention_backend fa4 does not run at %d/%d heads x %d: %s", n_heads, n_kv, head_dim, exc)
+        return False
+    return err < 0.05
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, n_heads: int,

@@ -16,11 +16,8 @@ step 1.04-1.07x (``benchmarks/trainer_step.py --only fa4``): attention is ~14 % 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _fa4_varlen_func = None  # flash_attn.cute.flash_attn_varlen_func once loaded
 
@@ -59,23 +56,3 @@ def fa4_varlen(q_NHD: torch.Tensor, k_KKD: torch.Tensor, v_KKD: torch.Tensor, cu
                            cu_seqlens_k=cu_k_S1, max_seqlen_q=max_q, max_seqlen_k=max_k,
                            softmax_scale=scale, causal=True)
     return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
-
-
-@functools.lru_cache(maxsize=None)
-def probe_fa4(device: str, dtype: torch.dtype, n_heads: int, n_kv: int, head_dim: int) -> bool:
-    """FA4 runs forward + backward on a small packed batch and agrees with sdpa (once per
-    shape; the first call compiles the kernels, seconds)."""
-    from .attention import kernel_error, packed_seqs, sdpa_attention
-
-    if not fa4_available(device, dtype):
-        return False
-    seqs = packed_seqs([37, 5, 64], device)
-    cu = seqs.cu_seqlens_S1
-    try:
-        err = kernel_error(lambda q, k, v, scale: fa4_varlen(q, k, v, cu, cu, seqs.max_len, seqs.max_len, scale),
-                           lambda q, k, v, scale: sdpa_attention(q, k, v, seqs, scale),
-                           seqs.n_tokens, device, dtype, n_heads, n_kv, head_dim)
-    except Exception as exc:  # a kernel the DSL cannot build for this shape / GPU
-        log.warning("attention_backend fa4 does not run at %d/%d heads x %d: %s", n_heads, n_kv, head_dim, exc)
-        return False
-    return err < 0.05

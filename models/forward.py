@@ -26,7 +26,6 @@ from ..algorithms.logprobs import gather_logprobs_entropy
 
 if TYPE_CHECKING:
     from .attention import PackedSeqs
-    from .packed import PackedCausalLM
 
 
 def autocast_context(device: str | torch.device, autocast_dtype: str) -> ContextManager:
@@ -99,7 +98,7 @@ def head_matmul_dtype(weight_VH: torch.Tensor) -> torch.dtype | None:
 
 
 def packed_token_logprobs(
-    packed: "PackedCausalLM",
+    packed: torch.nn.Module,  # a models/packed.py PackedCausalLM (which imports this module)
     input_ids_N: torch.Tensor,
     position_ids_N: torch.Tensor,
     seqs: "PackedSeqs",

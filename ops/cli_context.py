@@ -9,7 +9,9 @@ and composes them into the one ``tapioca`` command: no import circle.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -101,3 +103,19 @@ def check_output(output: str) -> None:
     """``-o/--output`` takes table or json."""
     if output not in ("table", "json"):
         raise typer.BadParameter("--output must be table or json")
+
+
+@contextlib.contextmanager
+def quiet_hugging_face():
+    """Around a one-process command that loads or saves models: Hugging Face's progress
+    bars ("Loading weights", "Writing model shards") off, as every command has them, and
+    the notices the libraries raise about each other's deprecated methods (peft calling
+    one transformers 5 renamed) not shown: the command says its own progress, and a user
+    can do nothing about those."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"(transformers|peft)(\.|$)")
+        yield

@@ -52,7 +52,9 @@ def run_training(config: Optional[str], overrides: list[str], *,
         if bootstrap:
             cfg = resolve_run(cfg, bootstrap=bootstrap)
     live = console.is_terminal if live is None else live
-    view = train_view.TrainView(cfg)
+    # A named trial may have a checkpoint: the view starts at its step, not at 0.
+    resumed = train_view.trainer_checkpoint(cfg.run_path) if cfg.trial_name else None
+    view = train_view.TrainView(cfg, resumed_at=resumed.version if resumed is not None else 0)
     if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
         from .ray_launcher import RayLauncher as Launcher  # noqa: F811
     launcher = Launcher(cfg)

@@ -23,6 +23,7 @@ versions is dropped and counted (algorithms/eval_metrics.py ``live_scores``).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -84,6 +85,19 @@ def held_out_change(held_out: dict[int, float]) -> str:
         return ""
     (v0, first), (v1, last) = min(held_out.items()), max(held_out.items())
     return f"; held-out pass@1 {first:.3f} (v{v0}) -> {last:.3f} (v{v1})"
+
+
+# A dotted override (``eval.k=4``, ``valid_dataset.task_options.n=3``): a key, then ``=``.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.\-]*=")
+
+
+def split_overrides(model: Optional[str], extra: list[str]) -> tuple[Optional[str], list[str]]:
+    """(model directory, overrides): an argument of the form ``key=value`` is an override,
+    never the model directory, though click hands the first one to the MODEL argument
+    when no directory is given (``tapioca eval --run-dir R eval.k=4``)."""
+    if model is not None and _OVERRIDE.match(model):
+        return None, [model, *extra]
+    return model, list(extra)
 
 
 def _dataset_type(path: str) -> str:
@@ -255,7 +269,8 @@ def eval_command(
 
     hf_logging.disable_progress_bar()
     run_dir = run_dir or G.run_dir
-    cfg = _config(model, run_dir, config, data, list(ctx.args))
+    model, overrides = split_overrides(model, ctx.args)
+    cfg = _config(model, run_dir, config, data, overrides)
     sec = eval_section(cfg)
     event = None
     if run_dir:

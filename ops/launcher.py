@@ -215,6 +215,10 @@ class RunSummary:
     # trainer had reported on that log, or the trainer had not reported since).
     groups_dropped: int | None = None
     steps_dropped: int | None = None
+    # The version of the checkpoint the trainer resumed from (0: a new trial). On a log
+    # kept across invocations (an external broker), the trainer's rows up to it are an
+    # earlier invocation's: read back, not counted as this one's steps.
+    resumed_version: int = 0
 
     def supervision_line(self) -> str:
         """What the closing line says about restarts and recoveries ("" if none)."""
@@ -240,6 +244,14 @@ class RunSummary:
         values = [self.rewards[s] for s in sorted(self.rewards)]
         w = max(1, min(window, len(values) // 2 or 1))
         return sum(values[:w]) / w, sum(values[-w:]) / w, w
+
+
+def resumed_version(run_dir: Path) -> int:
+    """The version of the trial's trainer checkpoint at start (0: none, a new trial)."""
+    from .train_view import trainer_checkpoint
+
+    ckpt = trainer_checkpoint(run_dir)
+    return ckpt.version if ckpt is not None else 0
 
 
 class Launcher:
@@ -285,7 +297,7 @@ class Launcher:
         for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
             log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)
-        self.summary = RunSummary(run_dir)
+        self.summary = RunSummary(run_dir, resumed_version=resumed_version(run_dir))
         (run_dir / "logs").mkdir(exist_ok=True)
         if not self.cfg.bus.bootstrap_servers:
             self._start_broker()
@@ -634,6 +646,8 @@ class Launcher:
         if source.startswith("evaluator") and "eval/pass@1" in metrics:
             s.held_out[step] = metrics["eval/pass@1"]
         if source.startswith("trainer") and "reward/mean" in metrics:
+            if step <= s.resumed_version:  # an earlier invocation's step, read back
+                return
             s.history.append(row)
             s.steps = step
             r = metrics.get("reward/mean")

@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .cli_context import console
+from .cli_context import console, quiet_hugging_face
 
 # This module's commands; ops/cli.py adds them to `tapioca`.
 app = typer.Typer()
@@ -61,5 +61,6 @@ def lora_merge(
     if dtype not in ("", "bfloat16", "float16", "float32"):
         raise ConfigError(f"--dtype {dtype!r}: use bfloat16, float16 or float32")
     adapter, base_path = _adapter_and_base(Path(run_dir), base)
-    written = merge_lora(adapter, out, base_path=base_path, dtype=dtype)
+    with quiet_hugging_face():
+        written = merge_lora(adapter, out, base_path=base_path, dtype=dtype)
     console.print(f"merged {adapter} into {written}")

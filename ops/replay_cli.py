@@ -39,6 +39,7 @@ from .cli_context import (
     console,
     emit_json,
     err_console,
+    quiet_hugging_face,
 )
 from .progress import CommandProgress
 
@@ -253,6 +254,14 @@ def train_offline(
 ) -> None:
     """Train the policy from a Parquet log (decoupled PPO on the recorded behaviour
     logprobs; staleness gate off). Extra arguments are dotted overrides."""
+    with quiet_hugging_face():  # the model's loads and saves: the bar below is the progress
+        _train_offline(list(ctx.args), config, from_archive, source, trial, max_steps, publish,
+                       skip_damaged, output)
+
+
+def _train_offline(overrides: list[str], config: Optional[str], from_archive: str, source: str,
+                   trial: Optional[str], max_steps: Optional[int], publish: bool, skip_damaged: bool,
+                   output: str) -> None:
     from ..bus.archive import iter_events
     from ..bus.producer import EventProducer
     from ..config.loader import load_config
@@ -267,7 +276,7 @@ def train_offline(
     if not Path(from_archive).exists():
         raise ConfigError(f"archive {from_archive} does not exist; pass the archive "
                           "directory (archive.dir of the run, or `tapioca archive DIR`)")
-    cfg = load_config(TrainConfig, config, list(ctx.args))
+    cfg = load_config(TrainConfig, config, overrides)
     damaged = Damaged() if skip_damaged else None
     # The bar's total: the steps left to total_train_steps (or --max-steps), at most what
     # the archive's groups make (their count is read from the Parquet footers, which are

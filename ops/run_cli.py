@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from .cli_context import EXTRA_ARGS, OUTPUT_HELP, check_output, console, emit_json
@@ -28,6 +29,13 @@ KINDS = ("rl", "sft", "dpo", "rm", "distill")
 # The metric that names a supervised trainer's kind in its metrics.jsonl.
 _SUPERVISED_LOSS = {"sft/loss": "sft", "dpo/loss": "dpo", "rm/loss": "rm", "distill/loss": "distill"}
 _TAIL_BYTES = 256 << 10
+# The kind of a run `tapioca train-offline` made (no config.yaml: it has no launcher), told
+# by the RL trainer's metrics, which no supervised trainer writes.
+OFFLINE_RL = "offline-rl"
+_RL_TRAINER_KEYS = ("reward/mean", "trainer/staleness_mean")
+# `tapioca runs`' columns, the last dropped first when the table is too wide for the
+# terminal: the run's name is never cut (`tapioca train --resume` needs all of it).
+_RUNS_COLUMNS = ("run", "state", "step", "kind", "reward", "updated")
 
 
 def _config_class(kind: str):
@@ -101,7 +109,9 @@ def run_info(run: Path, root: Path) -> dict[str, Any]:
     metrics = run / "metrics" / "metrics.jsonl"
     rows = _tail_rows(metrics)
     kind = "rl" if "rollout" in cfg else next(
-        (k for key, k in _SUPERVISED_LOSS.items() if any(key in r for r in rows)), "supervised")
+        (k for key, k in _SUPERVISED_LOSS.items() if any(key in r for r in rows)),
+        # The trainer role's rows without a launcher's config.yaml: `tapioca train-offline`.
+        OFFLINE_RL if any(key in r for r in rows for key in _RL_TRAINER_KEYS) else "supervised")
     step = max((int(r.get("step", 0)) for r in rows), default=0)
     total = cfg.get("total_train_steps")
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
@@ -161,14 +171,37 @@ def runs(
     if not infos:
         console.print(f"no runs under {root}")
         return
-    table = Table(title=f"runs under {root}")
-    for col in ("run", "kind", "state", "step", "reward", "updated"):
-        table.add_column(col, justify="left" if col in ("run", "kind", "state") else "right")
+    console.print(runs_table(infos, f"runs under {root}", console))
+
+
+def runs_table(infos: list[dict[str, Any]], title: str, out: Console) -> Table:
+    """The trials as a table as wide as ``out``: columns are dropped (updated, reward,
+    kind, step) before a run's name would be cut; a name wider than the terminal wraps."""
+    cells = []
     for i in infos:
         step = f"{i['step']}/{i['total_steps']}" if i["total_steps"] else str(i["step"])
         reward = f"{i['last_reward']:.3f}" if i["last_reward"] is not None else "-"
-        table.add_row(i["run"], i["kind"], i["state"], step, reward, _ago(i["updated_at"]))
-    console.print(table)
+        cells.append({"run": i["run"], "kind": i["kind"], "state": i["state"], "step": step,
+                      "reward": reward, "updated": _ago(i["updated_at"])})
+    def width(col: str) -> int:
+        return max([len(col)] + [len(row[col]) for row in cells])
+
+    shown = ["run", "kind", "state", "step", "reward", "updated"]
+    while True:
+        # A box border beside each column and one space either side of its text.
+        others = sum(width(c) + 3 for c in shown if c != "run") + 4
+        droppable = [c for c in reversed(_RUNS_COLUMNS) if c in shown and c not in ("run", "state")]
+        if width("run") + others <= out.width or not droppable:
+            break
+        shown.remove(droppable[0])
+    table = Table(title=title)
+    for col in shown:  # the name wraps (never cut) only where it is wider than the terminal
+        table.add_column(col, justify="left" if col in ("run", "kind", "state") else "right",
+                         no_wrap=col != "run", overflow="fold",
+                         min_width=max(min(width("run"), out.width - others), 8) if col == "run" else None)
+    for row in cells:
+        table.add_row(*(row[c] for c in shown))
+    return table
 
 
 # ---------------------------------------------------------------------- resume

@@ -28,7 +28,9 @@ notices). Emits nothing on the bus.
   (drained or a SIGTERM to the trainer, a role that failed for good: restarts exhausted,
   out of memory; Ctrl-C), with the steps trained (not the version: rollbacks republish
   earlier weights), the last checkpoint and the command that resumes it; the exit
-  status is 0 only for a finished trial (:func:`ending`).
+  status is 0 only for a finished trial (:func:`ending`). A resumed trial's view starts at
+  the checkpoint's step, and its closing line counts the steps this invocation trained,
+  then where the trial stands ("18 steps trained in 64 s (370 of 370 in all)").
 """
 
 from __future__ import annotations
@@ -109,8 +111,12 @@ class TrainView:
     """The live view of one `tapioca train`: fed metrics rows, asked for a table (on a
     terminal) or for the lines to print now (off one)."""
 
-    def __init__(self, cfg, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg, *, resumed_at: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``resumed_at``: the version of the checkpoint a resumed trial starts from (what
+        the step cell says until the trainer's first step)."""
         self.total_steps = cfg.total_train_steps
+        self.resumed_at = resumed_at
         self.log_every_steps = cfg.launcher.log_every_steps
         self.log_every_s = cfg.launcher.log_every_s
         self.rewards_topic = f"{cfg.bus.topic_prefix}.rewards.v1"
@@ -195,7 +201,7 @@ class TrainView:
                    {"tok/s gen": compact(r.get("rollout/tokens_per_s")),
                     "backlog p/s": f"{backlog[0]:.0f}/{backlog[1]:.0f}" if backlog else "-"})
         cells = {
-            "step": f"{self.step if self.step is not None else 0}/{self.total_steps}",
+            "step": f"{self.step if self.step is not None else self.resumed_at}/{self.total_steps}",
             "ETA": "-" if self.online else duration(self.eta_s()),  # a service: no end
             "reward": _fmt(self._reward(), "{:.3f}"),
             "tok/s train": compact(t.get("actor/tokens_per_s")),
@@ -407,7 +413,10 @@ def ending(summary, cfg, ckpt: Checkpoint | None, *, resume: str, interrupted: b
     else:
         first, last, w = means
         steps = f"{w} steps" if w > 1 else "step"
-        what = (f"{trained_now} step{'' if trained_now == 1 else 's'} trained in {summary.wall_s:.0f} s; "
+        # A resumed trial: this invocation's steps, then where the trial stands in all.
+        in_all = f" ({done} of {total} in all)" if done > trained_now else ""
+        what = (f"{trained_now} step{'' if trained_now == 1 else 's'} trained in {summary.wall_s:.0f} s"
+                f"{in_all}; "
                 f"mean reward {first:.3f} over the first {steps} -> {last:.3f} over the last {steps}"
                 f"{held_out_change(summary.held_out)}{supervision}. "
                 f"Metrics: {summary.run_dir}/metrics/metrics.jsonl")

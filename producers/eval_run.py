@@ -85,7 +85,7 @@ def load_eval_task(ds: Any, encode: Callable[[dict], tuple[list[int], str]], *,
     from ..tasks.base import MATH_TASK, task_answer, task_reward
     from ..tasks.datasets import dataset_rows
 
-    task, rows = dataset_rows(ds, None)
+    task, rows = dataset_rows(ds, None, section="valid_dataset")
     options = {} if task == MATH_TASK else dict(ds.task_options)
     prompts: list[EvalPrompt] = []
     seen: set[str] = set()

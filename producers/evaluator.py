@@ -27,7 +27,10 @@ conflicting claims dead-lettered), keeping only the versions it would evaluate.
 - A restarted evaluator does not evaluate a version again: it reads ``metrics.v1`` from
   the start and rebuilds the set of versions it has published, and it starts nothing
   before it has read back a marker event it published at start (everything it wrote
-  before is then read: one partition, in order; no watermark is trusted).
+  before is then read: one partition, in order; no watermark is trusted). A trial resumed
+  on a new log (the broker lost the old one) has no results there: the versions in
+  ``<run dir>/eval/metrics.jsonl`` (written only from the log) count as evaluated too, so
+  version 0 is not scored again, nor are the versions before the resume called skipped.
 
 Paused, its engine pauses; drained or stopped, an evaluation in flight is dropped
 (nothing was published; after a restart the version is evaluated if still wanted).
@@ -107,8 +110,11 @@ class Evaluator(Role[EvaluatorState]):
         self.sink = sink
 
     def init_state(self) -> EvaluatorState:
+        # The local mirror holds only results read back from a log: after a resume on a
+        # new log (the broker lost the old one) it is what tells which versions were done.
+        mirrored = self._mirrored_versions()
         return EvaluatorState(WeightsFollow("the evaluator", loaded_version=self.engine.version),
-                              mirrored=self._mirrored_versions())
+                              mirrored=mirrored, evaluated=set(mirrored))
 
     def _mirrored_versions(self) -> set[int]:
         """The versions the local JSONL already holds (written before a restart)."""

@@ -68,19 +68,16 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
     _REGISTRY[name] = factory
 
 
-def _load_builtins() -> None:
-    # Imported here, not at module top, so base.py has no import cycle with the tasks.
-    from . import arith, gsm8k, longchain, synthetic, visual  # noqa: F401  (they register themselves)
+# The built-in tasks register themselves when the package is imported (tasks/__init__.py),
+# which always runs before this module: base.py imports none of them, so no import circle.
 
 
 def task_names() -> list[str]:
-    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
     """The task registered under ``name`` (built-ins: ``synthetic``, ``gsm8k``, ...)."""
-    _load_builtins()
     if name not in _REGISTRY:
         raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**kwargs)

@@ -124,10 +124,12 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     )
 
 
-def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[dict[str, Any]]]:
+def dataset_rows(ds: "DatasetConfig", seed: int | None, *,
+                 section: str = "train_dataset") -> tuple[str, Iterable[dict[str, Any]]]:
     """(task name, rows with prompt_id, messages|prompt, answer, and a file's subset) of a
     ``train_dataset`` / ``valid_dataset`` section: a built-in task's records, or a file's
-    rows as math problems (``math``). ``seed`` None: file order (evaluation)."""
+    rows as math problems (``math``). ``seed`` None: file order (evaluation). ``section``:
+    the config section ``ds`` is, named by the errors that tell which key to set."""
     from .base import get_task
 
     if ds.type == "synthetic":
@@ -146,7 +148,8 @@ def dataset_rows(ds: "DatasetConfig", seed: int | None) -> tuple[str, Iterable[d
         for i, row in enumerate(read_records(ds.path)):
             if ds.prompt_key not in row:
                 raise ConfigError(f"dataset row {i} of {ds.path} has no {ds.prompt_key!r}; set "
-                                  "train_dataset.prompt_key to the prompt column")
+                                  f"{section}.prompt_key to the prompt column (its keys: "
+                                  f"{', '.join(sorted(row))})")
             out = {"prompt_id": str(row.get("id", i)), "prompt": str(row[ds.prompt_key]),
                    "answer": str(row.get(ds.answer_key, ""))}
             if row.get(ds.subset_key) is not None:  # `tapioca eval` reports per subset

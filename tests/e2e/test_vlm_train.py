@@ -1,4 +1,4 @@
-"""End to end, vision-language: `tapioca train`'s launcher on ``examples/vlm/count_cpu.yaml``
+"""End to end, vision-language: `tapioca train`'s launcher on ``examples/vlm/color_cpu.yaml``
 (feeder, rollout on the paged engine, reward, advantage, trainer and archiver, each its
 own OS process, a real embedded broker, a tiny random Qwen2.5-VL created for the run),
 a few steps only: CI checks the plumbing; the learning curve of the full example is
@@ -26,7 +26,7 @@ from tapioca.schemas import ProgressEvent, PromptEvent, SampleEvent, TrajectoryE
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vlm" / "count_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vlm" / "color_cpu.yaml"
 STEPS = 6
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -358,6 +359,8 @@ def test_train_resume_continues_a_trial_whose_own_broker_is_gone(tmp_path):
     again = cli(env, "train", "--resume", str(run), "total_train_steps=2", timeout=300)
     assert again.returncode == 0, again.stderr
     assert "resuming trial r from step 1" in again.stdout
+    # This invocation's steps, then where the trial stands (issue 38: not "2 steps")
+    assert re.search(r"done: 1 step trained in \d+ s \(2 of 2 in all\)", again.stdout), again.stdout
     steps = [orjson.loads(line)["step"] for line in
              (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # step 1 not trained again

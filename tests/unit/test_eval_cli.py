@@ -99,6 +99,14 @@ def test_eval_a_run_at_a_version_newest_by_default(run_dir):
                                                               "--version", "5")
 
 
+def test_an_argument_of_the_form_key_value_is_an_override_not_the_model_directory(run_dir, tmp_path):
+    """click hands the first extra argument to MODEL when none is given; eval.k=2 is an
+    override all the same (it was "pass a model directory or --run-dir, not both")."""
+    out = json.loads(ok("eval", "--run-dir", str(run_dir), "--version", "5", "eval.k=2",
+                        "eval.greedy=false", "--out-dir", str(tmp_path / "o"), "-o", "json"))
+    assert (out["version"], out["k"], out["greedy"]) == (5, 2, False)
+
+
 def test_a_version_not_on_disk_any_more_says_which_are(run_dir):
     msg = error("eval", "--run-dir", str(run_dir), "--version", "3")
     assert "version 3 is not on disk any more" in msg and "v5..v6" in msg and "--version" in msg

@@ -64,6 +64,19 @@ def test_a_files_subset_column_reaches_the_rows(tmp_path):
     assert [r.get("subset") for r in rows] == [None, None, "hard"]
 
 
+def test_a_missing_prompt_column_names_the_section_to_set(tmp_path):
+    """The error names the key of the section read: valid_dataset for evaluation."""
+    from tapioca.producers.eval_run import load_eval_task
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    ds = DatasetConfig(type="jsonl", path=str(path))
+    with pytest.raises(ConfigError, match=r"set valid_dataset\.prompt_key .*problem"):
+        load_eval_task(ds, lambda row: ([1], row["prompt"]))
+    with pytest.raises(ConfigError, match=r"set train_dataset\.prompt_key"):
+        list(dataset_rows(ds, None)[1])
+
+
 def test_eval_gconfig_fields_default_to_gconfig():
     cfg = load_config(TrainConfig, None, ["gconfig.temperature=0.7", "gconfig.max_new_tokens=9",
                                           "eval_gconfig.top_p=0.95", "eval.k=6",

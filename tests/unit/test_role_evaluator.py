@@ -211,6 +211,30 @@ def test_a_restarted_evaluator_does_not_evaluate_a_version_again(harness, weight
     assert event.policy_version == 20 and event.metrics["eval/skipped_versions"] == 0
 
 
+def test_a_trial_resumed_on_a_new_log_does_not_evaluate_again_what_its_files_hold(harness, weights):
+    """Issue 38: resumed where the broker had lost the old log, the evaluator found no
+    result on metrics.v1 and scored version 0 again (the live line showed the initial
+    model's score). The local eval/metrics.jsonl, written only from results read back
+    from the log, tells which versions were done."""
+    first = harness("trial_name=resumed", "evaluator.eval_before_train=true")
+    first.catch_up()
+    first.feed(weights[10])
+    results = first.evaluations(2)
+    assert [e.policy_version for e in results] == [0, 10]
+    first.feed(*results)  # read back from the log: mirrored into eval/metrics.jsonl
+    first.close()
+    # The resume, on a new log: none of those results on it, only the new marker.
+    second = harness("trial_name=resumed", "evaluator.eval_before_train=true")
+    second.catch_up()
+    for _ in range(20):
+        second.tick()
+    assert second.state.run is None and not second.published
+    second.feed(weights[10], weights[20])
+    (event,) = second.evaluations(1)
+    # 10 was evaluated before the resume: not skipped, not evaluated again
+    assert event.policy_version == 20 and event.metrics["eval/skipped_versions"] == 0
+
+
 def test_an_evaluation_the_engine_aborts_is_dropped_and_said(harness, weights, caplog):
     h = harness()
     h.catch_up()

@@ -67,3 +67,45 @@ def test_a_run_record_is_running_only_while_its_launcher_lives(tmp_path):
     run_record.write_end(tmp_path, "interrupted")
     ended = run_record.read_record(tmp_path)
     assert ended["outcome"] == "interrupted" and not run_record.running(ended)
+
+
+def _trial(root: Path, name: str, row: dict) -> Path:
+    run = root / "exp" / name
+    (run / "metrics").mkdir(parents=True)
+    (run / "metrics" / "metrics.jsonl").write_text(orjson.dumps(row).decode() + "\n")
+    return run
+
+
+def test_runs_never_cuts_a_trial_name_and_lists_an_offline_run_as_offline_rl(tmp_path):
+    """Issue 38: at 80 columns a long trial name was cut with an ellipsis, but `tapioca
+    train --resume` needs all of it; columns are dropped first, and a name wider than
+    the terminal wraps. A `tapioca train-offline` run (the RL trainer's rows, no
+    launcher's config.yaml) was listed as supervised."""
+    import io
+
+    from rich.console import Console
+
+    from tapioca.ops.run_cli import find_runs, run_info, runs_table
+
+    rl_row = {"step": 3, "reward/mean": 0.5, "trainer/staleness_mean": 0.0}
+    long = "grpo-qwen2.5-1.5b-gsm8k-lr1e-6-kl0.001-eta4-20260101-101010"  # 58 characters
+    _trial(tmp_path, long, rl_row)
+    _trial(tmp_path, "sft-1", {"step": 2, "sft/loss": 1.0})
+    infos = [run_info(p, tmp_path) for p in find_runs(tmp_path)]
+    assert {i["run"]: i["kind"] for i in infos} == {f"exp/{long}": "offline-rl", "exp/sft-1": "sft"}
+
+    def shown(items, width: int) -> list[str]:
+        console = Console(width=width, file=io.StringIO(), color_system=None)
+        console.print(runs_table(items, "runs", console))
+        lines = console.file.getvalue().splitlines()
+        assert all(len(line) <= width for line in lines) and not any("…" in x for x in lines)
+        return lines
+
+    lines = shown(infos, 80)
+    assert any(f"exp/{long}" in line for line in lines)  # whole, on one line
+    assert any("state" in line for line in lines)  # others dropped, the state kept
+    assert any("offline-rl" in line for line in shown(infos, 200))  # all columns when they fit
+    # Wider than the terminal: wrapped, every character shown
+    longer = {**infos[0], "run": "exp/" + long * 2}
+    text = "".join(line.strip("│ ").split("│")[0].strip() for line in shown([longer], 80)[4:-1])
+    assert "exp/" + long * 2 in text

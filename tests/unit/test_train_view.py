@@ -268,6 +268,38 @@ def test_a_run_that_stops_early_says_why_and_counts_trained_steps_not_versions()
     assert "no checkpoint yet" in gone.line and gone.exit_code != 0
 
 
+def test_a_resumed_trial_starts_at_its_step_and_counts_the_steps_it_trained(tmp_path):
+    """Issue 38: resumed at step 352 of 370, the first line said "step 0/370" and the
+    closing line "done: 370 steps" for 18 new steps (on a broker that kept the log, the
+    trainer's earlier rows are read back with the new ones)."""
+    from tapioca.config.schema import ModelConfig
+    from tapioca.ops.launcher import Launcher
+
+    clock = Clock()
+    view = TrainView(cfg(total_train_steps=370), resumed_at=352, clock=clock)
+    assert view.line().startswith("[0 s] step 352/370 | no step yet")
+    assert "352/370" in render(view.table())
+    # The launcher reads metrics.v1 from the start: rows up to the checkpoint are counted
+    # for neither the closing line nor the view (its rate, its reward window).
+    launcher = Launcher(TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(tmp_path))))
+    launcher.summary = RunSummary(tmp_path, resumed_version=352)
+    seen: list[int] = []
+    launcher.on_metrics = lambda row: (seen.append(row["step"]), view.observe(row))
+    for step in range(1, 371):
+        launcher._observe("trainer-0", step, {"reward/mean": step / 370})
+    assert seen == list(range(353, 371)) and sorted(launcher.summary.rewards) == seen
+    assert view.line().startswith("[0 s] step 370/370")
+    launcher.summary.wall_s = 64.0
+    end = ending(launcher.summary, cfg(total_train_steps=370),
+                 Checkpoint(Path("/r/checkpoints/trainer.safetensors"), 370), resume="R")
+    assert end.line.startswith("done: 18 steps trained in 64 s (370 of 370 in all); mean reward")
+    assert end.exit_code == 0
+    # A trial that was not resumed says no more than before
+    fresh = ending(summary({1: 0.1, 2: 0.2}), cfg(total_train_steps=2),
+                   Checkpoint(Path("/r/checkpoints/trainer.safetensors"), 2), resume="R")
+    assert fresh.line.startswith("done: 2 steps trained in 12 s; mean reward")
+
+
 def test_online_mode_shows_sessions_served_rewards_pending_and_trained():
     """Issue 22: in online mode the traffic is the data; the table shows what the proxy
     served and what waits for a reward instead of generation rates and backlogs, and the
