@@ -61,8 +61,60 @@ def final_answer(text: str) -> str | None:
     return found[-1] if found else None
 
 
+class GeneratedChainTask:
+    """What the generated chain tasks (arith, longchain) share: two splits drawn once
+    from ``problem(rng) -> (prompt, solution, answer, steps)`` with ``data_seed``
+    (``train_size`` / ``test_size`` problems; one in ten prompts, by hash, is held out),
+    their records, and the reward: the final ``answer N`` line against the reference."""
+
+    name: str
+    data_seed: int
+    train_size: int
+    test_size: int
+    _splits: dict[str, list[tuple[str, str, str, int]]] | None
+
+    def problem(self, rng: random.Random) -> tuple[str, str, str, int]:
+        raise NotImplementedError
+
+    def splits(self) -> dict[str, list[tuple[str, str, str, int]]]:
+        """Both splits, generated once: a problem is held out when its prompt's hash
+        says so (1 in 10), until each split is full; duplicates are skipped."""
+        if self._splits is None:
+            rng = random.Random(self.data_seed)
+            out: dict[str, list] = {"train": [], "test": []}
+            seen: set[str] = set()
+            want = {"train": self.train_size, "test": self.test_size}
+            while any(len(out[s]) < want[s] for s in out):
+                p = self.problem(rng)
+                if p[0] in seen:
+                    continue
+                split = "test" if hashlib.sha256(p[0].encode()).digest()[0] < 26 else "train"
+                if len(out[split]) < want[split]:
+                    seen.add(p[0])
+                    out[split].append(p)
+            self._splits = out
+        return self._splits
+
+    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
+        if split not in ("train", "test", "valid"):
+            raise ConfigError(f"{self.name} has splits train, test (valid = test), not {split!r}")
+        key = "train" if split == "train" else "test"
+        problems = list(enumerate(self.splits()[key]))
+        if key == "train" and seed is not None:
+            random.Random(seed).shuffle(problems)
+        for i, (prompt, solution, answer, n) in problems:
+            yield {"prompt_id": f"{self.name}-{key}-{i}", "task": self.name, "messages": user_messages(prompt),
+                   "prompt": prompt, "answer": answer, "solution": solution, "steps": n}
+
+    def extract_answer(self, completion_text: str) -> str | None:
+        return final_answer(completion_text)
+
+    def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
+        return 1.0 if final_answer(completion_text) == reference_of(record_or_answer) else 0.0
+
+
 @dataclass
-class ArithChainTask:
+class ArithChainTask(GeneratedChainTask):
     """Chains of ``min_steps..max_steps`` additions/subtractions of ``1..max_operand``
     to a running value in 0..99 (Pareto ``alpha``), ``train_size`` + ``test_size``
     problems from ``data_seed``."""
@@ -107,42 +159,5 @@ class ArithChainTask:
             value = new
         lines.append(f"answer {value}")
         return prompt + "=", "\n".join(lines), str(value), n
-
-    def splits(self) -> dict[str, list[tuple[str, str, str, int]]]:
-        """Both splits, generated once: a problem is held out when its prompt's hash
-        says so (1 in 10), until each split is full; duplicates are skipped."""
-        if self._splits is None:
-            rng = random.Random(self.data_seed)
-            out: dict[str, list] = {"train": [], "test": []}
-            seen: set[str] = set()
-            want = {"train": self.train_size, "test": self.test_size}
-            while any(len(out[s]) < want[s] for s in out):
-                p = self.problem(rng)
-                if p[0] in seen:
-                    continue
-                split = "test" if hashlib.sha256(p[0].encode()).digest()[0] < 26 else "train"
-                if len(out[split]) < want[split]:
-                    seen.add(p[0])
-                    out[split].append(p)
-            self._splits = out
-        return self._splits
-
-    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
-        key = "test" if split in ("test", "valid") else "train"
-        if split not in ("train", "test", "valid"):
-            raise ConfigError(f"arith has splits train, test (valid = test), not {split!r}")
-        problems = list(enumerate(self.splits()[key]))
-        if key == "train" and seed is not None:
-            random.Random(seed).shuffle(problems)
-        for i, (prompt, solution, answer, n) in problems:
-            yield {"prompt_id": f"arith-{key}-{i}", "task": self.name, "messages": user_messages(prompt),
-                   "prompt": prompt, "answer": answer, "solution": solution, "steps": n}
-
-    def extract_answer(self, completion_text: str) -> str | None:
-        return final_answer(completion_text)
-
-    def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
-        return 1.0 if final_answer(completion_text) == reference_of(record_or_answer) else 0.0
-
 
 register_task("arith", ArithChainTask)

@@ -37,16 +37,13 @@ is not checked.
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..models.tokenizer import DEFAULT_ALPHABET
 from ..schemas.errors import ConfigError
-from .arith import chain_lengths, final_answer
-from .base import Record, reference_of, register_task, user_messages
+from .arith import GeneratedChainTask, chain_lengths
+from .base import register_task
 
 # The char tokenizer's alphabet: digits, + - = space and newline are in the default one;
 # "x" (times, in the prompt), ":" (after a line's number) and the letters of "answer".
@@ -71,7 +68,7 @@ def solve(start: int, addend: int, steps: int) -> tuple[str, int]:
 
 
 @dataclass
-class LongChainTask:
+class LongChainTask(GeneratedChainTask):
     """``n`` numbered additions of ``b`` (1..``max_addend``) mod 100, ``n`` Pareto
     (``min_steps``, ``alpha``) capped at ``max_steps``; ``train_size`` + ``test_size``
     problems from ``data_seed``."""
@@ -104,42 +101,6 @@ class LongChainTask:
         start, addend = rng.randint(0, MODULUS - 1), rng.randint(1, self.max_addend)
         solution, answer = solve(start, addend, n)
         return f"{start}+{addend}x{n}=", solution, str(answer), n
-
-    def splits(self) -> dict[str, list[tuple[str, str, str, int]]]:
-        """Both splits, generated once: a problem is held out when its prompt's hash says
-        so (1 in 10), until each split is full; duplicates are skipped."""
-        if self._splits is None:
-            rng = random.Random(self.data_seed)
-            out: dict[str, list] = {"train": [], "test": []}
-            seen: set[str] = set()
-            want = {"train": self.train_size, "test": self.test_size}
-            while any(len(out[s]) < want[s] for s in out):
-                p = self.problem(rng)
-                if p[0] in seen:
-                    continue
-                split = "test" if hashlib.sha256(p[0].encode()).digest()[0] < 26 else "train"
-                if len(out[split]) < want[split]:
-                    seen.add(p[0])
-                    out[split].append(p)
-            self._splits = out
-        return self._splits
-
-    def iter_records(self, split: str = "train", seed: int | None = 0) -> Iterator[Record]:
-        if split not in ("train", "test", "valid"):
-            raise ConfigError(f"longchain has splits train, test (valid = test), not {split!r}")
-        key = "train" if split == "train" else "test"
-        problems = list(enumerate(self.splits()[key]))
-        if key == "train" and seed is not None:
-            random.Random(seed).shuffle(problems)
-        for i, (prompt, solution, answer, n) in problems:
-            yield {"prompt_id": f"longchain-{key}-{i}", "task": self.name, "messages": user_messages(prompt),
-                   "prompt": prompt, "answer": answer, "solution": solution, "steps": n}
-
-    def extract_answer(self, completion_text: str) -> str | None:
-        return final_answer(completion_text)
-
-    def reward(self, completion_text: str, record_or_answer: Mapping[str, Any] | str) -> float:
-        return 1.0 if final_answer(completion_text) == reference_of(record_or_answer) else 0.0
 
 
 register_task("longchain", LongChainTask)
