@@ -58,10 +58,14 @@ class BusConfig:
     # How long a produced event may stay undelivered before it is an error (or, when
     # the broker lost our producer id, before the producer is recreated).
     delivery_timeout_ms: int = 30000
-    # 0: a produced event is sent at once (librdkafka still batches what queues up while
-    # a request is in flight). Every hop of a synchronous RL step is on its critical
-    # path, and 2 ms of linger was a third of a hop's cost (benchmarks/bus_hop.py).
-    linger_ms: int = 0
+    # librdkafka's own default. 0 sends every event at once, which saved ~8 ms a step on
+    # the H200 loop (2 ms of linger was a third of a hop's cost, benchmarks/bus_hop.py),
+    # but on Tansu's memory engine every record is then a batch of its own, and with
+    # hundreds of thousands of them its fetches slowed until the CPU demo stalled after
+    # ~450 of its 600 steps (rewards 30+ s late; measured 2026-12-06, the same with the
+    # tree before this change): with 5 the demo ran its 600 steps in 232 s. A latency-
+    # bound loop on Apache Kafka may set 0.
+    linger_ms: int = 5
     # A member with broadcast inputs (rollout's weights, the feeder's progress) and a
     # group input waits on the group consumer in slices this long, checking the
     # broadcast one between them: one blocking wait on the group let a weights event sit
