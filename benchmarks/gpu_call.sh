@@ -79,6 +79,9 @@ for s in "$@"; do
     sleep_tests) stage $s 120 $PYTEST tests/unit/test_engine_sleep.py ;;
     fit) stage $s ${FIT_LIMIT_S:-540} python3 benchmarks/example_fit.py --sizes ${FIT_SIZES:-0.5b} --etas ${FIT_ETAS:-0,4} --steps ${FIT_STEPS:-20} --data "${FIT_DATA:-$GSM8K}" ${FIT_ARGS:-} --out "$OUT/fit_${FIT_TAG:-run}.json" ;;
     vlm_fit) stage $s ${VLM_LIMIT_S:-300} python3 benchmarks/vlm.py --device cuda --systems paged --train-ac ${VLM_ARGS:-} --out "$OUT/vlm_fit.json" ;;
+    # Issue 41: the per-row seeded sampler and the paged engine on CUDA, then regeneration.
+    seeded_tests) stage $s 240 $PYTEST tests/unit/test_kernels_triton.py tests/unit/test_regenerate.py tests/unit/test_kernels_gpu.py ;;
+    regenerate) stage $s 240 python3 benchmarks/regenerate_check.py --device cuda ;;
     engine_host) stage $s 120 python3 benchmarks/profile_engine.py --device cuda --engine paged --n-seqs 256 --new-tokens 64 --host-breakdown --rows 15 ;;
     fa4) stage $s 200 sh -c "$PYTEST tests/unit/test_tree_attention_gpu.py -k fa4 && python3 benchmarks/trainer_step.py --device cuda --only fa4 --steps ${FA4_STEPS:-3} --budget-s 170 --out $OUT/trainer_step_fa4.json" ;;
     fa4_profile) stage $s 150 python3 benchmarks/trainer_step.py --device cuda --only "${FA4_PROFILE:-1.5b/fast fa4,1.5b/fast varlen}" --profile --budget-s 130 --out "$OUT/trainer_step_fa4_profile.json" ;;

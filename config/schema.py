@@ -185,7 +185,8 @@ class RolloutConfig:
     # KV-cache size: > 0 fixes it in tokens; 0 sizes it on a GPU from what the rollout
     # needs (kv_tokens_needed: max_batch_size rows of max_new_tokens, and a prompt per
     # group), capped by kv_cache_memory_fraction of the GPU's total memory and 90% of
-    # what is free at start-up; 64k tokens on CPU.
+    # what is free at start-up; 64k tokens on CPU. `tapioca train` sets it when the need
+    # does not fit beside the trainer's planned peak (ops/memory_check.py).
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.25
     # Sleep mode (vLLM's name): the paged engine gives its KV cache's memory back to the

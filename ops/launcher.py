@@ -292,8 +292,8 @@ class Launcher:
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
         # Before any role starts: a run that will not fit its GPUs is refused with the
-        # settings that make it fit (ops/memory_check.py).
-        check_at_start(self.cfg)
+        # settings that make it fit, or gets the KV cache that fits (ops/memory_check.py).
+        self.cfg = check_at_start(self.cfg)
         for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
             log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)

@@ -6,7 +6,10 @@ Reads the GPUs' free and total memory in a short child process (``torch.cuda.
 mem_get_info``; the launcher itself never holds a CUDA context, which would cost the run
 its memory for as long as the run lasts) and compares the run's plan
 (:mod:`tapioca.runtime.device_memory`) with it. A run that will not fit is refused with
-one line (a ConfigError: exit 78) naming the settings that make it fit;
+one line (a ConfigError: exit 78) naming the settings that make it fit, unless a smaller
+KV cache is all it takes and the engines size theirs (``rollout.kv_cache_tokens`` 0):
+then the run starts with the cache that fits beside the trainer's planned peak (vLLM's
+``gpu_memory_utilization`` decides the same thing from a fraction the user picks);
 ``launcher.check_memory=false`` skips the check, ``launcher.device_memory_gib`` replaces
 what the devices report. No GPU here (a CPU run, a CPU-only host): no check.
 """
@@ -79,23 +82,26 @@ def _engine_card(cards: dict[str, Card], cfg: Any) -> float:
     return card.total
 
 
-def check_at_start(cfg: Any) -> None:
-    """Refuse (ConfigError, one line) a run whose plan exceeds what a GPU it uses has
-    free, naming the settings that make it fit; nothing when it fits, when the check is
-    off or when there is no GPU to check against."""
+def check_at_start(cfg: Any) -> Any:
+    """``cfg`` as the run will use it, checked against what the GPUs it uses have free.
+    A run whose plan exceeds that is refused (ConfigError, one line) naming the settings
+    that make it fit, unless only the engines' auto-sized KV cache is in the way: then
+    ``cfg`` comes back with ``rollout.kv_cache_tokens`` set to what the other parts'
+    planned peaks leave (runtime/device_memory.py ``fit_kv_cache``; config.yaml records
+    it). ``cfg`` unchanged when it fits, when the check is off or when there is no GPU."""
     lc = cfg.launcher
     if not lc.check_memory or (cfg.scheduler.type == "ray" and cfg.scheduler.ray_address):
-        return  # off; or the roles run on a Ray cluster's hosts, not this one
+        return cfg  # off; or the roles run on a Ray cluster's hosts, not this one
     if not (dm.on_gpu(cfg.actor.device) or dm.on_gpu(cfg.rollout.device)):
-        return  # nothing on a GPU
+        return cfg  # nothing on a GPU
     try:
         shape = dm.run_shape(cfg)
     except ConfigError as exc:
         log.warning("the memory check is skipped: %s", exc)
-        return
+        return cfg
     devices = list(dm.plan_run(cfg, shape, card_bytes=_ANY_CARD).devices)
     if not devices:
-        return  # nothing on a GPU
+        return cfg  # nothing on a GPU
     if lc.device_memory_gib > 0:
         budget = lc.device_memory_gib * GIB
         budgets, card_bytes = {d: budget for d in devices}, budget
@@ -104,16 +110,27 @@ def check_at_start(cfg: Any) -> None:
     else:
         cards = query_cards(devices)
         if not cards:
-            return  # no CUDA here: the roles will say so
+            return cfg  # no CUDA here: the roles will say so
         budgets = {d: c.free for d, c in cards.items()}
         card_bytes = _engine_card(cards, cfg)
         said = {d: f"has {c.free / GIB:.1f} GiB free of {c.total / GIB:.1f} ({c.name})" for d, c in cards.items()}
     plan = dm.plan_run(cfg, shape, card_bytes=card_bytes)
     over = plan.over(budgets)
+    fitted = dm.fit_kv_cache(cfg, shape, budgets, card_bytes=card_bytes) if over else None
+    if fitted is not None:
+        cfg, tokens = fitted
+        need = plan.devices[dm.device_name(cfg.rollout.device)]
+        kv_now = sum(p.bytes for p in need.parts if p.what.startswith("KV cache"))
+        log.warning("memory plan: %s needs %.1f GiB with the KV cache the rollout asks for (%.1f GiB) and %s; "
+                    "the engines' KV cache is sized to %s tokens instead, what the other parts leave "
+                    "(fewer rows decode at once; rollout.kv_cache_tokens or a smaller actor.mb_max_tokens "
+                    "sets it yourself)", need.device, need.total / GIB, kv_now / GIB, said[need.device],
+                    f"{tokens:,}")
+        plan, over = dm.plan_run(cfg, shape, card_bytes=card_bytes), []
     if not over:
         log.info("memory plan: %s", "; ".join(f"{d.device} {d.total / GIB:.1f} GiB of {budgets[n] / GIB:.1f}"
                                              for n, d in plan.devices.items() if n in budgets))
-        return
+        return cfg
     needs = "; ".join(f"{d.device} needs {d.total / GIB:.1f} GiB ({d.summary()}) and {said[d.device]}"
                       for d, _ in over)
     advice = dm.advice_line(cfg, shape, budgets, card_bytes=card_bytes)

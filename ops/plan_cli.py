@@ -8,7 +8,8 @@ optimizer state, activations: :mod:`tapioca.trainers.memory_plan`), then each GP
 run uses with every process on it (the trainer and its weight buffers, reference,
 critic; each in-process engine's weights, KV cache, graphs and workspace; a CUDA context
 each: :mod:`tapioca.runtime.device_memory`), whether it fits, what sleep mode gives
-back, and when it does not fit, the settings that make it fit. The card is this
+back, and when it does not fit, the settings that make it fit (or, where only the
+engines' auto-sized KV cache is in the way, the cache `tapioca train` will size instead). The card is this
 machine's GPU when it has one (its total memory), else ``--gpu-gib``. ``--layouts``
 compares the trainer's every (dp, tp, cp) of the same world size.
 """
@@ -60,6 +61,13 @@ def plan_command(
         return
     devices = list(dm.plan_run(cfg, shape, card_bytes=(gpu_gib or DEFAULT_GPU_GIB) * dm.GIB).devices)
     budgets, card_bytes, against = _cards(devices, gpu_gib)
+    fitted = dm.fit_kv_cache(cfg, shape, budgets, card_bytes=card_bytes) \
+        if tokens is None and micro_batches is None else None
+    kv_note = ""
+    if fitted is not None:  # what `tapioca train` will run (ops/memory_check.py)
+        cfg, kv_tokens = fitted
+        kv_note = (f"the KV cache the rollout asks for does not fit beside the rest: `tapioca train` sizes "
+                   f"it to {kv_tokens:,} tokens (planned above; rollout.kv_cache_tokens sets it yourself)")
     run = dm.plan_run(cfg, shape, card_bytes=card_bytes, tokens=tokens, micro_batches=micro_batches)
     advice = dm.advice_line(cfg, shape, budgets, card_bytes=card_bytes) if tokens is None \
         and micro_batches is None else ""
@@ -71,14 +79,16 @@ def plan_command(
                     "peak_gib": step.peak / mp.GIB, "peak_at": step.peak_at,
                     "fits": run.fits(budgets) if run.devices else step.fits(card_bytes / mp.GIB),
                     "gpu_gib": card_bytes / mp.GIB, "card": against,
-                    "devices": run.as_json(budgets), "advice": advice, "not_planned": run.notes}])
+                    "devices": run.as_json(budgets), "advice": advice, "not_planned": run.notes,
+                    "kv_cache_tokens_fitted": fitted[1] if fitted else None}])
         return
     # A run on the CPU has no device table: the trainer's step against --gpu-gib, as before.
     console.print(step.table(None if run.devices else card_bytes / mp.GIB), soft_wrap=True, highlight=False)
     if run.devices:
         console.print(run.table(budgets, against), soft_wrap=True, highlight=False)
-    if advice:
-        console.print(advice, soft_wrap=True, highlight=False)
+    for line in (kv_note, advice):
+        if line:
+            console.print(line, soft_wrap=True, highlight=False)
 
 
 def _cards(devices: list[str], gpu_gib: float | None) -> tuple[dict[str, float], float, str]:

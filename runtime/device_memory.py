@@ -63,6 +63,11 @@ TRAINER_RESERVE = 0.05
 # The micro-batch size the advice halves down to at most: below a sequence's own length
 # a sequence still gets a micro-batch of its own.
 MIN_MB_TOKENS = 1024
+# What an auto-sized KV cache leaves free on its card beside the plan when the engine
+# sizes it from what the other processes' planned peaks leave (:func:`fit_kv_cache`): the
+# plan came within 0.3-8 % of the measured peaks on the H100 (benchmarks/RESULTS.md,
+# issue 37), and a trainer's allocation in a step is up to ~0.6 GiB at 3B.
+KV_FIT_MARGIN = 0.02
 
 
 def gib(n: float) -> str:
@@ -437,10 +442,11 @@ def _fits(p: RunMemoryPlan | None, budgets: dict[str, float]) -> bool:
     return p is not None and p.fits(budgets)
 
 
-def _smaller_kv(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], card_bytes: float,
-                attempt: Callable[[dict[str, Any]], RunMemoryPlan | None]) -> dict[str, Any] | None:
-    """The largest KV cache with which every device fits, if it still holds one group's
-    rows (``n_samples`` outputs and their prompt)."""
+def kv_tokens_that_fit(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float],
+                       card_bytes: float) -> int | None:
+    """The largest KV cache (tokens per in-process engine) with which the rollout's device
+    fits ``budgets``, if that is smaller than the cache the engines size for themselves
+    and still holds one group's rows (``n_samples`` outputs and their prompt); else None."""
     r, g = cfg.rollout, cfg.gconfig
     if r.engine != "torch" or not on_gpu(r.device):
         return None
@@ -457,14 +463,44 @@ def _smaller_kv(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], card_
     now = kv // max(engines, 1) // per_token
     if tokens >= now or tokens < kv_tokens_needed(g.n_samples, g.max_new_tokens, g.n_samples):
         return None  # no smaller than it is, or too small for one group's rows
-    if r.kv_cache_tokens > 0:
+    return tokens
+
+
+def _smaller_kv(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], card_bytes: float,
+                attempt: Callable[[dict[str, Any]], RunMemoryPlan | None]) -> dict[str, Any] | None:
+    """The advice's KV setting: :func:`kv_tokens_that_fit` as the key the user sized it by."""
+    tokens = kv_tokens_that_fit(cfg, shape, budgets, card_bytes)
+    if tokens is None:
+        return None
+    if cfg.rollout.kv_cache_tokens > 0:
         settings: dict[str, Any] = {"rollout.kv_cache_tokens": tokens}
     else:
+        per_token = kv_bytes_per_token(shape, mp.dtype_bytes(cfg.model.dtype))
         fraction = math.floor(100 * tokens * per_token / card_bytes) / 100
         if fraction <= 0:
             return None
         settings = {"rollout.kv_cache_memory_fraction": fraction}
     return settings if _fits(attempt(settings), budgets) else None
+
+
+def fit_kv_cache(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *,
+                 card_bytes: float) -> tuple[Any, int] | None:
+    """``(cfg with rollout.kv_cache_tokens set, its tokens)`` when the run does not fit
+    ``budgets`` as planned but does with a smaller KV cache, and the cache is the engine's
+    own to size (``rollout.kv_cache_tokens`` 0): the largest that leaves
+    :data:`KV_FIT_MARGIN` of the card free beside the plan. None when the cache is fixed,
+    when the run fits as it is, or when a smaller cache is not enough (the refusal's advice
+    then names other settings). The KV cache is the one part sized from what is left:
+    fewer rows decode at once (the rest wait for room), nothing else changes."""
+    if cfg.rollout.kv_cache_tokens > 0 or plan_run(cfg, shape, card_bytes=card_bytes).fits(budgets):
+        return None
+    margin = KV_FIT_MARGIN * card_bytes
+    tight = {d: b - margin for d, b in budgets.items()}
+    tokens = kv_tokens_that_fit(cfg, shape, tight, card_bytes)
+    if tokens is None:
+        return None
+    fitted = with_settings(cfg, {"rollout.kv_cache_tokens": tokens})
+    return (fitted, tokens) if plan_run(fitted, shape, card_bytes=card_bytes).fits(tight) else None
 
 
 def advice_line(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *, card_bytes: float) -> str:

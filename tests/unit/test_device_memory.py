@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from tapioca.config.loader import load_config
 from tapioca.config.schema import KV_PROMPT_ALLOWANCE_TOKENS, TrainConfig
 from tapioca.runtime import device_memory as dm
-from tapioca.schemas.errors import EXIT_CONFIG, EXIT_OOM, DeviceMemoryError, out_of_memory_error
+from tapioca.schemas.errors import EXIT_CONFIG, EXIT_OOM, ConfigError, DeviceMemoryError, out_of_memory_error
 from tapioca.trainers import memory_plan as mp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,6 +160,49 @@ def test_every_setting_the_advice_names_fits_when_applied():
     assert "rollout.kv_cache_memory_fraction=0." in line, line
     assert dm.advice_line(cfg, Q05, {"cuda:0": 80 * GIB}, card_bytes=80 * GIB) == ""  # fits as it is
     assert dm.advice_line(cfg, Q05, {"cuda:0": 2 * GIB}, card_bytes=80 * GIB).startswith("nothing tried fits")
+
+
+def qwen05_dir(root: Path) -> Path:
+    """A Qwen2-0.5B-shaped model directory: its config.json is all the planner reads."""
+    model = root / "qwen2-0.5b"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "intermediate_size": 4864, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768}))
+    return model
+
+
+def test_the_kv_cache_is_sized_from_what_the_plan_leaves_when_only_it_is_in_the_way(tmp_path):
+    from tapioca.ops.memory_check import check_at_start
+
+    # 4,096 rows of 2,048 tokens ask for 8.4M KV tokens, capped at a quarter of the card
+    # (20 GiB); 42 GiB do not hold that beside the trainer, a smaller cache does.
+    big = ("rollout.max_batch_size=4096", "gconfig.max_new_tokens=2048")
+    cfg = example(*big, f"model.path={qwen05_dir(tmp_path)}", "launcher.device_memory_gib=42")
+    budgets = {"cuda:0": 42 * GIB}
+    assert not dm.plan_run(cfg, Q05, card_bytes=42 * GIB).fits(budgets)
+    fitted, tokens = dm.fit_kv_cache(cfg, Q05, budgets, card_bytes=42 * GIB)
+    assert fitted.rollout.kv_cache_tokens == tokens and tokens % 16 == 0
+    # The largest that leaves KV_FIT_MARGIN of the card free: one more block would not.
+    margin = dm.KV_FIT_MARGIN * 42 * GIB
+    total = dm.plan_run(fitted, Q05, card_bytes=42 * GIB).devices["cuda:0"].total
+    assert 42 * GIB - margin - 2 * 16 * 12_288 <= total <= 42 * GIB - margin
+    # `tapioca train`'s check starts it with that cache instead of refusing it.
+    started = check_at_start(cfg)
+    assert started.rollout.kv_cache_tokens == tokens
+    assert started.rollout.max_batch_size == 4096 and started.actor == cfg.actor  # nothing else
+    # A fixed cache is the user's: the check refuses, naming a smaller one.
+    fixed = example(*big, f"model.path={qwen05_dir(tmp_path)}", "launcher.device_memory_gib=42",
+                    "rollout.kv_cache_tokens=4000000")
+    assert dm.fit_kv_cache(fixed, Q05, budgets, card_bytes=42 * GIB) is None
+    with pytest.raises(ConfigError, match="rollout.kv_cache_tokens="):
+        check_at_start(fixed)
+    # A run that fits keeps its config; one the KV cache alone cannot save is refused.
+    small = example(f"model.path={qwen05_dir(tmp_path)}", "launcher.device_memory_gib=80")
+    assert check_at_start(small) is small
+    assert dm.fit_kv_cache(example(*big), Q05, {"cuda:0": 10 * GIB}, card_bytes=10 * GIB) is None
 
 
 def test_tapioca_plan_shows_the_shared_gpu_and_what_sleep_gives_back():
