@@ -91,7 +91,8 @@ from ..schemas.events import (
     WeightsFile,
 )
 from ..weights import WeightPublisher
-from ..weights.files import WEIGHTS_DIR, version_path
+from ..weights.files import WEIGHTS_DIR
+from ..weights.payload import version_path
 from .batching import flatten_groups
 from .checkpoint import (
     SUFFIX,
@@ -758,7 +759,7 @@ class Trainer(Role[TrainerState]):
         The actor's Adam state is reset; the critic (GAE) is restored from its checkpoint
         of that version when one exists, else keeps its weights with a fresh optimizer
         state (a warning says so; see :meth:`_rollback_critic`)."""
-        from ..weights.files import load_verified
+        from ..weights.payload import load_verified
 
         if command.command != "rollback":
             return super().on_control(command, state)

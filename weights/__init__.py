@@ -6,7 +6,8 @@ between the roles (``producers/``, ``trainers/``, which import it) and ``schemas
 ``bus/``, ``models/`` (which it may import); it never imports a role.
 
 - Files and checksums (:mod:`.files`): safetensors files written atomically with their
-  sha256, verified reads, the weight-transfer errors.
+  sha256, verified reads, the weight-transfer errors; a LoRA version's adapter
+  directory (:mod:`.adapter_files`); either payload by path or version (:mod:`.payload`).
 - One interface, three transports (``weights.transport``; docs/weight-sync.md):
   :class:`WeightPublisher` (the trainer: ``publish(state_dict, version)`` returns the
   transport fields of the version's ``WeightsEvent``; ``poll()`` returns the durable

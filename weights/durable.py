@@ -15,7 +15,7 @@ the writer keeps only the newest waiting version (older ones get no file; counte
 ``skipped``). A write that fails because of the disk (full, failing, read-only) leaves no
 temp file and is raised by :meth:`DurableWriter.completed` (the trainer stops on it). A
 reader verifies the sha256 while reading the file once
-(:func:`tapioca.weights.files.load_verified`).
+(:func:`tapioca.weights.payload.load_verified`).
 """
 
 from __future__ import annotations

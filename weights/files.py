@@ -54,16 +54,6 @@ def weights_file(directory: str | os.PathLike, version: int) -> Path:
     return Path(directory) / f"v{version:06d}.safetensors"
 
 
-def version_path(directory: str | os.PathLike, version: int, lora_name: str = "") -> Path:
-    """Where ``version``'s weights live: its file, or (``lora_name``: a LoRA run) its
-    adapter directory ``{lora_name}-v{version}`` (weights/adapter_files.py)."""
-    if lora_name:
-        from .adapter_files import adapter_dir
-
-        return adapter_dir(directory, lora_name, version)
-    return weights_file(directory, version)
-
-
 def saved_versions(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """``(version, path)`` of every weights file in ``directory``, oldest first."""
     out = []
@@ -151,36 +141,22 @@ def _mismatch(path: Path, actual: str, announced: str) -> None:
         f"{(announced or '(none)')[:12]}…; the file is torn or was replaced — do not load it")
 
 
-def check_weights_file(path: str | os.PathLike, sha256: str) -> None:
-    """The checks of :func:`load_verified` without loading (a server reads the file itself).
-    A directory is a LoRA adapter's (weights/adapter_files.py)."""
-    if Path(path).is_dir():
-        from .adapter_files import check_adapter_dir
-
-        check_adapter_dir(path, sha256)
-        return
+def check_file(path: str | os.PathLike, sha256: str) -> None:
+    """The checks of :func:`load_verified_file` without loading (a server reads the file
+    itself)."""
     path = _existing(path)
     actual = sha256_file(path)
     if actual != sha256:
         _mismatch(path, actual, sha256)
 
 
-def load_verified(path: str | os.PathLike, sha256: str) -> dict[str, torch.Tensor]:
-    """Load a weights file after checking its checksum, reading it once: the file is
-    mapped (copy-on-write), hashed, and the tensors are views of the same pages (they
-    stay valid after the file is replaced or deleted: writers rename a new file in).
-    A directory is a LoRA adapter's: its tensors (weights/adapter_files.py)."""
-    if Path(path).is_dir():
-        from .adapter_files import load_verified_adapter
-
-        return load_verified_adapter(path, sha256)[0]
-    return load_verified_file(path, sha256)
-
-
 def load_verified_file(path: str | os.PathLike, sha256: str, *,
                        prefix: bytes = b"") -> dict[str, torch.Tensor]:
-    """:func:`load_verified` of one safetensors file whose bytes, after ``prefix``, hash
-    to ``sha256`` (an adapter directory's digest covers its config first)."""
+    """Load one safetensors file after checking that its bytes, after ``prefix``, hash to
+    ``sha256`` (an adapter directory's digest covers its config first), reading it once:
+    the file is mapped (copy-on-write), hashed, and the tensors are views of the same
+    pages (they stay valid after the file is replaced or deleted: writers rename a new
+    file in)."""
     path = _existing(path)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

@@ -37,7 +37,7 @@ import torch
 
 from ..schemas.errors import ConfigError
 from .durable import AdapterFiles, DurableFile, DurableWriter
-from .files import version_path
+from .payload import version_path
 from .layout import Layout, bucket_checksums
 from .slots import SlotBuffer
 

@@ -29,13 +29,9 @@ from ..models.lora import LoraAdapter
 from ..schemas.errors import ConfigError
 from ..schemas.events import WeightsEvent
 from .adapter_check import AdapterGate
-from .files import (
-    WeightsTransferError,
-    WeightsUnavailableError,
-    check_weights_file,
-    load_verified,
-)
+from .files import WeightsTransferError, WeightsUnavailableError
 from .layout import Layout, bucket_checksums, mismatched_buckets
+from .payload import check_weights_file, load_verified
 from .slots import MappedSlots
 
 log = logging.getLogger(__name__)

@@ -355,10 +355,7 @@ def test_the_cli_modules_form_no_import_circle():
 
 
 # Import circles between modules still to take apart, each with the work that does it.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({f"{PREFIX}.weights.files", f"{PREFIX}.weights.adapter_files"}):
-        "issue 38 item 3: one weights payload (full weights or adapter) in its own module",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def import_circles(edges: list[Edge]) -> list[list[str]]:
@@ -399,8 +396,8 @@ def import_circles(edges: list[Edge]) -> list[list[str]]:
 
 def test_the_modules_form_no_import_circle():
     """Issue 38: five circles (bus/fleet <-> runner, models/attention <-> attention_fa4,
-    models/forward <-> packed, the tasks registry ring, weights/files <-> adapter_files);
-    the first four are gone, the last is the weights payload's work."""
+    models/forward <-> packed, the tasks registry ring, weights/files <-> adapter_files),
+    all gone (the last through weights/payload.py, which reads and writes either payload)."""
     fleet, runner, nowhere = f"{PREFIX}.bus.fleet", f"{PREFIX}.bus.runner", f"{PREFIX}.bus.nowhere"
     assert import_circles([("", fleet, runner), ("", runner, fleet)]) == [[fleet, runner]]
     assert import_circles([("", fleet, nowhere), ("", nowhere, fleet)]) == []  # no such file

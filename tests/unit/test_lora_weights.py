@@ -37,7 +37,8 @@ from tapioca.weights import WeightPublisher, WeightReceiver, make_weight_loader
 from tapioca.weights.adapter_files import adapter_sha256, load_verified_adapter, write_adapter_tensors
 from tapioca.weights.base_id import base_identity
 from tapioca.weights.durable import AdapterFiles
-from tapioca.weights.files import WeightsChecksumError, load_verified
+from tapioca.weights.files import WeightsChecksumError
+from tapioca.weights.payload import load_verified
 
 VOCAB = 16
 BUCKET = 4096 * 4

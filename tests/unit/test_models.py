@@ -144,7 +144,8 @@ def test_save_weights_casts_after_finding_tied_tensors(tmp_path):
     import torch
     from safetensors import safe_open
 
-    from tapioca.weights.files import load_verified, save_weights
+    from tapioca.weights.files import save_weights
+    from tapioca.weights.payload import load_verified
 
     emb = torch.randn(10, 4)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(4)}

@@ -649,7 +649,7 @@ def _wait_for_files(t: Trainer, state, versions: set[int], timeout_s: float = 30
 
 
 def test_ipc_transport_announces_files_later_and_rollback_reads_them(tmp_path):
-    from tapioca.weights.files import load_verified
+    from tapioca.weights.payload import load_verified
 
     t = make_token_trainer(tmp_path, weights=WeightsConfig(transport="ipc"))
     state = t.init_state()

@@ -28,7 +28,8 @@ from tapioca.trainers.batching import flatten_groups
 from tapioca.trainers.checkpoint import read_progress
 from tapioca.weights import durable
 from tapioca.weights import files as weight_files
-from tapioca.weights.files import load_verified, sha256_file, weights_file
+from tapioca.weights.files import sha256_file, weights_file
+from tapioca.weights.payload import load_verified
 from tapioca.weights.publisher import WeightPublisher
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -29,13 +29,9 @@ from tapioca.schemas.envelope import decode_event, encode_event
 from tapioca.schemas.errors import BadEventError
 from tapioca.schemas.events import DlqRecord, WeightsEvent
 from tapioca.weights import WeightPublisher, WeightReceiver, make_weight_loader
-from tapioca.weights.files import (
-    WeightsTransferError,
-    WeightsUnavailableError,
-    load_verified,
-    sha256_file,
-)
+from tapioca.weights.files import WeightsTransferError, WeightsUnavailableError, sha256_file
 from tapioca.weights.layout import ALIGN_BYTES, Layout, bucket_checksums
+from tapioca.weights.payload import load_verified
 from tapioca.weights.slots import SlotBuffer
 
 VOCAB = 16
