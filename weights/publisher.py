@@ -37,8 +37,8 @@ import torch
 
 from ..schemas.errors import ConfigError
 from .durable import AdapterFiles, DurableFile, DurableWriter
-from .payload import version_path
 from .layout import Layout, bucket_checksums
+from .payload import version_path
 from .slots import SlotBuffer
 
 log = logging.getLogger(__name__)
