@@ -149,6 +149,14 @@ def run_one(args, size: str, eta: int, model_path: Path | None, root: Path) -> d
     row = {"size": size, "eta": eta, "lora": args.lora, "rc": proc.returncode, "closing": closing,
            "wall_s": round(wall, 1), "peak_gpu_gib": round(mem.peak_mib / 1024, 2),
            "plan": {k: plan.get(k) for k in ("peak_gib", "device_gib", "fits", "parts", "error") if k in plan}}
+    # The KV cache the run started with: the engines' own size, or what the memory check
+    # sized it to beside the trainer's planned peak (ops/memory_check.py; config.yaml).
+    cfg_path = run_dir / "config.yaml"
+    if cfg_path.exists():
+        import yaml
+
+        row["kv_cache_tokens"] = (yaml.safe_load(cfg_path.read_text()) or {}).get("rollout", {}).get(
+            "kv_cache_tokens")
     metrics_path = run_dir / "metrics" / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     times = [r["time"] for r in rows]
