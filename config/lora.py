@@ -4,7 +4,7 @@
 ``actor.lora_alpha``, ``actor.target_modules``; ``gconfig.lora_name``) trains a low-rank
 adapter on the frozen base ``model.path``. The trainer, the rollout workers and the agent
 proxy each get a :class:`LoraSpec` in their section (None: a full-weights run), so a
-role never reads another's config section; :func:`check_lora_run` holds the rules that
+role never reads another's config section; :func:`check_lora_run` holds the value rules that
 span sections. The defaults live in :class:`~tapioca.config.schema.ActorConfig`,
 :class:`~tapioca.config.schema.GenerationConfig` and
 :class:`~tapioca.config.servers.InferenceServerConfig`; nothing here restates one.
@@ -58,20 +58,6 @@ def check_lora_run(cfg: Any) -> None:
              f"rollout.server.max_loaded_loras={srv.max_loaded_loras} < max_head_offpolicyness + 2 = "
              f"{eta + 2}: a request sent with an adapter up to eta versions old must still find it "
              "loaded; raise it (or 0: eta + 2)")
-    _require(cfg.advantage.estimator != "gae",
-             "advantage.estimator=gae trains a critic initialised from the policy's backbone, "
-             "which a LoRA run does not copy yet: use an estimator without a critic (grpo, rloo, "
-             "...) or actor.use_lora=false")
-    f = cfg.fsdp
-    _require(f.tensor_parallel_size == 1 and f.context_parallel_size == 1,
-             f"actor.use_lora with {f.describe()}: the tensor / context parallel plan splits plain "
-             "linear layers, not peft's adapter wrappers; train the adapter data parallel "
-             "(fsdp.tensor_parallel_size=1, fsdp.context_parallel_size=1)")
-    _require(not cfg.actor.enable_tree_training,
-             "actor.use_lora with actor.enable_tree_training: prefix-tree packing is not tested "
-             "with peft's adapter layers yet; set actor.enable_tree_training=false")
-    from ..models.families import VL_ARCHS
-
-    _require(cfg.train_dataset.type != "visual" and (bool(cfg.model.path) or cfg.model.arch not in VL_ARCHS),
-             "actor.use_lora on a vision-language model is not supported yet (no engine loads an "
-             "adapter beside a vision tower): train it with actor.use_lora=false")
+    # Which features a LoRA run does not combine with (a critic, tensor / context
+    # parallelism, tree training, a vision-language or mixture-of-experts model, target
+    # modules the model lacks) are rows of config/features.py.

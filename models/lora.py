@@ -97,16 +97,31 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int,
     return sorted({name.rsplit(".", 1)[-1] for name in lora_layers(model)})
 
 
-def resolve_targets(model_path: str, target_modules: Sequence[str]) -> list[str]:
-    """The short module names an adapter of ``target_modules`` has on the model at
-    ``model_path``: peft's own resolution (``all-linear``), on an empty (meta-device) copy
-    built from its ``config.json``, so a reader learns what the trainer will name."""
+def _meta_model(model_path: str) -> torch.nn.Module:
+    """An empty (meta-device) copy of the causal LM at ``model_path``, built from its
+    ``config.json`` alone."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return apply_lora(model, rank=1, alpha=1, target_modules=target_modules)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def resolve_targets(model_path: str, target_modules: Sequence[str]) -> list[str]:
+    """The short module names an adapter of ``target_modules`` has on the model at
+    ``model_path``: peft's own resolution (``all-linear``), on an empty (meta-device) copy
+    built from its ``config.json``, so a reader learns what the trainer will name."""
+    return apply_lora(_meta_model(model_path), rank=1, alpha=1, target_modules=target_modules)
+
+
+def module_names(model_path: str) -> tuple[set[str], set[str]]:
+    """``(every module path, the short names of its linear layers)`` of the model at
+    ``model_path`` (a meta-device copy): what ``actor.target_modules`` may name, checked at
+    start by the feature table (config/features.py)."""
+    model = _meta_model(model_path)
+    paths = {name for name, _ in model.named_modules() if name}
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return paths, linear
 
 
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -262,6 +262,8 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
 
     a, adv = section.actor, section.advantage
     device = actor.device
+    # Defence for direct callers: refused at start by config/features.py's row
+    # vlm_x_critic_reference_teacher.
     if getattr(actor, "vision", None) is not None and (adv.estimator == "gae" or a.kl_ctl > 0
                                                        or section.distill.kd_weight > 0):
         raise ConfigError("a vision-language policy trains without a critic, reference or teacher "
@@ -308,7 +310,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     if sec.fsdp.world_size > 1:
         from ..models.vision import is_vision_dir
 
-        if is_vision_dir(sec.model.path):
+        if is_vision_dir(sec.model.path):  # defence: config/features.py's row vlm_x_fsdp
             raise ConfigError("the FSDP2 trainer does not train vision-language models yet (its "
                               "micro-batches carry no images): set fsdp.world_size=1 (docs/vlm.md)")
         from ..trainers.fsdp_actor import build_sharded_actor

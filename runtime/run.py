@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from ..config.schema import next_bus_run_id
+from ..config.features import check_features, model_facts
+from ..config.schema import TrainConfig, next_bus_run_id
 from ..schemas.envelope import names_a_run
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def resolve_run(cfg: C, *, values: Mapping[str, Any] | None = None, trial_name: 
       time, so the run id and run dir are ``experiment.YYYYmmdd-HHMMSS``;
     - ``bootstrap`` / ``topic_prefix`` / ``client_id`` of the bus;
     - ``prepare``: the run directory made absolute and created, the tiny model created
-      under it when ``model.path`` is empty (the task's alphabet), an empty
+      under it when ``model.path`` is empty (the task's alphabet), the feature table
+      (config/features.py) checked with the model's facts, an empty
       ``vlm.image_store`` set to ``<run dir>/images``, and ``bus.run_id`` set to the run
       id (a run's own log; the launcher then resolves a resumed run's);
     - ``claim_run``: a ``bus.run_id`` that names no run becomes the run id (a process that
@@ -117,11 +119,10 @@ def _prepare(cfg: C) -> C:
     vlm = getattr(cfg, "vlm", None)
     if vlm is not None and not vlm.image_store:  # images beside the run (docs/vlm.md)
         cfg = replace_path(cfg, "vlm.image_store", str(run_dir.resolve() / "images"))
-    if hasattr(cfg, "check_vision_policy"):  # an RL run (TrainConfig) of a VL model directory
-        from ..models.vision import is_vision_dir
-
-        if is_vision_dir(cfg.model.path):
-            cfg.check_vision_policy()
+    if isinstance(cfg, TrainConfig):
+        # Which features combine (config/features.py), now with the facts of the model
+        # directory (vision-language, MoE, its module names): before any role starts.
+        check_features(cfg, model_facts(cfg, read_dir=True))
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
         # Fail here, not in a rollout worker's log.

@@ -141,9 +141,13 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
             packed = ParallelPackedCausalLM(model, parallel, torch.device(device), **kwargs)
         if cfg.enable_tree_training:
             check_packed_tree_backend(packed)
+        # A dense model is refused at start (config/features.py's moe_router_losses_x_dense_model);
+        # this also catches an MoE family whose layers the packed forward does not route.
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
             raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
+    # A dense model is refused at start (config/features.py's router_replay_x_dense_model);
+    # this also catches an MoE family the packed forward cannot route.
     if cfg.router_replay != "disabled" and (packed is None or not packed.moe_layers):
         why = reason if packed is None else "it has no MoE layer the packed forward routes"
         raise ConfigError(f"actor.router_replay={cfg.router_replay} replays the routes of the packed "
@@ -199,8 +203,9 @@ class PPOActor:
         self.vision = vision_spec(model.config)
         self.images = images if self.vision is not None else None
         if self.vision is not None and (cfg.enable_tree_training or parallel is not None):
-            # Both would build micro-batches without the images (config/schema.py refuses
-            # them at start: TrainConfig.check_vision_policy); said here for direct callers.
+            # Both would build micro-batches without the images (refused at start by
+            # config/features.py's rows vlm_x_tree_training and vlm_x_tensor_context_parallel);
+            # said here for direct callers.
             raise ConfigError("a vision-language policy trains without "
                               + ("actor.enable_tree_training" if cfg.enable_tree_training
                                  else "tensor / context parallelism")

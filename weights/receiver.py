@@ -219,7 +219,7 @@ def make_server_weight_loader(engine, engine_name: str, *, lora: LoraSpec | None
     gate = AdapterGate(lora, model_path)
 
     def load_server_weights(event: WeightsEvent) -> None:
-        if event.transport != "file" or not event.path:
+        if event.transport != "file" or not event.path:  # defence: config/features.py's servers_x_fast_transport
             raise ConfigError(
                 f"weights version {event.version} comes over {event.transport!r}; the "
                 f"{engine_name} adapter reloads safetensors files only (device-to-device "

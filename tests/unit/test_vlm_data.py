@@ -137,7 +137,7 @@ def test_prompt_records_carry_stored_references_and_expanded_placeholders(vl_dir
 
 
 def test_a_vision_language_policy_refuses_what_would_train_its_tokens_without_images():
-    """TrainConfig.check_vision_policy: each combination is refused at load with its way out."""
+    """The vlm_* rows of config/features.py: each combination is refused at load with its way out."""
     import pytest
 
     from tapioca.config.loader import load_config
