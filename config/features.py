@@ -250,6 +250,13 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "MoE layer: set them to 0",
         "`actor.moe_aux_loss_coeff=0`, `actor.moe_z_loss_coeff=0`"),
     FeatureRule(
+        "sglang_x_images", ("rollout.engine=sglang", "train_dataset.type=visual"),
+        lambda c, f: c.rollout.engine == "sglang" and c.train_dataset.type == "visual",
+        "rollout.engine=sglang sends token ids only (images are not wired into its adapter yet), but "
+        "train_dataset.type=visual puts an image in every prompt: use rollout.engine=torch or vllm "
+        "(docs/vlm.md)",
+        "`rollout.engine=torch` or `vllm`"),
+    FeatureRule(
         "servers_x_fast_transport", ("rollout.engine=vllm / sglang", "weights.transport=ipc / nccl"),
         lambda c, f: c.rollout.engine != "torch" and c.weights.transport != "file",
         "rollout.engine={cfg.rollout.engine} reloads weights from safetensors files (device-to-device "

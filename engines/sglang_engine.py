@@ -62,6 +62,8 @@ class SGLangEngine(ServerEngine):
         return None  # nothing in its server info tells the logprob mode (see above)
 
     def _validate_images(self, request: GenRequest) -> None:
+        # A visual dataset with this engine is refused at start (config/features.py's
+        # sglang_x_images); an image from elsewhere (a jsonl row, the proxy) is refused here.
         if request.images:
             raise EngineError(f"request {request.request_id!r} has images; the SGLang adapter sends "
                               "token ids only (images are not wired yet): use rollout.engine=torch "
