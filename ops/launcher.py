@@ -70,7 +70,7 @@ from ..bus.retry import backoff_s
 from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
-from ..runtime.run import resolve_bus_run_id, resolve_run
+from ..runtime.run import check_proxy_port, resolve_bus_run_id, resolve_run
 from ..schemas.errors import EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE, BusError, TapiocaError
 from . import run_record
 from .memory_check import check_at_start
@@ -294,6 +294,7 @@ class Launcher:
         # Before any role starts: a run that will not fit its GPUs is refused with the
         # settings that make it fit, or gets the KV cache that fits (ops/memory_check.py).
         self.cfg = check_at_start(self.cfg)
+        check_proxy_port(self.cfg)  # the agent proxy's fixed port, free before any role binds it
         for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
             log.warning("%s", warning)
         run_dir = Path(self.cfg.run_path)

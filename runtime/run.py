@@ -27,6 +27,7 @@ from typing import Any, Mapping, TypeVar
 from ..config.features import check_features, model_facts
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..schemas.envelope import names_a_run
+from ..schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,26 @@ def _fix_proxy_endpoint(cfg: C) -> C:
             s.bind((cfg.proxy.host, 0))
             cfg = replace_path(cfg, "proxy.port", s.getsockname()[1])
     return cfg
+
+
+def check_proxy_port(cfg: Any) -> None:
+    """Refuse (ConfigError) a run whose agent proxy would listen on a fixed ``proxy.port``
+    that another process holds on this host, before any role starts: the proxy would
+    otherwise fail to bind it in its own log, after the other roles started. Bound as the
+    proxy binds (producers/proxy/server.py: SO_REUSEADDR), then released. Only where the
+    local launcher runs the proxy here; port 0 is chosen later (:func:`resolve_run`)."""
+    import socket
+
+    if not (cfg.agent.enabled and cfg.proxy.port and cfg.scheduler.type == "local"):
+        return
+    host, port = cfg.proxy.host, cfg.proxy.port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"proxy.port={port} on {host} is taken ({exc.strerror or exc}): stop what "
+                              "listens there or set proxy.port to a free port (0 = any free port)") from None
 
 
 def run_on_log(cfg: Any, bus_run_id: str) -> bool:

@@ -133,3 +133,20 @@ def test_tapioca_train_refuses_lora_on_the_moe_example_before_any_role_starts(tm
     assert lines[0].startswith("error: actor.use_lora on a mixture-of-experts model (qwen3_moe) is not supported")
     assert lines[0].endswith("actor.use_lora=false (docs/lora.md) (feature table: lora_x_moe)")
     assert not (run_dir / "moe_demo" / "t0" / "logs").exists()  # no role, no broker started
+
+
+def test_a_taken_proxy_port_is_refused_before_any_role_starts():
+    import socket
+
+    from tapioca.runtime.run import check_proxy_port
+
+    agent = ROOT / "examples" / "agents" / "math_agent_cpu.yaml"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = load_config(TrainConfig, str(agent), [f"proxy.port={port}"])
+        with pytest.raises(ConfigError, match=rf"proxy.port={port} on 127.0.0.1 is taken .*proxy.port to a free port"):
+            check_proxy_port(cfg)
+    check_proxy_port(cfg)  # released: free again
+    check_proxy_port(load_config(TrainConfig, str(agent), ["proxy.port=0"]))
