@@ -24,12 +24,11 @@ it does not run with yet, its code in its own module.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..models.families import MOE_ARCHS, VL_ARCHS
+from ..models.families import MOE_ARCHS, VL_ARCHS, read_config_json, text_part
 from ..schemas.errors import ConfigError
 
 
@@ -74,16 +73,14 @@ UNKNOWN = ModelFacts(known=False)
 
 
 def facts_of_config_json(doc: dict, path: str = "") -> ModelFacts:
-    """The facts of a ``config.json`` (a dict; a vision-language model's text part
-    merged in, as runtime/device_memory.py's ``shape_of_dir`` reads it)."""
+    """The facts of a ``config.json`` (a dict): its model_type, whether it is a
+    vision-language model, whether its decoder (:func:`text_part`) has MoE layers."""
     from ..models.moe import moe_layer_indices
 
-    text = doc.get("text_config") or {}
-    merged = {**doc, **text} if "hidden_size" not in doc else {**text, **doc}
     model_type = str(doc.get("model_type", ""))
     # VL_ARCHS are the model_type values of the vision-language families (models/vision.py).
     return ModelFacts(known=True, model_type=model_type, vision=model_type in VL_ARCHS,
-                      moe=bool(moe_layer_indices(merged)), path=path)
+                      moe=bool(moe_layer_indices(text_part(doc))), path=path)
 
 
 def model_facts(cfg: Any, *, read_dir: bool) -> ModelFacts:
@@ -94,10 +91,9 @@ def model_facts(cfg: Any, *, read_dir: bool) -> ModelFacts:
     if not m.path:
         return ModelFacts(known=True, model_type=m.arch, vision=m.arch in VL_ARCHS,
                           moe=m.arch in MOE_ARCHS and m.num_experts > 0)
-    file = Path(m.path) / "config.json"
-    if not read_dir or not file.is_file():
+    if not read_dir or not (Path(m.path) / "config.json").is_file():
         return UNKNOWN
-    return facts_of_config_json(json.loads(file.read_text()), path=str(m.path))
+    return facts_of_config_json(read_config_json(m.path), path=str(m.path))
 
 
 # ------------------------------------------------------------------ the predicates

@@ -4,7 +4,9 @@ Consumes nothing at import (no transformers import: the config layer reads
 :data:`ARCHS`); emits, per family, the ``transformers`` config class and the keyword
 arguments of a tiny random config (:func:`tiny_config`, used by
 :func:`tapioca.models.factory.build_tiny_model`), and the one start-up check of a
-model's family against the in-process engines (:func:`in_process_reason`). Which path a
+model's family against the in-process engines (:func:`in_process_reason`); a model
+directory's ``config.json`` as a dict and its decoder's part (:func:`read_config_json`,
+:func:`text_part`: what the feature table and the memory plan read). Which path a
 family takes (the paged engine / packed trainer, or TorchEngine / the padded HF
 forward) is decided from the model itself by ``unsupported_reason`` in
 ``engines/model_runner.py`` and ``models/packed.py``; docs/models.md tabulates it.
@@ -12,6 +14,9 @@ forward) is decided from the model itself by ``unsupported_reason`` in
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 from ..schemas.errors import ConfigError
@@ -91,6 +96,19 @@ def tiny_config(arch: str, sizes: dict[str, Any], **common: Any):
     base = {k: sizes[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "head_dim", "intermediate_size")}
     return config_class(arch)(**{**base, **_EXTRA[arch](sizes), **common})
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A model directory's ``config.json`` as a dict (no transformers import)."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def text_part(doc: dict) -> dict:
+    """The decoder's fields of a ``config.json`` dict: a vision-language model's
+    ``text_config`` merged over the top level (the top level wins where it has the
+    decoder's own ``hidden_size``)."""
+    text = doc.get("text_config") or {}
+    return {**doc, **text} if "hidden_size" not in doc else {**text, **doc}
 
 
 def in_process_reason(config) -> str | None:

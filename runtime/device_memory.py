@@ -40,13 +40,13 @@ those that fit.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config.schema import kv_tokens_needed
+from ..models.families import read_config_json, text_part
 from ..schemas.errors import ConfigError
 from ..trainers import memory_plan as mp
 from .run import replace_path
@@ -164,10 +164,7 @@ class RunMemoryPlan:
 def shape_of_dir(path: str | Path) -> mp.ModelShape:
     """The decoder's shape from a model directory's config.json (a vision-language
     model's text part)."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    text = cfg.get("text_config") or {}
-    merged = {**cfg, **text} if "hidden_size" not in cfg else {**text, **cfg}
-    return mp.ModelShape.from_hf_config(merged, name=Path(path).name)
+    return mp.ModelShape.from_hf_config(text_part(read_config_json(path)), name=Path(path).name)
 
 
 def run_shape(cfg: Any, model: str | None = None) -> mp.ModelShape:
