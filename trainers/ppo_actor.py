@@ -146,6 +146,10 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
         if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
             raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
+    if cfg.router_replay != "disabled" and cfg.enable_tree_training:  # defence: the table's row
+        raise ConfigError(f"actor.router_replay={cfg.router_replay} replays per-sequence routes, which "
+                          "actor.enable_tree_training does not map onto its shared prefixes: set one off "
+                          "(feature table: router_replay_x_tree_training)")
     # A dense model is refused at start (config/features.py's router_replay_x_dense_model);
     # this also catches an MoE family the packed forward cannot route.
     if cfg.router_replay != "disabled" and (packed is None or not packed.moe_layers):

@@ -369,6 +369,9 @@ def test_router_replay_needs_a_model_with_moe_layers_on_the_packed_forward():
         actor(build_tiny_model(VOCAB), router_replay="R3")
     with pytest.raises(ConfigError, match="packed forward: set actor.packed_sequences=true"):
         ActorConfig(router_replay="R2", packed_sequences=False)
+    # Refused at load by the feature table; the actor keeps the same rule for direct callers.
+    with pytest.raises(ConfigError, match=r"set one off \(feature table: router_replay_x_tree_training\)"):
+        actor(moe_model(), router_replay="R3", enable_tree_training=True)
 
 
 # ---------------------------------------------------------------- bad and missing routes
