@@ -121,9 +121,13 @@ def planned(config: str, overrides: list[str]) -> dict:
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip()[-400:]}
     try:
-        return json.loads(proc.stdout)
+        rows = json.loads(proc.stdout)
     except ValueError:
         return {"error": proc.stdout.strip()[-400:]}
+    row = rows[0] if isinstance(rows, list) and rows else rows  # `-o json` prints a list of one
+    # The shared device's planned total (every process on it), what the peak is compared with.
+    row["device_gib"] = max((d.get("total_gib", 0.0) for d in row.get("devices", [])), default=None)
+    return row
 
 
 def run_one(args, size: str, eta: int, model_path: Path | None, root: Path) -> dict:
