@@ -146,7 +146,7 @@ class RolloutWorker(Role[RolloutState]):
         self.routes_inline_max_bytes = section.rollout.routed_experts_inline_max_bytes
         self.blobs = None
         if section.record_routes and section.run_dir:
-            from ..bus.blobs import run_blob_store
+            from ..media.store import run_blob_store
 
             self.blobs = run_blob_store(section.run_dir)
 

@@ -49,7 +49,7 @@ class RoutedExperts:
     experts, else uint16): 48 MoE layers x top-8 are 384 bytes a token in uint8 (512 in
     base64). ``num_layers`` counts MoE layers only, in layer order. The bytes are on the
     event (``data_b64``) or, beyond the writer's inline limit, in the run's blob store
-    under ``blob_sha256``, the hex SHA-256 of the raw bytes (:mod:`tapioca.bus.blobs`);
+    under ``blob_sha256``, the hex SHA-256 of the raw bytes (:mod:`tapioca.media.store`);
     exactly one of the two is set."""
 
     num_tokens: int

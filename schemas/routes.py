@@ -4,7 +4,7 @@ Consumes the ids an engine recorded (an integer array ``[tokens, MoE layers, top
 or a :class:`RoutedExperts` read off the log; emits the one compact form both ends
 agree on: the ids as one little-endian, token-major array of the narrowest dtype that
 holds every expert id (uint8 up to 256 experts, uint16 up to 65,536), base64 on the
-event, or in a blob store (:mod:`tapioca.bus.blobs`) when larger than the writer's
+event, or in a blob store (:mod:`tapioca.media.store`) when larger than the writer's
 inline limit. Keyed by nothing: pure functions (the store is passed in).
 """
 

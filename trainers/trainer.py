@@ -228,7 +228,7 @@ class Trainer(Role[TrainerState]):
         # run's blob store when they are there).
         self._moe_shape = None
         if section.actor.router_replay == "R3" and getattr(actor, "packed", None) is not None:
-            from ..bus.blobs import run_blob_store
+            from ..media.store import run_blob_store
 
             self._moe_shape = actor.packed.moe_shape
             self._blobs = run_blob_store(section.run_dir)

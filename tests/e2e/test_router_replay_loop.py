@@ -18,9 +18,9 @@ import time
 import pytest
 
 from tapioca.bus.archive import iter_events
-from tapioca.bus.blobs import run_blob_store
 from tapioca.config.loader import load_config
 from tapioca.config.schema import TrainConfig
+from tapioca.media.store import run_blob_store
 from tapioca.runtime.builders import build_role
 from tapioca.runtime.run import create_tiny_checkpoint
 from tapioca.schemas.events import SampleEvent, TrajectoryEvent

@@ -157,7 +157,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("weights",),                                      # moving and following weights
     ("config",),                                       # the dataclass configs
     ("models",),                                       # model and tokenizer construction
-    ("algorithms", "bus", "media"),                    # pure RL math; the only Kafka code; images
+    ("algorithms", "bus", "media"),                    # pure RL math; the only Kafka code; images, blobs
     ("schemas",),                                      # events, topics, the one error base
 )
 # The roles, by the files their process runs (a folder: all of its modules). None

@@ -18,13 +18,13 @@ import pytest
 import torch
 from test_moe_training import VOCAB, actor, items, moe_model  # the same tiny Qwen3-MoE
 
-from tapioca.bus.blobs import BlobError, BlobStore
 from tapioca.bus.role import Source
 from tapioca.config.schema import ActorConfig, GenerationConfig, ModelConfig, RolloutConfig
 from tapioca.config.sections import AdvantageSection, RolloutSection, TrainerSection
 from tapioca.consumers.advantage import AdvantageProcessor
 from tapioca.engines.base import GenRequest, SamplingParams
 from tapioca.engines.paged_engine import PagedEngine
+from tapioca.media.store import FileBlobStore, MissingBlobError
 from tapioca.models.attention import packed_seqs, position_ids
 from tapioca.models.packed import PackedCausalLM
 from tapioca.producers.rollout import RolloutWorker
@@ -90,7 +90,7 @@ def test_bytes_per_token_golden():
 
 
 def test_routes_beyond_the_inline_limit_go_to_the_blob_store(tmp_path):
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     small, large = np.ones((25, 2, 2)), np.ones((26, 2, 2))  # 100 and 104 bytes
     r = encode_routes(small, inline_max_bytes=100, store=store)
     assert r.data_b64 and not r.blob_sha256
@@ -100,10 +100,10 @@ def test_routes_beyond_the_inline_limit_go_to_the_blob_store(tmp_path):
     assert encode_routes(large, inline_max_bytes=100, store=store) == r  # idempotent, one blob
     path = tmp_path / "blobs" / r.blob_sha256[:2] / r.blob_sha256
     path.write_bytes(b"\x00" * 104)
-    with pytest.raises(BlobError, match="corrupted"):
+    with pytest.raises(MissingBlobError, match="corrupted"):
         decode_routes(r, store)
     path.unlink()
-    with pytest.raises(BlobError, match="not in"):
+    with pytest.raises(MissingBlobError, match="not in"):
         store.get(r.blob_sha256)
 
 
@@ -240,7 +240,7 @@ def test_rollout_worker_puts_the_routes_on_each_trajectory(tmp_path, inline_max_
         while len(out) < 2 and time.monotonic() < deadline:
             out += [e for e in role.on_tick(state, time.monotonic()) if isinstance(e, TrajectoryEvent)]
             time.sleep(0.01)
-    store = BlobStore(tmp_path / "blobs")
+    store = FileBlobStore(tmp_path / "blobs")
     for t in out:
         r = t.routed_experts
         assert bool(r.blob_sha256) == (inline_max_bytes == 0)
@@ -446,7 +446,7 @@ def test_missing_routes_are_rejected_or_routed_live_as_configured(tmp_path):
 def test_routes_in_the_blob_store_are_read_at_arrival(tmp_path):
     t = make_trainer(tmp_path)
     state = t.init_state()
-    store = BlobStore(tmp_path / "blobs")  # the run's: <run dir>/blobs
+    store = FileBlobStore(tmp_path / "blobs")  # the run's: <run dir>/blobs
     r = encode_routes(np.zeros((5, 2, 2)), inline_max_bytes=0, store=store)
     event = sample("g0", [r, good(1)])
     t.handle(event, state, src(0))
