@@ -65,8 +65,9 @@ TRAINER_RESERVE = 0.05
 MIN_MB_TOKENS = 1024
 # What an auto-sized KV cache leaves free on its card beside the plan when the engine
 # sizes it from what the other processes' planned peaks leave (:func:`fit_kv_cache`): the
-# plan came within 0.3-8 % of the measured peaks on the H100 (benchmarks/RESULTS.md,
-# issue 37), and a trainer's allocation in a step is up to ~0.6 GiB at 3B.
+# plan came within 0.1-8 % of the measured peaks on the H100 (benchmarks/RESULTS.md, issue
+# 37; the 3B example with its fitted cache: 76.97 GiB measured, 77.08 planned), and a
+# trainer's allocation in a step is up to ~0.6 GiB at 3B.
 KV_FIT_MARGIN = 0.02
 
 
