@@ -906,6 +906,10 @@ class LauncherConfig:
     # What each GPU offers the run, GiB, for that check (0: what the device has free at
     # start; e.g. less to leave room for another job).
     device_memory_gib: float = 0.0
+    # Before any role starts, what the trainer writes under run_dir at most at once (a
+    # checkpoint and its copy while it is rewritten, weights files, final/:
+    # runtime/disk_plan.py) is checked against that disk's free space. false: skip it.
+    check_disk: bool = True
 
     def __post_init__(self) -> None:
         _require(self.device_memory_gib >= 0,

@@ -73,6 +73,7 @@ from ..config.schema import TrainConfig, next_bus_run_id
 from ..runtime.run import check_proxy_port, resolve_bus_run_id, resolve_run
 from ..schemas.errors import EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE, BusError, TapiocaError
 from . import run_record
+from .disk_check import check_disk_at_start
 from .memory_check import check_at_start
 from .parent_death import guarded
 from .run_end import end_members, outside_members
@@ -294,6 +295,7 @@ class Launcher:
         # Before any role starts: a run that will not fit its GPUs is refused with the
         # settings that make it fit, or gets the KV cache that fits (ops/memory_check.py).
         self.cfg = check_at_start(self.cfg)
+        check_disk_at_start(self.cfg)  # a checkpoint that will not fit its disk (ops/disk_check.py)
         check_proxy_port(self.cfg)  # the agent proxy's fixed port, free before any role binds it
         for warning in self.cfg.singleton_warnings():  # e.g. online mode's n_samples 1
             log.warning("%s", warning)

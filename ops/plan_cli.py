@@ -8,7 +8,8 @@ optimizer state, activations: :mod:`tapioca.trainers.memory_plan`), then each GP
 run uses with every process on it (the trainer and its weight buffers, reference,
 critic; each in-process engine's weights, KV cache, graphs and workspace; a CUDA context
 each: :mod:`tapioca.runtime.device_memory`), whether it fits, what sleep mode gives
-back, and when it does not fit, the settings that make it fit (or, where only the
+back, what the trainer writes to disk at most at once (runtime/disk_plan.py), and when
+it does not fit, the settings that make it fit (or, where only the
 engines' auto-sized KV cache is in the way, the cache `tapioca train` will size instead). The card is this
 machine's GPU when it has one (its total memory), else ``--gpu-gib``. ``--layouts``
 compares the trainer's every (dp, tp, cp) of the same world size.
@@ -49,6 +50,7 @@ def plan_command(
     from ..config.loader import load_config
     from ..config.schema import TrainConfig
     from ..runtime import device_memory as dm
+    from ..runtime import disk_plan as dp
     from ..trainers import memory_plan as mp
 
     check_output(output)
@@ -72,6 +74,7 @@ def plan_command(
     advice = dm.advice_line(cfg, shape, budgets, card_bytes=card_bytes) if tokens is None \
         and micro_batches is None else ""
     step = run.trainer
+    disk = dp.plan_disk(cfg, shape)
     if output == "json":
         emit_json([{"model": step.model.name, "params": step.model.params, "dp": step.train.dp,
                     "tp": step.train.tp, "cp": step.train.cp, "tokens": step.train.tokens,
@@ -80,12 +83,17 @@ def plan_command(
                     "fits": run.fits(budgets) if run.devices else step.fits(card_bytes / mp.GIB),
                     "gpu_gib": card_bytes / mp.GIB, "card": against,
                     "devices": run.as_json(budgets), "advice": advice, "not_planned": run.notes,
-                    "kv_cache_tokens_fitted": fitted[1] if fitted else None}])
+                    "kv_cache_tokens_fitted": fitted[1] if fitted else None,
+                    "disk": {"checkpoint_gib": disk.checkpoint / mp.GIB, "total_gib": disk.total / mp.GIB,
+                             "parts_gib": {k: v / mp.GIB for k, v in disk.parts.items()}}}])
         return
     # A run on the CPU has no device table: the trainer's step against --gpu-gib, as before.
     console.print(step.table(None if run.devices else card_bytes / mp.GIB), soft_wrap=True, highlight=False)
     if run.devices:
         console.print(run.table(budgets, against), soft_wrap=True, highlight=False)
+    console.print(f"disk under run_dir at most {disk.total / mp.GIB:.1f} GiB ({disk.summary()}; a checkpoint "
+                  f"is {disk.checkpoint / mp.GIB:.1f} GiB): `tapioca train` checks it against the free disk",
+                  soft_wrap=True, highlight=False)
     for line in (kv_note, advice):
         if line:
             console.print(line, soft_wrap=True, highlight=False)
