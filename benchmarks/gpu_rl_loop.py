@@ -8,7 +8,7 @@ tokens/s and step times measured from the run's own events and metrics.
 
 ``--weight-transport ipc`` publishes weights over CUDA IPC (default: file, as before);
 the JSON rows say which was used. ``--lora`` trains a rank-``--lora-rank`` adapter on every
-linear layer instead (``actor.use_lora``; weight events carry the adapter only, the paged
+linear layer instead (``actor.lora.enabled``; weight events carry the adapter only, the paged
 engine merges each version at the switch); its rows say ``"lora": rank``.
 
 ``--timeline`` also runs the archiver and prints, per eta, one row per step from the
@@ -77,8 +77,8 @@ def run(eta: int, args, model_path: Path | None, run_root: Path) -> dict:
         f"weights.transport={args.weight_transport}", f"reward.workers={args.reward_workers}",
     ] + (["actor.autocast_dtype=bfloat16"] if args.device == "cuda" else [])
     if args.lora:  # the adapter's lr: LoRA runs take a larger one (AReaL's gsm8k example: 1.7e-4)
-        overrides += ["actor.use_lora=true", f"actor.lora_rank={args.lora_rank}",
-                      f"actor.lora_alpha={args.lora_rank}", "actor.target_modules=[all-linear]",
+        overrides += ["actor.lora.enabled=true", f"actor.lora.rank={args.lora_rank}",
+                      f"actor.lora.alpha={args.lora_rank}", "actor.lora.target_modules=[all-linear]",
                       "actor.optimizer.lr=1e-5"]
     if args.tiny:  # the CPU demo's own model (created under the run dir), lr and task
         overrides = [o for o in overrides if not o.startswith(GSM8K_ONLY)] + ["stop_at_reward=null"]
@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-transport", default="file", choices=["file", "ipc", "nccl"],
                     help="weights.transport of the runs")
-    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (actor.use_lora)")
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter (actor.lora.enabled)")
     ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     if not args.tiny and not args.data:

@@ -12,7 +12,7 @@ ids); emits a table on stdout and JSON to ``--out`` / ``$OUT/lora.json``. Sectio
   in fp32), gradient checkpointing (``use_reentrant=False``), bf16 autocast, full logits +
   fp32 log-softmax of the sampled tokens times the advantage, fused AdamW over the adapter
   (issue 30 measured 7.1k tok/s, 32.7 GiB on one H200). ``ours``: PPOActor with
-  ``actor.use_lora`` on the packed forward (flash varlen / sdpa, liger kernels, the Triton
+  ``actor.lora.enabled`` on the packed forward (flash varlen / sdpa, liger kernels, the Triton
   logprob kernel, bf16 weights with fp32 master weights of the adapter, fused AdamW) with
   gradient checkpointing every layer (``ac``), every second layer (``ac/2``) and none.
   Target: >= 1.5x the tokens/s of hf+peft at <= its peak memory.
@@ -62,7 +62,7 @@ from engine_generate import (  # noqa: E402
 )
 from trainer_systems import MAX_GRAD_NORM, actor_config, fixed_batch  # noqa: E402
 
-from tapioca.config.lora import LoraSpec  # noqa: E402
+from tapioca.config.lora import LoraConfig, LoraSpec  # noqa: E402
 from tapioca.engines.paged_engine import PagedEngine  # noqa: E402
 from tapioca.models.factory import build_tiny_model  # noqa: E402
 from tapioca.models.forward import autocast_context  # noqa: E402
@@ -76,8 +76,8 @@ RANK = 16
 LR = 1e-5
 FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", attention_backend="auto",
             liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192,
-            logprob_keep_logits=False, mb_max_tokens=16384, use_lora=True, lora_rank=RANK,
-            lora_alpha=RANK)
+            logprob_keep_logits=False, mb_max_tokens=16384,
+            lora=LoraConfig(enabled=True, rank=RANK, alpha=RANK))
 
 
 def build(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -118,12 +118,13 @@ def timed_steps(step, device: str, repeats: int) -> dict:
 
 def hf_peft_step(model, batch, device: str):
     """The anchor: transformers + peft as a user writes it (see the module docstring)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=RANK, target_modules="all-linear",
-                                                  lora_dropout=0.0, task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(model, PeftLoraConfig(r=RANK, lora_alpha=RANK, target_modules="all-linear",
+                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(params, lr=LR, fused=True if cuda else None)

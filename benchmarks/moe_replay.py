@@ -47,6 +47,7 @@ from moe_engine import build  # noqa: E402
 from moe_trainer import FAST, SHAPE, SMOKE  # noqa: E402
 from trainer_systems import actor_config, fixed_batch  # noqa: E402
 
+from tapioca.config.moe import MoeConfig  # noqa: E402
 from tapioca.engines.paged_engine import PagedEngine  # noqa: E402
 from tapioca.models.attention import packed_seqs, position_ids  # noqa: E402
 from tapioca.schemas.envelope import encode_event  # noqa: E402
@@ -56,9 +57,10 @@ from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
 
 # (MoE layers, top_k, experts per layer)
 WIRE_SHAPES = {"2.8B trainer shape": (12, 8, 64), "Qwen3-30B-A3B": (48, 8, 128), "Qwen3-235B-A22B": (94, 8, 128)}
-TRAINER_RUNS = {"disabled": dict(router_replay="disabled"), "R3": dict(router_replay="R3"),
-                "disabled_2mb": dict(router_replay="disabled", ppo_n_minibatches=2),
-                "R2_2mb": dict(router_replay="R2", ppo_n_minibatches=2)}
+TRAINER_RUNS = {"disabled": dict(moe=MoeConfig(router_replay="disabled")),
+                "R3": dict(moe=MoeConfig(router_replay="R3")),
+                "disabled_2mb": dict(moe=MoeConfig(router_replay="disabled"), ppo_n_minibatches=2),
+                "R2_2mb": dict(moe=MoeConfig(router_replay="R2"), ppo_n_minibatches=2)}
 
 
 def wire(tokens: int) -> dict:
@@ -109,7 +111,7 @@ def trainer(shape: dict, batch, args) -> dict:
         actor = PPOActor(build(shape, dtype, dev), actor_config(dev, **fast, **opts), temperature=1.0,
                          pad_token_id=0, device=dev)
         items = batch.items(shape["vocab_size"])
-        if opts["router_replay"] == "R3":
+        if opts["moe"].router_replay == "R3":
             own_routes(actor, items)
 
         last: dict = {}

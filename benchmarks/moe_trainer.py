@@ -50,6 +50,8 @@ from engine_generate import H200_BF16_DENSE_TFLOPS, env_info, out_path, print_ta
 from moe_engine import build  # noqa: E402
 from trainer_systems import _grads_after_step, actor_config, actor_step, compare, fixed_batch, hf_plain_step  # noqa: E402
 
+from tapioca.config.moe import MoeConfig  # noqa: E402
+
 SHAPE = dict(vocab_size=151936, hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=128,
              intermediate_size=3072, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024)
 SMOKE = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -58,7 +60,7 @@ CHECK = dict(vocab_size=4096, hidden_size=256, num_layers=2, num_heads=4, num_kv
              intermediate_size=512, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
 FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", attention_backend="auto",
             liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=4096,
-            mb_max_tokens=16384, moe_router_dtype="fp32")
+            mb_max_tokens=16384, moe=MoeConfig(router_dtype="fp32"))
 RUNS = {"hf": ("hf", torch.float32, {}), "hf_bf16": ("hf", torch.bfloat16, {}),
         "fast": ("actor", torch.bfloat16, FAST), "fast_mb4k": ("actor", torch.bfloat16, dict(FAST, mb_max_tokens=4096)),
         "fast_mb4k_ac": ("actor", torch.bfloat16, dict(FAST, mb_max_tokens=4096, gradient_checkpointing=True))}

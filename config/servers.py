@@ -56,7 +56,7 @@ class InferenceServerConfig:
     wait_for_server_s: float = 300.0
     # Requests in flight per server (the server batches them); 0 = rollout.max_batch_size.
     max_inflight_per_server: int = 0
-    # actor.use_lora: the largest adapter rank an engine accepts (a launched server's
+    # actor.lora.enabled: the largest adapter rank an engine accepts (a launched server's
     # --max-lora-rank; the in-process engines refuse larger adapters too), and the adapter
     # versions a server keeps loaded (0: max_head_offpolicyness + 2; older ones are unloaded).
     max_lora_rank: int = 64

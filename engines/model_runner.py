@@ -15,7 +15,7 @@ fused parameter, so CUDA graphs captured over these tensors stay valid.
 
 MoE layers (Qwen3-MoE; dense layers of ``mlp_only_layers`` / ``decoder_sparse_step``
 stay dense): the router runs in fp32 (its own fp32 copy of ``mlp.gate.weight``, as the
-trainer's ``actor.moe_router_dtype`` default: rollout and training route alike), then
+trainer's ``actor.moe.router_dtype`` default: rollout and training route alike), then
 :func:`kernels.moe_route` (top-k) and :func:`kernels.fused_moe` (the experts, from the
 fused ``[E, 2I, H]`` / ``[E, H, I]`` tensors). Expert weights load under either naming:
 the fused names of transformers 5 (``mlp.experts.gate_up_proj``) or one tensor per
@@ -370,7 +370,7 @@ class PagedDecoder(torch.nn.Module):
         up to 256 experts, else int16 (the bits of uint16)."""
         if not self.num_moe_layers:
             raise EngineError("routed experts were asked for (rollout.return_routed_experts or "
-                              "actor.router_replay R3) but the model has no MoE layer; turn them off")
+                              "actor.moe.router_replay R3) but the model has no MoE layer; turn them off")
         dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
         self.route_cache = torch.zeros((num_slots + 1, self.num_moe_layers, self.top_k), dtype=dtype,
                                        device=self.device)

@@ -537,7 +537,7 @@ class ServerEngine(InferenceEngine):
     def _routes_of(self, request: GenRequest, raw: RawOutput, n_out: int):
         """The server's routes of one request on the MoE layers, or None (not asked for,
         not returned, or of the wrong shape: counted as ``routes_malformed`` and logged;
-        the generation is kept and the trainer's router_replay_missing decides)."""
+        the generation is kept and the trainer's actor.moe.router_replay_missing decides)."""
         import numpy as np
 
         if not self.return_routed_experts or raw.routed_experts is None:

@@ -19,7 +19,7 @@ Consumes GenRequests and weights files; emits GenResults (shared machinery:
 - ``POST /update_weight_version`` ``{"new_version", "abort_all_requests": false}``;
 - ``POST /abort_request`` ``{"rid"}`` (``{"abort_all": true}`` exists; not used, a
   server may serve other workers); ``GET /health``;
-- LoRA runs (``actor.use_lora``; launched with ``--enable-lora --max-lora-rank R
+- LoRA runs (``actor.lora.enabled``; launched with ``--enable-lora --max-lora-rank R
   --max-loras-per-batch N --max-loaded-loras N --lora-target-modules ...``):
   ``POST /load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
   /unload_lora_adapter`` ``{"lora_name"}`` -> ``{"success", "error_message",
@@ -33,7 +33,7 @@ requests get T = 1: exactly Tapioca's convention. Do not set
 
 Routed experts (MoE routing replay, R3): a server started with
 ``--enable-return-routed-experts`` (added when this role launches it with
-``rollout.return_routed_experts`` or ``actor.router_replay`` R3) answers a request that
+``rollout.return_routed_experts`` or ``actor.moe.router_replay`` R3) answers a request that
 sets ``"return_routed_experts": true`` with ``meta_info.routed_experts``: base64 of raw
 int32 ids ``[prompt + output - 1, hidden layers, top_k]`` (SGLang's
 ``routed_experts_capturer.py``: one row per KV slot of the request but its last token),

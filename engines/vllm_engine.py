@@ -21,7 +21,7 @@ checked against vLLM 0.32.0's source (``entrypoints/rl/online/api_router.py``,
   aborted requests return the tokens they have;
 - ``GET /server_info?config_format=json``: the server's config, checked at start;
 - ``GET /health``;
-- LoRA runs (``actor.use_lora``; the server launched with ``--enable-lora --max-lora-rank R
+- LoRA runs (``actor.lora.enabled``; the server launched with ``--enable-lora --max-lora-rank R
   --max-loras N --max-cpu-loras N`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``):
   ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (a PEFT adapter
   directory) for every version under its name ``{lora_name}-v{version}``,
@@ -55,7 +55,7 @@ did: an EngineError says so). The server must be able to load the model's proces
 
 Routed experts (MoE routing replay, R3): a server started with
 ``--enable-return-routed-experts`` (added when this role launches it with
-``rollout.return_routed_experts`` or ``actor.router_replay`` R3; vLLM needs its model
+``rollout.return_routed_experts`` or ``actor.moe.router_replay`` R3; vLLM needs its model
 runner V2 and prefix caching for it, and has no per-request switch) answers each choice
 with ``routed_experts``: base64 of a ``.npy`` array ``[prompt + output - 1, hidden layers,
 top_k]`` (uint8 / uint16; vLLM 0.32 ``entrypoints/scale_out/token_in_token_out/protocol.py``),

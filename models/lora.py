@@ -57,7 +57,7 @@ class LoraAdapter:
 
 
 def peft_targets(target_modules: Sequence[str]) -> str | list[str]:
-    """``actor.target_modules`` as peft takes them: ``[all-linear]`` is the string
+    """``actor.lora.target_modules`` as peft takes them: ``[all-linear]`` is the string
     ``"all-linear"`` (peft resolves it to every linear layer but the output layer)."""
     mods = list(target_modules)
     return "all-linear" if mods == ["all-linear"] else mods
@@ -89,7 +89,7 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int,
             torch.manual_seed(seed)
             inject_adapter_in_model(cfg, model)
     except ValueError as exc:  # peft's NoMatchingPeftModuleError is a ValueError
-        raise ConfigError(f"actor.target_modules={list(target_modules)}: {exc}; name linear "
+        raise ConfigError(f"actor.lora.target_modules={list(target_modules)}: {exc}; name linear "
                           "modules of the model (q_proj, v_proj, ...) or use [all-linear]") from None
     if any(isinstance(m, ModulesToSaveWrapper) for m in model.modules()):
         raise ConfigError("the adapter would train whole modules (modules_to_save), which weight "
@@ -116,7 +116,7 @@ def resolve_targets(model_path: str, target_modules: Sequence[str]) -> list[str]
 
 def module_names(model_path: str) -> tuple[set[str], set[str]]:
     """``(every module path, the short names of its linear layers)`` of the model at
-    ``model_path`` (a meta-device copy): what ``actor.target_modules`` may name, checked at
+    ``model_path`` (a meta-device copy): what ``actor.lora.target_modules`` may name, checked at
     start by the feature table (config/features.py)."""
     model = _meta_model(model_path)
     paths = {name for name, _ in model.named_modules() if name}

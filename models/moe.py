@@ -49,14 +49,15 @@ from torch.autograd.function import once_differentiable
 
 from ..schemas.errors import ConfigError
 
-# moe_router_dtype values (Megatron's spelling first; "none": the activation dtype).
+# actor.moe.router_dtype values, the names config/moe.py admits (Megatron's spelling first;
+# "none": the activation dtype).
 ROUTER_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64,
                  "float64": torch.float64, "none": None}
 
 
 def router_dtype(name: str) -> torch.dtype | None:
     if name not in ROUTER_DTYPES:
-        raise ConfigError(f"actor.moe_router_dtype={name!r}: use fp32, fp64 or none (the activation dtype)")
+        raise ConfigError(f"actor.moe.router_dtype={name!r}: use fp32, fp64 or none (the activation dtype)")
     return ROUTER_DTYPES[name]
 
 
@@ -291,7 +292,7 @@ def moe_layer_indices(config: dict) -> list[int]:
 
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The MoE routers' parameters of any transformers MoE family (``mlp.gate`` of
-    Qwen2/3-MoE, OLMoE, Qwen3-Next; ``mlp.router`` of gpt-oss): what freeze_moe_router
+    Qwen2/3-MoE, OLMoE, Qwen3-Next; ``mlp.router`` of gpt-oss): what actor.moe.freeze_router
     holds fixed. Shared-expert gates are not routers and train."""
     return [p for name, p in model.named_parameters()
             if re.search(r"\.mlp\.(gate|router)\.(weight|bias)$", name)]

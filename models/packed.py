@@ -31,7 +31,7 @@ each decoder layer; the compiled code is shared by all layers of one shape),
 recomputed in backward) and ``recompute_swiglu``.
 
 MoE layers (Qwen3-MoE) run :func:`tapioca.models.moe.moe_forward`: the router in
-``actor.moe_router_dtype`` (fp32 by default), grouped expert GEMMs, no token dropped.
+``actor.moe.router_dtype`` (fp32 by default), grouped expert GEMMs, no token dropped.
 After each forward, ``routers`` holds every MoE layer's :class:`~tapioca.models.moe.RouterOut`
 (top-k ids, load, the unscaled load-balancing and z losses): :meth:`router_loss` is what
 the actor adds to its loss, :meth:`take_router_metrics` the load statistics of the

@@ -26,12 +26,12 @@ not started before the worker has loaded the version the feeder admitted it unde
 that overtakes its weights event is generated one version too old and later rejected as
 over-stale. A prompt's offset is committed only after all its trajectories are delivered.
 
-Routed experts (``rollout.return_routed_experts``, or ``actor.router_replay`` R3): the
+Routed experts (``rollout.return_routed_experts``, or ``actor.moe.router_replay`` R3): the
 engine's routes of each completion ride on its trajectory (``routed_experts``, the compact
 encoding of :mod:`tapioca.schemas.routes`), inline up to
 ``rollout.routed_experts_inline_max_bytes`` and otherwise in the run's blob store, written
 before the trajectory is published. A completion the engine returns without routes goes
-out without them (the trainer's ``actor.router_replay_missing`` decides).
+out without them (the trainer's ``actor.moe.router_replay_missing`` decides).
 
 Fleet control: paused, the engine is paused too (the runner hands the worker no events
 and no ticks, so nothing is published); draining, no waiting prompt is started and the

@@ -165,7 +165,7 @@ def in_process_engine(hf_model, tokenizer, rollout, *, seed: int,
         raise ConfigError(
             f"routed experts are recorded by the paged engine (Qwen3-MoE), which cannot run model "
             f"family {getattr(hf_model.config, 'model_type', '?')!r} ({reason}); turn off "
-            "rollout.return_routed_experts / actor.router_replay=R3, or use rollout.engine=vllm or "
+            "rollout.return_routed_experts / actor.moe.router_replay=R3, or use rollout.engine=vllm or "
             "sglang with a server that returns routed experts")
     log.info("model family %r: TorchEngine instead of the paged engine: %s",
              getattr(hf_model.config, "model_type", "?"), reason)

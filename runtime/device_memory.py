@@ -33,7 +33,7 @@ beside it (:attr:`DevicePlan.sleep_frees`). Not planned: a vLLM / SGLang server'
 
 :func:`fitting_changes` tries, in the planner, the settings that lower a device's total
 (``actor.mb_max_tokens`` halved, ``actor.gradient_checkpointing``, the KV cache's
-fraction, ``weights.buffer_slots=1``, ``weights.transport=file``, ``actor.use_lora``, then
+fraction, ``weights.buffer_slots=1``, ``weights.transport=file``, ``actor.lora.enabled``, then
 combinations) and names
 those that fit.
 """
@@ -251,13 +251,13 @@ def _engine_parts(member: str, m: mp.ModelShape, cfg: Any, *, need_tokens: int,
     r = cfg.rollout
     b = mp.dtype_bytes(cfg.model.dtype)
     parts = [Part(member, f"weights ({cfg.model.dtype})", b * m.params)]
-    if cfg.actor.use_lora:
-        base = m.layers * sum(i * o for i, o in mp.lora_targets(m, cfg.actor.target_modules).values())
+    if cfg.actor.lora.enabled:
+        base = m.layers * sum(i * o for i, o in mp.lora_targets(m, cfg.actor.lora.target_modules).values())
         parts.append(Part(member, "LoRA: base copies of the targeted weights", b * base))
     tokens = kv_cache_tokens(m, r, b, need_tokens=need_tokens, card_bytes=card_bytes)
     sleeps = bool(r.enable_sleep_mode) and r.paged
     parts.append(Part(member, f"KV cache ({tokens:,} tokens)", tokens * kv_bytes_per_token(m, b), sleeps))
-    if cfg.weights.transport in ("ipc", "nccl") and not cfg.actor.use_lora:
+    if cfg.weights.transport in ("ipc", "nccl") and not cfg.actor.lora.enabled:
         # weights/receiver.py copies each version into a buffer of its own, verifies its
         # checksums there, then loads it (measured on the H100 at 3B: the engine held 20.6
         # GiB where weights + KV + workspace + context plan 14.9; this is the rest).
@@ -332,7 +332,7 @@ def _trainer_parts(member: str, cfg: Any, shape: mp.ModelShape, step: mp.MemoryP
         slot = mp.dtype_bytes(cfg.model.dtype) * published
         parts.append(Part(member, f"{wt.transport} weight slots ({wt.buffer_slots} x {slot / GIB:.2f} GiB)",
                           wt.buffer_slots * slot))
-    if a.kl_ctl > 0 and not (a.use_lora and not cfg.ref.path):
+    if a.kl_ctl > 0 and not (a.lora.enabled and not cfg.ref.path):
         ref = _other_shape(cfg.ref.path, shape)
         parts.append(Part(member, f"reference model ({a.weights_dtype})", w * ref.params / cfg.fsdp.world_size))
     if cfg.distill.kd_weight > 0:
@@ -416,7 +416,7 @@ def fitting_changes(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *
     files = {"weights.transport": "file"} if cfg.weights.transport in ("ipc", "nccl") else {}
     if files:
         single.append(lambda: files if _fits(attempt(files), budgets) else None)
-    lora = {} if a.use_lora else {"actor.use_lora": True}
+    lora = {} if a.lora.enabled else {"actor.lora.enabled": True}
     if lora:
         single.append(lambda: lora if _fits(attempt(lora), budgets) else None)
     for fn in single:

@@ -80,7 +80,7 @@ def regenerate(cfg: TrainConfig, traj: TrajectoryEvent, prompt_sampling: Mapping
         raise CannotRegenerateError(
             f"the run generated with rollout.engine={rollout.engine} (paged {rollout.paged}); regeneration "
             "replays the in-process paged engine's keyed draws only")
-    if cfg.actor.use_lora:
+    if cfg.actor.lora.enabled:
         raise CannotRegenerateError("a LoRA run's versions are adapters: regenerating them is not supported yet")
     if traj.images:
         raise CannotRegenerateError(f"trajectory {traj.traj_id} has images: regenerating vision-language "

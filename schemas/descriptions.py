@@ -87,8 +87,8 @@ TRAJECTORY: dict[str, str] = {
                       "the ids as one little-endian token-major array [num_tokens, num_layers, "
                       "top_k]: base64 in data_b64, or named by its SHA-256 in blob_sha256 (the "
                       "run's blob store, <run dir>/blobs). null: not recorded; a trainer with "
-                      "actor.router_replay R3 then routes the sequence live or rejects it "
-                      "(actor.router_replay_missing).",
+                      "actor.moe.router_replay R3 then routes the sequence live or rejects it "
+                      "(actor.moe.router_replay_missing).",
     "sampling_seed": "The sampling seed of the one generation request that produced "
                      "output_ids (0 <= seed < 2**63): the paged engine keys every draw by "
                      "(seed, position of the token sampled), so `tapioca regenerate` can "

@@ -181,7 +181,7 @@ class TrajectoryEvent(Event):
     session_id: str = ""
     delayed_reward_factor: float = 1.0
     # The experts every token was routed to in every MoE layer (rollout.return_routed_experts;
-    # None: not recorded). The trainer replays them with actor.router_replay R3.
+    # None: not recorded). The trainer replays them with actor.moe.router_replay R3.
     routed_experts: Optional[RoutedExperts] = None
     # The sampling seed of the one generation request that produced output_ids (the paged
     # engine keys each draw by (seed, token position); `tapioca regenerate` replays it,
@@ -307,7 +307,7 @@ class WeightsFile:
 
 @dataclass(kw_only=True)
 class WeightsAdapter:
-    """A LoRA version (``actor.use_lora``): the event's bytes are an adapter for the base
+    """A LoRA version (``actor.lora.enabled``): the event's bytes are an adapter for the base
     model ``base_id`` names, not whole weights. ``name`` is the version's adapter name
     (``{gconfig.lora_name}-v{version}``); with the ``file`` transport ``path`` is a PEFT
     adapter directory of that name (``adapter_model.safetensors`` + ``adapter_config.json``)
@@ -384,7 +384,7 @@ class WeightsEvent(Event):
     # Durable files (any version) the background writer finished since the previous
     # weights event: what `tapioca weights list` and rollback read their sha256 from.
     files: list[WeightsFile] = field(default_factory=list)
-    # actor.use_lora: the bytes are this adapter (None: the whole weights).
+    # actor.lora.enabled: the bytes are this adapter (None: the whole weights).
     adapter: Optional[WeightsAdapter] = None
 
     def __post_init__(self) -> None:

@@ -385,7 +385,7 @@ def vllm_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_lora_server(tmp_path_factory):
     """A second real vLLM server, LoRA enabled (``--enable-lora``, max rank 16, 3 adapters
-    loaded at most: what ``actor.use_lora`` launches), for the LoRA tests of one module;
+    loaded at most: what ``actor.lora.enabled`` launches), for the LoRA tests of one module;
     stopped at its end. Its start took 220 s on a loaded 2-core box."""
     import os
     from pathlib import Path

@@ -290,14 +290,14 @@ def load_state(path: str | os.PathLike, *, model: torch.nn.Module | None = None,
             raise CheckpointFormatError(
                 f"{path} holds {'only the adapter' if doc.get('trainable_only') else 'every weight'} "
                 f"but this run trains {'an adapter' if trainable_only else 'every weight'}: it was "
-                "written with another actor.use_lora; resume with that setting, or start a new trial")
+                "written with another actor.lora.enabled; resume with that setting, or start a new trial")
         if trainable_only:
             own = trainable_state_dict(model)
             if set(sd) != set(own):
                 raise CheckpointFormatError(
                     f"{path}'s adapter does not fit this model's (e.g. "
-                    f"{sorted(set(sd) ^ set(own))[:2]}): resume with the actor.target_modules "
-                    "and actor.lora_rank it was written with, or start a new trial")
+                    f"{sorted(set(sd) ^ set(own))[:2]}): resume with the actor.lora.target_modules "
+                    "and actor.lora.rank it was written with, or start a new trial")
             model.load_state_dict(sd, strict=False)
         else:
             model.load_state_dict(sd)

@@ -5,7 +5,7 @@ and chat template) with the trained weights as ``model.safetensors`` in ``model.
 ``AutoModelForCausalLM.from_pretrained``, vLLM and SGLang load it as it is, and it is a
 warm start (``model.path``) for another run.
 
-A LoRA run (``actor.use_lora``) leaves its adapter instead: ``final/`` is a PEFT adapter
+A LoRA run (``actor.lora.enabled``) leaves its adapter instead: ``final/`` is a PEFT adapter
 directory (``adapter_config.json``, whose ``base_model_name_or_path`` is the base
 ``model.path``, and ``adapter_model.safetensors``), which
 ``PeftModel.from_pretrained(base, "final")`` and vLLM / SGLang's LoRA endpoints load;

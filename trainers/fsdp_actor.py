@@ -312,7 +312,7 @@ class ShardedActor(PPOActor):
         record = sharded_checkpoint.read_record(path)
         if record is not None and bool(record.get("trainable_only")) != (self.lora is not None):
             self._command({"op": "noop"})
-            raise ConfigError(f"the sharded checkpoint {path} was written with actor.use_lora="
+            raise ConfigError(f"the sharded checkpoint {path} was written with actor.lora.enabled="
                               f"{str(bool(record.get('trainable_only'))).lower()}: resume with that "
                               "setting, or start a new trial")
         if record is None:

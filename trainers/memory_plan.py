@@ -165,7 +165,7 @@ class TrainShape:
     logprob_kernel: str = "torch"  # torch | triton
     keep_logits: bool = False
     chunk_tokens: int = 4096
-    # actor.use_lora: the adapter's parameters (0: full training) and the sum of its
+    # actor.lora.enabled: the adapter's parameters (0: full training) and the sum of its
     # ranks over one decoder layer's targeted projections (what each saves per token).
     lora_params: int = 0
     lora_layer_rank: int = 0
@@ -397,7 +397,7 @@ def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 
     trainer will run them: on CUDA the ``auto`` logprob kernel is Triton at tp 1, and
     ``auto`` attention is flash varlen where the layers compute in bf16 / fp16 (in fp32
     the packed forward runs padded sdpa); ``liger_kernels: null`` is on where it runs.
-    ``model``: the shape a LoRA adapter (``actor.use_lora``) is counted on."""
+    ``model``: the shape a LoRA adapter (``actor.lora.enabled``) is counted on."""
     from ..models.fused_ops import liger_by_default
 
     cuda = str(actor.device).startswith("cuda")
@@ -410,8 +410,8 @@ def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 
         attention = "varlen" if cuda and compute in ("bfloat16", "float16") else "sdpa"
     every = actor.gradient_checkpointing_every_n_layers if actor.gradient_checkpointing else 0
     lora_params = lora_rank = 0
-    if actor.use_lora and model is not None:
-        lora_params, lora_rank = lora_shape(model, actor.lora_rank, actor.target_modules)
+    if actor.lora.enabled and model is not None:
+        lora_params, lora_rank = lora_shape(model, actor.lora.rank, actor.lora.target_modules)
     return TrainShape(
         tokens=tokens or actor.mb_max_tokens, micro_batches=micro_batches, dp=fsdp.dp, tp=fsdp.tp,
         cp=fsdp.cp, param_dtype=actor.weights_dtype, autocast_dtype=actor.autocast_dtype,
@@ -436,7 +436,7 @@ def projections(m: ModelShape) -> dict[str, tuple[int, int]]:
 
 
 def lora_targets(m: ModelShape, target_modules) -> dict[str, tuple[int, int]]:
-    """The projections of one layer an adapter of ``actor.target_modules`` wraps
+    """The projections of one layer an adapter of ``actor.lora.target_modules`` wraps
     (``all-linear``: every one; peft leaves the LM head out)."""
     names = list(target_modules)
     proj = projections(m)

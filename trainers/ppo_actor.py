@@ -57,6 +57,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 import torch
@@ -81,7 +82,7 @@ log = logging.getLogger(__name__)
 # Switches that act on the packed forward only (config/schema.py refuses them with
 # packed_sequences false; a family the packed forward does not run refuses them here).
 _PACKED_ONLY = ("liger_kernels", "compile_layers", "gradient_checkpointing", "recompute_swiglu",
-                "moe_aux_loss_coeff", "moe_z_loss_coeff", "enable_tree_training")
+                "moe.aux_loss_coeff", "moe.z_loss_coeff", "enable_tree_training")
 
 
 @dataclass
@@ -115,7 +116,7 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
     family = getattr(model.config, "model_type", "?")
     reason = unsupported_reason(model) if cfg.packed_sequences else "actor.packed_sequences is off"
     if cfg.packed_sequences and reason is not None:
-        on = [f"actor.{name}" for name in _PACKED_ONLY if getattr(cfg, name)]
+        on = [f"actor.{name}" for name in _PACKED_ONLY if attrgetter(name)(cfg)]
         if on:
             raise ConfigError(f"model family {family!r}: {reason}, so it trains with the padded HF "
                               f"forward, where {', '.join(on)} do not apply: unset them")
@@ -132,7 +133,7 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
             compile_layers=cfg.compile_layers,
             checkpoint_every_n_layers=cfg.gradient_checkpointing_every_n_layers if cfg.gradient_checkpointing else 0,
             recompute_swiglu=cfg.recompute_swiglu, autocast_dtype=cfg.autocast_dtype,
-            moe_router_dtype=cfg.moe_router_dtype)
+            moe_router_dtype=cfg.moe.router_dtype)
         if parallel is None:
             packed = PackedCausalLM(model, **kwargs)
         else:
@@ -143,24 +144,24 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
             check_packed_tree_backend(packed)
         # A dense model is refused at start (config/features.py's moe_router_losses_x_dense_model);
         # this also catches an MoE family whose layers the packed forward does not route.
-        if (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff) and not packed.moe_layers:
-            raise ConfigError(f"actor.moe_aux_loss_coeff / moe_z_loss_coeff are set but model family "
+        if (cfg.moe.aux_loss_coeff or cfg.moe.z_loss_coeff) and not packed.moe_layers:
+            raise ConfigError(f"actor.moe.aux_loss_coeff / z_loss_coeff are set but model family "
                               f"{family!r} has no MoE layer: set them to 0")
-    if cfg.router_replay != "disabled" and cfg.enable_tree_training:  # defence: the table's row
-        raise ConfigError(f"actor.router_replay={cfg.router_replay} replays per-sequence routes, which "
+    if cfg.moe.router_replay != "disabled" and cfg.enable_tree_training:  # defence: the table's row
+        raise ConfigError(f"actor.moe.router_replay={cfg.moe.router_replay} replays per-sequence routes, which "
                           "actor.enable_tree_training does not map onto its shared prefixes: set one off "
                           "(feature table: router_replay_x_tree_training)")
     # A dense model is refused at start (config/features.py's router_replay_x_dense_model);
     # this also catches an MoE family the packed forward cannot route.
-    if cfg.router_replay != "disabled" and (packed is None or not packed.moe_layers):
+    if cfg.moe.router_replay != "disabled" and (packed is None or not packed.moe_layers):
         why = reason if packed is None else "it has no MoE layer the packed forward routes"
-        raise ConfigError(f"actor.router_replay={cfg.router_replay} replays the routes of the packed "
+        raise ConfigError(f"actor.moe.router_replay={cfg.moe.router_replay} replays the routes of the packed "
                           f"forward's MoE layers, but model family {family!r} cannot ({why}): set "
-                          "actor.router_replay=disabled")
-    if cfg.freeze_moe_router:
+                          "actor.moe.router_replay=disabled")
+    if cfg.moe.freeze_router:
         routers = router_parameters(model)
         if not routers:
-            raise ConfigError(f"actor.freeze_moe_router is set but model family {family!r} has no "
+            raise ConfigError(f"actor.moe.freeze_router is set but model family {family!r} has no "
                               "MoE router (no mlp.gate / mlp.router weights): unset it")
         for p in routers:
             p.requires_grad_(False)
@@ -228,11 +229,11 @@ class PPOActor:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
         tokens; prefix trees with ``enable_tree_training``, each shared prefix counted
         once) or right-padded (count x longest), per ``packed_sequences``; with
-        ``router_replay`` R3 packed with the items' routes (config refuses R3 with trees)."""
+        ``moe.router_replay`` R3 packed with the items' routes (config refuses R3 with trees)."""
         if self.packed is not None and self.cfg.enable_tree_training:
             return [to_tree_packed(mb, self.device) for mb in tree_micro_batches(items, self.cfg.mb_max_tokens)]
         if self.packed is not None:
-            shape = self.packed.moe_shape if self.cfg.router_replay == "R3" else None
+            shape = self.packed.moe_shape if self.cfg.moe.router_replay == "R3" else None
             moe = shape[:2] if shape is not None else None
             groups = packed_micro_batches(items, self.cfg.mb_max_tokens)
             out = [to_packed(mb, self.device, moe) for mb in groups]
@@ -342,7 +343,7 @@ class PPOActor:
         """R2: micro-batches whose first pass must be a no-grad forward that records their
         routes (every one whose training forward follows an optimizer step of this
         train_step), beyond the pi_prox forwards (which record them anyway)."""
-        if self.cfg.router_replay != "R2":
+        if self.cfg.moe.router_replay != "R2":
             return []
         later = {i for mb_ids in minibatches[1:] for i in mb_ids}
         if not self.prox_from_training_forward:
@@ -388,7 +389,7 @@ class PPOActor:
             prox = [mb.behav_logprobs_BT for mb in mbs]
         entropy_known = [False] * len(mbs)
         entropy_sum = 0.0
-        replay = RouteStats(self.packed, cfg.router_replay)
+        replay = RouteStats(self.packed, cfg.moe.router_replay)
         prox_ids = self._prox_forward_ids(minibatches, len(mbs))
         with torch.no_grad():
             for i in prox_ids:
@@ -497,7 +498,7 @@ class PPOActor:
         """The last training forward's router losses times their coefficients (None: off)."""
         if self.packed is None:
             return None
-        return self.packed.router_loss(self.cfg.moe_aux_loss_coeff, self.cfg.moe_z_loss_coeff)
+        return self.packed.router_loss(self.cfg.moe.aux_loss_coeff, self.cfg.moe.z_loss_coeff)
 
     def _router_values(self) -> dict[str, float]:
         """The last forward's unscaled router losses (mean over MoE layers) for metrics."""

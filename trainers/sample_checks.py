@@ -128,9 +128,9 @@ def check_routes(event: SampleEvent, *, moe_shape: tuple[int, int, int], missing
                 why = (f"its routes are in blob {r.blob_sha256}, which the run's blob store does not "
                        "hold" if gone else "it carries no routed experts")
                 raise BadEventError(
-                    f"{where}: actor.router_replay is R3 but {why}; record them (the paged engine, or "
+                    f"{where}: actor.moe.router_replay is R3 but {why}; record them (the paged engine, or "
                     "a vLLM / SGLang server with --enable-return-routed-experts, and "
-                    "rollout.return_routed_experts), or set actor.router_replay_missing=live to "
+                    "rollout.return_routed_experts), or set actor.moe.router_replay_missing=live to "
                     "route such sequences with the trainer's router")
             n_missing += 1
             s.routed_experts = None

@@ -34,9 +34,9 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   online trainer's), a sample made for another advantage config
   (``SampleEvent.estimator``, ``adv_norm`` or ``reward_norm``; also counted as
   ``trainer/dead_lettered_config`` and logged as an error: it would train silently wrong
-  advantages). With ``actor.router_replay`` R3, routed experts that do not fit the model
+  advantages). With ``actor.moe.router_replay`` R3, routed experts that do not fit the model
   (an expert id out of range, another layer count or top-k, another token count) too; a
-  sequence without its routes is dead-lettered with ``actor.router_replay_missing``
+  sequence without its routes is dead-lettered with ``actor.moe.router_replay_missing``
   reject, else routed live and counted (``trainer/routes_missing``). Routes kept in the
   run's blob store are read at arrival (``sample_checks.check_routes``).
 - A step whose loss or gradient norm is not finite is not applied: the optimizer step is
@@ -138,7 +138,7 @@ class TrainerState:
     # groups trained past eta within actor.late_reward_max_offpolicyness.
     dead_lettered_stale: int = 0
     trained_late: int = 0
-    # R3: sequences trained without the rollout's routes (actor.router_replay_missing live).
+    # R3: sequences trained without the rollout's routes (actor.moe.router_replay_missing live).
     routes_missing: int = 0
     unannounced: list[str] = field(default_factory=list)
     done: bool = False
@@ -192,7 +192,7 @@ class Trainer(Role[TrainerState]):
                                 config=dataclasses.asdict(section))
         self.weights_dir = self.run_dir / WEIGHTS_DIR
         self._norm_spec = section.advantage.norm().spec()
-        # actor.use_lora: every version is the adapter (docs/lora.md), a PEFT adapter
+        # actor.lora.enabled: every version is the adapter (docs/lora.md), a PEFT adapter
         # directory when it has a file, for the base model.path names (its identity).
         self.lora = section.lora
         self._lora_name = self.lora.name if self.lora is not None else ""
@@ -227,7 +227,7 @@ class Trainer(Role[TrainerState]):
         # R3: the routes a sample carries are checked against the model (and read from the
         # run's blob store when they are there).
         self._moe_shape = None
-        if section.actor.router_replay == "R3" and getattr(actor, "packed", None) is not None:
+        if section.actor.moe.router_replay == "R3" and getattr(actor, "packed", None) is not None:
             from ..media.store import run_blob_store
 
             self._moe_shape = actor.packed.moe_shape
@@ -420,7 +420,7 @@ class Trainer(Role[TrainerState]):
             self._check_images(event)
             if self._moe_shape is not None:
                 return check_routes(event, moe_shape=self._moe_shape,
-                                    missing=self.cfg.actor.router_replay_missing, store=self._blobs)
+                                    missing=self.cfg.actor.moe.router_replay_missing, store=self._blobs)
         return 0
 
     def _check_images(self, event: SampleEvent) -> None:

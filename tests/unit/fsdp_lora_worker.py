@@ -29,7 +29,9 @@ SPEC = LoraSpec(peft_type="lora", rank=4, alpha=8, target_modules=("all-linear",
 
 
 def make_cfg():
-    return base_worker.make_cfg(use_lora=True, lora_rank=SPEC.rank, lora_alpha=SPEC.alpha)
+    from tapioca.config.lora import LoraConfig
+
+    return base_worker.make_cfg(lora=LoraConfig(enabled=True, rank=SPEC.rank, alpha=SPEC.alpha))
 
 
 def main(out_dir: str) -> None:

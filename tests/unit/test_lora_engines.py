@@ -223,7 +223,7 @@ def test_whole_weights_are_refused_by_a_lora_worker_and_an_adapter_by_a_full_one
     with pytest.raises(WeightsRefusedError, match="whole weights"):
         load(full)
     plain = make_weight_loader(eng, "cpu", model_path=str(base_dir))
-    with pytest.raises(WeightsRefusedError, match="without actor.use_lora"):
+    with pytest.raises(WeightsRefusedError, match="without actor.lora.enabled"):
         plain(adapter_event(tmp_path, base_dir, 3))
     assert eng.version == 1
 

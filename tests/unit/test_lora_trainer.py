@@ -1,4 +1,4 @@
-"""The trainer of a LoRA run (``actor.use_lora``) as a plain function of events, on a real tiny
+"""The trainer of a LoRA run (``actor.lora.enabled``) as a plain function of events, on a real tiny
 model saved to disk (its ``model.path``, the base every reader must share): only the
 adapter trains (the base's checksums are equal at the end); each version's weights event
 names a PEFT adapter directory whose sha256 covers its two files, and the base's identity;
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_role_trainer import B, sample, src  # noqa: E402
 
 from tapioca.config.loader import load_config  # noqa: E402
-from tapioca.config.lora import LoraSpec  # noqa: E402
+from tapioca.config.lora import LoraConfig, LoraSpec  # noqa: E402
 from tapioca.config.optimizer import OptimizerConfig  # noqa: E402
 from tapioca.config.schema import ActorConfig, ModelConfig, TrainConfig  # noqa: E402
 from tapioca.config.sections import TrainerSection  # noqa: E402
@@ -59,7 +59,7 @@ def model_path(tmp_path_factory) -> str:
 
 
 def actor_cfg(**kw) -> ActorConfig:
-    return ActorConfig(optimizer=OptimizerConfig(lr=1e-2), use_lora=True, lora_rank=RANK, lora_alpha=ALPHA, **kw)
+    return ActorConfig(optimizer=OptimizerConfig(lr=1e-2), lora=LoraConfig(enabled=True, rank=RANK, alpha=ALPHA), **kw)
 
 
 def make_actor(model_path: str, **kw) -> PPOActor:
@@ -178,7 +178,7 @@ def test_a_full_weights_checkpoint_is_refused_by_a_lora_run(model_path, tmp_path
     model, _ = load_model_and_tokenizer(model_path)
     full = PPOActor(model, ActorConfig(), temperature=1.0, pad_token_id=0)
     full.save_checkpoint(tmp_path / "ckpt.safetensors", TrainerProgress(version=3))
-    with pytest.raises(CheckpointFormatError, match="use_lora"):
+    with pytest.raises(CheckpointFormatError, match="actor.lora.enabled"):
         make_actor(model_path).load_checkpoint(tmp_path / "ckpt.safetensors")
 
 
@@ -277,9 +277,9 @@ def test_an_adapter_version_is_at_most_2_percent_of_the_model_at_real_shapes():
 
 
 def test_config_refuses_what_a_lora_run_cannot_do():
-    base = ["actor.use_lora=true"]
-    with pytest.raises(ConfigError, match="max_lora_rank"):
-        load_config(TrainConfig, None, base + ["actor.lora_rank=128"])
+    base = ["actor.lora.enabled=true"]
+    with pytest.raises(ConfigError, match="actor.lora.rank=128 is above rollout.server.max_lora_rank"):
+        load_config(TrainConfig, None, base + ["actor.lora.rank=128"])
     with pytest.raises(ConfigError, match="gae"):
         load_config(TrainConfig, None, base + ["advantage.estimator=gae"])
     with pytest.raises(ConfigError, match="max_loaded_loras"):
@@ -300,7 +300,7 @@ def test_config_refuses_what_a_lora_run_cannot_do():
     assert trainer_section(cfg).lora == rollout_section(cfg).lora == LoraSpec(
         peft_type="lora", rank=32, alpha=16, target_modules=("all-linear",), name="lora", max_rank=64,
         max_loaded=cfg.rollout.max_head_offpolicyness + 2)
-    assert trainer_section(replace(cfg, actor=replace(cfg.actor, use_lora=False))).lora is None
+    assert trainer_section(replace(cfg, actor=replace(cfg.actor, lora=LoraConfig()))).lora is None
 
 
 def test_tapioca_lora_merge_writes_the_merged_model_of_a_run(model_path, tmp_path):
@@ -330,7 +330,7 @@ def test_tapioca_lora_merge_writes_the_merged_model_of_a_run(model_path, tmp_pat
 @pytest.mark.parametrize("name", ["demo_cpu_lora.yaml", "gsm8k_grpo_lora.yaml"])
 def test_the_lora_examples_are_valid_configs(name):
     cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples" / "lora" / name, [])
-    assert cfg.actor.use_lora and cfg.actor.target_modules == ["all-linear"]
+    assert cfg.actor.lora.enabled and cfg.actor.lora.target_modules == ["all-linear"]
     if name.startswith("demo"):  # the CPU demo's base: an untied head the adapter can steer
         assert not cfg.model.tie_word_embeddings and cfg.model.lm_head_init_std == 0.1 and not cfg.model.path
     else:

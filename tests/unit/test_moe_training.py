@@ -1,7 +1,7 @@
 """Qwen3-MoE on the packed trainer (models/moe.py, models/packed.py) on CPU: routing and
 router losses against hand-derived numbers, the MoE block against HF's (outputs and
 gradients), one PPO step against the padded HF forward, the router switches
-(moe_router_dtype, the aux / z losses, freeze_moe_router), routing replay, the load
+(actor.moe: router_dtype, the aux / z losses, freeze_router), routing replay, the load
 metrics, and the fallback of the families the packed forward does not run.
 """
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tapioca.config.moe import MoeConfig
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
 from tapioca.models.attention import packed_seqs, position_ids
@@ -182,7 +183,7 @@ def test_aux_and_z_losses_add_their_coefficients_times_the_losses_gradient():
     batch = items()
     grads = {}
     for coeffs in ((0.0, 0.0), (0.5, 0.1)):
-        a = actor(moe_aux_loss_coeff=coeffs[0], moe_z_loss_coeff=coeffs[1], mb_max_tokens=32, max_grad_norm=1e9)
+        a = actor(moe=MoeConfig(aux_loss_coeff=coeffs[0], z_loss_coeff=coeffs[1]), mb_max_tokens=32, max_grad_norm=1e9)
         a.optimizer.step = lambda: None  # keep the gradients, not the update
         a.train_step(batch, policy_version=0)
         grads[coeffs] = {n: p.grad.clone() for n, p in a.model.named_parameters() if p.grad is not None}
@@ -201,10 +202,10 @@ def test_aux_and_z_losses_add_their_coefficients_times_the_losses_gradient():
 
 
 def test_router_dtype_switch_runs_the_router_in_that_dtype():
-    """``moe_router_dtype`` on a bf16 model: fp32 logits by default, bf16 with none (HF's)."""
+    """``actor.moe.router_dtype`` on a bf16 model: fp32 logits by default, bf16 with none (HF's)."""
     seen = {}
     for name in ("fp32", "none"):
-        a = actor(moe_model(torch.bfloat16), param_dtype="bfloat16", moe_router_dtype=name)
+        a = actor(moe_model(torch.bfloat16), param_dtype="bfloat16", moe=MoeConfig(router_dtype=name))
         mb = a.micro_batches(items())[0]
         with torch.no_grad():
             a.packed(mb.input_ids_N, mb.position_ids_N, mb.seqs)
@@ -212,12 +213,12 @@ def test_router_dtype_switch_runs_the_router_in_that_dtype():
         seen[name + "_layer"] = a.packed.layers[0].moe_router_dtype
     assert seen["fp32_layer"] == torch.float32 and seen["none_layer"] is None
     assert not torch.equal(seen["fp32"], seen["none"])  # bf16 logits round differently
-    with pytest.raises(ConfigError, match="moe_router_dtype"):
-        ActorConfig(moe_router_dtype="bf16")
+    with pytest.raises(ConfigError, match="actor.moe.router_dtype"):
+        ActorConfig(moe=MoeConfig(router_dtype="bf16"))
 
 
-def test_freeze_moe_router_keeps_router_weights_and_trains_the_rest():
-    a = actor(freeze_moe_router=True)
+def test_freeze_router_keeps_router_weights_and_trains_the_rest():
+    a = actor(moe=MoeConfig(freeze_router=True))
     before = {n: p.detach().clone() for n, p in a.model.named_parameters()}
     a.train_step(items(), policy_version=0)
     routers = {n for n, _ in a.model.named_parameters() if n.endswith("mlp.gate.weight")}
@@ -226,7 +227,7 @@ def test_freeze_moe_router_keeps_router_weights_and_trains_the_rest():
         changed = not torch.equal(p, before[n])
         assert changed != (n in routers), n
     with pytest.raises(ConfigError, match="no MoE router"):
-        actor(build_tiny_model(VOCAB), freeze_moe_router=True)
+        actor(build_tiny_model(VOCAB), moe=MoeConfig(freeze_router=True))
     # Other families' routers (gpt-oss: mlp.router) are found too.
     gpt_oss = build_tiny_model(VOCAB, arch="gpt_oss", hidden_size=32, intermediate_size=32, num_experts=4,
                                moe_intermediate_size=16)
@@ -238,7 +239,7 @@ def test_freeze_moe_router_keeps_router_weights_and_trains_the_rest():
 def test_gradient_checkpointing_gives_the_same_step():
     results = []
     for ckpt in (False, True):
-        a = actor(gradient_checkpointing=ckpt, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+        a = actor(gradient_checkpointing=ckpt, moe=MoeConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001))
         m = a.train_step(items(), policy_version=0).metrics
         results.append((m, a.model.state_dict()))
     assert results[0][0]["actor/moe_load_entropy"] == results[1][0]["actor/moe_load_entropy"]
@@ -274,4 +275,4 @@ def test_families_the_packed_forward_does_not_run_fall_back_to_the_padded_forwar
         actor(build_tiny_model(VOCAB, arch="qwen2_moe", hidden_size=32, intermediate_size=32, num_experts=4,
                                moe_intermediate_size=16), gradient_checkpointing=True)
     with pytest.raises(ConfigError, match="no MoE layer"):
-        actor(build_tiny_model(VOCAB), moe_aux_loss_coeff=0.01)
+        actor(build_tiny_model(VOCAB), moe=MoeConfig(aux_loss_coeff=0.01))

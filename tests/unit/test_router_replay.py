@@ -19,6 +19,7 @@ import torch
 from test_moe_training import VOCAB, actor, items, moe_model  # the same tiny Qwen3-MoE
 
 from tapioca.bus.role import Source
+from tapioca.config.moe import MoeConfig
 from tapioca.config.schema import ActorConfig, GenerationConfig, ModelConfig, RolloutConfig
 from tapioca.config.sections import AdvantageSection, RolloutSection, TrainerSection
 from tapioca.consumers.advantage import AdvantageProcessor
@@ -292,7 +293,7 @@ def test_r3_with_the_trainers_own_routes_is_the_plain_step_and_agrees_on_every_t
     its = with_routes(items(), model)
     plain = actor(moe_model())
     m0 = plain.train_step(items(), policy_version=0).metrics
-    r3 = actor(moe_model(), router_replay="R3")
+    r3 = actor(moe_model(), moe=MoeConfig(router_replay="R3"))
     m3 = r3.train_step(its, policy_version=0).metrics
     assert m3["actor/loss"] == m0["actor/loss"]
     for k, v in plain.model.state_dict().items():
@@ -307,7 +308,7 @@ def test_r3_trains_the_router_through_live_scores_at_the_rollouts_experts():
     and the router still gets a gradient (its live probabilities at the replayed ids)."""
     model = moe_model()
     its = with_routes(items(), model, shift=1)  # every id + 1: never the same set of 2
-    r3 = actor(moe_model(), router_replay="R3")
+    r3 = actor(moe_model(), moe=MoeConfig(router_replay="R3"))
     r3.optimizer.step = lambda: None  # keep the gradients
     m3 = r3.train_step(its, policy_version=0).metrics
     m0 = actor(moe_model()).train_step(items(), policy_version=0).metrics
@@ -324,7 +325,7 @@ def test_r2_replays_the_first_pass_in_later_minibatches():
     weights = {}
     for mode in ("disabled", "R2", "R3"):
         its = with_routes(items(), moe_model()) if mode == "R3" else items()
-        a = actor(moe_model(), router_replay=mode, **kw)
+        a = actor(moe_model(), moe=MoeConfig(router_replay=mode), **kw)
         a.train_step(its, policy_version=0)
         weights[mode] = a.model.state_dict()
     for k, v in weights["R2"].items():
@@ -335,7 +336,8 @@ def test_r2_replays_the_first_pass_in_later_minibatches():
 def test_r2_records_routes_without_a_prox_forward_under_loglinear():
     """loglinear has no pi_prox forward: R2 runs a no-grad first pass over the later
     minibatches' micro-batches, for their routes only."""
-    a = actor(moe_model(), router_replay="R2", mb_max_tokens=32, ppo_n_minibatches=2, prox_logp_method="loglinear")
+    a = actor(moe_model(), moe=MoeConfig(router_replay="R2"), mb_max_tokens=32, ppo_n_minibatches=2,
+              prox_logp_method="loglinear")
     no_grad_forwards = []
     a.packed.register_forward_hook(lambda *args: no_grad_forwards.append(not torch.is_grad_enabled()))
     mbs = a.micro_batches(items())
@@ -366,19 +368,19 @@ def test_router_replay_needs_a_model_with_moe_layers_on_the_packed_forward():
     from tapioca.models.factory import build_tiny_model
 
     with pytest.raises(ConfigError, match="router_replay=R3.*no MoE layer"):
-        actor(build_tiny_model(VOCAB), router_replay="R3")
+        actor(build_tiny_model(VOCAB), moe=MoeConfig(router_replay="R3"))
     with pytest.raises(ConfigError, match="packed forward: set actor.packed_sequences=true"):
-        ActorConfig(router_replay="R2", packed_sequences=False)
+        ActorConfig(moe=MoeConfig(router_replay="R2"), packed_sequences=False)
     # Refused at load by the feature table; the actor keeps the same rule for direct callers.
     with pytest.raises(ConfigError, match=r"set one off \(feature table: router_replay_x_tree_training\)"):
-        actor(moe_model(), router_replay="R3", enable_tree_training=True)
+        actor(moe_model(), moe=MoeConfig(router_replay="R3"), enable_tree_training=True)
 
 
 # ---------------------------------------------------------------- bad and missing routes
 
 
-def make_trainer(tmp_path, **actor_kw) -> Trainer:
-    cfg = ActorConfig(router_replay="R3", **actor_kw)
+def make_trainer(tmp_path, *, missing: str = "live") -> Trainer:
+    cfg = ActorConfig(moe=MoeConfig(router_replay="R3", router_replay_missing=missing))
     section = TrainerSection(actor=cfg, model=ModelConfig(), max_head_offpolicyness=1, prompts_per_step=2,
                              total_train_steps=100, temperature=1.0, run_dir=str(tmp_path), seed=0,
                              stop_at_reward=None)
@@ -424,7 +426,7 @@ def test_bad_routes_are_dead_lettered_and_the_trainer_goes_on(tmp_path, bad, mes
 
 
 def test_missing_routes_are_rejected_or_routed_live_as_configured(tmp_path):
-    t = make_trainer(tmp_path / "reject", router_replay_missing="reject")
+    t = make_trainer(tmp_path / "reject", missing="reject")
     state = t.init_state()
     with pytest.raises(BadEventError, match="carries no routed experts.*router_replay_missing=live"):
         t.handle(sample("g0", [good(0), None]), state, src(0))

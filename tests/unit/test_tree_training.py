@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from tapioca.config.moe import MoeConfig
 from tapioca.config.schema import ActorConfig
 from tapioca.models.attention import packed_seqs, sdpa_attention
 from tapioca.models.factory import build_tiny_model
@@ -241,7 +242,7 @@ def test_config_refuses_tree_training_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="packed_sequences"):
         ActorConfig(enable_tree_training=True, packed_sequences=False)
     with pytest.raises(ConfigError, match="router losses"):
-        ActorConfig(enable_tree_training=True, moe_aux_loss_coeff=0.01)
+        ActorConfig(enable_tree_training=True, moe=MoeConfig(aux_loss_coeff=0.01))
     assert ActorConfig().enable_tree_training is False  # off until measured on the GPU
 
 
