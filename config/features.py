@@ -16,9 +16,9 @@ refuses the same combination for a direct caller keeps its guard as defence and 
 the row. docs/configuration.md's table is generated from this one
 (``python -m tapioca.config.features``; tests/unit/test_features.py compares them).
 
-Adding a model feature: its fields in a config section (a spec such as
-:class:`~tapioca.config.lora.LoraSpec` where roles share it), a row here for each feature
-it does not run with yet, its code in its own module.
+Adding a model feature: its fields in a config section of their own (``actor.lora``,
+``actor.moe``; a spec such as :class:`~tapioca.config.lora.LoraSpec` where roles share it),
+a row here for each feature it does not run with yet, its code in its own module.
 """
 
 from __future__ import annotations
