@@ -97,8 +97,8 @@ def advice(cfg: Any, plan: DiskPlan) -> str:
     if "checkpoint being rewritten" in plan.parts:
         tips.append(f"actor.checkpoint_every_steps={cfg.total_train_steps} (one checkpoint, at the end: "
                     "no second copy while it is rewritten)")
-    if not cfg.actor.use_lora:
-        tips.append("actor.use_lora=true (checkpoints, weights files and final/ carry the adapter only)")
+    if not cfg.actor.lora.enabled:
+        tips.append("actor.lora.enabled=true (checkpoints, weights files and final/ carry the adapter only)")
     if cfg.weights.transport != "file" and cfg.weights.file_every_versions:
         tips.append("a larger weights.file_every_versions")
     return "; ".join(tips)

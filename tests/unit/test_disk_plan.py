@@ -81,7 +81,7 @@ def test_the_start_check_refuses_a_run_whose_checkpoints_will_not_fit_and_names_
         disk_check.check_disk_at_start(cfg)
     line = str(err.value)
     assert "will not fit its disk" in line and "a checkpoint is 40.2 GiB" in line and "65.2 GiB free" in line
-    assert "actor.checkpoint_every_steps=20" in line and "actor.use_lora=true" in line
+    assert "actor.checkpoint_every_steps=20" in line and "actor.lora.enabled=true" in line
     assert "launcher.check_disk=false" in line
     # What the line advises fits: one checkpoint, at the end.
     once = load_config(TrainConfig, str(EXAMPLE), [f"model.path={model}", "total_train_steps=20",
