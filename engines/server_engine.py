@@ -18,9 +18,11 @@ module holds what both share:
   so a restart or another member generates it: nothing is lost). A 4xx is the
   request's fault and fails it at once;
 - health: every server is probed every ``health_interval_s``; one that comes back is
-  first brought to the current weights and version, then used again. ``describe()``
-  reports ``servers_up`` / ``servers_down`` (the rollout worker's ``describe`` carries
-  them to ``fleet.v1``);
+  first brought to the current weights and version, then used again; a launched one that
+  died or hangs is started again. Which servers are up and when one is restarted is
+  :mod:`tapioca.engines.server_fleet`'s (this module gives it the probe and the
+  bring-up). ``describe()`` reports ``servers_up`` / ``servers_down`` (the rollout
+  worker's ``describe`` carries them to ``fleet.v1``);
 - weight updates (interruptible): new dispatches wait, every live server is paused with
   its requests kept, reloads the weights file from disk, labels its weights with the new
   version and resumes; in-flight requests continue, and the server's per-token version
@@ -46,7 +48,7 @@ import shutil
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,6 +56,7 @@ from ..config.servers import InferenceServerConfig
 from ..models.lora import LoraAdapter
 from ..schemas.errors import EngineError
 from .base import GenRequest, GenResult, InferenceEngine, WeightsSource
+from .server_fleet import Server, ServerDown, ServerFleet
 
 log = logging.getLogger(__name__)
 # httpx2 logs every request at INFO: with health probes every few seconds that buries a
@@ -66,32 +69,8 @@ KEEPALIVE_EXPIRY_S = 2.0
 HEALTH_TIMEOUT_S = 30.0
 
 
-class ServerDown(Exception):
-    """A server did not answer (connection refused / reset, timeout) or answered 5xx."""
-
-
 class RequestRejected(EngineError):
     """A server answered 4xx: the request (or admin call) itself is wrong."""
-
-
-@dataclass
-class Server:
-    url: str
-    up: bool = False
-    inflight: int = 0
-    # This engine's requests in flight there (a server may be shared with other workers:
-    # an abort names only these).
-    requests: set[str] = field(default_factory=set)
-    failures: int = 0
-    # The policy version its weights hold; None = unknown (restarted, missed an update).
-    version: int | None = None
-    last_error: str = ""
-    down_since: float = 0.0
-    # Its settings were checked (_check) and it holds no other run's weights.
-    checked: bool = False
-    # LoRA runs: the adapter names this engine loaded there, oldest first (at most
-    # max_loaded_adapters; older ones are unloaded).
-    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,8 +90,6 @@ class RawOutput:
 @dataclass
 class _Stats:
     retried: int = 0
-    server_failures: int = 0
-    recoveries: int = 0
     reloads: int = 0
     routes_malformed: int = 0
 
@@ -170,8 +147,11 @@ class ServerEngine(InferenceEngine):
         self.max_inflight = max(1, int(max_inflight_per_server))
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.seed = seed
-        self.launched = list(launched)
-        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self._closing = False
+        # Which servers are up, and restarting the launched ones (engines/server_fleet.py).
+        self.fleet = ServerFleet(urls, config=config, backend=self.backend, probe=self._health,
+                                 launched=launched, is_closing=lambda: self._closing)
+        self.servers = self.fleet.servers  # the same list: requests pick from it
         self._version = int(version)
         self._initial_version = int(version)
         self._stage: Path | None = None  # the staged weights of self._version, if any
@@ -179,7 +159,6 @@ class ServerEngine(InferenceEngine):
         self._adapter: LoraAdapter | None = None
         self._max_adapters = max(1, int(max_loaded_adapters or 2))
         self._stats = _Stats()
-        self._closing = False
         self._user_paused = False
         self._vocab_size, self._max_len = self._model_limits(model_path)
         from ..models.vision import is_vision_dir
@@ -246,6 +225,7 @@ class ServerEngine(InferenceEngine):
         weights) hold the model directory's weights again; no-op by default."""
 
     async def _health(self, server: Server) -> bool:
+        """``GET /health`` answered 200 in time: the fleet's probe (engines/server_fleet.py)."""
         try:
             r = await self._client.get(f"{server.url}/health",
                                        timeout=min(self.cfg.admin_timeout_s, HEALTH_TIMEOUT_S))
@@ -296,25 +276,8 @@ class ServerEngine(InferenceEngine):
         self._update_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         # Wait for the first server; the others join when they answer (the monitor).
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while not any(s.up for s in self.servers) and time.monotonic() < deadline:
-            for server in self.servers:
-                if await self._health(server):
-                    await self._first_contact(server)
-                else:
-                    server.last_error = "no answer on /health"
-            if not any(s.up for s in self.servers):
-                await asyncio.sleep(1.0)
-        if not any(s.up for s in self.servers):
-            errors = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
-            raise EngineError(f"no {self.backend} server answered within "
-                              f"{self.cfg.startup_timeout_s:.0f} s ({errors}); start one, fix "
-                              "rollout.server.urls, or raise rollout.server.startup_timeout_s")
-        for server in self.servers:
-            if not server.up:
-                log.warning("%s server %s does not answer yet; it is used once it does",
-                            self.backend, server.url)
-        self._monitor = self._loop.create_task(self._monitor_loop())
+        await self.fleet.wait_for_first(self._first_contact)
+        self._monitor = self._loop.create_task(self.fleet.monitor(self._join))
 
     async def _first_contact(self, server: Server) -> None:
         """A server answering for the first time: refuse it if misconfigured (an error,
@@ -351,61 +314,14 @@ class ServerEngine(InferenceEngine):
         async with self._capacity:
             self._capacity.notify_all()
 
-    def _mark_down(self, server: Server, error: str) -> None:
-        if server.up:
-            log.warning("%s server %s is down: %s", self.backend, server.url, error)
-            self._stats.server_failures += 1
-            server.down_since = time.monotonic()
-        server.up = False
-        server.failures += 1
-        server.version = None  # a restarted server holds its start-up weights
-        server.last_error = error[:500]
-
-    async def _monitor_loop(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(self.cfg.health_interval_s)
-            try:
-                await self._probe_all()
-            except Exception:  # the monitor must outlive any one bad probe
-                log.exception("%s health monitor", self.backend)
-
-    async def _probe_all(self) -> None:
-        for server in self.servers:
-            if self._closing:
-                return
-            healthy = await self._health(server)
-            if server.up and not healthy:
-                self._mark_down(server, "failed its health check")
-            if not healthy:
-                await self._maybe_restart(server)
-            elif not server.up and healthy:
-                async with self._update_lock:  # not in the middle of an update
-                    joining = not server.checked
-                    try:
-                        if joining:
-                            await self._first_contact(server)
-                        else:
-                            await self._bring_up(server)
-                            self._stats.recoveries += 1
-                        log.warning("%s server %s is %s (version %d)", self.backend, server.url,
-                                    "in use" if joining else "back", self._version)
-                    except (ServerDown, EngineError) as exc:
-                        if joining and server.last_error != str(exc)[:500]:
-                            log.error("%s server %s cannot be used: %s", self.backend,
-                                      server.url, exc)
-                        self._mark_down(server, f"{exc}")
-
-    async def _maybe_restart(self, server: Server) -> None:
-        """A server this engine launched is started again when its process exited, or
-        when it stayed unhealthy for startup_timeout_s (a dead engine behind a live API)."""
-        launched = next((p for p in self.launched if p.url == server.url), None)
-        if launched is None or server.down_since == 0.0:
-            return
-        hung = time.monotonic() - server.down_since > self.cfg.startup_timeout_s
-        if launched.alive() and not hung:
-            return
-        await asyncio.to_thread(launched.restart)
-        server.down_since = time.monotonic()  # give the new process its start-up time
+    async def _join(self, server: Server, joining: bool) -> None:
+        """The fleet's bring-up of a server that answers again: a first contact when it
+        never passed one (``joining``), else the current weights and version."""
+        async with self._update_lock:  # not in the middle of an update
+            if joining:
+                await self._first_contact(server)
+            else:
+                await self._bring_up(server)
 
     # ------------------------------------------------------------------ requests
 
@@ -471,7 +387,7 @@ class ServerEngine(InferenceEngine):
                 except ServerDown as exc:
                     # One dropped connection is not a dead server: ask it before saying so.
                     if not await self._health(server):
-                        self._mark_down(server, str(exc))
+                        self.fleet.mark_down(server, str(exc))
                     if self._closing:
                         return self._aborted(request, t_submit)
                     if attempt == self.cfg.max_attempts:
@@ -509,8 +425,8 @@ class ServerEngine(InferenceEngine):
                     return min(live, key=lambda s: s.inflight)
                 if self._closing:
                     return None
-                if not any(s.up for s in self.servers) and time.monotonic() > deadline:
-                    down = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+                if not self.fleet.any_up() and time.monotonic() > deadline:
+                    down = self.fleet.errors()
                     raise EngineError(
                         f"request {request.request_id!r}: no {self.backend} server came back "
                         f"within rollout.server.wait_for_server_s={self.cfg.wait_for_server_s:.0f}"
@@ -596,12 +512,12 @@ class ServerEngine(InferenceEngine):
     async def _each_live(self, op) -> list[Server]:
         """Run ``op(server)`` on every live server at once; a server that fails is marked
         down (the monitor brings it back later). Returns the servers that succeeded."""
-        live = [s for s in self.servers if s.up]
+        live = self.fleet.live()
         results = await asyncio.gather(*(op(s) for s in live), return_exceptions=True)
         ok = []
         for server, res in zip(live, results):
             if isinstance(res, ServerDown):
-                self._mark_down(server, str(res))
+                self.fleet.mark_down(server, str(res))
             elif isinstance(res, BaseException):
                 raise res
             else:
@@ -703,15 +619,9 @@ class ServerEngine(InferenceEngine):
                 log.warning("%s server %s: unloading adapter %s: %s", self.backend, server.url, old, exc)
 
     def describe(self) -> dict[str, float]:
-        up = sum(1 for s in self.servers if s.up)
-        out = {"servers_up": up, "servers_down": len(self.servers) - up,
-               "server_failures": self._stats.server_failures,
-               "requests_retried": self._stats.retried, "server_recoveries": self._stats.recoveries,
-               "server_restarts": sum(p.restarts for p in self.launched),
+        out = {**self.fleet.describe(), "requests_retried": self._stats.retried,
                "inflight": sum(s.inflight for s in self.servers),
                "routes_malformed": self._stats.routes_malformed}
-        for i, s in enumerate(self.servers):
-            out[f"server{i}_up"] = int(s.up)
         if self._adapter is not None:  # a LoRA run: the adapter versions each server holds
             out["lora_adapters_loaded_max"] = max((len(s.adapters) for s in self.servers), default=0)
         return out
@@ -720,7 +630,7 @@ class ServerEngine(InferenceEngine):
         """Abort in-flight requests on their servers (their results carry the tokens so
         far), resolve queued ones empty, close the client, stop launched servers."""
         if self._closing or not self._thread.is_alive():
-            self._stop_launched()
+            self.fleet.stop_launched()
             return
         self._closing = True
         try:
@@ -730,7 +640,7 @@ class ServerEngine(InferenceEngine):
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
-            self._stop_launched()
+            self.fleet.stop_launched()
 
     async def _shutdown(self) -> None:
         monitor = getattr(self, "_monitor", None)
@@ -754,11 +664,6 @@ class ServerEngine(InferenceEngine):
                 task.cancel()
             await asyncio.sleep(0)
             await self._client.aclose()
-
-    def _stop_launched(self) -> None:
-        for proc in self.launched:
-            proc.stop()
-        self.launched = []
 
     # ------------------------------------------------------------------ helpers
 
