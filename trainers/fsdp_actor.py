@@ -223,8 +223,9 @@ class ShardedActor(PPOActor):
         # This rank's data-parallel replica, and whether it reports for it (metrics).
         self.dp_rank, self.reports = self.channel.info.rank, True
         if fsdp.model_parallel:
-            from ..config.distributed import check_parallel_model, check_parallel_switches
+            from ..config.distributed import check_parallel_switches
             from ..models.parallel import MeshDims
+            from ..models.parallel_check import check_parallel_model
 
             check_parallel_switches(fsdp, cfg)
             check_parallel_model(model, fsdp)

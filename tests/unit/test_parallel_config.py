@@ -97,8 +97,8 @@ def test_switches_that_apply_under_parallelism_are_accepted():
 
 
 def test_the_model_of_a_directory_is_checked_when_the_trainer_loads_it():
-    from tapioca.config.distributed import check_parallel_model
     from tapioca.models.factory import build_tiny_model
+    from tapioca.models.parallel_check import check_parallel_model
 
     model = build_tiny_model(15, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
     with pytest.raises(ConfigError, match="15 vocabulary, not divisible by fsdp.tensor_parallel_size=2"):
@@ -144,7 +144,7 @@ def test_packing_a_stream_that_already_splits_adds_nothing():
 def test_a_mixture_of_experts_model_is_refused_under_tp_and_cp():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tapioca.config.distributed import check_parallel_model
+    from tapioca.models.parallel_check import check_parallel_model
 
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
