@@ -337,8 +337,6 @@ def parse_image_url(url: Any) -> bytes:
 def read_image_source(item: Any, *, base_dir: str | None = None) -> bytes:
     """The bytes of one entry of a dataset's ``images`` column: raw bytes, a path (relative
     to ``base_dir``), or a Hugging Face ``datasets`` image dict ``{"bytes", "path"}``."""
-    import os
-
     if isinstance(item, (bytes, bytearray, memoryview)):
         return bytes(item)
     if isinstance(item, dict):
@@ -350,7 +348,7 @@ def read_image_source(item: Any, *, base_dir: str | None = None) -> bytes:
     if isinstance(item, str) and item:
         if item.startswith("data:"):
             return parse_image_url(item)
-        path = item if os.path.isabs(item) or base_dir is None else os.path.join(base_dir, item)
+        path = image_source_path(item, base_dir=base_dir)
         try:
             with open(path, "rb") as f:
                 return f.read()
@@ -358,3 +356,17 @@ def read_image_source(item: Any, *, base_dir: str | None = None) -> bytes:
             raise ImageError(f"cannot read image {path}: {exc.strerror}; check the images column "
                              "(paths are relative to the dataset file)") from None
     raise ImageError(f"an images entry must be bytes, a path or {{bytes, path}}, not {type(item).__name__}")
+
+
+def image_source_path(item: Any, *, base_dir: str | None = None) -> str | None:
+    """The file that one entry of a dataset's ``images`` column names, as
+    :func:`read_image_source` would open it (relative to ``base_dir``); None when the entry
+    carries its bytes (raw, a ``{bytes, path}`` dict with bytes, a ``data:`` URL) or is not
+    a path. Nothing is read: the start check stats these files (tasks/datasets.py)."""
+    import os
+
+    if isinstance(item, dict) and not item.get("bytes"):
+        item = item.get("path")
+    if not isinstance(item, str) or not item or item.startswith("data:"):
+        return None
+    return item if os.path.isabs(item) or base_dir is None else os.path.join(base_dir, item)

@@ -59,7 +59,8 @@ def resolve_run(cfg: C, *, values: Mapping[str, Any] | None = None, trial_name: 
     - ``bootstrap`` / ``topic_prefix`` / ``client_id`` of the bus;
     - ``prepare``: the run directory made absolute and created, the tiny model created
       under it when ``model.path`` is empty (the task's alphabet), the feature table
-      (config/features.py) checked with the model's facts, an empty
+      (config/features.py) checked with the model's facts (the datasets' image paths
+      before all that: :func:`check_datasets`), an empty
       ``vlm.image_store`` set to ``<run dir>/images``, and ``bus.run_id`` set to the run
       id (a run's own log; the launcher then resolves a resumed run's);
     - ``claim_run``: a ``bus.run_id`` that names no run becomes the run id (a process that
@@ -99,6 +100,8 @@ def resolve_run(cfg: C, *, values: Mapping[str, Any] | None = None, trial_name: 
 
 def _prepare(cfg: C) -> C:
     """The run directory (absolute, created) and the model; the run's own bus run id."""
+    if isinstance(cfg, TrainConfig):
+        check_datasets(cfg)  # first: it needs neither, and a refused run leaves nothing behind
     cfg = dataclasses.replace(cfg, run_dir=str(Path(cfg.run_dir).resolve()))
     run_dir = Path(cfg.run_path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +134,18 @@ def _prepare(cfg: C) -> C:
 
         check_in_process(cfg.model.path)
     return replace_path(cfg, "bus.run_id", cfg.run_id)
+
+
+def check_datasets(cfg: TrainConfig) -> None:
+    """Refuse a run whose dataset rows name image files that do not exist, before any role
+    starts (ConfigError: exit 78, the row and the path named), where the feeder (the
+    train dataset) or the evaluator (the valid dataset) would otherwise stop on the first
+    one in its log. tasks/datasets.py :func:`check_image_paths` says which rows it stats."""
+    from ..tasks.datasets import check_image_paths
+
+    check_image_paths(cfg.train_dataset, section="train_dataset")
+    if cfg.evaluator.enabled and cfg.valid_dataset is not None:
+        check_image_paths(cfg.valid_dataset, section="valid_dataset")
 
 
 def _tiny_task(cfg: Any) -> str:
