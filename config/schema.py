@@ -993,17 +993,17 @@ class TrainConfig:
             from .lora import check_lora_run
 
             check_lora_run(self)
-        from ..models.families import VL_ARCHS
+        from .features import check_features
+        from .policy import resolve_policy
 
-        _require(self.train_dataset.type != "visual" or bool(self.model.path)
-                 or self.model.arch in VL_ARCHS,
+        # What the config alone tells of the policy here (the tiny model's arch; a
+        # model.path is read at start, where runtime/run.py checks the table again).
+        policy = resolve_policy(self, read_dir=False)
+        _require(self.train_dataset.type != "visual" or not policy.known or policy.vision is not None,
                  f"train_dataset.type=visual needs a vision-language model, but model.arch="
                  f"{self.model.arch}: set model.arch=qwen2_5_vl (or qwen3_vl)")
-        from .features import check_features, model_facts
-
-        # Which features combine (config/features.py): what the config alone tells here
-        # (the tiny model's arch); runtime/run.py checks again with model.path's facts.
-        check_features(self, model_facts(self, read_dir=False))
+        # Which features combine (config/features.py).
+        check_features(self, policy)
         a = self.advantage
         if a.overlong_reward_penalty and a.overlong_tokens is not None:
             _require(a.overlong_tokens <= self.gconfig.max_new_tokens,

@@ -7,6 +7,12 @@ are cut from: the values come from the config (whose dataclasses hold every defa
 and validate it, cross-section checks included, in :class:`TrainConfig`), so a section
 restates no default and validates nothing again. Its scalar fields are required; its
 config sections default to that config's own defaults (handy for tests).
+
+The sections of the roles that run the policy (the feeder, the rollout workers, the
+trainer, the proxy) carry its :class:`~tapioca.config.policy.PolicySpec`, resolved once
+by the builder from the model directory (config/policy.py); without one (a test, a
+direct caller) a section gets what the config alone tells (``resolve_policy(cfg,
+read_dir=False)``). Their ``lora`` is the spec's adapter.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ..schemas.errors import ConfigError
 from .distributed import FSDPConfig
-from .lora import LoraSpec, lora_spec
+from .lora import LoraSpec
+from .policy import PolicySpec, resolve_policy
 from .schema import (
     ActorConfig,
     AdvantageConfig,
@@ -53,6 +60,8 @@ class FeederSection:
     run_id: str
     # Where a dataset's images are stored and what is accepted (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
+    # What the policy is (config/policy.py): its vision tower encodes the prompts' images.
+    policy: PolicySpec = field(default_factory=PolicySpec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +70,9 @@ class RolloutSection:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int
-    # actor.lora.enabled: the adapter the engine serves (None: full weights; config/lora.py).
-    lora: LoraSpec | None = None
+    # What the policy is (config/policy.py); its adapter (actor.lora.enabled) is the one the
+    # engine serves (None: full weights).
+    policy: PolicySpec = field(default_factory=PolicySpec)
     # The image store the prompts' images are read from (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
     # Record routed experts on trajectories: rollout.return_routed_experts, or
@@ -70,6 +80,10 @@ class RolloutSection:
     # <run_dir>/blobs ("": no run directory, every route inline).
     record_routes: bool = False
     run_dir: str = ""
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return self.policy.adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,8 +129,9 @@ class TrainerSection:
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
     # How the trainer publishes its versions (weights/publisher.py).
     weights: WeightsConfig = field(default_factory=WeightsConfig)
-    # actor.lora.enabled: the adapter trained and published (None: full weights; config/lora.py).
-    lora: LoraSpec | None = None
+    # What the policy is (config/policy.py); its adapter (actor.lora.enabled) is the one
+    # trained and published (None: full weights).
+    policy: PolicySpec = field(default_factory=PolicySpec)
     # agent.mode online: a group past the tail gate is trained within
     # actor.late_reward_max_offpolicyness or dead-lettered with the reason.
     online: bool = False
@@ -124,6 +139,10 @@ class TrainerSection:
     # when the next version comes, so the trainer returns its cached free memory to the
     # device after each step, before publishing (torch.cuda.empty_cache).
     release_memory_after_step: bool = False
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return self.policy.adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,8 +158,9 @@ class ProxySection:
     prompts_per_step: int
     run_id: str
     seed: int
-    # actor.lora.enabled: the adapter the engine serves (None: full weights).
-    lora: LoraSpec | None = None
+    # What the policy is (config/policy.py); its adapter (actor.lora.enabled) is the one the
+    # engine serves (None: full weights).
+    policy: PolicySpec = field(default_factory=PolicySpec)
     # Where the images of image_url parts are stored and what is accepted (docs/vlm.md).
     vlm: VlmConfig = field(default_factory=VlmConfig)
     # agent.mode online: sessions ended without a reward wait on the log for one (no
@@ -150,6 +170,10 @@ class ProxySection:
     # How long after its end a session still takes a reward: the advantage processor's
     # wait (advantage.reward_timeout_s, else group_timeout_s) less a margin.
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return self.policy.adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,17 +219,22 @@ class EvalSection:
     prompts_per_step: int
 
 
-def feeder_section(cfg: TrainConfig) -> FeederSection:
+def _policy(cfg: TrainConfig, policy: PolicySpec | None) -> PolicySpec:
+    """The builder's resolved policy, else what the config alone tells."""
+    return policy if policy is not None else resolve_policy(cfg, read_dir=False)
+
+
+def feeder_section(cfg: TrainConfig, policy: PolicySpec | None = None) -> FeederSection:
     return FeederSection(train_dataset=cfg.train_dataset, model_path=cfg.model.path,
                          n_samples=cfg.gconfig.n_samples,
                          max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                         seed=cfg.seed, run_id=cfg.bus_run_id, vlm=cfg.vlm)
+                         seed=cfg.seed, run_id=cfg.bus_run_id, vlm=cfg.vlm, policy=_policy(cfg, policy))
 
 
-def rollout_section(cfg: TrainConfig) -> RolloutSection:
+def rollout_section(cfg: TrainConfig, policy: PolicySpec | None = None) -> RolloutSection:
     return RolloutSection(model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout, seed=cfg.seed,
                           vlm=cfg.vlm, record_routes=records_routes(cfg), run_dir=cfg.run_path,
-                          lora=lora_spec(cfg))
+                          policy=_policy(cfg, policy))
 
 
 def records_routes(cfg: TrainConfig) -> bool:
@@ -222,7 +251,7 @@ def advantage_section(cfg: TrainConfig) -> AdvantageSection:
                             n_samples=cfg.gconfig.n_samples)
 
 
-def trainer_section(cfg: TrainConfig) -> TrainerSection:
+def trainer_section(cfg: TrainConfig, policy: PolicySpec | None = None) -> TrainerSection:
     temperature = cfg.gconfig.temperature if cfg.gconfig.temperature > 0 else 1.0
     return TrainerSection(actor=cfg.actor, model=cfg.model,
                           max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
@@ -232,17 +261,17 @@ def trainer_section(cfg: TrainConfig) -> TrainerSection:
                           advantage=cfg.advantage, critic=cfg.critic, ref=cfg.ref,
                           distill=cfg.distill, bus_run_id=cfg.bus_run_id, fsdp=cfg.fsdp,
                           stats_logger=cfg.stats_logger, weights=cfg.weights,
-                          online=cfg.agent.online, vlm=cfg.vlm, lora=lora_spec(cfg),
+                          online=cfg.agent.online, vlm=cfg.vlm, policy=_policy(cfg, policy),
                           release_memory_after_step=bool(cfg.rollout.enable_sleep_mode))
 
 
-def proxy_section(cfg: TrainConfig) -> ProxySection:
+def proxy_section(cfg: TrainConfig, policy: PolicySpec | None = None) -> ProxySection:
     return ProxySection(proxy=cfg.proxy, model=cfg.model, gconfig=cfg.gconfig, rollout=cfg.rollout,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                         prompts_per_step=cfg.train_dataset.prompts_per_step,
                         run_id=cfg.bus_run_id, seed=cfg.seed, online=cfg.agent.online,
                         admission=admission_of(cfg.proxy, cfg.agent), advantage=cfg.advantage,
-                        vlm=cfg.vlm, lora=lora_spec(cfg))
+                        vlm=cfg.vlm, policy=_policy(cfg, policy))
 
 
 def archive_section(cfg: TrainConfig) -> ArchiveSection:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..config.policy import PolicySpec, policy_of_dir
 from ..config.servers import InferenceServerConfig
 from ..models.lora import LoraAdapter
 from ..schemas.errors import EngineError
@@ -123,7 +124,9 @@ class ServerEngine(InferenceEngine):
     """Shared machinery of the HTTP backends; see the module docstring.
 
     ``urls`` are the servers (launched ones included); ``model_path`` the model they
-    serve (read for its limits: vocabulary, context length); ``eos_token_ids`` stop every
+    serve; ``policy`` what it is (config/policy.py: its vocabulary and context length,
+    which the requests are checked against, its vision tokens and MoE layers; None: read
+    from ``model_path``'s config.json); ``eos_token_ids`` stop every
     request besides its own ``stop_token_ids``; ``launched`` are server processes this
     engine owns and stops on ``shutdown``. ``return_routed_experts``: ask the servers for
     each request's routed experts (MoE models; the backend says how) and put them, cut to
@@ -135,10 +138,11 @@ class ServerEngine(InferenceEngine):
     def __init__(self, urls: Sequence[str], *, config: InferenceServerConfig, model_path: str,
                  max_inflight_per_server: int = 64, eos_token_ids: Sequence[int] = (),
                  seed: int | None = None, version: int = 0, launched: Sequence[Any] = (),
-                 return_routed_experts: bool = False, max_loaded_adapters: int = 0) -> None:
+                 return_routed_experts: bool = False, max_loaded_adapters: int = 0,
+                 policy: PolicySpec | None = None) -> None:
         """``max_loaded_adapters``: a LoRA run's adapter versions kept loaded on each server
         (eta + 2: a request still running with the oldest a trainer step may train on);
-        0: 2."""
+        0: the policy adapter's ``max_loaded``, else 2."""
         if not urls:
             raise EngineError(f"{self.backend}: no server URL; set rollout.server.urls or let the "
                               "role launch one (rollout.server.urls: [])")
@@ -157,21 +161,17 @@ class ServerEngine(InferenceEngine):
         self._stage: Path | None = None  # the staged weights of self._version, if any
         # A LoRA run: the adapter every new request is sent with (None: the base weights).
         self._adapter: LoraAdapter | None = None
-        self._max_adapters = max(1, int(max_loaded_adapters or 2))
+        self.policy = policy if policy is not None else policy_of_dir(model_path)
+        adapter = self.policy.adapter
+        self._max_adapters = max(1, int(max_loaded_adapters or (adapter.max_loaded if adapter else 0) or 2))
         self._stats = _Stats()
         self._user_paused = False
-        self._vocab_size, self._max_len = self._model_limits(model_path)
-        from ..models.vision import is_vision_dir
-
-        self._vision = None  # a VL model's placeholders (models/vision.py)
-        if is_vision_dir(model_path):
-            from transformers import AutoConfig
-
-            from ..models.vision import vision_spec
-
-            self._vision = vision_spec(AutoConfig.from_pretrained(model_path, local_files_only=True))
+        self._vocab_size, self._max_len = self.policy.vocab_size, self.policy.context_length
+        self._vision = self.policy.vision  # a VL model's placeholders (models/vision.py)
         self.return_routed_experts = bool(return_routed_experts)
-        self._moe_layers, self._num_layers, self._top_k = self._model_moe_layers(model_path)
+        moe = self.policy.moe  # the servers report every hidden layer; the MoE ones are kept
+        self._moe_layers = list(moe.layers) if moe else []
+        self._num_layers, self._top_k = (moe.num_layers, moe.top_k) if moe else (0, 0)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tapioca-{self.backend}",
                                         daemon=True)
@@ -672,34 +672,6 @@ class ServerEngine(InferenceEngine):
         if threading.current_thread() is self._thread:
             raise EngineError(f"{self.backend} engine: a blocking call from its own loop thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    @staticmethod
-    def _model_moe_layers(model_path: str) -> tuple[list[int], int, int]:
-        """(the MoE layers, all hidden layers, top_k) from the model's config.json
-        ([], 0, 0 when unknown)."""
-        import json
-
-        from ..models.moe import moe_layer_indices
-
-        try:
-            cfg = json.loads((Path(model_path) / "config.json").read_text())
-        except (OSError, ValueError):
-            return [], 0, 0
-        cfg = cfg.get("text_config", cfg)
-        return (moe_layer_indices(cfg), int(cfg.get("num_hidden_layers") or 0),
-                int(cfg.get("num_experts_per_tok") or 0))
-
-    @staticmethod
-    def _model_limits(model_path: str) -> tuple[int | None, int | None]:
-        """(vocab size, context length) from the model's config.json, if readable here."""
-        import json
-
-        try:
-            cfg = json.loads((Path(model_path) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None, None
-        cfg = cfg.get("text_config", cfg)
-        return cfg.get("vocab_size"), cfg.get("max_position_embeddings")
 
 
 def _stage(path: Path, version: int) -> Path:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..schemas.errors import ConfigError, TapiocaError
-from .families import VL_ARCHS, tiny_config
+from .families import VL_ARCHS, read_config_json, tiny_config, vision_of
 from .tokenizer import build_char_tokenizer
 
 
@@ -192,18 +192,12 @@ def load_model_and_tokenizer(
         dtype = getattr(torch, dtype)
     tokenizer = load_tokenizer(path)
     auto = AutoModelForCausalLM
-    if _is_vl_dir(path):
+    if vision_of(read_config_json(path)) is not None:
         from transformers import AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText
     model = auto.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
     return model.to(device), tokenizer
-
-
-def _is_vl_dir(path: Path) -> bool:
-    from .vision import is_vision_dir
-
-    return is_vision_dir(path)
 
 
 def save_tiny_checkpoint(

@@ -160,9 +160,9 @@ def liger_by_default(device, model: torch.nn.Module | None = None, *, parallel: 
     if not str(device).startswith("cuda") or parallel or compile_layers:
         return False
     if model is not None:
-        from .vision import is_vision_model
+        from .vision import vision_spec
 
-        if is_vision_model(model):
+        if vision_spec(getattr(model, "config", None)) is not None:
             return False
     return importlib.util.find_spec("liger_kernel") is not None
 

@@ -277,19 +277,6 @@ def router_metrics(counts_LE: torch.Tensor, tokens: int, top_k: int) -> dict[str
             "actor/moe_dropped_tokens": float(tokens * top_k * counts_LE.shape[0] - stats[2])}
 
 
-def moe_layer_indices(config: dict) -> list[int]:
-    """The sparse layers of a Qwen3-MoE / Qwen2-MoE ``config.json`` (a dict): every layer not
-    in ``mlp_only_layers`` whose ``(index + 1)`` is a multiple of ``decoder_sparse_step``
-    (HF's rule); [] for a dense model."""
-    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
-    if not any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return []
-    dense = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step") or 1)
-    return [i for i in range(int(config.get("num_hidden_layers", 0)))
-            if i not in dense and (i + 1) % step == 0]
-
-
 def router_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The MoE routers' parameters of any transformers MoE family (``mlp.gate`` of
     Qwen2/3-MoE, OLMoE, Qwen3-Next; ``mlp.router`` of gpt-oss): what actor.moe.freeze_router

@@ -164,10 +164,10 @@ class PackedCausalLM(nn.Module):
         self.norm = body.norm
         self.lm_head = model.get_output_embeddings()
         self.ops = make_ops(liger)
-        from .vision import is_vision_model, mrope_section_of, vision_tower
+        from .vision import mrope_section_of, vision_spec, vision_tower
 
         # VL models: the tower (trained unless its parameters are frozen) and the sections.
-        self.visual = vision_tower(model) if is_vision_model(model) else None
+        self.visual = vision_tower(model) if vision_spec(model.config) is not None else None
         self.mrope_section = mrope_section_of(model.config) if self.visual is not None else None
         # vlm.freeze_vision_encoder froze it before this module was built: no graph for it.
         self.visual_frozen = self.visual is not None and not any(

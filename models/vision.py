@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,8 +43,8 @@ import numpy as np
 import torch
 
 from ..media.images import ImageError, ImageRule, PixelBudget, decoded_images
+from .families import VisionSpec, read_config_json, vision_of
 
-VL_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -54,60 +53,11 @@ VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
-def model_type_of(config: Any) -> str:
-    return str(getattr(config, "model_type", ""))
-
-
-def is_vision_config(config: Any) -> bool:
-    return model_type_of(config) in VL_MODEL_TYPES
-
-
-def is_vision_model(model: torch.nn.Module) -> bool:
-    return is_vision_config(getattr(model, "config", None))
-
-
-def is_vision_dir(path: str | os.PathLike) -> bool:
-    """Whether a local model directory holds a VL model (its config.json's model_type)."""
-    file = Path(path) / "config.json"
-    return file.is_file() and json.loads(file.read_text()).get("model_type") in VL_MODEL_TYPES
-
-
-@dataclass(frozen=True)
-class VisionSpec:
-    """The token ids and sizes a VL model's placeholders and positions depend on."""
-
-    model_type: str
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    merge_size: int
-    patch_size: int
-    temporal_patch_size: int
-
-    def tokens_for(self, grid_thw: Sequence[int]) -> int:
-        """Placeholder tokens of one image of processor grid ``(t, h, w)``."""
-        t, h, w = (int(x) for x in grid_thw)
-        return t * h * w // (self.merge_size ** 2)
-
-    @property
-    def special_ids(self) -> tuple[int, ...]:
-        return (self.vision_start_token_id, self.vision_end_token_id, self.image_token_id,
-                self.video_token_id)
-
-
 def vision_spec(config: Any) -> VisionSpec | None:
-    """The :class:`VisionSpec` of a VL model's config; None for a text-only model."""
-    if not is_vision_config(config):
-        return None
-    v = config.vision_config
-    return VisionSpec(
-        model_type=model_type_of(config),
-        image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
-        vision_start_token_id=int(config.vision_start_token_id),
-        vision_end_token_id=int(config.vision_end_token_id),
-        merge_size=int(v.spatial_merge_size), patch_size=int(v.patch_size),
-        temporal_patch_size=int(v.temporal_patch_size))
+    """The :class:`VisionSpec` of a live model's config (``model.config``); None for a
+    text-only model (or no config). The one such test on a live model: a role reads its
+    run's ``PolicySpec.vision`` (config/policy.py), resolved from the model directory."""
+    return None if config is None else vision_of(config.to_dict())
 
 
 # ---------------------------------------------------------------------- placeholders
@@ -351,13 +301,13 @@ class VisionPrompts:
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer: Any, store: Any, *,
                  max_pixels: int, inline_max_bytes: int, max_bytes: int | None = None,
-                 budget: PixelBudget | None = None) -> None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        spec = vision_spec(config)
+                 budget: PixelBudget | None = None, spec: VisionSpec | None = None) -> None:
+        """``spec``: the model's (its run's ``PolicySpec.vision``); None: read from
+        ``model_dir``'s config.json."""
+        doc = read_config_json(model_dir) if spec is None else {}
+        spec = spec if spec is not None else vision_of(doc)
         if spec is None:
-            raise ImageError(f"the model at {model_dir} ({model_type_of(config)}) has no vision tower, so "
+            raise ImageError(f"the model at {model_dir} ({doc.get('model_type', '?')}) has no vision tower, so "
                              "it cannot read images: use a vision-language model (model.arch qwen2_5_vl "
                              "or qwen3_vl, or a Qwen2.5-VL / Qwen3-VL directory)")
         self.spec = spec

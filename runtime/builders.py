@@ -10,6 +10,11 @@ loader (the proxy the same pair), the reward scorer its task's reward function, 
 trainer its actor and the critic / reference / teacher its token-level advantages need.
 Roles never import each other or this module; the launcher, `tapioca role`,
 `tapioca proxy` and `tapioca train-offline` build through here.
+
+What the policy is (:class:`~tapioca.config.policy.PolicySpec`: vision tower, MoE shape,
+adapter, ...) is resolved once per role here (:func:`run_policy`, from ``model.path``'s
+config.json) and carried in the role's section; the helpers below ask it, never the
+model directory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..bus.role import Role
+from ..config.policy import PolicySpec, policy_of_dir, resolve_policy
 from ..config.schema import TrainConfig, kv_tokens_needed
 from ..config.sections import (
     EvalSection,
@@ -39,6 +45,12 @@ from ..schemas.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROLES = ("feeder", "rollout", "reward", "advantage", "trainer", "archiver", "evaluator")
+
+
+def run_policy(cfg: TrainConfig) -> PolicySpec:
+    """The run's policy, read from ``model.path`` (resolved by the launcher) with the run's
+    adapter: what every section of this process carries."""
+    return resolve_policy(cfg)
 
 
 def set_torch_threads(n: int) -> None:
@@ -69,15 +81,15 @@ def image_store(vlm):
     return open_image_store(vlm.image_store)
 
 
-def vision_prompts(model_path: str, tokenizer, vlm, *, budget=None):
-    """Prompts with images for ``model_path`` (None when it is a text-only model)."""
-    from ..models.vision import VisionPrompts, is_vision_dir
+def vision_prompts(policy: PolicySpec, tokenizer, vlm, *, budget=None):
+    """Prompts with images for the policy (None when it has no vision tower)."""
+    from ..models.vision import VisionPrompts
 
-    if not is_vision_dir(model_path):
+    if policy.vision is None:
         return None
-    return VisionPrompts(model_path, tokenizer, image_store(vlm), max_pixels=vlm.max_image_pixels,
+    return VisionPrompts(policy.path, tokenizer, image_store(vlm), max_pixels=vlm.max_image_pixels,
                          max_bytes=vlm.max_image_bytes, inline_max_bytes=vlm.inline_image_max_bytes,
-                         budget=budget)
+                         budget=budget, spec=policy.vision)
 
 
 def image_loader(model_path: str, vlm, *, budget=None):
@@ -97,17 +109,16 @@ def decoding_budget(vlm, retry_after_s: int = 5):
     return PixelBudget(vlm.max_decoding_pixels, wait_s=vlm.decoding_wait_s, retry_after_s=retry_after_s)
 
 
-def request_images(model_path: str, vlm, *, pixels: bool, budget=None):
-    """``(refs, given=None) -> RequestImages`` for an engine of ``model_path``: the bytes
+def request_images(policy: PolicySpec, vlm, *, pixels: bool, budget=None):
+    """``(refs, given=None) -> RequestImages`` for an engine of the policy: the bytes
     (``given``: sha256 -> bytes of images not stored yet, else the image store's), each
     admitted by the run's image rule, and (``pixels``: an in-process engine runs the
-    tower) the processor's tensors; None for a text-only model."""
+    tower) the processor's tensors; None for a policy without a vision tower."""
     from ..engines.base import RequestImages
-    from ..models.vision import is_vision_dir
 
-    if not is_vision_dir(model_path):
+    if policy.vision is None:
         return None
-    loader = image_loader(model_path, vlm, budget=budget)
+    loader = image_loader(policy.path, vlm, budget=budget)
 
     def prepare(refs, given=None) -> RequestImages:
         shas = [r.sha256 for r in refs]
@@ -183,16 +194,18 @@ class EngineBundle:
     max_context_tokens: int | None
 
 
-def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: int = 0,
-                 name: str = "rollout", record_routes: bool = False, lora=None,
+def build_engine(model, rollout, *, policy: PolicySpec, seed: int, tokenizer, log_dir: str,
+                 member: int = 0, name: str = "rollout", record_routes: bool = False,
                  kv_need_tokens: int = 0) -> EngineBundle:
     """The engine of ``rollout.engine`` for ``model`` (ModelConfig) and its weights loader:
     the in-process engine (:func:`in_process_engine`) with the transport loader of
     weights/receiver.py, or a vLLM / SGLang server adapter (launching the server when
     ``rollout.server.urls`` is empty) that reloads verified files (the same module). Shared
-    by the rollout workers and the proxy. ``record_routes``: results carry their routed
-    experts. ``lora`` (the section's LoraSpec): the engine serves the run's LoRA adapters on
-    its base (a launched server gets its LoRA flags)."""
+    by the rollout workers, the proxy and the evaluator. ``record_routes``: results carry
+    their routed experts. ``policy`` (the section's): with an adapter, the engine serves
+    the run's LoRA adapters on its base (a launched server gets its LoRA flags); a server
+    adapter reads its limits, vision tokens and MoE layers from it."""
+    lora = policy.adapter
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -236,7 +249,7 @@ def build_engine(model, rollout, *, seed: int, tokenizer, log_dir: str, member: 
         engine = cls(urls, config=srv, model_path=model.path, max_inflight_per_server=per_server,
                      eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()),
                      seed=seed, launched=launched, return_routed_experts=record_routes,
-                     max_loaded_adapters=lora.max_loaded if lora is not None else 0)
+                     policy=policy)
     except BaseException:
         for server in launched:
             server.stop()
@@ -264,8 +277,8 @@ def build_token_models(section: TrainerSection, actor) -> dict[str, Any]:
     device = actor.device
     # Defence for direct callers: refused at start by config/features.py's row
     # vlm_x_critic_reference_teacher.
-    if getattr(actor, "vision", None) is not None and (adv.estimator == "gae" or a.kl_ctl > 0
-                                                       or section.distill.kd_weight > 0):
+    if section.policy.vision is not None and (adv.estimator == "gae" or a.kl_ctl > 0
+                                              or section.distill.kd_weight > 0):
         raise ConfigError("a vision-language policy trains without a critic, reference or teacher "
                           "model for now (they would score its tokens without the images): use an "
                           "outcome estimator (grpo, ...) with actor.kl_ctl=0 and no distillation")
@@ -308,9 +321,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
     set_torch_threads(sec.actor.torch_threads)
     torch.manual_seed(sec.seed)
     if sec.fsdp.world_size > 1:
-        from ..models.vision import is_vision_dir
-
-        if is_vision_dir(sec.model.path):  # defence: config/features.py's row vlm_x_fsdp
+        if sec.policy.vision is not None:  # defence: config/features.py's row vlm_x_fsdp
             raise ConfigError("the FSDP2 trainer does not train vision-language models yet (its "
                               "micro-batches carry no images): set fsdp.world_size=1 (docs/vlm.md)")
         from ..trainers.fsdp_actor import build_sharded_actor
@@ -328,12 +339,11 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
 
 
 def trainer_images(sec: TrainerSection):
-    """The trainer's image loader (refs -> the processor's tensors), None for a text model."""
-    from ..models.vision import is_vision_dir
-
-    if not is_vision_dir(sec.model.path):
+    """The trainer's image loader (refs -> the processor's tensors), None for a policy
+    without a vision tower."""
+    if sec.policy.vision is None:
         return None
-    return image_loader(sec.model.path, sec.vlm)
+    return image_loader(sec.policy.path, sec.vlm)
 
 
 # ---------------------------------------------------------------- the roles
@@ -344,10 +354,10 @@ def build_feeder(cfg: TrainConfig) -> Role:
     from ..producers.feeder import PromptFeeder, tokenize_records
     from ..tasks.datasets import dataset_rows
 
-    sec = feeder_section(cfg)
+    sec = feeder_section(cfg, run_policy(cfg))
     task, rows = dataset_rows(sec.train_dataset, sec.seed)
     tokenizer = _tokenizer(sec.model_path)
-    vision = vision_prompts(sec.model_path, tokenizer, sec.vlm)
+    vision = vision_prompts(sec.policy, tokenizer, sec.vlm)
     records = tokenize_records(rows, vision.encode if vision else prompt_encoder(tokenizer), task)
     return PromptFeeder(sec, records=records)
 
@@ -355,17 +365,17 @@ def build_feeder(cfg: TrainConfig) -> Role:
 def build_rollout(cfg: TrainConfig, member: int = 0) -> Role:
     from ..producers.rollout import RolloutWorker
 
-    sec = rollout_section(cfg)
+    sec = rollout_section(cfg, run_policy(cfg))
     tokenizer = _tokenizer(sec.model.path)
-    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + member,
+    bundle = build_engine(sec.model, sec.rollout, policy=sec.policy, seed=sec.seed * 1000 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member, record_routes=sec.record_routes, lora=sec.lora,
+                          member=member, record_routes=sec.record_routes,
                           kv_need_tokens=kv_tokens_needed(sec.rollout.max_batch_size,
                                                           sec.gconfig.max_new_tokens, sec.gconfig.n_samples))
     return RolloutWorker(sec, engine=bundle.engine, load_weights=bundle.load_weights,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          member_id=f"rollout-{member}",
-                         images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch"))
+                         images=request_images(sec.policy, sec.vlm, pixels=sec.rollout.engine == "torch"))
 
 
 def trajectory_reward_fn(scorer: str) -> Callable[[Any], float]:
@@ -407,7 +417,7 @@ def build_advantage(cfg: TrainConfig) -> Role:
 def build_trainer(cfg: TrainConfig) -> Role:
     from ..trainers.trainer import Trainer
 
-    sec = trainer_section(cfg)
+    sec = trainer_section(cfg, run_policy(cfg))
     actor = build_actor(cfg, sec)
     return Trainer(sec, actor=actor, **build_token_models(sec, actor))
 
@@ -429,7 +439,9 @@ def build_eval_parts(sec: EvalSection, *, log_dir: str, member: int = 0):
     tokenizer = _tokenizer(sec.model.path)
     task = load_eval_task(sec.valid_dataset, prompt_encoder(tokenizer),
                           max_prompts=sec.eval.max_prompts)
-    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 900 + member,
+    # The evaluated model's own policy; it serves full weights (no adapter).
+    bundle = build_engine(sec.model, sec.rollout, policy=policy_of_dir(sec.model.path),
+                          seed=sec.seed * 1000 + 900 + member,
                           tokenizer=tokenizer, log_dir=log_dir, member=member, name="evaluator",
                           kv_need_tokens=kv_tokens_needed(sec.rollout.max_batch_size,
                                                           sec.sampling.max_new_tokens, sec.sampling.n_samples))
@@ -486,16 +498,16 @@ def build_proxy_service(cfg: TrainConfig, *, member: int = 0):
     loader, the tokenizer, the run's bus. Its threads start with the HTTP server."""
     from ..producers.proxy import ProxyService
 
-    sec = proxy_section(cfg)
+    sec = proxy_section(cfg, run_policy(cfg))
     tokenizer = _tokenizer(sec.model.path)
     budget = decoding_budget(sec.vlm, sec.proxy.retry_after_s)
-    bundle = build_engine(sec.model, sec.rollout, seed=sec.seed * 1000 + 500 + member,
+    bundle = build_engine(sec.model, sec.rollout, policy=sec.policy, seed=sec.seed * 1000 + 500 + member,
                           tokenizer=tokenizer, log_dir=os.path.join(cfg.run_path, "logs"),
-                          member=member, name="proxy", lora=sec.lora)
+                          member=member, name="proxy")
     return ProxyService(sec, engine=bundle.engine, tokenizer=tokenizer, bus=cfg.bus,
                         load_weights=bundle.load_weights,
                         max_context_tokens=bundle.max_context_tokens,
                         # One budget for both: the checks' decodes and the processor's.
-                        vision=vision_prompts(sec.model.path, tokenizer, sec.vlm, budget=budget),
-                        images=request_images(sec.model.path, sec.vlm, pixels=sec.rollout.engine == "torch",
+                        vision=vision_prompts(sec.policy, tokenizer, sec.vlm, budget=budget),
+                        images=request_images(sec.policy, sec.vlm, pixels=sec.rollout.engine == "torch",
                                               budget=budget))

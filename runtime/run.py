@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from ..config.features import check_features, model_facts
+from ..config.features import check_features
+from ..config.policy import policy_of_arch, resolve_policy
 from ..config.schema import TrainConfig, next_bus_run_id
 from ..schemas.envelope import names_a_run
 from ..schemas.errors import ConfigError
@@ -111,7 +112,7 @@ def _prepare(cfg: C) -> C:
         hf_logging.disable_progress_bar()
         m = cfg.model
         vision = ({"vision": {"depth": m.vision_depth, "hidden_size": m.vision_hidden_size}}
-                  if m.arch in ("qwen2_5_vl", "qwen3_vl") else {})
+                  if policy_of_arch(m).vision is not None else {})
         path = create_tiny_checkpoint(
             run_dir / "model", _tiny_task(cfg), arch=m.arch, hidden_size=m.hidden_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
@@ -124,9 +125,9 @@ def _prepare(cfg: C) -> C:
     if vlm is not None and not vlm.image_store:  # images beside the run (docs/vlm.md)
         cfg = replace_path(cfg, "vlm.image_store", str(run_dir.resolve() / "images"))
     if isinstance(cfg, TrainConfig):
-        # Which features combine (config/features.py), now with the facts of the model
+        # Which features combine (config/features.py), now with the policy of the model
         # directory (vision-language, MoE, its module names): before any role starts.
-        check_features(cfg, model_facts(cfg, read_dir=True))
+        check_features(cfg, resolve_policy(cfg))
     rollout = getattr(cfg, "rollout", None)
     if rollout is not None and rollout.engine == "torch" and (Path(cfg.model.path) / "config.json").is_file():
         # Fail here, not in a rollout worker's log.

@@ -15,6 +15,7 @@ import pytest
 
 from tapioca.config import features as ft
 from tapioca.config.loader import load_config
+from tapioca.config.policy import resolve_policy
 from tapioca.config.schema import TrainConfig
 from tapioca.schemas.errors import EXIT_CONFIG, ConfigError
 
@@ -67,7 +68,7 @@ def test_each_row_refuses_its_combination_and_its_neighbour_loads(name):
     assert str(info.value).endswith(f"(feature table: {name})"), str(info.value)
     assert "\n" not in str(info.value)
     cfg = load_config(TrainConfig, None, neighbour)
-    assert ft.refused_feature(cfg, ft.model_facts(cfg, read_dir=False)) is None
+    assert ft.refused_feature(cfg, resolve_policy(cfg, read_dir=False)) is None
 
 
 def _model_dir(path: Path, **config) -> Path:
@@ -87,8 +88,8 @@ def test_rows_that_need_the_model_directory_read_it_at_start(tmp_path):
 
     def refused(path: Path, *overrides: str) -> str | None:
         cfg = load_config(TrainConfig, None, [f"model.path={path}", *overrides])
-        assert ft.refused_feature(cfg, ft.model_facts(cfg, read_dir=False)) is None  # at load: not read
-        rule = ft.refused_feature(cfg, ft.model_facts(cfg, read_dir=True))
+        assert ft.refused_feature(cfg, resolve_policy(cfg, read_dir=False)) is None  # at load: not read
+        rule = ft.refused_feature(cfg, resolve_policy(cfg, read_dir=True))
         return None if rule is None else rule.name
 
     assert refused(dense, *LORA, "actor.lora.target_modules=[q_proj,qkv_proj]") == \
@@ -97,9 +98,9 @@ def test_rows_that_need_the_model_directory_read_it_at_start(tmp_path):
     cfg = load_config(TrainConfig, None, [f"model.path={dense}", *LORA, "actor.lora.target_modules=[qkv_proj]"])
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\], which match no module of the model \(its linear "
                                           r"layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"):
-        ft.check_features(cfg, ft.model_facts(cfg, read_dir=True))
-    assert refused(moe, *LORA) == "lora_x_moe"
-    assert refused(dense, *LORA) is None
+        ft.check_features(cfg, resolve_policy(cfg, read_dir=True))
+    assert refused(moe, "actor.lora.enabled=true") == "lora_x_moe"
+    assert refused(dense, "actor.lora.enabled=true") is None
     assert refused(dense, "actor.moe.router_replay=R3") == "router_replay_x_dense_model"
     assert refused(moe, "actor.moe.router_replay=R3") is None
     assert refused(vl, "actor.kl_ctl=0.01") == "vlm_x_critic_reference_teacher"

@@ -24,6 +24,7 @@ from peft.tuners.lora import LoraLayer
 
 from tapioca.bus.role import Source
 from tapioca.config.lora import LoraSpec
+from tapioca.config.policy import PolicySpec
 from tapioca.config.schema import GenerationConfig
 from tapioca.config.sections import RolloutSection
 from tapioca.engines import GenRequest, SamplingParams
@@ -230,7 +231,8 @@ def test_whole_weights_are_refused_by_a_lora_worker_and_an_adapter_by_a_full_one
 
 def test_the_rollout_worker_dead_letters_a_refused_adapter_at_once_and_keeps_serving(served, base_dir, tmp_path):
     eng, load = served
-    role = RolloutWorker(RolloutSection(gconfig=GenerationConfig(max_new_tokens=2), seed=0, lora=SPEC),
+    role = RolloutWorker(RolloutSection(gconfig=GenerationConfig(max_new_tokens=2), seed=0,
+                                        policy=PolicySpec(adapter=SPEC)),
                          engine=eng, load_weights=load, decode=lambda ids: "")
     state = role.init_state()
     bad = adapter_event(tmp_path, base_dir, 2, base_id="f" * 64)

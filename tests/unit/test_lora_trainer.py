@@ -26,6 +26,7 @@ from test_role_trainer import B, sample, src  # noqa: E402
 from tapioca.config.loader import load_config  # noqa: E402
 from tapioca.config.lora import LoraConfig, LoraSpec  # noqa: E402
 from tapioca.config.optimizer import OptimizerConfig  # noqa: E402
+from tapioca.config.policy import PolicySpec  # noqa: E402
 from tapioca.config.schema import ActorConfig, ModelConfig, TrainConfig  # noqa: E402
 from tapioca.config.sections import TrainerSection  # noqa: E402
 from tapioca.models.factory import load_model_and_tokenizer, save_tiny_checkpoint  # noqa: E402
@@ -71,7 +72,8 @@ def make_trainer(model_path: str, run_dir: Path, *, steps: int = 100, **kw) -> T
     actor = make_actor(model_path, **kw)
     sec = TrainerSection(actor=actor.cfg, model=ModelConfig(path=model_path), max_head_offpolicyness=1,
                          prompts_per_step=B, total_train_steps=steps, temperature=1.0,
-                         run_dir=str(run_dir), seed=0, stop_at_reward=None, lora=SPEC)
+                         run_dir=str(run_dir), seed=0, stop_at_reward=None,
+                         policy=PolicySpec(adapter=SPEC))
     return Trainer(sec, actor=actor, **build_token_models(sec, actor))
 
 

@@ -16,6 +16,7 @@ import pytest
 from test_image_admission import bomb_png, spy_decodes
 
 from tapioca.bus.role import Source
+from tapioca.config.policy import policy_of_dir
 from tapioca.config.schema import GenerationConfig, VlmConfig
 from tapioca.config.sections import RolloutSection
 from tapioca.engines.paged_engine import PagedEngine
@@ -54,7 +55,8 @@ def prompt(gid: str, ids, refs, n: int = 2) -> PromptEvent:
 def test_image_prompts_become_trajectories_with_their_references(setup):
     path, model, tokenizer, vlm, vp = setup
     ids, _, refs = vp.encode(next(iter_rows()))
-    role = worker(PagedEngine(model, seed=0, kv_cache_tokens=2048), request_images(str(path), vlm, pixels=True))
+    role = worker(PagedEngine(model, seed=0, kv_cache_tokens=2048),
+                  request_images(policy_of_dir(str(path)), vlm, pixels=True))
     state = role.init_state()
     try:
         role.handle(prompt("g0", ids, refs), state, Source("p", 0, 0))
@@ -78,7 +80,7 @@ def iter_rows():
 def test_unusable_images_are_dead_lettered_and_the_worker_goes_on(setup, tmp_path):
     path, model, tokenizer, vlm, vp = setup
     ids, _, refs = vp.encode(next(iter_rows()))
-    role = worker(TorchEngine(model, seed=0), request_images(str(path), vlm, pixels=True))
+    role = worker(TorchEngine(model, seed=0), request_images(policy_of_dir(str(path)), vlm, pixels=True))
     state = role.init_state()
     try:
         missing = ImageRef(sha256="0" * 64, mime="image/png", width=56, height=56)
@@ -92,7 +94,8 @@ def test_unusable_images_are_dead_lettered_and_the_worker_goes_on(setup, tmp_pat
     finally:
         role.on_stop(state)
     text_dir = save_tiny_checkpoint(tmp_path / "text", alphabet=VISUAL_ALPHABET)
-    text = worker(TorchEngine(load_model_and_tokenizer(text_dir)[0]), request_images(str(text_dir), vlm, pixels=True))
+    text = worker(TorchEngine(load_model_and_tokenizer(text_dir)[0]),
+                  request_images(policy_of_dir(str(text_dir)), vlm, pixels=True))
     state = text.init_state()
     try:
         with pytest.raises(BadEventError, match="reads no images"):
@@ -109,7 +112,7 @@ def test_an_image_bomb_is_dead_lettered_before_it_is_decoded(setup, monkeypatch)
     bomb = bomb_png()  # ~20 KB inline, its sha256 right: 13000 x 13000 = 507 MB as RGB
     ref = ImageRef(sha256=sha256_hex(bomb), mime="image/png", width=13000, height=13000,
                    data_b64=base64.b64encode(bomb).decode())
-    role = worker(TorchEngine(model, seed=0), request_images(str(path), vlm, pixels=True))
+    role = worker(TorchEngine(model, seed=0), request_images(policy_of_dir(str(path)), vlm, pixels=True))
     state = role.init_state()
     try:
         with pytest.raises(BadEventError, match=r"prompt gb cannot be generated: the image is 13000 x 13000 "
