@@ -48,6 +48,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..models.families import moe_of
+
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -109,7 +111,8 @@ class ModelShape:
         """From a ``config.json`` dict (Qwen2 / Qwen3 / Llama / Qwen3-MoE)."""
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        moe = moe_of(cfg)
+        experts = moe.experts if moe else 0
         model_type = str(cfg.get("model_type", ""))
         return cls(
             name=name or model_type, vocab=int(cfg["vocab_size"]), hidden=hidden,
@@ -120,7 +123,7 @@ class ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type.startswith("qwen3"), experts=experts,
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            experts_per_token=moe.top_k if moe else 0,
             moe_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0)
 
     @classmethod
