@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..schemas.errors import ConfigError, TapiocaError
-from .families import VL_ARCHS, read_config_json, tiny_config, vision_of
+from .families import read_config_json, tiny_config, vision_of
 from .tokenizer import build_char_tokenizer
 
 
@@ -91,7 +91,7 @@ def build_tiny_model(
         use_cache=True,
     )
     auto = AutoModelForCausalLM
-    if arch in VL_ARCHS:
+    if vision_of({"model_type": arch}) is not None:
         from transformers import AutoModelForImageTextToText
 
         text = {**{k: sizes[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -220,7 +220,7 @@ def save_tiny_checkpoint(
     dir = Path(dir)
     if (dir / "config.json").is_file() and not overwrite:
         return dir
-    vl = model_kwargs.get("arch") in VL_ARCHS
+    vl = vision_of({"model_type": model_kwargs.get("arch", "")}) is not None
     tokenizer = build_char_tokenizer(alphabet, vision=vl)
     model = build_tiny_model(
         len(tokenizer),
