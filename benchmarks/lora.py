@@ -63,6 +63,7 @@ from engine_generate import (  # noqa: E402
 from trainer_systems import MAX_GRAD_NORM, actor_config, fixed_batch  # noqa: E402
 
 from tapioca.config.lora import LoraConfig, LoraSpec  # noqa: E402
+from tapioca.config.policy import PolicySpec  # noqa: E402
 from tapioca.engines.paged_engine import PagedEngine  # noqa: E402
 from tapioca.models.factory import build_tiny_model  # noqa: E402
 from tapioca.models.forward import autocast_context  # noqa: E402
@@ -153,7 +154,8 @@ def ours_step(model, batch, device: str, **overrides):
     cfg = actor_config(device, lr=LR, **dict(FAST, **overrides))
     spec = LoraSpec(peft_type="lora", rank=RANK, alpha=RANK, target_modules=("all-linear",), name="lora",
                     max_rank=64, max_loaded=3)
-    actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=device, lora=spec)
+    actor = PPOActor(model, cfg, temperature=1.0, pad_token_id=0, device=device,
+                     policy=PolicySpec(adapter=spec))
     items = batch.items(model.config.vocab_size)
 
     def run() -> None:

@@ -334,7 +334,7 @@ def build_actor(cfg: TrainConfig, sec: TrainerSection):
                                                 device=sec.actor.device)
     return PPOActor(model, sec.actor, temperature=sec.temperature,
                     pad_token_id=tokenizer.pad_token_id or 0, device=sec.actor.device,
-                    total_train_steps=sec.total_train_steps, lora=sec.lora, lora_seed=sec.seed,
+                    total_train_steps=sec.total_train_steps, policy=sec.policy, lora_seed=sec.seed,
                     images=trainer_images(sec), freeze_vision_encoder=sec.vlm.freeze_vision_encoder)
 
 

@@ -54,6 +54,7 @@ import torch
 
 from ..algorithms.aggregation import agg_units
 from ..config.distributed import FSDPConfig
+from ..config.policy import PolicySpec
 from ..config.schema import ActorConfig
 from ..config.weights import WeightsConfig
 from ..schemas.errors import ConfigError, FatalRoleError
@@ -203,11 +204,11 @@ class ShardedActor(PPOActor):
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, fsdp: FSDPConfig, *,
                  channel: Channel, temperature: float, pad_token_id: int,
                  device: torch.device, followers: list | None = None,
-                 total_train_steps: int = 0, bucket_bytes: int | None = None, lora=None,
-                 lora_seed: int = 0) -> None:
+                 total_train_steps: int = 0, bucket_bytes: int | None = None,
+                 policy: PolicySpec | None = None, lora_seed: int = 0) -> None:
         """``bucket_bytes``: how much of the whole weights a rank holds at a time when they
         are gathered for publishing (``weights.bucket_bytes``; None: that field's default).
-        ``lora`` / ``lora_seed``: a LoRA adapter on the frozen model (PPOActor)."""
+        ``policy`` / ``lora_seed``: its adapter, a LoRA adapter on the frozen model (PPOActor)."""
         self.channel = channel
         self.bucket_bytes = WeightsConfig().bucket_bytes if bucket_bytes is None else bucket_bytes
         self.fsdp = fsdp
@@ -245,7 +246,8 @@ class ShardedActor(PPOActor):
                          # fully_shard (and, under tp, distribute_tensor) moves each rank's
                          # shards to its device, so no GPU ever holds the whole model.
                          device=str(device), total_train_steps=total_train_steps,
-                         parallel=self.dims, place_model=False, shard=shard, lora=lora, lora_seed=lora_seed)
+                         parallel=self.dims, place_model=False, shard=shard, policy=policy,
+                         lora_seed=lora_seed)
         self.cfg = cfg
         if self.packed is not None and device.type == "cuda":
             _resolve_attention(self.packed, cfg, fsdp, device)
@@ -652,7 +654,7 @@ def build_sharded_actor(cfg, sec) -> ShardedActor:
     actor = ShardedActor(model, sec.actor, sec.fsdp, channel=channel, temperature=sec.temperature,
                          pad_token_id=tokenizer.pad_token_id or 0, device=device,
                          followers=followers, total_train_steps=sec.total_train_steps,
-                         bucket_bytes=sec.weights.bucket_bytes, lora=sec.lora, lora_seed=sec.seed)
+                         bucket_bytes=sec.weights.bucket_bytes, policy=sec.policy, lora_seed=sec.seed)
     if info.leader:
         atexit.register(actor.close)
         return actor

@@ -67,7 +67,7 @@ from ..algorithms.errors import AlgorithmInputError
 from ..algorithms.policy_losses import policy_loss
 from ..algorithms.prox_logp import loglinear_prox_logprobs
 from ..algorithms.rejection_sampling import m2po_keep_flat
-from ..config.lora import LoraSpec
+from ..config.policy import PolicySpec
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from ..models.prefix_attention import TreeSeqs
@@ -180,19 +180,20 @@ class PPOActor:
                  pad_token_id: int, device: str = "cpu", total_train_steps: int = 0,
                  shard: Callable[[list[torch.nn.Module]], None] | None = None, parallel=None,
                  place_model: bool = True, images=None, freeze_vision_encoder: bool = False,
-                 lora: LoraSpec | None = None, lora_seed: int = 0) -> None:
+                 policy: PolicySpec | None = None, lora_seed: int = 0) -> None:
         """``total_train_steps``: the run's (the lr schedule's length, ``actor.optimizer``);
         0: ``lr`` as it is, no schedule (refused by a train step when one is configured).
         ``place_model=False`` (the sharded trainer): the weights stay where they are loaded
         (the host) and only each rank's shards move to ``device``. ``images``: a
         vision-language policy's image loader (models/vision.py ``ImageLoader``).
-        ``lora``: train a LoRA adapter on the frozen ``model`` (models/lora.py): its layers
-        are injected before the optimizer is built, so only the adapter is optimised,
-        checkpointed and published; its initial A is drawn from ``lora_seed`` (the run's seed)."""
+        ``policy`` (config/policy.py; None: a full-weights policy): with an adapter, train a
+        LoRA adapter on the frozen ``model`` (models/lora.py): its layers are injected before
+        the optimizer is built, so only the adapter is optimised, checkpointed and published;
+        its initial A is drawn from ``lora_seed`` (the run's seed)."""
         from ..models.vision import vision_spec, vision_tower
 
         self.model = model.to(device) if place_model else model
-        self.lora = lora
+        self.lora = lora = policy.adapter if policy is not None else None
         # The wrapped modules' short names (q_proj, ...), what weight events name.
         self.lora_targets: list[str] = []
         if lora is not None:

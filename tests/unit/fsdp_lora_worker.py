@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_worker as base_worker  # noqa: E402
 
 from tapioca.config.lora import LoraSpec  # noqa: E402
+from tapioca.config.policy import PolicySpec  # noqa: E402
 
 SPEC = LoraSpec(peft_type="lora", rank=4, alpha=8, target_modules=("all-linear",), name="lora",
                 max_rank=64, max_loaded=3)
@@ -52,7 +53,7 @@ def main(out_dir: str) -> None:
     model = base_worker.make_model()
     base0 = {k: v.clone() for k, v in base_state_dict(model).items()} if info.leader else {}
     actor = ShardedActor(model, make_cfg(), fsdp, channel=channel, temperature=1.0, pad_token_id=0,
-                         device=torch.device("cpu"), lora=SPEC)
+                         device=torch.device("cpu"), policy=PolicySpec(adapter=SPEC))
 
     def command(method, *args, **kwargs):
         # Rank 0 calls the actor's API; the others run the one command it broadcasts.

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_lora_worker as worker  # noqa: E402
 import fsdp_worker as base_worker  # noqa: E402
 
+from tapioca.config.policy import PolicySpec  # noqa: E402
 from tapioca.models.lora import adapter_parameter_names, adapter_state_dict  # noqa: E402
 from tapioca.trainers.ppo_actor import PPOActor  # noqa: E402
 
@@ -33,7 +34,7 @@ def test_two_gloo_ranks_train_the_adapter_as_one_process(two_ranks):
     results, tensors = two_ranks
     torch.set_num_threads(1)
     actor = PPOActor(base_worker.make_model(), worker.make_cfg(), temperature=1.0, pad_token_id=0,
-                     lora=worker.SPEC)
+                     policy=PolicySpec(adapter=worker.SPEC))
     one = actor.train_step(base_worker.make_items(0), policy_version=0)
     assert results["metrics"]["actor/loss"] == pytest.approx(one.metrics["actor/loss"], rel=1e-6)
     assert results["applied"] == one.applied_minibatches >= 1

@@ -65,7 +65,8 @@ def actor_cfg(**kw) -> ActorConfig:
 
 def make_actor(model_path: str, **kw) -> PPOActor:
     model, _ = load_model_and_tokenizer(model_path)
-    return PPOActor(model, actor_cfg(**kw), temperature=1.0, pad_token_id=0, lora=SPEC)
+    return PPOActor(model, actor_cfg(**kw), temperature=1.0, pad_token_id=0,
+                    policy=PolicySpec(adapter=SPEC))
 
 
 def make_trainer(model_path: str, run_dir: Path, *, steps: int = 100, **kw) -> Trainer:
