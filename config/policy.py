@@ -64,7 +64,7 @@ class PolicySpec:
     model_type: str = ""
     vision: VisionSpec | None = None
     moe: MoeShape | None = None
-    # actor.use_lora: the adapter trained on the frozen base (None: full weights).
+    # actor.lora.enabled: the adapter trained on the frozen base (None: full weights).
     adapter: LoraSpec | None = None
     vocab_size: int | None = None
     context_length: int | None = None

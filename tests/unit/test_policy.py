@@ -122,7 +122,7 @@ def test_the_tiny_arch_agrees_with_the_checkpoint_it_writes(tmp_path):
 
 def test_a_model_path_is_read_at_start_not_at_load(dirs):
     _, moe, _ = dirs
-    cfg = load_config(TrainConfig, None, [f"model.path={moe}", "actor.use_lora=true"])
+    cfg = load_config(TrainConfig, None, [f"model.path={moe}", "actor.lora.enabled=true"])
     at_load = resolve_policy(cfg, read_dir=False)
     assert not at_load.known and at_load.moe is None and at_load.adapter == lora_spec(cfg)
     at_start = resolve_policy(cfg)
