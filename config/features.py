@@ -175,9 +175,9 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "`actor.moe.router_replay=disabled` or `actor.enable_tree_training=false`"),
     FeatureRule(
         "moe_router_losses_x_dense_model",
-        ("model: dense (no MoE layer)", "actor.moe.aux_loss_coeff / moe_z_loss_coeff"),
+        ("model: dense (no MoE layer)", "actor.moe.aux_loss_coeff / z_loss_coeff"),
         lambda c, p: p.known and p.moe is None and bool(c.actor.moe.aux_loss_coeff or c.actor.moe.z_loss_coeff),
-        "actor.moe.aux_loss_coeff / moe_z_loss_coeff are set but the model ({policy.model_type}) has no "
+        "actor.moe.aux_loss_coeff / z_loss_coeff are set but the model ({policy.model_type}) has no "
         "MoE layer: set them to 0",
         "`actor.moe.aux_loss_coeff=0`, `actor.moe.z_loss_coeff=0`"),
     FeatureRule(
