@@ -147,7 +147,8 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "actor.lora.enabled=false",
         "an estimator without a critic (`grpo`, `rloo`, ...)"),
     FeatureRule(
-        "lora_x_tensor_context_parallel", ("actor.lora.enabled", "fsdp.tensor_parallel_size / context_parallel_size > 1"),
+        "lora_x_tensor_context_parallel",
+        ("actor.lora.enabled", "fsdp.tensor_parallel_size / context_parallel_size > 1"),
         lambda c, p: p.adapter is not None and _tp_or_cp(c),
         lambda c, p: (f"actor.lora.enabled with {c.fsdp.describe()}: the tensor / context parallel plan splits "
                       "plain linear layers, not peft's adapter wrappers; train the adapter data parallel "
