@@ -83,7 +83,7 @@ def test_planted_pickle_critic_checkpoint_does_not_run_code(tmp_path):
     plant(tmp_path / "checkpoints" / "critic_v000003.pt", marker)
     trainer = make_trainer(tmp_path)
     with pytest.raises(CheckpointFormatError, match="old pickle format"):
-        trainer._load_critic(3)
+        trainer.checkpoints.load_critic(3)
     assert not marker.exists()
     trainer.sink.close()
 

@@ -171,7 +171,9 @@ ROLES: dict[str, tuple[str, ...]] = {
     "reward": ("consumers/reward_scorer.py",),
     "advantage": ("consumers/advantage.py",),
     "archiver": ("consumers/archiver.py",),
-    "trainer": ("trainers/trainer.py",),
+    "trainer": ("trainers/trainer.py", "trainers/trainer_state.py", "trainers/admission.py",
+                "trainers/batch_step.py", "trainers/publishing.py", "trainers/checkpointing.py",
+                "trainers/rollback.py"),
     "supervised": ("trainers/supervised",),  # tapioca sft|dpo|rm|distill, one process each
     "agent": ("agents/runner.py",),
     "evaluator": ("producers/evaluator.py",),

@@ -153,7 +153,7 @@ def test_checkpoint_holds_the_adapter_and_its_optimizer_only_and_resumes(model_p
     t = make_trainer(model_path, tmp_path)
     state = t.init_state()
     run_steps(t, state, 2)
-    with safe_open(str(t.ckpt_path), framework="pt") as f:
+    with safe_open(str(t.checkpoints.path), framework="pt") as f:
         keys = list(f.keys())
     model_keys = [k for k in keys if k.startswith("model/")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)

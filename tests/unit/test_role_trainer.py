@@ -222,11 +222,11 @@ def test_stop_writes_the_final_checkpoint_before_finishing_the_weight_publisher(
         finishing.append(final_version)
         raise OSError("the weights disk is gone (injected)")
 
-    monkeypatch.setattr(t.weights_out, "finish", finish_fails)
+    monkeypatch.setattr(t.payload.out, "finish", finish_fails)
     with pytest.raises(OSError, match="injected"):
         t.on_stop(state)
     assert finishing == [1]
-    assert t.weights_out.slots is None  # closed anyway
+    assert t.payload.out.slots is None  # closed anyway
     saved = params(t)
     t2 = make_trainer(tmp_path, seed=123)
     s2 = t2.init_state()
@@ -243,7 +243,7 @@ def test_checkpoint_offsets_never_pass_a_buffered_group(tmp_path):
     t.handle(sample("g1"), state, src(1))
     t.handle(sample("g2"), state, src(2))  # buffered
     t.handle(sample("g1"), state, src(3))  # duplicate, handled past the buffered group
-    t._checkpoint(state)
+    t.checkpoints.save(state)
     assert t.committable(state, TOPIC, 0, 4) == 2
     t.sink.close()
 
@@ -593,7 +593,7 @@ def test_rollback_resets_the_critic_optimizer_without_its_checkpoint(tmp_path, c
         t.handle(sample(f"g{k}", min_version=k // 2, estimator="gae"), state, src(k))
     assert state.progress.version == 2 and t.critic.optimizer.state
     before = critic_params(t)
-    with caplog.at_level("WARNING", logger="tapioca.trainers.trainer"):
+    with caplog.at_level("WARNING", logger="tapioca.trainers.rollback"):
         ok, message, (weights, prog) = _rollback(t, state, 1)  # only critic_v000002.safetensors is kept
     assert ok and weights.version == 3 and weights.rollback_of == 1
     assert prog.version == 3 and prog.rollbacks == 1 and prog.group_ids == []
@@ -766,10 +766,10 @@ def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkey
     skipped, the batch's groups are dead-lettered and rejected, the version does not
     move, and the next batch trains."""
     from tapioca.bus.role import DeadLetter
-    from tapioca.trainers import trainer as trainer_module
+    from tapioca.trainers import admission as admission_module
 
-    real_check = trainer_module.check_trainable
-    monkeypatch.setattr(trainer_module, "check_trainable", lambda event, **kw: 0)
+    real_check = admission_module.check_trainable
+    monkeypatch.setattr(admission_module, "check_trainable", lambda event, **kw: 0)
     state = start(trainer)
     before = params(trainer)
     trainer.handle(sample("g0"), state, src(0))
@@ -787,7 +787,7 @@ def test_non_finite_step_is_skipped_and_its_groups_dead_lettered(trainer, monkey
     assert state.rejected == {"g0", "g1"} and state.buffer == []
     (announce,) = trainer.on_tick(state, 0.0)
     assert sorted(announce.rejected_group_ids) == ["g0", "g1"] and announce.version == 0
-    monkeypatch.setattr(trainer_module, "check_trainable", real_check)
+    monkeypatch.setattr(admission_module, "check_trainable", real_check)
     trainer.handle(sample("g2"), state, src(2))
     out = list(trainer.handle(sample("g3"), state, src(3)))
     (w,) = progress_of(out)
@@ -846,9 +846,9 @@ def test_non_finite_minibatch_skips_only_its_groups(tmp_path, monkeypatch):
     later minibatch the policy has moved, so the bad tokens' ratios are clipped and an
     advantage of 1e20 would pass with a zero gradient; 3.3e38 overflows the loss.)"""
     from tapioca.bus.role import DeadLetter
-    from tapioca.trainers import trainer as trainer_module
+    from tapioca.trainers import admission as admission_module
 
-    monkeypatch.setattr(trainer_module, "check_trainable", lambda event, **kw: 0)
+    monkeypatch.setattr(admission_module, "check_trainable", lambda event, **kw: 0)
     model = build_tiny_model(VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=64, seed=0)
     # One group (2 sequences of 6 tokens) per micro-batch, one micro-batch per minibatch.

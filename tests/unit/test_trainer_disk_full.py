@@ -93,7 +93,7 @@ def test_full_disk_at_the_weights_write_commits_nothing_and_stops_the_trainer(tm
     assert t.committable(state, TOPIC, 0, 4) == 2  # what the version-1 checkpoint covers
     assert tmp_files(tmp_path) == []
     assert not weights_file(tmp_path / "weights", 2).exists()
-    assert read_progress(t.ckpt_path).version == 1
+    assert read_progress(t.checkpoints.path).version == 1
     t.sink.close()
 
     # The disk is freed; the role restarts from its checkpoint and trains g2, g3 once.
@@ -114,7 +114,7 @@ def test_full_disk_at_the_checkpoint_commits_no_version_nor_offset(tmp_path, mon
     t = make_trainer(tmp_path)
     with monkeypatch.context() as m:
         state, v1, err = step_2_on_a_full_disk(t, m, checkpoint)  # checkpoint.write_tensors
-        assert str(err.value) == f"{ENOSPC} writing {t.ckpt_path}"
+        assert str(err.value) == f"{ENOSPC} writing {t.checkpoints.path}"
         assert state.progress.version == 1 and state.trained == {"g0", "g1"}
         # The offsets that may be committed are still the saved checkpoint's (the bug:
         # they were set before the save that failed, and ~150 groups were lost for good).
@@ -125,7 +125,7 @@ def test_full_disk_at_the_checkpoint_commits_no_version_nor_offset(tmp_path, mon
         state.announce_weights = True
         (again,) = t.on_tick(state, 0.0)
         assert (again.version, again.path, again.sha256) == (1, v1.path, v1.sha256)
-    assert read_progress(t.ckpt_path).version == 1
+    assert read_progress(t.checkpoints.path).version == 1
     t.sink.close()
 
     t2 = make_trainer(tmp_path, seed=5)
@@ -134,7 +134,7 @@ def test_full_disk_at_the_checkpoint_commits_no_version_nor_offset(tmp_path, mon
     t2.handle(sample("g2", min_version=1), s2, src(2))
     (v2,) = weights_events(t2.handle(sample("g3", min_version=1), s2, src(3)))
     assert v2.version == 2 and sha256_file(v2.path) == v2.sha256
-    assert read_progress(t2.ckpt_path).version == 2
+    assert read_progress(t2.checkpoints.path).version == 2
     t2.sink.close()
 
 
@@ -150,7 +150,7 @@ def test_full_disk_at_the_metrics_file_is_a_storage_error_naming_it(tmp_path):
     with pytest.raises(StorageError, match=f"{ENOSPC} writing .*metrics.jsonl"):
         t.handle(sample("g1"), state, src(1))
     # The step was written and checkpointed before its metrics line: it stands.
-    assert read_progress(t.ckpt_path).version == 1
+    assert read_progress(t.checkpoints.path).version == 1
 
 
 def test_a_version_is_never_announced_with_another_versions_file(tmp_path):
@@ -160,7 +160,7 @@ def test_a_version_is_never_announced_with_another_versions_file(tmp_path):
     (v1,) = weights_events(t.handle(sample("g1"), state, src(1)))
     # What the bug left: step 2 taken in memory and the version bumped, but the path and
     # checksum still version 1's (its weights write had failed).
-    assert t.weights_out.announcement(2, v1.path, v1.sha256) is None
+    assert t.payload.out.announcement(2, v1.path, v1.sha256) is None
     t.actor.train_step(flatten_groups([sample("g2", 1), sample("g3", 1)]), policy_version=1)
     state.progress.version = 2
     state.announce_weights = True
@@ -169,7 +169,7 @@ def test_a_version_is_never_announced_with_another_versions_file(tmp_path):
     assert Path(ev.path) == weights_file(tmp_path / "weights", 2).resolve()
     assert sha256_file(ev.path) == ev.sha256 != v1.sha256
     # Its own file, present: re-announced as it is.
-    assert t.weights_out.announcement(1, v1.path, v1.sha256)["path"] == v1.path
+    assert t.payload.out.announcement(1, v1.path, v1.sha256)["path"] == v1.path
     t.sink.close()
 
 
@@ -181,7 +181,7 @@ def test_a_trainer_resumed_below_the_logs_highest_version_publishes_above_it(tmp
     log = list(t.on_tick(state, 0.0))  # version 0 at start
     for k in range(6):
         log += t.handle(sample(f"g{k}", min_version=k // 2), state, src(k))
-    assert state.progress.version == 3 and read_progress(t.ckpt_path).version == 2
+    assert state.progress.version == 3 and read_progress(t.checkpoints.path).version == 2
     t.sink.close()
 
     t2 = make_trainer(tmp_path, seed=5)
@@ -196,7 +196,7 @@ def test_a_trainer_resumed_below_the_logs_highest_version_publishes_above_it(tmp
     v2 = weights_file(tmp_path / "weights", 2)
     mine, theirs = load_verified(up.path, up.sha256), load_verified(v2, sha256_file(v2))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert read_progress(t2.ckpt_path).version == 4  # checkpointed before it was sent
+    assert read_progress(t2.checkpoints.path).version == 4  # checkpointed before it was sent
     assert list(t2.on_tick(s2, 0.0)) == []
     # The lost step's groups are read again and train at once (made at versions <= 3,
     # not newer than the trainer); versions keep going up.
@@ -218,7 +218,7 @@ def test_a_trainer_restarted_without_a_checkpoint_trains_on_to_total_train_steps
     log = list(t.on_tick(state, 0.0))
     for k in range(2):
         log += t.handle(sample(f"g{k}"), state, src(k))
-    assert state.progress.version == 1 and read_progress(t.ckpt_path) is None
+    assert state.progress.version == 1 and read_progress(t.checkpoints.path) is None
     t.sink.close()
 
     t2 = make_trainer(tmp_path, seed=5)
