@@ -72,10 +72,11 @@ from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
 from ..models.prefix_attention import TreeSeqs
 from ..schemas.errors import ConfigError
-from .batching import SeqItem, TensorBatch, micro_batches, to_tensors
+from .batching import SeqItem, TensorBatch
+from .micro_batching import micro_batch_builder
 from .optim import build_optimizer, clip_grad_norm_, lr_factor, set_lr
-from .packing import PackedBatch, packed_micro_batches, to_packed
-from .prefix_packing import check_packed_tree_backend, to_tree_packed, tree_micro_batches
+from .packing import PackedBatch
+from .prefix_packing import check_packed_tree_backend
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,10 @@ class PPOActor:
             vision_tower(self.model).requires_grad_(False)
         self.packed, self.optimizer = build_train_modules(self.model, cfg, self.device, shard=shard,
                                                           parallel=parallel)
+        # How a step's items become micro-batches, chosen once (trainers/micro_batching.py).
+        self.build_micro_batches = micro_batch_builder(cfg, packed=self.packed, pad_token_id=pad_token_id,
+                                                       device=self.device, images=self.images,
+                                                       vision=self.vision)
 
     @property
     def forward_module(self) -> torch.nn.Module:
@@ -230,24 +235,10 @@ class PPOActor:
         """The step's micro-batches of at most ``mb_max_tokens`` tokens: packed (real
         tokens; prefix trees with ``enable_tree_training``, each shared prefix counted
         once) or right-padded (count x longest), per ``packed_sequences``; with
-        ``moe.router_replay`` R3 packed with the items' routes (config refuses R3 with trees)."""
-        if self.packed is not None and self.cfg.enable_tree_training:
-            return [to_tree_packed(mb, self.device) for mb in tree_micro_batches(items, self.cfg.mb_max_tokens)]
-        if self.packed is not None:
-            shape = self.packed.moe_shape if self.cfg.moe.router_replay == "R3" else None
-            moe = shape[:2] if shape is not None else None
-            groups = packed_micro_batches(items, self.cfg.mb_max_tokens)
-            out = [to_packed(mb, self.device, moe) for mb in groups]
-        else:
-            groups = micro_batches(items, self.cfg.mb_max_tokens)
-            out = [to_tensors(mb, self.pad_token_id, self.device) for mb in groups]
-        if self.images is not None:
-            from .vision_batch import packed_images, padded_images
-
-            build = packed_images if self.packed is not None else padded_images
-            for batch, mb in zip(out, groups):
-                batch.images = build(mb, self.images, self.vision, self.device)
-        return out
+        ``router_replay`` R3 packed with the items' routes (config refuses R3 with trees);
+        with their images for a vision-language policy. The builder was chosen with the
+        actor (:attr:`build_micro_batches`, trainers/micro_batching.py)."""
+        return self.build_micro_batches(items)
 
     def check_images(self, event) -> None:
         """Raise BadEventError for a sample whose images cannot be trained on here

@@ -61,6 +61,13 @@ version, whenever the rejected groups change, and at start), and ``MetricsEvent`
   it publishes its weights above it, as a rollback does (:meth:`Trainer.recover`).
 - A finished run (``total_train_steps`` or ``stop_at_reward``) leaves ``final/``, a
   Hugging Face directory of the trained policy (trainers/final_model.py).
+
+This module handles the events; the parts are in their own modules: the state
+(trainers/trainer_state.py), the sample checks and the staleness bound
+(trainers/admission.py), a step's work and metrics (trainers/batch_step.py), what a
+version publishes, full weights or a LoRA adapter, as one payload object
+(trainers/publishing.py), the checkpoints (trainers/checkpointing.py) and an operator's
+rollback (trainers/rollback.py).
 """
 
 from __future__ import annotations
