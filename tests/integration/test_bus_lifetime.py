@@ -122,7 +122,7 @@ def test_resumed_on_the_same_log_the_run_keeps_its_bus_run_id(broker, tmp_path, 
     ts = trainer.init_state()
     for k in range(B):
         out = trainer.handle(sample(f"same.t0-g{k:08d}", 0), ts, Source("s.samples.v1", 0, k))
-    trainer._checkpoint(ts)
+    trainer.checkpoints.save(ts)
     trainer.sink.close()
     ensure_topics(first.bus)
     with EventProducer(first.bus, "trainer") as producer:  # what the trainer published
