@@ -53,6 +53,8 @@ class FullWeights:
             keep_versions=keep_versions, name=name, adapter=self._adapter_files())
 
     def _adapter_files(self):
+        """What the durable writer writes for a version beyond its tensors (weights/durable.py
+        ``AdapterFiles``: a PEFT directory's config); None: one safetensors file."""
         return None
 
     def adapter(self, version: int) -> WeightsAdapter | None:
