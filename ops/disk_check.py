@@ -54,8 +54,9 @@ def check_disk_at_start(cfg: Any) -> None:
     except ConfigError as exc:
         log.warning("the disk check is skipped: %s", exc)
         return
-    plan = dp.plan_disk(cfg, shape)
     run_dir = Path(cfg.run_path)
+    plan = dp.plan_disk(cfg, shape, resumed=(run_dir / "checkpoints").is_dir()
+                        and any((run_dir / "checkpoints").glob("trainer*.safetensors")))
     free = shutil.disk_usage(_existing(run_dir)).free
     need = plan.total - (_already_there(run_dir) if run_dir.exists() else 0.0)
     if need <= free:

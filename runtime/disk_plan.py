@@ -12,7 +12,8 @@ Pure arithmetic: no torch.
   bf16 with masters (43 GB at 3B: measured on the H100, benchmarks/RESULTS.md issue 37);
   a LoRA run's checkpoint carries the adapter only; a critic (``gae``) adds its weights
   and moments. It is rewritten atomically (a new file beside the old, then a rename), so
-  a run that checkpoints more than once holds **two** while the next one is written.
+  a run that checkpoints more than once (or resumes from one) holds **two** while the next
+  one is written; a stop right after a step's checkpoint does not write it again.
 * **The durable weights files** (weights/durable.py): one per ``weights.
   file_every_versions`` versions (every version with ``weights.transport=file``), in
   ``model.dtype``; the trainer keeps the last :data:`KEEP_WEIGHT_VERSIONS` versions'
@@ -72,13 +73,14 @@ def checkpoint_bytes(cfg: Any, shape: mp.ModelShape, train: mp.TrainShape) -> fl
     return float(policy + critic)
 
 
-def plan_disk(cfg: Any, shape: mp.ModelShape) -> DiskPlan:
-    """The most the run holds under ``run_dir`` at once (see the module docstring)."""
+def plan_disk(cfg: Any, shape: mp.ModelShape, *, resumed: bool = False) -> DiskPlan:
+    """The most the run holds under ``run_dir`` at once (see the module docstring).
+    ``resumed``: a checkpoint is there already, so the next one is written beside it."""
     train = mp.train_shape(cfg.actor, cfg.fsdp, model=shape)
     ckpt = checkpoint_bytes(cfg, shape, train)
     plan = DiskPlan(ckpt)
     plan.parts["checkpoint"] = ckpt
-    if checkpoints_written(cfg) > 1:  # the next one is written beside the last
+    if resumed or checkpoints_written(cfg) > 1:  # the next one is written beside the last
         plan.parts["checkpoint being rewritten"] = ckpt
     version_bytes = mp.dtype_bytes(cfg.model.dtype) * (train.lora_params or shape.params)
     every = 1 if cfg.weights.transport == "file" else cfg.weights.file_every_versions

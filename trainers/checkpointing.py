@@ -34,12 +34,16 @@ class TrainerCheckpoints:
         self.path = Path(run_dir) / "checkpoints" / f"trainer{SUFFIX}"
         self.actor = actor
         self.critic = critic
+        # The version the checkpoint on disk holds (saved or resumed; None: none yet): a
+        # stop right after a step's checkpoint does not write the same weights again.
+        self.saved_version: int | None = None
 
     def resume(self, bus_run_id: str) -> tuple[TrainerState, bool]:
         """The state at start, and whether a checkpoint was loaded (``bus_run_id``: this
         run's log, :func:`adopt_log`)."""
         progress = self.actor.load_checkpoint(self.path)
         resumed = progress is not None
+        self.saved_version = progress.version if resumed else None
         if progress is None:
             progress = TrainerProgress()
         elif self.critic is not None:
@@ -65,6 +69,7 @@ class TrainerCheckpoints:
             save_state(path, model=self.critic.model, optimizer=self.critic.optimizer)
         self.actor.save_checkpoint(self.path, p)
         state.progress = p
+        self.saved_version = p.version
         if self.critic is not None:
             for old in path.parent.glob(f"critic_v*{SUFFIX}"):
                 if old != path:

@@ -384,8 +384,13 @@ class Trainer(Role[TrainerState]):
         # checkpoint comes first: finishing the publisher waits for file writes (up to
         # minutes) and may fail, and neither may cost the trained steps. It loses
         # nothing: the final file's path / checksum matter on resume only for the file
-        # transport, where the publish itself wrote them.
-        if state.progress.weights_path and state.progress.version > 0:
+        # transport, where the publish itself wrote them. A version whose checkpoint is
+        # on disk already (the last step's, written by _write_version) is not written
+        # again: the weights and optimizer are the same, and groups gated or read since
+        # are read and gated again after a restart (their offsets were not committed). A
+        # second write would need the disk for two (43 GB each at 3B, atomic rewrite).
+        version = state.progress.version
+        if state.progress.weights_path and version > 0 and self.checkpoints.saved_version != version:
             self.checkpoints.save(state)
         if state.done and state.progress.version > 0 and self.cfg.model.path:
             # The run's result in final/: a Hugging Face directory, or a LoRA run's PEFT

@@ -88,10 +88,12 @@ def test_the_start_check_refuses_a_run_whose_checkpoints_will_not_fit_and_names_
                                                    "actor.checkpoint_every_steps=20",
                                                    f"run_dir={tmp_path / 'runs'}", "trial_name=t0"])
     disk_check.check_disk_at_start(once)
-    # A resumed run's own files are already on the disk: they count as there.
+    # A resumed run writes its next checkpoint beside the one it resumed from, and its own
+    # files are already on the disk: they count as there.
+    assert "checkpoint being rewritten" in dp.plan_disk(once, Q3, resumed=True).parts
     run = Path(cfg.run_path)
-    run.mkdir(parents=True)
-    ckpt = run / "checkpoint.safetensors"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "trainer.safetensors"
     with open(ckpt, "wb") as f:
         f.truncate(int(40.3 * GIB))  # sparse: takes no disk here
     disk_check.check_disk_at_start(cfg)

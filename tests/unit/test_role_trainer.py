@@ -200,6 +200,26 @@ def test_committable_follows_checkpoints_and_holds_buffered_groups(trainer):
     assert trainer.committable(state, TOPIC, 1, 5) == 5
 
 
+def test_a_stop_right_after_a_checkpointed_step_does_not_write_the_checkpoint_again(tmp_path, monkeypatch):
+    # The last step's checkpoint (version >= total_train_steps, or every k-th) covers the
+    # version already: writing it again at the stop would need the disk for two copies
+    # (the 3B example's 43 GB checkpoint did not fit twice on a 64 GB disk).
+    t = make_trainer(tmp_path, checkpoint_every_steps=1)
+    state = start(t)
+    saves = []
+    real = t.actor.save_checkpoint
+    monkeypatch.setattr(t.actor, "save_checkpoint", lambda path, p: (saves.append(p.version), real(path, p)))
+    for k in range(2):
+        t.handle(sample(f"g{k}"), state, src(k))
+    assert state.progress.version == 1 and saves == [1]
+    t.on_stop(state)
+    assert saves == [1]
+    t2 = make_trainer(tmp_path, seed=123)
+    s2 = t2.init_state()
+    assert s2.progress.version == 1 and s2.trained == {"g0", "g1"} and t2.checkpoints.saved_version == 1
+    t2.sink.close()
+
+
 def test_committable_is_the_lower_of_the_handled_offset_and_the_checkpoint(trainer):
     state = start(trainer)
     trainer.handle(sample("g0"), state, src(10))
