@@ -29,15 +29,15 @@ Q3 = mp.PRESETS["qwen2.5-3b"]
 Usage = namedtuple("Usage", "total used free")
 
 
-def qwen3b_dir(root: Path) -> Path:
-    """A Qwen2.5-3B-shaped model directory: its config.json is all the plans read."""
-    model = root / "qwen2.5-3b"
+def qwen2_dir(root: Path, name: str, **dims) -> Path:
+    """A Qwen2-shaped model directory (its config.json is all the plans read): Qwen2.5-3B's
+    shape, or ``dims`` instead."""
+    model = root / name
     model.mkdir(exist_ok=True)
+    shape = {"vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
+             "num_key_value_heads": 2, "intermediate_size": 11008, "tie_word_embeddings": True, **dims}
     (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-        "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
-        "num_key_value_heads": 2, "intermediate_size": 11008, "tie_word_embeddings": True,
-        "max_position_embeddings": 32768}))
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768, **shape}))
     return model
 
 
@@ -72,7 +72,7 @@ def test_a_lora_runs_files_carry_the_adapter_only():
 
 def test_the_start_check_refuses_a_run_whose_checkpoints_will_not_fit_and_names_what_writes_less(
         tmp_path, monkeypatch):
-    model = qwen3b_dir(tmp_path)
+    model = qwen2_dir(tmp_path, "qwen2.5-3b")
     cfg = load_config(TrainConfig, str(EXAMPLE), [f"model.path={model}", "total_train_steps=20",
                                                   f"run_dir={tmp_path / 'runs'}", "trial_name=t0"])
     # 70 GB free: 2 x 40 GiB of checkpoints do not fit, one does.
@@ -115,13 +115,9 @@ def test_tapioca_plan_prints_the_disk_and_tapioca_train_refuses_before_any_role_
     assert "disk under run_dir at most" in table.output and "a checkpoint is 40.2 GiB" in table.output
     # A 72B-shaped model in float32, checkpointed at every step: 1.7 TB of checkpoints
     # while one is rewritten, more than this machine's disk; refused before any role starts.
-    model = tmp_path / "qwen2.5-72b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
-        "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "intermediate_size": 29568, "tie_word_embeddings": False,
-        "max_position_embeddings": 32768}))
+    model = qwen2_dir(tmp_path, "qwen2.5-72b", vocab_size=152064, hidden_size=8192, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568,
+                      tie_word_embeddings=False)
     run_dir = tmp_path / "runs"
     env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home")}
     done = subprocess.run([TAPIOCA, "train", "--config", str(EXAMPLE), f"model.path={model}",
