@@ -92,10 +92,10 @@ def run_loop(cfg: TrainConfig, start_runner, timeout_s: float = 120.0) -> list[d
 
 
 @pytest.mark.parametrize("example", example_files(), ids=lambda p: p.stem)
-def test_algorithm_runs_in_the_loop(example, broker, bus_cfg, tiny_ckpt, tmp_path, start_runner):
+def test_algorithm_runs_in_the_loop(example, broker, bus_cfg, fast_join, tiny_ckpt, tmp_path, start_runner):
     cfg = load_config(TrainConfig, str(example), SHRINK + path_overrides(example, tiny_ckpt) + [
         f"run_dir={tmp_path}", f"model.path={tiny_ckpt}", "trial_name=t0",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
+        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}", *fast_join,
     ])
     rows = run_loop(cfg, start_runner)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), f"{example.name}: {rows}"

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 GRPO = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "grpo.yaml"
 
 
-def test_filtered_groups_are_rejected_and_batches_keep_filling(broker, bus_cfg, tmp_path,
+def test_filtered_groups_are_rejected_and_batches_keep_filling(broker, bus_cfg, fast_join, tmp_path,
                                                                start_runner):
     ckpt = str(create_tiny_checkpoint(tmp_path / "model"))
     cfg = load_config(TrainConfig, str(GRPO), [
@@ -33,7 +33,8 @@ def test_filtered_groups_are_rejected_and_batches_keep_filling(broker, bus_cfg, 
         "advantage.overlong_reward_penalty=true", "advantage.overlong_tokens=2",
         "advantage.overlong_penalty_factor=0.5",
         f"run_dir={tmp_path}", f"model.path={ckpt}", "trial_name=t0",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}"])
+        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
+        *fast_join])
     runners = {name: start_runner(build_role(name, cfg), cfg.bus, max_seconds=150)
                for name in ("feeder", "rollout", "reward", "advantage", "trainer")}
     deadline = time.monotonic() + 150

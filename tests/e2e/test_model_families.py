@@ -47,20 +47,20 @@ def test_the_table_names_every_family():
     assert sorted(doc_table()) == sorted(ARCHS)
 
 
-def config(arch: str, broker, bus_cfg, tmp_path) -> TrainConfig:
+def config(arch: str, broker, bus_cfg, tmp_path, fast_join=()) -> TrainConfig:
     ckpt = create_tiny_checkpoint(tmp_path / "model", "synthetic", arch=arch, **SIZES)
     return load_config(TrainConfig, None, [
         f"run_dir={tmp_path}", "trial_name=t0", f"model.path={ckpt}", "total_train_steps=1",
         "train_dataset.prompts_per_step=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=3",
         "rollout.max_head_offpolicyness=0", "actor.mb_max_tokens=256",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
+        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}", *fast_join,
     ])
 
 
 @pytest.mark.parametrize("arch", [a for a, (engine, _) in doc_table().items() if not engine.startswith("none")])
-def test_one_rl_step_end_to_end(arch, broker, bus_cfg, tmp_path, start_runner, wait_until):
+def test_one_rl_step_end_to_end(arch, broker, bus_cfg, fast_join, tmp_path, start_runner, wait_until):
     engine_name, forward = doc_table()[arch]
-    cfg = config(arch, broker, bus_cfg, tmp_path)
+    cfg = config(arch, broker, bus_cfg, tmp_path, fast_join)
     roles = {name: build_role(name, cfg) for name in ("feeder", "rollout", "reward", "advantage", "trainer")}
     assert type(roles["rollout"].engine).__name__ == engine_name
     assert (roles["trainer"].actor.packed is not None) == (forward == "packed")

@@ -45,14 +45,14 @@ def _run_loop(cfg: TrainConfig, start_runner, timeout_s: float = 120.0) -> None:
         rt.finish()
 
 
-def test_trajectories_of_an_eta_2_run_regenerate_bit_for_bit(broker, bus_cfg, tmp_path, start_runner):
+def test_trajectories_of_an_eta_2_run_regenerate_bit_for_bit(broker, bus_cfg, fast_join, tmp_path, start_runner):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tiny = create_tiny_checkpoint(tmp_path / "model")
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path / 'runs'}", "experiment_name=regen", "trial_name=t0", f"model.path={tiny}",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
+        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}", *fast_join,
         f"total_train_steps={STEPS}", f"rollout.max_head_offpolicyness={ETA}",
         "train_dataset.prompts_per_step=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=8",
         "rollout.max_batch_size=1", "rollout.prefix_caching=false", "actor.optimizer.lr=1e-2",

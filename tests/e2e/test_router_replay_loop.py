@@ -32,7 +32,7 @@ pytestmark = pytest.mark.e2e
 STEPS = 2
 
 
-def test_r3_trainer_routes_equal_the_rollouts_on_every_token(broker, bus_cfg, tmp_path, start_runner,
+def test_r3_trainer_routes_equal_the_rollouts_on_every_token(broker, bus_cfg, fast_join, tmp_path, start_runner,
                                                              wait_until, one_torch_thread):
     ckpt = create_tiny_checkpoint(tmp_path / "model", "synthetic", arch="qwen3_moe", hidden_size=32,
                                   num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
@@ -43,7 +43,7 @@ def test_r3_trainer_routes_equal_the_rollouts_on_every_token(broker, bus_cfg, tm
         "rollout.max_head_offpolicyness=0", "actor.mb_max_tokens=256", "actor.moe.router_replay=R3",
         "actor.moe.router_replay_missing=reject", "rollout.routed_experts_inline_max_bytes=0",
         f"archive.dir={tmp_path / 'archive'}", "archive.roll_interval_s=0.5",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}",
+        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix={bus_cfg.topic_prefix}", *fast_join,
     ])
     roles = {name: build_role(name, cfg)
              for name in ("feeder", "rollout", "reward", "advantage", "trainer", "archiver")}
