@@ -87,14 +87,14 @@ class Train:
             self.proc.wait(10)
 
 
-def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path):
+def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path, fast_join):
     env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "COLUMNS": "80"}
     env.pop("TAPIOCA_BOOTSTRAP", None)
     run_dir = tmp_path / "runs"
     runs: list[Train] = []
     try:
         # 1. Progress lines, then Ctrl-C.
-        first = Train([TAPIOCA, "train", f"run_dir={run_dir}", *OVERRIDES], env)
+        first = Train([TAPIOCA, "train", f"run_dir={run_dir}", *OVERRIDES, *fast_join], env)
         runs.append(first)
         # Lines come every supervision turn at most, so steps may jump: any step >= 2.
         first.wait_for(r"\] step (\d+)/100000 \| ETA \d\S* \| reward ", at_least=2)
