@@ -95,12 +95,12 @@ def messages_session(client: anthropic.Anthropic, k: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(broker, tmp_path_factory):
+def run(broker, tmp_path_factory, fast_join):
     model = create_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", task="gsm8k",
                                    max_position_embeddings=1024)
     cfg = load_config(TrainConfig, str(EXAMPLE), [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=dialects-e2e", "trial_name=t0",
-        f"total_train_steps={GROUPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={GROUPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=dialects{uuid.uuid4().hex[:8]}", f"model.path={model}",
         "gconfig.max_new_tokens=4", "advantage.reward_timeout_s=600", "advantage.group_timeout_s=900",
     ])

@@ -44,10 +44,10 @@ WINDOW = 5
 
 
 @pytest.fixture(scope="module")
-def run(broker, tmp_path_factory):
+def run(broker, tmp_path_factory, fast_join):
     cfg = load_config(TrainConfig, str(EXAMPLE), [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=agent-e2e", "trial_name=t0",
-        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=agent{uuid.uuid4().hex[:8]}", f"agent.turn_discount={DISCOUNT}",
         "actor.checkpoint_every_steps=50", "actor.optimizer.lr=3e-3",
     ])

@@ -28,10 +28,10 @@ STEPS = 6
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lora" / "demo_cpu_lora.yaml"
 
 
-def test_a_lora_run_publishes_and_serves_adapters_only(broker, tmp_path):
+def test_a_lora_run_publishes_and_serves_adapters_only(broker, tmp_path, fast_join):
     cfg = load_config(TrainConfig, EXAMPLE, [
         f"run_dir={tmp_path}", "trial_name=t0", f"total_train_steps={STEPS}",
-        f"bus.bootstrap_servers={broker.bootstrap}", f"bus.topic_prefix=lora{uuid.uuid4().hex[:8]}",
+        f"bus.bootstrap_servers={broker.bootstrap}", *fast_join, f"bus.topic_prefix=lora{uuid.uuid4().hex[:8]}",
         "train_dataset.prompts_per_step=8", "gconfig.n_samples=4", "rollout.max_head_offpolicyness=1",
         "weights.transport=ipc", "rollout.max_batch_size=64",
     ])

@@ -38,10 +38,10 @@ KILL_AT_STEP = 6
 
 
 @pytest.fixture(scope="module")
-def run(broker, tmp_path_factory):
+def run(broker, tmp_path_factory, fast_join):
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=many", "trial_name=t0",
-        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=many{uuid.uuid4().hex[:8]}",
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         f"train_dataset.prompts_per_step={B}", f"gconfig.n_samples={N}", "gconfig.max_new_tokens=2",

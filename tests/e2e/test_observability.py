@@ -101,7 +101,7 @@ def wait_for(what: str, predicate, proc, timeout_s: float = 240.0):
     pytest.fail(f"no {what} within {timeout_s} s")
 
 
-def test_a_demo_run_is_scraped_and_traced_while_it_trains(tmp_path):
+def test_a_demo_run_is_scraped_and_traced_while_it_trains(tmp_path, fast_join):
     from tapioca.ops.traces import STAGES, trace_id_of
 
     port = _free_port()
@@ -111,7 +111,8 @@ def test_a_demo_run_is_scraped_and_traced_while_it_trains(tmp_path):
     run_dir = tmp_path / "runs"
     proc = subprocess.Popen(
         [TAPIOCA, "train", "--config", str(ROOT / "examples" / "demo_cpu.yaml"), f"run_dir={run_dir}",
-         *OVERRIDES, f"observability.prometheus_port={port}", f"observability.otlp_endpoint={receiver.url}"],
+         *OVERRIDES, *fast_join, f"observability.prometheus_port={port}",
+         f"observability.otlp_endpoint={receiver.url}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()

@@ -28,10 +28,10 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def run(broker, tmp_path_factory):
+def run(broker, tmp_path_factory, fast_join):
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=tp", "trial_name=t0",
-        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=tp{uuid.uuid4().hex[:8]}",
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",
         "train_dataset.prompts_per_step=4", "gconfig.n_samples=4", "gconfig.max_new_tokens=2",

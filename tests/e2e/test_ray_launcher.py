@@ -34,12 +34,12 @@ KILL_AT_STEP = 12
 
 
 @pytest.fixture(scope="module")
-def ray_run(broker, tmp_path_factory):
+def ray_run(broker, tmp_path_factory, fast_join):
     from tapioca.ops.ray_launcher import RayLauncher
 
     cfg = load_config(TrainConfig, None, [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=ray", "trial_name=t0",
-        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=ray{uuid.uuid4().hex[:8]}",
         # Copy the first of two operands 0..3, one new token: learnt in ~40 steps.
         "train_dataset.task_options.op=copy", "train_dataset.task_options.max_digit=3",

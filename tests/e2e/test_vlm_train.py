@@ -31,10 +31,10 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def run(broker, tmp_path_factory):
+def run(broker, tmp_path_factory, fast_join):
     cfg = load_config(TrainConfig, str(EXAMPLE), [
         f"run_dir={tmp_path_factory.mktemp('runs')}", "experiment_name=vlm-e2e", "trial_name=t0",
-        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}",
+        f"total_train_steps={STEPS}", f"bus.bootstrap_servers={broker.bootstrap}", *fast_join,
         f"bus.topic_prefix=vlm{uuid.uuid4().hex[:8]}", "train_dataset.prompts_per_step=4",
         "archive.enabled=true", "archive.roll_interval_s=1",
     ])
