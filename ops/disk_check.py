@@ -47,16 +47,17 @@ def check_disk_at_start(cfg: Any) -> None:
     """Refuse ``cfg`` (ConfigError, one line) when the files it writes will not fit the run
     directory's free disk; nothing when they do, when the check is off or the model's
     shape cannot be read."""
-    if not cfg.launcher.check_disk:
-        return
+    if not cfg.launcher.check_disk or (cfg.scheduler.type == "ray" and cfg.scheduler.ray_address):
+        return  # off; or the trainer runs on a Ray cluster's host, whose disk this is not
     try:
         shape = dm.run_shape(cfg)
     except ConfigError as exc:
         log.warning("the disk check is skipped: %s", exc)
         return
     run_dir = Path(cfg.run_path)
-    plan = dp.plan_disk(cfg, shape, resumed=(run_dir / "checkpoints").is_dir()
-                        and any((run_dir / "checkpoints").glob("trainer*.safetensors")))
+    ckpts = run_dir / "checkpoints"  # the trainer's file, or the sharded trainer's folder
+    resumed = any(ckpts.glob("trainer*.safetensors")) or (ckpts / "sharded").is_dir()
+    plan = dp.plan_disk(cfg, shape, resumed=resumed)
     free = shutil.disk_usage(_existing(run_dir)).free
     need = plan.total - (_already_there(run_dir) if run_dir.exists() else 0.0)
     if need <= free:

@@ -64,7 +64,8 @@ def checkpoint_bytes(cfg: Any, shape: mp.ModelShape, train: mp.TrainShape) -> fl
     (the adapter's only, for LoRA; fp32 shards and moments, under FSDP), and a critic's."""
     w = mp.dtype_bytes(cfg.actor.weights_dtype)
     if train.sharded:
-        policy = (4 + 8) * shape.params  # every rank's fp32 shard and moments, in all
+        # Every rank's fp32 shard and moments, in all (a LoRA run's: the adapter's).
+        policy = (4 + 8) * (train.lora_params or shape.params)
     else:
         n = train.lora_params or shape.params
         masters = 4 if (w < 4 and train.fp32_master_weights) else 0

@@ -68,6 +68,9 @@ def test_a_lora_runs_files_carry_the_adapter_only():
     assert plan.checkpoint == dp.checkpoint_bytes(cfg, Q3, train) < 16 * train.lora_params
     assert plan.parts["final/"] == mp.dtype_bytes(cfg.model.dtype) * train.lora_params
     assert plan.total < 2 * GIB  # 40 GiB and more for the full model
+    # Under FSDP too: the sharded checkpoint holds the adapter's fp32 shards and moments.
+    sharded = load_config(TrainConfig, str(LORA_EXAMPLE), ["total_train_steps=20", "fsdp.world_size=2"])
+    assert dp.plan_disk(sharded, Q3).checkpoint == 12 * train.lora_params
 
 
 def test_the_start_check_refuses_a_run_whose_checkpoints_will_not_fit_and_names_what_writes_less(
