@@ -74,7 +74,7 @@ for s in "$@"; do
     tree_tests) stage $s 150 $PYTEST tests/unit/test_tree_attention_gpu.py tests/unit/test_tree_training.py ;;
     prefix_sharing) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --out "$OUT/prefix_sharing.json" ;;
     prefix_sharing_varlen) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --attention-backend varlen --out "$OUT/prefix_sharing_varlen.json" ;;
-    rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas 0,4 --timeline --out "$OUT/rl_timeline.json" ;;
+    rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas ${RL_ETAS:-0,4} --timeline --out "$OUT/rl_timeline.json" ;;
     # Issue 37: sleep mode on the GPU, and the flagship example's fit and speed per model size.
     sleep_tests) stage $s 120 $PYTEST tests/unit/test_engine_sleep.py ;;
     fit) stage $s ${FIT_LIMIT_S:-540} python3 benchmarks/example_fit.py --sizes ${FIT_SIZES:-0.5b} --etas ${FIT_ETAS:-0,4} --steps ${FIT_STEPS:-20} --data "${FIT_DATA:-$GSM8K}" ${FIT_ARGS:-} --out "$OUT/fit_${FIT_TAG:-run}.json" ;;
