@@ -138,15 +138,19 @@ def _prepare(cfg: C) -> C:
 
 
 def check_datasets(cfg: TrainConfig) -> None:
-    """Refuse a run whose dataset rows name image files that do not exist, before any role
-    starts (ConfigError: exit 78, the row and the path named), where the feeder (the
-    train dataset) or the evaluator (the valid dataset) would otherwise stop on the first
-    one in its log. tasks/datasets.py :func:`check_image_paths` says which rows it stats."""
-    from ..tasks.datasets import check_image_paths
+    """Refuse a run whose dataset file is not there, or whose rows name image files that do
+    not exist, before any role starts (ConfigError: exit 78, the path, and the row, named),
+    where the feeder (the train dataset) or the evaluator (the valid dataset) would
+    otherwise stop on it in its log. tasks/datasets.py :func:`check_image_paths` says which
+    rows it stats."""
+    from ..tasks.datasets import check_dataset_file, check_image_paths
 
-    check_image_paths(cfg.train_dataset, section="train_dataset")
+    sections = [("train_dataset", cfg.train_dataset)]
     if cfg.evaluator.enabled and cfg.valid_dataset is not None:
-        check_image_paths(cfg.valid_dataset, section="valid_dataset")
+        sections.append(("valid_dataset", cfg.valid_dataset))
+    for section, ds in sections:
+        check_dataset_file(ds, section=section)
+        check_image_paths(ds, section=section)
 
 
 def _tiny_task(cfg: Any) -> str:

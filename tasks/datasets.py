@@ -97,6 +97,22 @@ def _read_hf_datasets_dir(path: Path, split: str | None) -> Iterator[dict[str, A
     yield from iter(loaded)
 
 
+def missing_dataset_message(path: Path) -> str:
+    """What to say of a dataset path that is not there (the feeder and the check at start)."""
+    where = "" if path.is_absolute() else f" (from {Path.cwd()}, nor in the repository {REPO_ROOT})"
+    return (f"dataset {path} does not exist{where}; check the path (datasets are read locally only; "
+            "examples/data/gsm8k/{train,test}.jsonl ship with the repository)")
+
+
+def check_dataset_file(ds: "DatasetConfig", *, section: str = "train_dataset") -> None:
+    """Refuse (ConfigError, one line) a dataset file (``jsonl``, ``parquet``, ``hf_disk``,
+    ``gsm8k`` with a path) that is not there, before any role starts: the feeder would otherwise stop on it in its
+    log after the model is built and every role started. Built-in tasks have no file."""
+    has_file = ds.type in _FILE_TYPES or (ds.type == "gsm8k" and bool(ds.path))
+    if has_file and not data_path(ds.path).exists():
+        raise ConfigError(f"{section}.path: " + missing_dataset_message(data_path(ds.path)))
+
+
 def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterator[dict[str, Any]]:
     """Yield each row of a JSONL / Parquet file or a ``save_to_disk`` directory as a dict.
 
@@ -106,9 +122,7 @@ def read_records(path: str | os.PathLike, *, split: str | None = None) -> Iterat
     """
     path = data_path(path)
     if not path.exists():
-        where = "" if path.is_absolute() else f" (from {Path.cwd()}, nor in the repository {REPO_ROOT})"
-        raise TapiocaError(f"dataset {path} does not exist{where}; check the path (datasets are read "
-                           "locally only)")
+        raise TapiocaError(missing_dataset_message(path))
     if path.is_dir():
         if _is_hf_datasets_dir(path):
             return _read_hf_datasets_dir(path, split)

@@ -19,7 +19,7 @@ from tapioca.config.schema import DatasetConfig, TrainConfig
 from tapioca.media.images import image_source_path
 from tapioca.runtime.run import check_datasets, resolve_run
 from tapioca.schemas.errors import ConfigError
-from tapioca.tasks.datasets import check_image_paths
+from tapioca.tasks.datasets import check_dataset_file, check_image_paths
 
 TAPIOCA = str(Path(sys.executable).parent / "tapioca")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -124,3 +124,21 @@ def test_tapioca_train_with_a_missing_image_exits_78_at_once_with_one_line(tmp_p
     assert errors[0].startswith(f"error: train_dataset: row 1 of {path} names image "), errors[0]
     assert not (tmp_path / "runs").exists()  # no run directory, no model, no broker, no role
     assert elapsed < 60, elapsed  # the interpreter's start and imports; before: 30-67 s, then exit 1
+
+
+def test_a_dataset_file_that_is_not_there_is_refused_at_start_naming_the_section(tmp_path):
+    gone = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError, match=r"^train_dataset\.path: dataset .*nope\.jsonl does not exist") as err:
+        resolve_run(_vl_config(tmp_path, gone), prepare=True)
+    assert "\n" not in str(err.value) and "examples/data/gsm8k" in str(err.value)
+    assert not (tmp_path / "runs").exists()
+    good = dataset(tmp_path, [["img/ok.png"]], name="good.jsonl")
+    valid = ["valid_dataset.type=jsonl", f"valid_dataset.path={gone}", "valid_dataset.prompt_key=question"]
+    check_datasets(_vl_config(tmp_path, good, *valid))  # the evaluator is off: not read, not checked
+    with pytest.raises(ConfigError, match=r"^valid_dataset\.path: dataset .*nope\.jsonl does not exist"):
+        check_datasets(_vl_config(tmp_path, good, *valid, "evaluator.freq_steps=10"))
+    # gsm8k with a path is a file too; without one it is the copy in examples/data.
+    with pytest.raises(ConfigError, match=r"^train_dataset\.path: dataset .*nope\.jsonl does not exist"):
+        check_dataset_file(DatasetConfig(type="gsm8k", path=str(gone)))
+    check_dataset_file(DatasetConfig(type="gsm8k"))
+    check_dataset_file(DatasetConfig(type="synthetic"))
