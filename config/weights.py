@@ -33,6 +33,9 @@ class WeightsConfig:
     # ipc / nccl: the durable safetensors file is written in the background for every
     # k-th version (0: none; rollback and `tapioca weights list` need them).
     file_every_versions: int = 1
+    # The durable files of the last this many versions stay (rollback, `tapioca weights
+    # list`, regeneration); older ones are deleted as new ones land (0: keep all).
+    keep_versions: int = 8
     # nccl: the address rollout workers reach the trainer's rendezvous store at, and its
     # port (0: any free port; the weights event carries the one chosen).
     nccl_host: str = "127.0.0.1"
@@ -53,6 +56,7 @@ class WeightsConfig:
         _require(self.buffer_slots >= 1, "weights.buffer_slots must be >= 1 (2 = double buffering)")
         _require(self.file_every_versions >= 0,
                  "weights.file_every_versions must be >= 0 (0: no durable files)")
+        _require(self.keep_versions >= 0, "weights.keep_versions must be >= 0 (0: keep every version's file)")
         _require(0 <= self.nccl_port <= 65535,
                  "weights.nccl_port must be in [0, 65535] (0 = any free port)")
         _require(self.nccl_backend in ("auto", "nccl", "gloo"),

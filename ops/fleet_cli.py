@@ -249,7 +249,7 @@ def _weights(cfg, run: Optional[str]) -> tuple[str, dict[int, dict]]:
 def shown_versions(rows: list[dict], last: int, all_versions: bool) -> list[dict]:
     """What `weights list` shows (rows in version order): every version with ``--all``,
     else the newest ``last`` and every older one whose file is on disk here (what a
-    rollback can go back to; the trainer deletes all but keep_weight_versions files)."""
+    rollback can go back to; the trainer deletes all but weights.keep_versions files)."""
     if all_versions:
         return rows
     newest = {r["version"] for r in rows[-last:]} if last > 0 else set()
@@ -286,7 +286,7 @@ def weights_list(
                   + (f" in {dirs.pop()}" if len(dirs) == 1 else ""),
                   caption=(f"{len(rows)} of {len(every)} versions: the newest {last} and those "
                            "on disk here; --all shows every one. " if hidden else "")
-                  + "The trainer keeps only the last keep_weight_versions files "
+                  + "The trainer keeps only the last weights.keep_versions files "
                     "(ipc / nccl: every weights.file_every_versions-th version has "
                     "one); -o json has full paths")
     for r in rows:

@@ -16,7 +16,7 @@ Pure arithmetic: no torch.
   one is written; a stop right after a step's checkpoint does not write it again.
 * **The durable weights files** (weights/durable.py): one per ``weights.
   file_every_versions`` versions (every version with ``weights.transport=file``), in
-  ``model.dtype``; the trainer keeps the last :data:`KEEP_WEIGHT_VERSIONS` versions'
+  ``model.dtype``; the trainer keeps the last ``weights.keep_versions`` versions'
   files, and the next one beside them until the oldest goes.
 * **final/** (trainers/final_model.py): the trained weights in ``model.dtype``, or the
   adapter.
@@ -34,9 +34,6 @@ from typing import Any
 from ..trainers import memory_plan as mp
 
 GIB = mp.GIB
-# The trainer's default (trainers/trainer.py keep_weight_versions): the durable weights
-# files of the last this many versions stay, for rollback and `tapioca weights list`.
-KEEP_WEIGHT_VERSIONS = 8
 
 
 @dataclass
@@ -87,7 +84,8 @@ def plan_disk(cfg: Any, shape: mp.ModelShape, *, resumed: bool = False) -> DiskP
     every = 1 if cfg.weights.transport == "file" else cfg.weights.file_every_versions
     written = cfg.total_train_steps // every if every > 0 else 0
     if written:
-        kept = min(math.ceil(KEEP_WEIGHT_VERSIONS / every), written)
+        keep = cfg.weights.keep_versions  # versions, not files (weights/durable.py); 0: all
+        kept = min(math.ceil(keep / every), written) if keep > 0 else written
         beside = 1 if written > kept else 0  # the next one is written before the oldest goes
         plan.parts[f"weights files ({kept} kept{' + the next' if beside else ''})"] = (kept + beside) * version_bytes
     plan.parts["final/"] = version_bytes

@@ -51,7 +51,7 @@ def weights_of(run_dir: str | Path, versions: set[int]):
         have = f"v{min(saved)}..v{max(saved)}" if saved else "none"
         raise CannotRegenerateError(
             f"the weights of version(s) {missing} are no longer in {wdir} (it holds {have}; the trainer "
-            "keeps only its last versions' files, trainer keep_weight_versions): regenerate a newer "
+            "keeps only its last versions' files, weights.keep_versions): regenerate a newer "
             "trajectory, or keep more versions on disk")
 
     def load(version: int):

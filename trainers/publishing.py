@@ -39,8 +39,7 @@ class FullWeights:
     #: The name part of a version's file (weights/payload.py ``version_path``); "": a file.
     file_name = ""
 
-    def __init__(self, section: TrainerSection, actor, *, weights_dir: Path, name: str,
-                 keep_versions: int) -> None:
+    def __init__(self, section: TrainerSection, actor, *, weights_dir: Path, name: str) -> None:
         """``actor``: the policy (PPOActor or the sharded actor); ``weights_dir``: where
         the versions' files go; ``name``: the publisher's (the trainer's member id)."""
         self.actor = actor
@@ -50,7 +49,7 @@ class FullWeights:
         # How versions reach the engines (the weights section; docs/weight-sync.md).
         self.out = WeightPublisher.from_config(
             section.weights, weights_dir, device=section.actor.device, publish_dtype=self.dtype,
-            keep_versions=keep_versions, name=name, adapter=self._adapter_files())
+            name=name, adapter=self._adapter_files())
 
     def _adapter_files(self):
         """What the durable writer writes for a version beyond its tensors (weights/durable.py
@@ -141,8 +140,7 @@ class AdapterWeights(FullWeights):
                                    dtype=self.dtype)
 
 
-def policy_payload(section: TrainerSection, actor, *, weights_dir: Path, name: str,
-                   keep_versions: int) -> FullWeights:
+def policy_payload(section: TrainerSection, actor, *, weights_dir: Path, name: str) -> FullWeights:
     """The run's payload: the adapter with ``actor.lora.enabled`` (``section.lora``), else full weights."""
     kind = FullWeights if section.lora is None else AdapterWeights
-    return kind(section, actor, weights_dir=weights_dir, name=name, keep_versions=keep_versions)
+    return kind(section, actor, weights_dir=weights_dir, name=name)

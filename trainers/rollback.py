@@ -42,7 +42,7 @@ def restore_version(args: Mapping[str, Any], *, current: int, actor, payload: Fu
     path = payload.path(target)
     if not path.exists():
         return None, (f"the weights file of version {target} ({path}) is gone: the trainer "
-                      f"keeps only the last keep_weight_versions={keep_versions} "
+                      f"keeps only the last weights.keep_versions={keep_versions} "
                       "versions; roll back to a newer one")
     tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
     wrong = payload.misfit(tensors)  # a LoRA run: the adapter, its versions' contents

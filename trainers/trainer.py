@@ -109,8 +109,7 @@ class Trainer(Role[TrainerState]):
 
     def __init__(self, section: TrainerSection, *, actor: PPOActor, critic: Critic | None = None,
                  reference: FrozenLogprobModel | None = None,
-                 teacher: FrozenLogprobModel | None = None, member_id: str = "trainer",
-                 keep_weight_versions: int = 8) -> None:
+                 teacher: FrozenLogprobModel | None = None, member_id: str = "trainer") -> None:
         """``section``: the run's trainer settings. ``actor``: the policy (PPOActor, or the
         sharded actor); ``critic`` / ``reference`` / ``teacher``: the models the token-level
         advantages need (``advantage.estimator`` gae / ``actor.kl_ctl`` > 0 /
@@ -120,7 +119,6 @@ class Trainer(Role[TrainerState]):
         self.cfg = section
         self.member_id = member_id
         self.run_dir = Path(section.run_dir)
-        self.keep_weight_versions = keep_weight_versions
         self.token_adv = TokenAdvantages(section, pad_token_id=actor.pad_token_id,
                                          device=actor.device, critic=critic,
                                          reference=reference, teacher=teacher)
@@ -130,7 +128,7 @@ class Trainer(Role[TrainerState]):
         self.checkpoints = TrainerCheckpoints(self.run_dir, actor=actor, critic=critic)
         # What a version publishes, full weights or a LoRA adapter (trainers/publishing.py).
         self.payload = policy_payload(section, actor, weights_dir=self.run_dir / WEIGHTS_DIR,
-                                      name=member_id, keep_versions=keep_weight_versions)
+                                      name=member_id)
         # The sample checks and the tail gate's bound (trainers/admission.py).
         self.admission = Admission(section, actor)
         # Stale-token masking (actor.max_token_version_gap; algorithms/stale_tokens.py).
@@ -414,12 +412,12 @@ class Trainer(Role[TrainerState]):
         reset, the critic restored from its checkpoint of that version or its optimizer
         state reset) and publish them as the NEW version v+1 with ``rollback_of`` set, so
         versions stay monotonic and the staleness rules hold; then checkpoint. Old files
-        are deleted after ``keep_weight_versions`` versions."""
+        are deleted after ``weights.keep_versions`` versions."""
         if command.command != "rollback":
             return super().on_control(command, state)
         target, note = restore_version(command.args, current=state.progress.version, actor=self.actor,
                                        payload=self.payload, checkpoints=self.checkpoints,
-                                       keep_versions=self.keep_weight_versions)
+                                       keep_versions=self.cfg.weights.keep_versions)
         if target is None:
             return False, note, []
         new = state.draft()

@@ -77,8 +77,7 @@ class WeightPublisher:
 
     @classmethod
     def from_config(cls, weights, directory: str | Path, *, device: str | torch.device,
-                    publish_dtype: torch.dtype | None, keep_versions: int = 8,
-                    name: str = "weights", adapter: AdapterFiles | None = None) -> "WeightPublisher":
+                    publish_dtype: torch.dtype | None, name: str = "weights", adapter: AdapterFiles | None = None) -> "WeightPublisher":
         """From the run's ``weights`` section (config/weights.py); ``device``: the
         trainer's (``actor.device``)."""
         # auto is resolved with the run's placement (config/device_defaults.py); a section
@@ -86,7 +85,7 @@ class WeightPublisher:
         transport = "file" if weights.transport == "auto" else weights.transport
         return cls(transport, directory, device=device, publish_dtype=publish_dtype,
                    bucket_bytes=weights.bucket_bytes, buffer_slots=weights.buffer_slots,
-                   file_every_versions=weights.file_every_versions, keep_versions=keep_versions,
+                   file_every_versions=weights.file_every_versions, keep_versions=weights.keep_versions,
                    nccl_host=weights.nccl_host, nccl_port=weights.nccl_port,
                    nccl_backend=weights.nccl_backend,
                    transfer_timeout_s=weights.transfer_timeout_s, name=name, adapter=adapter)

@@ -371,10 +371,10 @@ def test_weights_list_and_rollback_on_a_trainer(cfg, cli, tiny_ckpt, tmp_path, s
     # The gate counts trained steps: every version from the rollback on says it had one.
     assert [progress()[v].rollbacks for v in range(5)] == [0, 0, 0, 1, 1]
 
-    # Weights files older than keep_weight_versions are deleted: rollback says so.
+    # Weights files older than weights.keep_versions are deleted: rollback says so.
     Path(versions()[0].path).unlink()
     err = one_line_error(cli("weights", "rollback", "0"))
-    assert "gone" in err and "keep_weight_versions" in err
+    assert "gone" in err and "weights.keep_versions" in err
     assert "no version 77" in one_line_error(cli("weights", "rollback", "77"))
 
 

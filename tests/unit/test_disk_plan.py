@@ -60,6 +60,20 @@ def test_a_bf16_checkpoint_is_14_bytes_a_parameter_and_is_rewritten_beside_the_l
     assert dp.checkpoints_written(load_config(TrainConfig, str(EXAMPLE), ["total_train_steps=21"])) == 3
 
 
+def test_the_weights_files_kept_are_weights_keep_versions_the_setting_the_trainer_reads():
+    # The file transport writes every version: 8 kept of 20 (the default), 3, or all 20 (0).
+    def files(*extra: str) -> dict:
+        cfg = load_config(TrainConfig, str(EXAMPLE), ["total_train_steps=20", "weights.transport=file", *extra])
+        return {k: v for k, v in dp.plan_disk(cfg, Q3).parts.items() if k.startswith("weights files")}
+
+    version = 2 * Q3.params
+    assert files() == {"weights files (8 kept + the next)": 9 * version}
+    assert files("weights.keep_versions=3") == {"weights files (3 kept + the next)": 4 * version}
+    assert files("weights.keep_versions=0") == {"weights files (20 kept)": 20 * version}
+    with pytest.raises(ConfigError, match="weights.keep_versions must be >= 0"):
+        load_config(TrainConfig, str(EXAMPLE), ["weights.keep_versions=-1"])
+
+
 def test_a_lora_runs_files_carry_the_adapter_only():
     cfg = load_config(TrainConfig, str(LORA_EXAMPLE), ["total_train_steps=20"])
     train = mp.train_shape(cfg.actor, cfg.fsdp, model=Q3)
