@@ -77,7 +77,8 @@ class WeightPublisher:
 
     @classmethod
     def from_config(cls, weights, directory: str | Path, *, device: str | torch.device,
-                    publish_dtype: torch.dtype | None, name: str = "weights", adapter: AdapterFiles | None = None) -> "WeightPublisher":
+                    publish_dtype: torch.dtype | None, name: str = "weights",
+                    adapter: AdapterFiles | None = None) -> "WeightPublisher":
         """From the run's ``weights`` section (config/weights.py); ``device``: the
         trainer's (``actor.device``)."""
         # auto is resolved with the run's placement (config/device_defaults.py); a section
