@@ -54,6 +54,13 @@ def run_training(config: Optional[str], overrides: list[str], *,
     live = console.is_terminal if live is None else live
     # A named trial may have a checkpoint: the view starts at its step, not at 0.
     resumed = train_view.trainer_checkpoint(cfg.run_path) if cfg.trial_name else None
+    if resumed is not None and resumed.trained >= cfg.total_train_steps:
+        # Nothing to train: said before a broker or any role starts (it took ~19 s to start
+        # every role and stop them again).
+        for line in (train_view.start_line(cfg, resumed),
+                     train_view.ending(None, cfg, resumed, resume="", interrupted=False, failure=None).line):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
     view = train_view.TrainView(cfg, resumed_at=resumed.version if resumed is not None else 0)
     if cfg.scheduler.type == "ray":  # every role a Ray actor (ops/ray_launcher.py)
         from .ray_launcher import RayLauncher as Launcher  # noqa: F811

@@ -137,6 +137,8 @@ def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path, fast
                          rf"{drained_at} of total_train_steps={drained_at}; nothing to train", out,
                          re.M), out
         assert re.search(r"^done: nothing to train: trial t0 was already complete", out, re.M), out
+        # Said before a broker or any role starts (no "run ...: ... (broker ...)" line).
+        assert not re.search(r"^run \S+: .*\(broker ", out, re.M), out
     finally:
         for run in runs:
             run.kill()
