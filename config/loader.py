@@ -110,6 +110,7 @@ def _renamed(layer: Any, base, where: str, warned: set[str]) -> Any:
     old key a config never had stays, and is refused as unknown by the merge)."""
     if not isinstance(layer, dict):
         return layer
+    moved: list[str] = []  # warned once per layer (an old run's config.yaml has many)
     for old, new in RENAMED_KEYS.items():
         value = _get(layer, old)
         news = (new,) if isinstance(new, str) else new
@@ -131,8 +132,10 @@ def _renamed(layer: Any, base, where: str, warned: set[str]) -> Any:
         del _get(layer, parent)[leaf]
         if old not in warned:
             warned.add(old)
-            log.warning("config key %s (%s) is deprecated and goes after this release: use %s",
-                        old, where, " and ".join(news))
+            moved.append(f"{old}: use {' and '.join(news)}")
+    if moved:
+        log.warning("deprecated config keys %s (read as the new ones; they go after this release): %s",
+                    where, "; ".join(moved))
     return layer
 
 
