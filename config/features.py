@@ -182,6 +182,11 @@ FEATURE_TABLE: tuple[FeatureRule, ...] = (
         "MoE layer: set them to 0",
         "`actor.moe.aux_loss_coeff=0`, `actor.moe.z_loss_coeff=0`"),
     FeatureRule(
+        "freeze_router_x_dense_model", ("model: dense (no MoE layer)", "actor.moe.freeze_router"),
+        lambda c, p: p.known and p.moe is None and c.actor.moe.freeze_router,
+        "actor.moe.freeze_router is set but the model ({policy.model_type}) has no MoE router: unset it",
+        "`actor.moe.freeze_router=false`"),
+    FeatureRule(
         "sglang_x_images", ("rollout.engine=sglang", "train_dataset.type=visual"),
         lambda c, p: c.rollout.engine == "sglang" and c.train_dataset.type == "visual",
         "rollout.engine=sglang sends token ids only (images are not wired into its adapter yet), but "

@@ -159,7 +159,7 @@ def build_train_modules(model: torch.nn.Module, cfg: ActorConfig, device: str | 
         raise ConfigError(f"actor.moe.router_replay={cfg.moe.router_replay} replays the routes of the packed "
                           f"forward's MoE layers, but model family {family!r} cannot ({why}): set "
                           "actor.moe.router_replay=disabled")
-    if cfg.moe.freeze_router:
+    if cfg.moe.freeze_router:  # a dense model is refused at start (freeze_router_x_dense_model)
         routers = router_parameters(model)
         if not routers:
             raise ConfigError(f"actor.moe.freeze_router is set but model family {family!r} has no "

@@ -46,6 +46,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "router_replay_x_tree_training": (MOE + ["actor.moe.router_replay=R2", "actor.enable_tree_training=true"],
                                       MOE + ["actor.moe.router_replay=R2"]),
     "moe_router_losses_x_dense_model": (["actor.moe.aux_loss_coeff=0.001"], MOE + ["actor.moe.aux_loss_coeff=0.001"]),
+    "freeze_router_x_dense_model": (["actor.moe.freeze_router=true"], MOE + ["actor.moe.freeze_router=true"]),
     "sglang_x_images": (VL + ["rollout.engine=sglang"], ["model.arch=qwen2_5_vl", "rollout.engine=sglang"]),
     "servers_x_fast_transport": (["rollout.engine=sglang", "weights.transport=ipc"], ["rollout.engine=sglang"]),
     "torch_engine_x_server_tensor_parallel": (["rollout.server.tensor_parallel_size=2"],
