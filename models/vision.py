@@ -231,6 +231,18 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return body.visual
 
 
+def vision_tower_params(model_path: str) -> int:
+    """The parameters of the vision tower of the vision-language model at ``model_path``,
+    counted on an empty (meta-device) copy built from its ``config.json`` (~1 s at 3B):
+    what the memory and disk plans add to the decoder's (trainers/memory_plan.py)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return sum(p.numel() for p in vision_tower(model).parameters())
+
+
 def image_features(model: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """``(embeds [n_tokens, hidden], deepstack)``: the vision tower's merged features of

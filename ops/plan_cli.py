@@ -58,7 +58,7 @@ def plan_command(
     shape = dm.run_shape(cfg, model)
     if all_layouts:
         train = mp.train_shape(cfg.actor, cfg.fsdp, tokens=tokens, micro_batches=micro_batches or 2,
-                               model=shape)
+                               model=shape, freeze_vision=cfg.vlm.freeze_vision_encoder)
         _layouts(cfg, shape, train, gpu_gib or DEFAULT_GPU_GIB, output)
         return
     devices = list(dm.plan_run(cfg, shape, card_bytes=(gpu_gib or DEFAULT_GPU_GIB) * dm.GIB).devices)

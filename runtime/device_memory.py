@@ -40,13 +40,14 @@ those that fit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config.schema import kv_tokens_needed
-from ..models.families import read_config_json, text_part
+from ..models.families import read_config_json, text_part, vision_of
 from ..schemas.errors import ConfigError
 from ..trainers import memory_plan as mp
 from .run import replace_path
@@ -164,8 +165,14 @@ class RunMemoryPlan:
 
 def shape_of_dir(path: str | Path) -> mp.ModelShape:
     """The decoder's shape from a model directory's config.json (a vision-language
-    model's text part)."""
-    return mp.ModelShape.from_hf_config(text_part(read_config_json(path)), name=Path(path).name)
+    model's text part, with its vision tower's parameters)."""
+    doc = read_config_json(path)
+    shape = mp.ModelShape.from_hf_config(text_part(doc), name=Path(path).name)
+    if vision_of(doc) is None:
+        return shape
+    from ..models.vision import vision_tower_params
+
+    return dataclasses.replace(shape, vision_params=vision_tower_params(str(path)))
 
 
 def run_shape(cfg: Any, model: str | None = None) -> mp.ModelShape:
@@ -295,7 +302,8 @@ def plan_run(cfg: Any, shape: mp.ModelShape, *, card_bytes: float, tokens: int |
     override the trainer's micro-batch size and count."""
     a = cfg.actor
     micro = micro_batches if micro_batches is not None else step_micro_batches(cfg)
-    train = mp.train_shape(a, cfg.fsdp, tokens=tokens, micro_batches=micro, model=shape)
+    train = mp.train_shape(a, cfg.fsdp, tokens=tokens, micro_batches=micro, model=shape,
+                           freeze_vision=cfg.vlm.freeze_vision_encoder)
     step = mp.plan(shape, train)
     devices: dict[str, DevicePlan] = {}
     notes: list[str] = []
@@ -373,18 +381,27 @@ def fitting_changes(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *
     """Settings that make ``cfg`` fit ``budgets`` (bytes per device), each tried in the
     planner: ``actor.mb_max_tokens`` halved until it fits, activation checkpointing, a
     smaller KV cache (``rollout.kv_cache_memory_fraction``, or ``kv_cache_tokens`` when
-    fixed), one weight buffer instead of two, LoRA; then activation checkpointing with
-    the micro-batch halved, one buffer, or LoRA. Returns up to ``limit`` alternatives (each a
+    fixed), one weight buffer instead of two, weights by file, LoRA; then activation
+    checkpointing with the micro-batch halved, one buffer, weights by file, or LoRA (a
+    combination the feature table refuses is not tried). Returns up to ``limit`` alternatives (each a
     ``key=value ...`` string) and, when none fits, the smallest plan tried."""
+    from ..config.features import check_features
+    from ..config.lora import lora_spec
+    from ..config.policy import resolve_policy
+
     if plan_run(cfg, shape, card_bytes=card_bytes).fits(budgets):
         return [], None
     tried: list[tuple[dict[str, Any], RunMemoryPlan]] = []
+    policy = resolve_policy(cfg)  # the model's facts, read once; each attempt's adapter below
 
     def attempt(settings: dict[str, Any]) -> RunMemoryPlan | None:
         try:
             changed = with_settings(cfg, settings)
+            # A combination the config or the feature table refuses (LoRA with a critic,
+            # LoRA on a vision-language model, ...) is no advice.
+            check_features(changed, dataclasses.replace(policy, adapter=lora_spec(changed)))
             p = plan_run(changed, shape, card_bytes=card_bytes)
-        except ConfigError:  # a combination the config refuses (e.g. LoRA with a critic)
+        except ConfigError:
             return None
         tried.append((settings, p))
         return p
@@ -424,7 +441,7 @@ def fitting_changes(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *
         if settings:
             found.append(settings)
     if not found:
-        for combo in ({**ac}, {**ac, **slots}, {**ac, **lora}):
+        for combo in ({**ac}, {**ac, **slots}, {**ac, **files}, {**ac, **lora}):
             if not combo:
                 continue
             settings = combo if _fits(attempt(combo), budgets) else halve(combo)

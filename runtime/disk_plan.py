@@ -64,9 +64,11 @@ def checkpoint_bytes(cfg: Any, shape: mp.ModelShape, train: mp.TrainShape) -> fl
         # Every rank's fp32 shard and moments, in all (a LoRA run's: the adapter's).
         policy = (4 + 8) * (train.lora_params or shape.params)
     else:
-        n = train.lora_params or shape.params
         masters = 4 if (w < 4 and train.fp32_master_weights) else 0
-        policy = (w + masters + 8) * n
+        # Every weight (the adapter's only, for LoRA); masters and moments of the trained ones
+        # (not of a frozen vision tower).
+        weights = train.lora_params or shape.params
+        policy = w * weights + (masters + 8) * train.trained_params(shape)
     critic = (w + 8) * shape.params if cfg.advantage.estimator == "gae" else 0.0
     return float(policy + critic)
 
@@ -74,7 +76,7 @@ def checkpoint_bytes(cfg: Any, shape: mp.ModelShape, train: mp.TrainShape) -> fl
 def plan_disk(cfg: Any, shape: mp.ModelShape, *, resumed: bool = False) -> DiskPlan:
     """The most the run holds under ``run_dir`` at once (see the module docstring).
     ``resumed``: a checkpoint is there already, so the next one is written beside it."""
-    train = mp.train_shape(cfg.actor, cfg.fsdp, model=shape)
+    train = mp.train_shape(cfg.actor, cfg.fsdp, model=shape, freeze_vision=cfg.vlm.freeze_vision_encoder)
     ckpt = checkpoint_bytes(cfg, shape, train)
     plan = DiskPlan(ckpt)
     plan.parts["checkpoint"] = ckpt

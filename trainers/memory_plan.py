@@ -80,6 +80,9 @@ class ModelShape:
     experts: int = 0  # MoE: experts per layer (0: a dense SwiGLU MLP)
     experts_per_token: int = 0
     moe_intermediate: int = 0
+    # A vision-language model's vision tower (models/vision.py vision_tower_params): in
+    # its weights everywhere, trained unless vlm.freeze_vision_encoder (TrainShape.frozen_params).
+    vision_params: int = 0
 
     @property
     def attention_params(self) -> int:
@@ -104,7 +107,8 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.hidden
+        """Every weight: the decoder's and a vision tower's."""
+        return self.layers * self.layer_params + self.embedding_params + self.hidden + self.vision_params
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "ModelShape":
@@ -121,7 +125,7 @@ class ModelShape:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate=int(cfg.get("intermediate_size") or 0),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),  # Qwen2, -MoE, -VL text
             qk_norm=model_type.startswith("qwen3"), experts=experts,
             experts_per_token=moe.top_k if moe else 0,
             moe_intermediate=int(cfg.get("moe_intermediate_size") or 0) if experts else 0)
@@ -172,6 +176,14 @@ class TrainShape:
     # ranks over one decoder layer's targeted projections (what each saves per token).
     lora_params: int = 0
     lora_layer_rank: int = 0
+    # Weights with no gradient nor optimizer state besides the LoRA base: a frozen vision
+    # tower (vlm.freeze_vision_encoder; its forward keeps no activations either).
+    frozen_params: int = 0
+
+    def trained_params(self, m: "ModelShape") -> int:
+        """The parameters with gradients and optimizer state: the adapter, else every
+        weight but the frozen ones."""
+        return self.lora_params or m.params - self.frozen_params
 
     @property
     def world(self) -> int:
@@ -367,7 +379,7 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
     else:
         w = _BYTES[t.param_dtype]
         # LoRA: the base is frozen in its dtype; only the adapter has gradients and state.
-        n_params = t.lora_params or m.params
+        n_params = t.trained_params(m)
         p.parts["weights"] = w * (m.params + t.lora_params)
         if t.autocast:
             p.parts["autocast bf16 weight copies"] = 2 * m.layers * m.layer_params
@@ -395,12 +407,13 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
 
 
 def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 2,
-                model: ModelShape | None = None) -> TrainShape:
+                model: ModelShape | None = None, freeze_vision: bool = False) -> TrainShape:
     """A :class:`TrainShape` from the ``actor`` and ``fsdp`` config sections, as the
     trainer will run them: on CUDA the ``auto`` logprob kernel is Triton at tp 1, and
     ``auto`` attention is flash varlen where the layers compute in bf16 / fp16 (in fp32
     the packed forward runs padded sdpa); ``liger_kernels: null`` is on where it runs.
-    ``model``: the shape a LoRA adapter (``actor.lora.enabled``) is counted on."""
+    ``model``: the shape a LoRA adapter (``actor.lora.enabled``) and a frozen vision tower
+    (``freeze_vision``: ``vlm.freeze_vision_encoder``) are counted on."""
     from ..models.fused_ops import liger_by_default
 
     cuda = str(actor.device).startswith("cuda")
@@ -425,7 +438,8 @@ def train_shape(actor, fsdp, *, tokens: int | None = None, micro_batches: int = 
         recompute_swiglu=actor.recompute_swiglu, checkpoint_every=every,
         attention="sdpa" if attention == "sdpa" else "varlen", logprob_kernel=kernel,
         keep_logits=actor.logprob_keep_logits, chunk_tokens=actor.logprob_chunk_tokens,
-        lora_params=lora_params, lora_layer_rank=lora_rank)
+        lora_params=lora_params, lora_layer_rank=lora_rank,
+        frozen_params=model.vision_params if freeze_vision and model is not None else 0)
 
 
 # A decoder layer's linear projections as peft names them: (input, output) features.

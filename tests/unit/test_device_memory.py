@@ -322,3 +322,61 @@ def test_the_role_process_adds_the_plans_advice_to_an_out_of_memory_line(tmp_pat
     # The plan of the example fits 80 GiB on paper: the advice lowers it by the 2.32 GiB
     # that failed.
     assert "The plan puts cuda:0 at " in line and "fits with actor.mb_max_tokens=8192" in line, line
+
+
+def qwen25_vl_3b_dir(root: Path) -> Path:
+    """A Qwen2.5-VL-3B-shaped model directory (config.json only: the planner counts the
+    vision tower on an empty meta-device copy)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000,
+                tie_word_embeddings=True)
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
+                           vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=True)
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    model = root / "qwen2.5-vl-3b"
+    cfg.save_pretrained(model)
+    return model
+
+
+def test_a_vision_language_plan_counts_the_tower_and_its_advice_names_no_refused_feature(tmp_path):
+    from tapioca.runtime import disk_plan as dp
+
+    model = qwen25_vl_3b_dir(tmp_path)
+    shape = dm.shape_of_dir(model)
+    decoder = mp.PRESETS["qwen2.5-3b"].params
+    # Qwen2.5-VL-3B's tower: 32 blocks of 1280 and the merger, 0.67B (the published 3.75B in all).
+    assert 0.6e9 < shape.vision_params < 0.7e9 and shape.params == decoder + shape.vision_params
+    vl = ROOT / "examples" / "vlm" / "geometry3k.yaml"
+    cfg = load_config(TrainConfig, str(vl), [f"model.path={model}"])
+    assert cfg.vlm.freeze_vision_encoder
+    card = 79.18 * GIB
+    frozen = parts(dm.plan_run(cfg, shape, card_bytes=card))
+    trained = parts(dm.plan_run(with_vlm(cfg, freeze=False), shape, card_bytes=card))
+    step = dm.plan_run(cfg, shape, card_bytes=card).trainer.parts
+    # Every weight in bf16 on both sides; gradients only of what trains (the frozen tower has none).
+    assert step["weights"] == 2 * shape.params
+    assert step["gradients"] == 2 * decoder
+    assert frozen[("rollout-0", "weights (bfloat16)")] == 2 * shape.params
+    assert trained[("trainer-0", "training step (start of backward)")] - \
+        frozen[("trainer-0", "training step (start of backward)")] >= 14 * shape.vision_params  # grads, masters, moments
+    # A checkpoint: every weight, masters and moments of the trained ones.
+    assert dp.checkpoint_bytes(cfg, shape, mp.train_shape(cfg.actor, cfg.fsdp, model=shape, freeze_vision=True)) \
+        == 2 * shape.params + 12 * decoder
+    # The example as shipped fits an H100 (79.18 GiB); with ipc and no activation checkpointing
+    # it does not, and the advice does not name LoRA, which the feature table refuses for a
+    # vision-language model (vlm_x_lora).
+    budget = {"cuda:0": card}
+    assert dm.plan_run(cfg, shape, card_bytes=card).fits(budget)
+    before = load_config(TrainConfig, str(vl), [f"model.path={model}", "actor.gradient_checkpointing=false",
+                                                "weights.transport=ipc"])
+    line = dm.advice_line(before, shape, budget, card_bytes=card)
+    assert "actor.lora.enabled" not in line and "weights.transport=file" in line, line
+
+
+def with_vlm(cfg: TrainConfig, *, freeze: bool) -> TrainConfig:
+    return dm.with_settings(cfg, {"vlm.freeze_vision_encoder": freeze})
