@@ -362,8 +362,8 @@ def test_a_vision_language_plan_counts_the_tower_and_its_advice_names_no_refused
     assert step["weights"] == 2 * shape.params
     assert step["gradients"] == 2 * decoder
     assert frozen[("rollout-0", "weights (bfloat16)")] == 2 * shape.params
-    assert trained[("trainer-0", "training step (start of backward)")] - \
-        frozen[("trainer-0", "training step (start of backward)")] >= 14 * shape.vision_params  # grads, masters, moments
+    at_backward = ("trainer-0", "training step (start of backward)")
+    assert trained[at_backward] - frozen[at_backward] >= 14 * shape.vision_params  # grads, masters, moments
     # A checkpoint: every weight, masters and moments of the trained ones.
     assert dp.checkpoint_bytes(cfg, shape, mp.train_shape(cfg.actor, cfg.fsdp, model=shape, freeze_vision=True)) \
         == 2 * shape.params + 12 * decoder
