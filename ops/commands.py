@@ -29,6 +29,7 @@ def run_training(config: Optional[str], overrides: list[str], *,
     from ..config.loader import load_config
     from ..config.schema import TrainConfig
     from ..runtime.run import resolve_run
+    from ..trainers.final_model import FINAL_DIR
     from . import train_view
     from .broker_state import train_bootstrap
     from .launcher import Launcher, RoleFailedError
@@ -54,9 +55,11 @@ def run_training(config: Optional[str], overrides: list[str], *,
     live = console.is_terminal if live is None else live
     # A named trial may have a checkpoint: the view starts at its step, not at 0.
     resumed = train_view.trainer_checkpoint(cfg.run_path) if cfg.trial_name else None
-    if resumed is not None and resumed.trained >= cfg.total_train_steps:
+    if resumed is not None and resumed.trained >= cfg.total_train_steps \
+            and (Path(cfg.run_path) / FINAL_DIR).exists():
         # Nothing to train: said before a broker or any role starts (it took ~19 s to start
-        # every role and stop them again).
+        # every role and stop them again). Without final/ (a run killed while writing it)
+        # the trainer starts, finds itself done and writes it on its way out.
         for line in (train_view.start_line(cfg, resumed),
                      train_view.ending(None, cfg, resumed, resume="", interrupted=False, failure=None).line):
             console.print(line, markup=False, highlight=False, soft_wrap=True)

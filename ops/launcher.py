@@ -70,7 +70,7 @@ from ..bus.retry import backoff_s
 from ..bus.settings import BOOTSTRAP_ENV
 from ..config.loader import to_yaml
 from ..config.schema import TrainConfig, next_bus_run_id
-from ..runtime.run import check_proxy_port, resolve_bus_run_id, resolve_run
+from ..runtime.run import check_dataset_files, check_proxy_port, resolve_bus_run_id, resolve_run
 from ..schemas.errors import EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE, BusError, TapiocaError
 from . import run_record
 from .disk_check import check_disk_at_start
@@ -291,6 +291,7 @@ class Launcher:
         # The run directory, the model; the run's key, which signs control commands and
         # weights events (bus/signing.py; a resumed run keeps its key; only the path goes
         # into config.yaml). runtime/run.py resolve_run is the one place the config changes.
+        check_dataset_files(self.cfg)  # first: a refused run leaves no run directory behind
         self.cfg = resolve_run(self.cfg, prepare=True, signing_key=True)
         # Before any role starts: a run that will not fit its GPUs is refused with the
         # settings that make it fit, or gets the KV cache that fits (ops/memory_check.py).

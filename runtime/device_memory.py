@@ -41,6 +41,7 @@ those that fit.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,8 @@ from ..models.families import read_config_json, text_part, vision_of
 from ..schemas.errors import ConfigError
 from ..trainers import memory_plan as mp
 from .run import replace_path
+
+log = logging.getLogger(__name__)
 
 GIB = mp.GIB
 # A process's CUDA context and library workspaces (cuBLAS, NCCL off): what
@@ -172,7 +175,13 @@ def shape_of_dir(path: str | Path) -> mp.ModelShape:
         return shape
     from ..models.vision import vision_tower_params
 
-    return dataclasses.replace(shape, vision_params=vision_tower_params(str(path)))
+    try:
+        tower = vision_tower_params(str(path))
+    except Exception as exc:  # noqa: BLE001 - a plan without the tower beats no start; the load says more
+        log.warning("the vision tower of %s could not be counted (%s: %s): planned without it",
+                    path, type(exc).__name__, exc)
+        tower = 0
+    return dataclasses.replace(shape, vision_params=tower)
 
 
 def run_shape(cfg: Any, model: str | None = None) -> mp.ModelShape:
@@ -530,5 +539,9 @@ def advice_line(cfg: Any, shape: mp.ModelShape, budgets: dict[str, float], *, ca
     if smallest is not None:
         worst = max(smallest.devices.values(), key=lambda d: d.total)
         least = f" (the least tried still needs {worst.total / GIB:.1f} GiB on {worst.device})"
+    from ..config.policy import resolve_policy
+
+    # A vision-language policy does not run with the FSDP2 trainer (feature table: vlm_x_fsdp).
+    shard = "" if resolve_policy(cfg).vision is not None else ", or shard the trainer (fsdp.world_size)"
     return ("nothing tried fits" + least + ": use a larger GPU, put the engine on another one "
-            "(rollout.device=cuda:1), or shard the trainer (fsdp.world_size)")
+            f"(rollout.device=cuda:1){shard}")

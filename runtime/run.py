@@ -138,19 +138,37 @@ def _prepare(cfg: C) -> C:
 
 
 def check_datasets(cfg: TrainConfig) -> None:
-    """Refuse a run whose dataset file is not there, or whose rows name image files that do
-    not exist, before any role starts (ConfigError: exit 78, the path, and the row, named),
-    where the feeder (the train dataset) or the evaluator (the valid dataset) would
-    otherwise stop on it in its log. tasks/datasets.py :func:`check_image_paths` says which
-    rows it stats."""
-    from ..tasks.datasets import check_dataset_file, check_image_paths
+    """Refuse a run whose dataset rows name image files that do not exist, before any role
+    starts (ConfigError: exit 78, the row and the path named), where the feeder (the
+    train dataset) or the evaluator (the valid dataset) would otherwise stop on the first
+    one in its log. tasks/datasets.py :func:`check_image_paths` says which rows it stats."""
+    from ..tasks.datasets import check_image_paths
 
-    sections = [("train_dataset", cfg.train_dataset)]
-    if cfg.evaluator.enabled and cfg.valid_dataset is not None:
-        sections.append(("valid_dataset", cfg.valid_dataset))
-    for section, ds in sections:
-        check_dataset_file(ds, section=section)
+    for section, ds in _read_datasets(cfg):
         check_image_paths(ds, section=section)
+
+
+def check_dataset_files(cfg: TrainConfig) -> None:
+    """Refuse (ConfigError: exit 78, one line naming the section) a run whose dataset file
+    is not there: `tapioca train`'s launcher, before anything starts (the feeder would
+    otherwise stop on it in its log once every role has started). Not for `tapioca
+    train-offline` (it reads the archive, not the dataset) nor for a Ray cluster's run
+    (its roles read the data on the cluster's nodes)."""
+    from ..tasks.datasets import check_dataset_file
+
+    if cfg.scheduler.type == "ray" and cfg.scheduler.ray_address:
+        return
+    for section, ds in _read_datasets(cfg):
+        check_dataset_file(ds, section=section)
+
+
+def _read_datasets(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """``(section, DatasetConfig)`` of the datasets the run reads: the train dataset, and
+    the valid dataset where the evaluator reads it."""
+    out = [("train_dataset", cfg.train_dataset)]
+    if cfg.evaluator.enabled and cfg.valid_dataset is not None:
+        out.append(("valid_dataset", cfg.valid_dataset))
+    return out
 
 
 def _tiny_task(cfg: Any) -> str:

@@ -41,9 +41,11 @@ def restore_version(args: Mapping[str, Any], *, current: int, actor, payload: Fu
                       f"{current}; pick an earlier one (`tapioca weights list`)")
     path = payload.path(target)
     if not path.exists():
-        return None, (f"the weights file of version {target} ({path}) is gone: the trainer "
-                      f"keeps only the last weights.keep_versions={keep_versions} "
-                      "versions; roll back to a newer one")
+        kept = (f"keeps only the last weights.keep_versions={keep_versions} versions" if keep_versions > 0
+                else "keeps every version's file (weights.keep_versions=0), so it was deleted by hand or never "
+                     "written (weights.file_every_versions)")
+        return None, (f"the weights file of version {target} ({path}) is gone: the trainer {kept}; "
+                      "roll back to a newer one")
     tensors = load_verified(path, sha256)  # a mismatch is a TapiocaError: ack ok=False
     wrong = payload.misfit(tensors)  # a LoRA run: the adapter, its versions' contents
     if wrong:

@@ -17,7 +17,7 @@ import pytest
 from tapioca.config.loader import load_config
 from tapioca.config.schema import DatasetConfig, TrainConfig
 from tapioca.media.images import image_source_path
-from tapioca.runtime.run import check_datasets, resolve_run
+from tapioca.runtime.run import check_dataset_files, check_datasets, resolve_run
 from tapioca.schemas.errors import ConfigError
 from tapioca.tasks.datasets import check_dataset_file, check_image_paths
 
@@ -129,16 +129,33 @@ def test_tapioca_train_with_a_missing_image_exits_78_at_once_with_one_line(tmp_p
 def test_a_dataset_file_that_is_not_there_is_refused_at_start_naming_the_section(tmp_path):
     gone = tmp_path / "nope.jsonl"
     with pytest.raises(ConfigError, match=r"^train_dataset\.path: dataset .*nope\.jsonl does not exist") as err:
-        resolve_run(_vl_config(tmp_path, gone), prepare=True)
+        check_dataset_files(_vl_config(tmp_path, gone))
     assert "\n" not in str(err.value) and "examples/data/gsm8k" in str(err.value)
-    assert not (tmp_path / "runs").exists()
     good = dataset(tmp_path, [["img/ok.png"]], name="good.jsonl")
     valid = ["valid_dataset.type=jsonl", f"valid_dataset.path={gone}", "valid_dataset.prompt_key=question"]
-    check_datasets(_vl_config(tmp_path, good, *valid))  # the evaluator is off: not read, not checked
+    check_dataset_files(_vl_config(tmp_path, good, *valid))  # the evaluator is off: not read, not checked
     with pytest.raises(ConfigError, match=r"^valid_dataset\.path: dataset .*nope\.jsonl does not exist"):
-        check_datasets(_vl_config(tmp_path, good, *valid, "evaluator.freq_steps=10"))
+        check_dataset_files(_vl_config(tmp_path, good, *valid, "evaluator.freq_steps=10"))
+    # A Ray cluster's roles read the data on its nodes: not checked here.
+    check_dataset_files(_vl_config(tmp_path, gone, "scheduler.type=ray", "scheduler.ray_address=10.0.0.1:6379"))
+    # `tapioca train-offline` reads the archive: resolving its run does not check the file.
+    resolve_run(_vl_config(tmp_path, gone), prepare=True)
     # gsm8k with a path is a file too; without one it is the copy in examples/data.
     with pytest.raises(ConfigError, match=r"^train_dataset\.path: dataset .*nope\.jsonl does not exist"):
         check_dataset_file(DatasetConfig(type="gsm8k", path=str(gone)))
     check_dataset_file(DatasetConfig(type="gsm8k"))
     check_dataset_file(DatasetConfig(type="synthetic"))
+
+
+def test_tapioca_train_with_a_dataset_file_that_is_not_there_exits_78_at_once_with_one_line(tmp_path):
+    env = {**os.environ, "TAPIOCA_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    env.pop("TAPIOCA_BOOTSTRAP", None)
+    done = subprocess.run(
+        [TAPIOCA, "train", "--config", str(EXAMPLES / "demo_cpu.yaml"), f"run_dir={tmp_path / 'runs'}",
+         "trial_name=t", "train_dataset.type=jsonl", f"train_dataset.path={tmp_path / 'nope.jsonl'}",
+         "train_dataset.prompt_key=question"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 78, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert errors[0].startswith("error: train_dataset.path: dataset "), errors[0]
+    assert not (tmp_path / "runs").exists()  # no run directory, no model, no broker, no role

@@ -60,7 +60,7 @@ def test_a_bf16_checkpoint_is_14_bytes_a_parameter_and_is_rewritten_beside_the_l
     assert dp.checkpoints_written(load_config(TrainConfig, str(EXAMPLE), ["total_train_steps=21"])) == 3
 
 
-def test_the_weights_files_kept_are_weights_keep_versions_the_setting_the_trainer_reads():
+def test_the_weights_files_kept_are_weights_keep_versions_the_setting_the_trainer_reads(tmp_path):
     # The file transport writes every version: 8 kept of 20 (the default), 3, or all 20 (0).
     def files(*extra: str) -> dict:
         cfg = load_config(TrainConfig, str(EXAMPLE), ["total_train_steps=20", "weights.transport=file", *extra])
@@ -72,6 +72,12 @@ def test_the_weights_files_kept_are_weights_keep_versions_the_setting_the_traine
     assert files("weights.keep_versions=0") == {"weights files (20 kept)": 20 * version}
     with pytest.raises(ConfigError, match="weights.keep_versions must be >= 0"):
         load_config(TrainConfig, str(EXAMPLE), ["weights.keep_versions=-1"])
+    # The trainer's publisher deletes by the same setting (weights/durable.py).
+    from tapioca.weights.publisher import WeightPublisher
+
+    cfg = load_config(TrainConfig, str(EXAMPLE), ["weights.transport=file", "weights.keep_versions=3"])
+    publisher = WeightPublisher.from_config(cfg.weights, tmp_path, device="cpu", publish_dtype=None)
+    assert publisher.writer.keep_versions == 3
 
 
 def test_a_lora_runs_files_carry_the_adapter_only():
