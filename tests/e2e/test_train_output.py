@@ -137,7 +137,14 @@ def test_train_off_a_terminal_interrupt_resume_drain_and_complete(tmp_path, fast
                          rf"{drained_at} of total_train_steps={drained_at}; nothing to train", out,
                          re.M), out
         assert re.search(r"^done: nothing to train: trial t0 was already complete", out, re.M), out
-        # Said before a broker or any role starts (no "run ...: ... (broker ...)" line).
+        # The drained trainer wrote no final/: this run's trainer found itself done and wrote it.
+        assert (run_dir / "demo/t0/final").is_dir()
+        # 4. Asked again, it says so before a broker or any role starts (no "run ...: ... (broker" line).
+        fourth = Train([TAPIOCA, *args[1:], f"total_train_steps={drained_at}"], env)
+        runs.append(fourth)
+        out = fourth.finish(timeout_s=120)
+        assert fourth.proc.returncode == 0, out
+        assert re.search(r"^done: nothing to train: trial t0 was already complete", out, re.M), out
         assert not re.search(r"^run \S+: .*\(broker ", out, re.M), out
     finally:
         for run in runs:
