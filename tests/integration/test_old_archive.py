@@ -106,7 +106,7 @@ def test_train_offline_from_the_old_archive_with_the_old_config(broker, tiny, tm
                             f"run_dir={tmp_path / 'runs'}", "actor.torch_threads=1"))
     # The old names were read, each with its warning naming the new key.
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert f"actor.lr (in {CONFIG})" in warned and "use actor.optimizer.lr" in warned
+    assert f"deprecated config keys in {CONFIG} " in warned and "actor.lr: use actor.optimizer.lr" in warned
     assert "use weights.transport" in warned
     assert result["steps"] == 2 and result["final_version"] == 2
     assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
