@@ -93,8 +93,9 @@ FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", at
             logprob_keep_logits=True, recompute_swiglu=True, mb_max_tokens=4096)
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+def vl_config(shape: dict):
+    """The Qwen2.5-VL config of ``shape`` (its config.json is what `tapioca plan` reads)."""
+    from transformers import Qwen2_5_VLConfig
 
     rope = {"type": "mrope", "rope_type": "default", "mrope_section": shape["mrope_section"],
             "rope_theta": shape["text"]["rope_theta"]}
@@ -103,6 +104,14 @@ def build_model(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module
                            vision_config=shape["vision"], image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
                            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
                            tie_word_embeddings=text["tie_word_embeddings"])
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    return cfg
+
+
+def build_model(shape: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    cfg = vl_config(shape)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         torch.manual_seed(0)
@@ -345,8 +354,14 @@ def main() -> None:
     ap.add_argument("--train-ac", action="store_true", help="activation checkpointing of the decoder layers")
     ap.add_argument("--freeze-vision", action="store_true", help="vlm.freeze_vision_encoder: no grads for the tower")
     ap.add_argument("--out", default="")
+    ap.add_argument("--write-config", metavar="DIR", help="only write the shape's config.json to DIR (for "
+                    "`tapioca plan --config examples/vlm/geometry3k.yaml model.path=DIR`; no weights)")
     args = ap.parse_args()
     shape = QWEN25_VL_3B
+    if args.write_config:
+        vl_config(TINY if args.smoke else shape).save_pretrained(args.write_config)
+        print(f"{args.write_config}/config.json")
+        return
     if args.smoke:
         shape = TINY
         args.device = "cpu"
