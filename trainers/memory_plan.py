@@ -362,20 +362,25 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
     if t.sharded:
         total, layer, root = _split_params(m, t)
         shard = total / (t.dp * t.cp)
+        # LoRA under FSDP: the frozen base is sharded with the rest, but only the adapter
+        # (replicated over tp: it is small) has gradients and Adam state.
+        trained = t.lora_params / (t.dp * t.cp) if t.lora_params else shard
         c = _BYTES[t.fsdp_param_dtype]
-        p.parts["weights (fp32 shard)"] = 4 * shard
+        p.parts["weights (fp32 shard)"] = 4 * (shard + trained if t.lora_params else shard)
         p.parts["weights (gathered root + 2 layers)"] = c * (root + 2 * layer)
-        p.parts["gradients (fp32 shard)"] = 4 * shard
-        p.parts["optimizer (Adam moments)"] = 8 * shard
+        p.parts["gradients (fp32 shard)"] = 4 * trained
+        p.parts["optimizer (Adam moments)"] = 8 * trained
         stays = p.parts["weights (fp32 shard)"] + p.parts["weights (gathered root + 2 layers)"] \
             + p.parts["optimizer (Adam moments)"] + p.parts["gradients (fp32 shard)"]
         # One layer's unsharded gradient and its fp32 reduce copy; under tp DTensor's
         # row-wise embedding backward builds a whole-vocabulary gradient.
-        backward_extra = layer * (c + 4) + (m.vocab * m.hidden * c if t.tp > 1 else 0)
+        backward_extra = (0.0 if t.lora_params else layer * (c + 4)) \
+            + (m.vocab * m.hidden * c if t.tp > 1 else 0)
         step_extra = 0.0
         grads_resident = 0.0
-        # The root's unsharded LM-head gradient, reduce-scattered only after the whole backward.
-        head_grad = c * m.vocab * m.hidden / t.tp
+        # The root's unsharded LM-head gradient, reduce-scattered only after the whole
+        # backward; none for LoRA's frozen head.
+        head_grad = 0.0 if t.lora_params else c * m.vocab * m.hidden / t.tp
     else:
         w = _BYTES[t.param_dtype]
         # LoRA: the base is frozen in its dtype; only the adapter has gradients and state.

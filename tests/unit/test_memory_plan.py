@@ -45,6 +45,17 @@ def test_sharded_state_is_split_over_every_rank():
     assert q.parts["weights (fp32 shard)"] == pytest.approx(4 * ((m.params - norms) / 2 + norms) / 4)
 
 
+def test_lora_under_fsdp_keeps_state_for_the_adapter_only():
+    m = mp.PRESETS["qwen2.5-7b"]
+    full = mp.plan(m, mp.TrainShape(tokens=8192, dp=4))
+    lora = mp.plan(m, mp.TrainShape(tokens=8192, dp=4, lora_params=40_000_000))
+    # The frozen base is sharded as before; gradients and Adam's moments are the adapter's.
+    assert lora.parts["weights (fp32 shard)"] == 4 * (m.params + 40_000_000) / 4
+    assert lora.parts["gradients (fp32 shard)"] == 4 * 40_000_000 / 4
+    assert lora.parts["optimizer (Adam moments)"] == 8 * 40_000_000 / 4
+    assert lora.peak < full.peak - 11 * m.params / 4
+
+
 def test_one_process_bf16_weights_with_fp32_masters():
     m = mp.PRESETS["qwen2-0.5b"]
     p = mp.plan(m, mp.TrainShape(tokens=16384, param_dtype="bfloat16"))
