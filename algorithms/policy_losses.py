@@ -9,8 +9,8 @@ Consumes, per token and all of one shape ``[B, T]`` (B sequences, right padded):
 * ``advantages`` and the loss ``mask`` (True = the token is trained);
 * optionally ``entropy`` of the current policy (for the entropy bonus).
 
-Emits a scalar loss (aggregated by :mod:`tapioca.algorithms.aggregation`) and a
-dict of float statistics. One pipeline, every loss::
+Emits a scalar loss (aggregated by :mod:`tapioca.algorithms.aggregation`) and its
+statistics (a dict of floats, or names + one device tensor for a trainer's loop). One pipeline, every loss::
 
     w, keep = behaviour weight and filters          # rejection_sampling module
     r       = pi_theta / pi_prox                    # token or sequence level
@@ -166,7 +166,14 @@ def _check(shape, named, *, eps_clip, eps_high, c_clip, importance_sampling_leve
         raise AlgorithmInputError(f"policy_loss: entropy_coeff={entropy_coeff!r} must be >= 0.")
 
 
-def policy_loss(
+def policy_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss and statistics as host floats (one device->host copy); the arguments
+    are :func:`policy_loss_device_stats`'s."""
+    loss, names, stats = policy_loss_device_stats(*args, **kwargs)
+    return loss, dict(zip(names, stats.tolist()))
+
+
+def policy_loss_device_stats(
     logprobs_BT: torch.Tensor,
     prox_logprobs_BT: torch.Tensor,
     behav_logprobs_BT: torch.Tensor,
@@ -189,8 +196,10 @@ def policy_loss(
     entropy_coeff: float = 0.0,
     agg_mode: str = "token-mean",
     max_tokens: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss and statistics; see the module docstring.
+) -> tuple[torch.Tensor, tuple[str, ...], torch.Tensor]:
+    """Policy loss, the statistics' names and their float64 values on the loss's device
+    (no host sync: a trainer sums them over micro-batches and reads them once); see the
+    module docstring.
 
     ``eps_clip_higher`` defaults to ``eps_clip``. ``rejection_sampling`` is a
     :class:`~tapioca.algorithms.rejection_sampling.RejectionSampling` (or any
@@ -285,5 +294,4 @@ def policy_loss(
             names.append(k)
             values.append(v.double() / n)
         stats_t = torch.stack([v.to(torch.float64) for v in values])
-    # One device->host copy for all statistics.
-    return loss, dict(zip(names, stats_t.tolist()))
+    return loss, tuple(names), stats_t

@@ -64,7 +64,7 @@ import torch
 
 from ..algorithms.aggregation import agg_units
 from ..algorithms.errors import AlgorithmInputError
-from ..algorithms.policy_losses import policy_loss
+from ..algorithms.policy_losses import policy_loss_device_stats
 from ..algorithms.prox_logp import loglinear_prox_logprobs
 from ..algorithms.rejection_sampling import m2po_keep_flat
 from ..config.policy import PolicySpec
@@ -371,7 +371,10 @@ class PPOActor:
         total_tokens = sum(n_tok)
         # Every token of a micro-batch (prompt too): what the router losses average over.
         n_all = [mb.seqs.n_tokens if isinstance(mb, PackedBatch) else int(mb.input_ids_BT.numel()) for mb in mbs]
-        units = [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs]
+        # token-mean averages over the real tokens just read; the other modes count
+        # sequences (a host read each).
+        units = (list(n_tok) if cfg.loss_agg_mode == "token-mean"
+                 else [agg_units(mb.mask_BT, cfg.loss_agg_mode) for mb in mbs])
         minibatches = _split(list(range(len(mbs))), cfg.ppo_n_minibatches)
         # pi_prox per micro-batch: a tensor when known before training (behaviour
         # logprobs, or the no-grad forward below); None = from the training forward
@@ -380,7 +383,10 @@ class PPOActor:
         if not cfg.recompute_logprob:
             prox = [mb.behav_logprobs_BT for mb in mbs]
         entropy_known = [False] * len(mbs)
-        entropy_sum = 0.0
+        # Sums kept on the device and read with each minibatch's gradient norm (the one
+        # host sync of a minibatch): a read per micro-batch would stall the host until
+        # its backward is done, with nothing queued behind it.
+        entropy_sum = _DeviceSum()
         replay = RouteStats(self.packed, cfg.moe.router_replay)
         prox_ids = self._prox_forward_ids(minibatches, len(mbs))
         with torch.no_grad():
@@ -388,7 +394,7 @@ class PPOActor:
                 lp, ent = self.logprobs(mbs[i], entropy=True)
                 prox[i] = lp
                 entropy_known[i] = True
-                entropy_sum += float((ent * mbs[i].mask_BT).sum())
+                entropy_sum.add((ent * mbs[i].mask_BT).sum())
                 replay.first_pass(mbs[i], lp, record=True, count=self._aux_weight(mbs[i]) > 0)
             route_ids = self._route_pass_ids(minibatches, prox_ids)
             for i in route_ids:
@@ -402,6 +408,7 @@ class PPOActor:
         empty = sum(1 for mb_ids in minibatches if not any(n_tok[i] for i in mb_ids))
         for mb_index, mb_ids in enumerate(minibatches):
             mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
+            mb_dev: dict[str, _DeviceSum] = {}  # the same, still on the device
             mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             mb_all = sum(n_all[i] for i in mb_ids) or 1
@@ -423,11 +430,11 @@ class PPOActor:
                 if method == "metrics":
                     approx = loglinear_prox_logprobs(mb.behav_logprobs_BT, logp.detach(),
                                                      mb.versions_BT, policy_version)
-                    err = float(torch.where(mb.mask_BT, (approx - prox_i).abs(), 0.0).sum())
-                    mb_sums["prox_loglinear_abs_err"] = mb_sums.get("prox_loglinear_abs_err", 0.0) + err
+                    err = torch.where(mb.mask_BT, (approx - prox_i).abs(), 0.0).sum()
+                    mb_dev.setdefault("prox_loglinear_abs_err", _DeviceSum()).add(err)
                 if not entropy_known[i]:
-                    entropy_sum += float((ent.detach() * mb.mask_BT).sum())
-                loss, stats = policy_loss(
+                    entropy_sum.add((ent.detach() * mb.mask_BT).sum())
+                loss, names, stats = policy_loss_device_stats(
                     logp, prox_i, mb.behav_logprobs_BT, mb.advantages_BT, mb.mask_BT,
                     keep_BT=keeps[i],
                     # No step-wide mask (loglinear): M2PO over this micro-batch.
@@ -442,17 +449,19 @@ class PPOActor:
                 total.backward()
                 for k, v in self._router_values().items():
                     mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
-                for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
+                mb_dev.setdefault(names, _DeviceSum()).add(stats * n_tok[i])
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
-                mb_sums["loss"] = mb_sums.get("loss", 0.0) + float(loss.detach()) * weight
+                mb_dev.setdefault("loss", _DeviceSum()).add(loss.detach() * weight)
             self._before_clip()
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.optimizer.gradient_clipping)
-            # The host sync of the optimizer step (the loss stats above sync per micro-batch).
-            mb_sums["grad_norm"] = float(grad_norm) * mb_tokens
+            # The one host sync of the minibatch: its gradient norm, losses and statistics.
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2 / tp): its global value
+                grad_norm = grad_norm.full_tensor()
+            mb_dev.setdefault("grad_norm", _DeviceSum()).add(torch.as_tensor(grad_norm) * mb_tokens)
+            mb_sums.update(_read_sums(mb_dev))
             if not self._finite(list(mb_sums.values())):
                 # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
                 # applying it would ruin the weights for good. Skip this optimizer step;
@@ -469,7 +478,7 @@ class PPOActor:
         for k in ("importance_weight_max",):
             if f"actor/{k}" in metrics:  # a max does not average; report the mean of maxima
                 metrics[f"actor/{k}_mean"] = metrics.pop(f"actor/{k}")
-        metrics["actor/entropy"] = entropy_sum / denom
+        metrics["actor/entropy"] = entropy_sum.read() / denom
         # The lr this step used (scheduled, or the optimizer's own without a version).
         metrics["actor/lr"] = lr if lr is not None else float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/trained_tokens"] = float(total_tokens)
@@ -614,3 +623,34 @@ class RouteStats:
 def _split(ids: list[int], n: int) -> list[list[int]]:
     n = max(1, min(n, len(ids)))
     return [ids[i::n] for i in range(n)]
+
+
+class _DeviceSum:
+    """A running sum of float64 tensors (a scalar, or one vector of statistics) that
+    stays on their device until read."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def add(self, t: torch.Tensor) -> None:
+        t = t.detach().to(torch.float64)
+        self.value = t if self.value is None else self.value + t
+
+    def read(self) -> float:
+        return 0.0 if self.value is None else float(self.value)
+
+
+def _read_sums(sums: dict) -> dict[str, float]:
+    """Every sum of a minibatch as host floats, in one device->host copy. A key is a
+    name (a scalar sum) or a tuple of names (a vector of statistics)."""
+    keys = [k for k, v in sums.items() if v.value is not None]
+    if not keys:
+        return {}
+    flat = torch.cat([sums[k].value.reshape(-1).to(sums[keys[0]].value.device) for k in keys]).tolist()
+    out: dict[str, float] = {}
+    at = 0
+    for k in keys:
+        for name in (k if isinstance(k, tuple) else (k,)):
+            out[name] = out.get(name, 0.0) + flat[at]
+            at += 1
+    return out

@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
@@ -164,6 +165,37 @@ def test_packed_and_padded_train_step_agree(dtype, rtol):
     atol = 1e-12 if dtype == torch.float64 else 1e-6
     for a, b in zip(_grads(pk), _grads(pd), strict=True):
         assert torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the reads of a tensor's value on the host (each one a sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_host_reads_of_a_step_do_not_grow_with_its_micro_batches(loss_agg_mode):
+    """The loss, entropy and statistics stay on the device until the minibatch's one read
+    (with its gradient norm): a read per micro-batch would stall the host on a GPU."""
+    def reads(mb_max_tokens: int) -> tuple[int, float]:
+        actor = _actor(mb_max_tokens=mb_max_tokens, loss_agg_mode=loss_agg_mode)
+        mbs = actor.micro_batches(_items(n=12))
+        with _HostReads() as count:
+            actor.train_micro_batches(mbs)
+        return count.reads, len(mbs)
+
+    few, n_few = reads(400)
+    many, n_many = reads(40)
+    assert n_many >= n_few + 4
+    # seq-mean counts each micro-batch's sequences once, before the first forward.
+    assert many - few == (0 if loss_agg_mode == "token-mean" else n_many - n_few)
 
 
 # --------------------------------------------------------------------- the switches
