@@ -16,6 +16,9 @@ Runs, in this order (``--only`` picks groups or run names; ``--list`` prints the
 * ``switches``: at 0.5B, the fast path with ONE switch changed per row.
 * ``compile``: torch.compile (of each decoder layer): the fast path with compile instead
   of liger at 0.5B; the plain HF step compiled at 1.5B and 3B.
+* ``example``: ``examples/gsm8k_grpo.yaml``'s actor settings (8k-token micro-batches,
+  activation checkpointing, 4k logprob chunks) on its step's shape (256 x 612 tokens), then
+  one change a row (no checkpointing, 32k-token micro-batches): the loop's trainer alone.
 * ``fa4``: the fast path with ``attention_backend: fa4`` (needs ``pip install
   flash-attn-4``; an error row without it). Prefix sharing has its own benchmark,
   ``benchmarks/prefix_sharing.py``.
@@ -87,6 +90,9 @@ FAST = dict(packed_sequences=True, param_dtype="bfloat16", autocast_dtype="", at
             liger_kernels=True, logprob_kernel="auto", fused_optimizer=True, logprob_chunk_tokens=8192,
             logprob_keep_logits=True)
 FAST_BIG = dict(FAST, recompute_swiglu=True)
+# examples/gsm8k_grpo.yaml's actor on a GPU (issue 37: the loop's trainer at ~1/3 of the fast row).
+EXAMPLE = dict(FAST, mb_max_tokens=8192, gradient_checkpointing=True, logprob_chunk_tokens=4096,
+               logprob_keep_logits=False)
 M05, M15, M3, Q3 = "qwen2-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen3-1.7b"
 
 # (group, name, shape, batch, system, options, estimated seconds on an H200)
@@ -147,6 +153,15 @@ RUNS = [
     ("fa4", "3b/fast mb4k fa4", M3, "8x2048", "actor", dict(FAST_BIG, mb_max_tokens=4096, attention_backend="fa4"), 15),
     ("compile", "0.5b/fast compile", M05, "16x1024", "actor", dict(FAST, liger_kernels=False, compile_layers=True), 60),
     ("compile", "1.5b/hf compiled", M15, "8x2048", "hf", {"compiled": True}, 60),
+    # The example's step in isolation: 256 sequences of 100 prompt + 512 new tokens (a random
+    # model's GSM8K rows), its settings, then one change a row.
+    ("example", "0.5b/example", M05, "256x612", "actor", EXAMPLE, 30),
+    ("example", "0.5b/example -ac", M05, "256x612", "actor", dict(EXAMPLE, gradient_checkpointing=False), 25),
+    ("example", "0.5b/example mb 32k", M05, "256x612", "actor", dict(EXAMPLE, mb_max_tokens=32768), 30),
+    ("example", "0.5b/example mb 32k -ac", M05, "256x612", "actor",
+     dict(EXAMPLE, mb_max_tokens=32768, gradient_checkpointing=False), 25),
+    ("example", "1.5b/example", M15, "256x612", "actor", EXAMPLE, 45),
+    ("example", "1.5b/example mb 32k", M15, "256x612", "actor", dict(EXAMPLE, mb_max_tokens=32768), 45),
     ("compile", "3b/hf+ac compiled", M3, "8x2048", "hf", {"checkpointing": True, "compiled": True}, 70),
 ]
 
@@ -156,10 +171,12 @@ def make_batches(tiny: bool, seed: int) -> dict:
     if tiny:
         return {"16x1024": fixed_batch(4, 64, 8, vocab, seed), "8x2048": fixed_batch(2, 128, 8, vocab, seed),
                 "tail": heavy_tailed_batch(8, 48, 1.0, 256, vocab, seed),
-                "check": heavy_tailed_batch(4, 32, 1.0, 128, vocab, seed)}
+                "check": heavy_tailed_batch(4, 32, 1.0, 128, vocab, seed),
+                "256x612": fixed_batch(16, 40, 8, vocab, seed)}
     return {"16x1024": fixed_batch(16, 1024, 128, vocab, seed), "8x2048": fixed_batch(8, 2048, 128, vocab, seed),
             "tail": heavy_tailed_batch(32, 1024, 1.0, 8192, vocab, seed),
-            "check": heavy_tailed_batch(8, 512, 1.0, 2048, vocab, seed)}
+            "check": heavy_tailed_batch(8, 512, 1.0, 2048, vocab, seed),
+            "256x612": fixed_batch(256, 612, 100, vocab, seed)}
 
 
 def cpu_safe(system: str, opts: dict) -> dict:
@@ -346,7 +363,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU self-check)")
-    ap.add_argument("--only", default="", help="comma list of groups (check, core, tail, switches, "
+    ap.add_argument("--only", default="", help="comma list of groups (check, core, tail, switches, example, "
                                                  "compile) or run-name globs, e.g. '1.5b/*'")
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run, after one warm-up")
