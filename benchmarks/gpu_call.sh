@@ -76,6 +76,8 @@ for s in "$@"; do
     prefix_sharing_varlen) stage $s 240 python3 benchmarks/prefix_sharing.py --device cuda --attention-backend varlen --out "$OUT/prefix_sharing_varlen.json" ;;
     rl_timeline) stage $s ${RL_LIMIT_S:-420} python3 benchmarks/gpu_rl_loop.py --data "$GSM8K" --steps ${RL_STEPS:-10} --prompts ${RL_PROMPTS:-16} --weight-transport ipc --etas ${RL_ETAS:-0,4} --timeline --out "$OUT/rl_timeline.json" ;;
     # Issue 37: sleep mode on the GPU, and the flagship example's fit and speed per model size.
+    # The example's trainer step alone (trainer_step.py's "example" group), profiled: is it host-bound?
+    trainer_example) stage $s ${TE_LIMIT_S:-260} python3 benchmarks/trainer_step.py --device cuda --only "${TE_ONLY:-example}" --steps 4 --profile --budget-s $(( ${TE_LIMIT_S:-260} - 20 )) --out "$OUT/trainer_example.json" ;;
     sleep_tests) stage $s 120 $PYTEST tests/unit/test_engine_sleep.py ;;
     fit) stage $s ${FIT_LIMIT_S:-540} python3 benchmarks/example_fit.py --sizes ${FIT_SIZES:-0.5b} --etas ${FIT_ETAS:-0,4} --steps ${FIT_STEPS:-20} --data "${FIT_DATA:-$GSM8K}" ${FIT_ARGS:-} --out "$OUT/fit_${FIT_TAG:-run}.json" ;;
     vlm_fit) stage $s ${VLM_LIMIT_S:-300} python3 benchmarks/vlm.py --device cuda --systems paged --train-ac ${VLM_ARGS:-} --out "$OUT/vlm_fit.json" ;;
