@@ -449,18 +449,18 @@ class PPOActor:
                 total.backward()
                 for k, v in self._router_values().items():
                     mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
-                mb_dev.setdefault(names, _DeviceSum()).add(stats * n_tok[i])
+                mb_dev.setdefault(names, _DeviceSum()).add(stats, n_tok[i])
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
                 # (mb_tokens / mb_units is exactly 1.0 for token-mean: loss * n_tokens as before)
                 weight = units[i] * (mb_tokens / mb_units)
-                mb_dev.setdefault("loss", _DeviceSum()).add(loss.detach() * weight)
+                mb_dev.setdefault("loss", _DeviceSum()).add(loss, weight)
             self._before_clip()
             grad_norm = clip_grad_norm_(self.optimizer, self.model, cfg.optimizer.gradient_clipping)
             # The one host sync of the minibatch: its gradient norm, losses and statistics.
             if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2 / tp): its global value
                 grad_norm = grad_norm.full_tensor()
-            mb_dev.setdefault("grad_norm", _DeviceSum()).add(torch.as_tensor(grad_norm) * mb_tokens)
+            mb_dev.setdefault("grad_norm", _DeviceSum()).add(torch.as_tensor(grad_norm), mb_tokens)
             mb_sums.update(_read_sums(mb_dev))
             if not self._finite(list(mb_sums.values())):
                 # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
@@ -632,8 +632,10 @@ class _DeviceSum:
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
 
-    def add(self, t: torch.Tensor) -> None:
-        t = t.detach().to(torch.float64)
+    def add(self, t: torch.Tensor, weight: float = 1.0) -> None:
+        # float64 before the weight, as the host's float arithmetic did (a bf16 norm times
+        # 8192 tokens would round, a huge fp32 one overflow).
+        t = t.detach().to(torch.float64) * weight
         self.value = t if self.value is None else self.value + t
 
     def read(self) -> float:
