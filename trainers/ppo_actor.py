@@ -408,7 +408,7 @@ class PPOActor:
         empty = sum(1 for mb_ids in minibatches if not any(n_tok[i] for i in mb_ids))
         for mb_index, mb_ids in enumerate(minibatches):
             mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
-            mb_dev: dict[str, _DeviceSum] = {}  # the same, still on the device
+            mb_dev: dict[str | tuple[str, ...], _DeviceSum] = {}  # the same, still on the device
             mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             mb_all = sum(n_all[i] for i in mb_ids) or 1
