@@ -10,7 +10,8 @@ Consumes, per token and all of one shape ``[B, T]`` (B sequences, right padded):
 * optionally ``entropy`` of the current policy (for the entropy bonus).
 
 Emits a scalar loss (aggregated by :mod:`tapioca.algorithms.aggregation`) and its
-statistics (a dict of floats, or names + one device tensor for a trainer's loop). One pipeline, every loss::
+statistics (a dict of floats, or names + one device tensor for a trainer's loop).
+One pipeline, every loss::
 
     w, keep = behaviour weight and filters          # rejection_sampling module
     r       = pi_theta / pi_prox                    # token or sequence level

@@ -362,11 +362,12 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
     if t.sharded:
         total, layer, root = _split_params(m, t)
         shard = total / (t.dp * t.cp)
-        # LoRA under FSDP: the frozen base is sharded with the rest, but only the adapter
-        # (replicated over tp: it is small) has gradients and Adam state.
-        trained = t.lora_params / (t.dp * t.cp) if t.lora_params else shard
+        # LoRA under FSDP (no tp / cp: the feature table refuses them): the frozen base is
+        # sharded with the adapter, and only the adapter has gradients and Adam state.
+        adapter = t.lora_params / (t.dp * t.cp)
+        trained = adapter if t.lora_params else shard
         c = _BYTES[t.fsdp_param_dtype]
-        p.parts["weights (fp32 shard)"] = 4 * (shard + trained if t.lora_params else shard)
+        p.parts["weights (fp32 shard)"] = 4 * (shard + adapter)
         p.parts["weights (gathered root + 2 layers)"] = c * (root + 2 * layer)
         p.parts["gradients (fp32 shard)"] = 4 * trained
         p.parts["optimizer (Adam moments)"] = 8 * trained

@@ -181,7 +181,7 @@ class _HostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_host_reads_of_a_step_do_not_grow_with_its_micro_batches(loss_agg_mode):
+def test_a_step_reads_its_losses_and_statistics_once_per_minibatch(loss_agg_mode):
     """The loss, entropy and statistics stay on the device until the minibatch's one read
     (with its gradient norm): a read per micro-batch would stall the host on a GPU."""
     def reads(mb_max_tokens: int) -> tuple[int, float]:
