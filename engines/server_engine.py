@@ -650,20 +650,30 @@ class ServerEngine(InferenceEngine):
             self._open.set()  # waiting requests see _closing and resolve as aborted
             async with self._capacity:
                 self._capacity.notify_all()
-            inflight = [s for s in self.servers if s.up and s.requests]
-            for server in inflight:
-                try:
-                    await asyncio.wait_for(self._abort(server, sorted(server.requests)),
-                                           timeout=10)
-                except Exception as exc:
-                    log.warning("abort on %s failed: %s", server.url, exc)
             deadline = time.monotonic() + 15
+            next_abort, warned = 0.0, set()
             while self._tasks and time.monotonic() < deadline:
+                if time.monotonic() >= next_abort:
+                    # Sent again until the requests end: an abort that reaches a server before
+                    # the request it names (its generate call still in the server's HTTP
+                    # handler, seen on a loaded box) is a no-op there, and the request would
+                    # run to its length while shutdown waits for it.
+                    await self._abort_inflight(warned)
+                    next_abort = time.monotonic() + 0.5
                 await asyncio.sleep(0.05)
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.sleep(0)
             await self._client.aclose()
+
+    async def _abort_inflight(self, warned: set[str]) -> None:
+        for server in [s for s in self.servers if s.up and s.requests]:
+            try:
+                await asyncio.wait_for(self._abort(server, sorted(server.requests)), timeout=10)
+            except Exception as exc:
+                if server.url not in warned:  # once: the abort is sent every 0.5 s
+                    warned.add(server.url)
+                    log.warning("abort on %s failed: %s", server.url, exc)
 
     # ------------------------------------------------------------------ helpers
 
