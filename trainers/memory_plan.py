@@ -10,10 +10,12 @@ What is counted, per GPU (one rank of the (dp, cp, tp) mesh):
 
 * **one process** (world size 1, the plain actor): the weights in ``actor.param_dtype``;
   fp32 weights under bf16 autocast keep a bf16 copy of every layer weight for backward;
-  AdamW's two fp32 moments (bf16 weights: also the fp32 masters, MasterAdamW; none on the
-  GPU with ``offload_optimizer``); the gradients in the weights' dtype.
-* **sharded** (FSDP2, world size > 1): fp32 masters, gradients and moments split over
-  all ranks (tp splits the matrices, dp x cp shards the rest); the compute copies in
+  AdamW's two moments in the weights' dtype (bf16 weights with ``fp32_master_weights``:
+  fp32 moments and the fp32 masters, MasterAdamW; none on the GPU with
+  ``offload_optimizer``); the gradients in the weights' dtype.
+* **sharded** (FSDP2, world size > 1): the weights in ``actor.param_dtype`` (fp32 unless
+  bfloat16 is asked for), gradients and moments split over all ranks as above (tp splits
+  the matrices, dp x cp shards the rest); the compute copies in
   ``fsdp.param_dtype`` of the root (embedding, LM head; kept for the whole step) and of
   two decoder layers at a time (the current and the prefetched one); one layer's
   unsharded gradient and its fp32 reduce copy in backward.
@@ -367,12 +369,18 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
         adapter = t.lora_params / (t.dp * t.cp)
         trained = adapter if t.lora_params else shard
         c = _BYTES[t.fsdp_param_dtype]
-        p.parts["weights (fp32 shard)"] = 4 * (shard + adapter)
+        # The shards keep actor.param_dtype (fp32 unless bfloat16 is asked for; the sharded
+        # gradients take their dtype); Adam's moments are zeros_like the shards, or fp32
+        # beside fp32 masters (MasterAdamW).
+        w = _BYTES[t.param_dtype]
+        dt = "fp32" if w == 4 else "bf16"
+        masters = w < 4 and t.fp32_master_weights
+        p.parts[f"weights ({dt} shard)"] = w * (shard + adapter)
         p.parts["weights (gathered root + 2 layers)"] = c * (root + 2 * layer)
-        p.parts["gradients (fp32 shard)"] = 4 * trained
-        p.parts["optimizer (Adam moments)"] = 8 * trained
-        stays = p.parts["weights (fp32 shard)"] + p.parts["weights (gathered root + 2 layers)"] \
-            + p.parts["optimizer (Adam moments)"] + p.parts["gradients (fp32 shard)"]
+        p.parts[f"gradients ({dt} shard)"] = w * trained
+        p.parts["optimizer (Adam moments" + (" + fp32 masters)" if masters else ")")] = \
+            (12 if masters else 2 * w) * trained
+        stays = sum(p.parts.values())
         # One layer's unsharded gradient and its fp32 reduce copy; under tp DTensor's
         # row-wise embedding backward builds a whole-vocabulary gradient.
         backward_extra = (0.0 if t.lora_params else layer * (c + 4)) \
@@ -392,7 +400,8 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
         low = w < 4
         masters = low and t.fp32_master_weights
         p.parts["gradients" + (" (adapter)" if t.lora_params else "")] = w * n_params
-        on_gpu_state = 0 if (masters and t.offload_optimizer) else (12 if masters else 8)
+        # MasterAdamW: fp32 masters + two fp32 moments; AdamW: two moments zeros_like the weights.
+        on_gpu_state = 0 if (masters and t.offload_optimizer) else (12 if masters else 2 * w)
         p.parts["optimizer (moments" + (" + fp32 masters)" if masters else ")")] = on_gpu_state * n_params
         stays = p.parts["weights"] + p.parts.get("autocast bf16 weight copies", 0.0) + on_gpu_state * n_params
         grads = w * n_params

@@ -56,6 +56,25 @@ def test_lora_under_fsdp_keeps_state_for_the_adapter_only():
     assert lora.peak < full.peak - 11 * m.params / 4
 
 
+def test_bf16_shards_and_weights_without_masters_keep_moments_in_their_dtype():
+    m = mp.PRESETS["qwen2.5-7b"]
+    fp32 = mp.plan(m, mp.TrainShape(tokens=8192, dp=4))
+    # actor.param_dtype=bfloat16 under FSDP: bf16 shards and gradients; with fp32 masters
+    # (MasterAdamW) 2 + 2 + 12 = 16 B a parameter, as fp32 shards' 4 + 4 + 8.
+    bf16 = mp.plan(m, mp.TrainShape(tokens=8192, dp=4, param_dtype="bfloat16"))
+    assert bf16.parts["weights (bf16 shard)"] == bf16.parts["gradients (bf16 shard)"] == 2 * m.params / 4
+    assert bf16.parts["optimizer (Adam moments + fp32 masters)"] == 12 * m.params / 4
+    assert bf16.peak == pytest.approx(fp32.peak, rel=0.01)
+    # Without masters torch's AdamW keeps its two moments zeros_like the bf16 shards: 8 B.
+    plain = mp.plan(m, mp.TrainShape(tokens=8192, dp=4, param_dtype="bfloat16", fp32_master_weights=False))
+    assert plain.parts["optimizer (Adam moments)"] == 4 * m.params / 4
+    assert plain.peak < fp32.peak - 7.9 * m.params / 4
+    # One process, likewise.
+    one = mp.plan(mp.PRESETS["qwen2-0.5b"], mp.TrainShape(tokens=4096, param_dtype="bfloat16",
+                                                          fp32_master_weights=False))
+    assert one.parts["optimizer (moments)"] == 4 * mp.PRESETS["qwen2-0.5b"].params
+
+
 def test_one_process_bf16_weights_with_fp32_masters():
     m = mp.PRESETS["qwen2-0.5b"]
     p = mp.plan(m, mp.TrainShape(tokens=16384, param_dtype="bfloat16"))
