@@ -60,6 +60,10 @@ from .moe import RouterOut, is_sparse_block, moe_forward, router_dtype, router_m
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
 
 
+# The metrics :meth:`PackedCausalLM.router_loss_values` returns, in its order.
+ROUTER_LOSS_NAMES = ("moe_aux_loss", "moe_z_loss")
+
+
 @dataclass
 class PackedImages:
     """A packed micro-batch's images: the processor's tensors of every image in sequence
@@ -272,13 +276,13 @@ class PackedCausalLM(nn.Module):
             return None
         return sum(aux_coeff * r.aux_loss + z_coeff * r.z_loss for r in self.routers)
 
-    def router_loss_values(self) -> dict[str, float]:
-        """The last forward's unscaled router losses, mean over MoE layers (one host read)."""
+    def router_loss_values(self) -> torch.Tensor | None:
+        """The last forward's unscaled router losses (:data:`ROUTER_LOSS_NAMES`), mean over
+        MoE layers, as one fp32 vector left on the device (None: no MoE layer)."""
         if not self.routers:
-            return {}
-        means = torch.stack([torch.stack([r.aux_loss.detach().float(), r.z_loss.detach().float()])
-                             for r in self.routers]).mean(0).tolist()
-        return {"moe_aux_loss": means[0], "moe_z_loss": means[1]}
+            return None
+        return torch.stack([torch.stack([r.aux_loss.detach().float(), r.z_loss.detach().float()])
+                            for r in self.routers]).mean(0)
 
     def take_router_metrics(self, reduce=None) -> dict[str, float]:
         """Load statistics of the training forwards since the last call

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from torch.overrides import TorchFunctionMode
 
 from tapioca.bus import BusConfig, EmbeddedBroker, RoleRunner, ensure_topics, find_tansu
 from tapioca.engines.base import GenResult, InferenceEngine
@@ -94,6 +95,25 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0,
             return
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of a tensor's value on the host (each one a sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(name="count_host_reads")
+def count_host_reads_fixture() -> type[HostReads]:
+    """``with count_host_reads() as c: ...; c.reads``."""
+    return HostReads
 
 
 @pytest.fixture(name="wait_until")

@@ -70,6 +70,7 @@ from ..algorithms.rejection_sampling import m2po_keep_flat
 from ..config.policy import PolicySpec
 from ..config.schema import ActorConfig
 from ..models.forward import autocast_context, causal_token_logprobs, packed_token_logprobs
+from ..models.packed import ROUTER_LOSS_NAMES
 from ..models.prefix_attention import TreeSeqs
 from ..schemas.errors import ConfigError
 from .batching import SeqItem, TensorBatch
@@ -447,8 +448,9 @@ class PPOActor:
                     # minibatch's tokens, so the minibatch's router loss is a token mean.
                     total = total + router_loss * (self._aux_weight(mb) * n_all[i] / mb_all)
                 total.backward()
-                for k, v in self._router_values().items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + v * n_tok[i]
+                router_values = self._router_values()
+                if router_values is not None:
+                    mb_dev.setdefault(ROUTER_LOSS_NAMES, _DeviceSum()).add(router_values, n_tok[i])
                 mb_dev.setdefault(names, _DeviceSum()).add(stats, n_tok[i])
                 # The minibatch's aggregated loss, summed over minibatches (token-mean:
                 # the token-weighted mean of micro-batch losses, as before).
@@ -501,9 +503,10 @@ class PPOActor:
             return None
         return self.packed.router_loss(self.cfg.moe.aux_loss_coeff, self.cfg.moe.z_loss_coeff)
 
-    def _router_values(self) -> dict[str, float]:
-        """The last forward's unscaled router losses (mean over MoE layers) for metrics."""
-        return {} if self.packed is None else self.packed.router_loss_values()
+    def _router_values(self) -> torch.Tensor | None:
+        """The last forward's unscaled router losses (mean over MoE layers) for metrics,
+        on the device (read with the minibatch's other sums)."""
+        return None if self.packed is None else self.packed.router_loss_values()
 
     _sum_over_ranks = None  # the sharded actor's: a tensor summed over its ranks
 

@@ -177,6 +177,23 @@ def test_router_metrics_of_a_step():
     assert "actor/moe_load_entropy" not in actor(build_tiny_model(VOCAB)).train_step(items()).metrics
 
 
+def test_router_losses_are_read_with_the_minibatch_not_per_micro_batch(count_host_reads):
+    def step(mb_max_tokens: int) -> tuple[int, int, dict, int]:
+        a = actor(mb_max_tokens=mb_max_tokens)
+        mbs = a.micro_batches(items(n=12))
+        with count_host_reads() as count:
+            m = a.train_micro_batches(mbs).metrics
+        return count.reads, len(mbs), m, len(a.packed.moe_layers)
+
+    few, n_few, _, moe_layers = step(400)
+    many, n_many, m_many, _ = step(20)
+    assert n_many >= n_few + 4
+    # The only reads a micro-batch adds are the CPU expert loop's, one per MoE layer and
+    # forward (a GPU's grouped_mm reads none); the router losses wait for the minibatch's.
+    assert many - few == (n_many - n_few) * moe_layers
+    assert m_many["actor/moe_aux_loss"] > 0 and m_many["actor/moe_z_loss"] > 0
+
+
 def test_aux_and_z_losses_add_their_coefficients_times_the_losses_gradient():
     """With coefficients a, z the step's gradient is the plain one plus the gradient of
     ``a * sum_l aux_l + z * sum_l z_l``, micro-batches weighted by their token share."""

@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from tapioca.config.optimizer import OptimizerConfig
 from tapioca.config.schema import ActorConfig
@@ -167,27 +166,14 @@ def test_packed_and_padded_train_step_agree(dtype, rtol):
         assert torch.allclose(a, b, rtol=rtol, atol=atol)
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the reads of a tensor's value on the host (each one a sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__"):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_a_step_reads_its_losses_and_statistics_once_per_minibatch(loss_agg_mode):
+def test_a_step_reads_its_losses_and_statistics_once_per_minibatch(loss_agg_mode, count_host_reads):
     """The loss, entropy and statistics stay on the device until the minibatch's one read
     (with its gradient norm): a read per micro-batch would stall the host on a GPU."""
     def reads(mb_max_tokens: int) -> tuple[int, float]:
         actor = _actor(mb_max_tokens=mb_max_tokens, loss_agg_mode=loss_agg_mode)
         mbs = actor.micro_batches(_items(n=12))
-        with _HostReads() as count:
+        with count_host_reads() as count:
             actor.train_micro_batches(mbs)
         return count.reads, len(mbs)
 
