@@ -355,6 +355,14 @@ def _split_params(m: ModelShape, t: TrainShape) -> tuple[float, float, float]:
     return m.layers * layer + root, layer, root
 
 
+def _adam_state(w: int, t: TrainShape) -> tuple[bool, int]:
+    """(fp32 masters?, bytes of optimizer state a trained parameter) for weights of ``w``
+    bytes: MasterAdamW keeps fp32 masters and two fp32 moments beside low-precision
+    weights; torch's AdamW two moments ``zeros_like`` the weights."""
+    masters = w < 4 and t.fp32_master_weights
+    return masters, 12 if masters else 2 * w
+
+
 def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
     """The per-GPU memory of training ``m`` as ``t`` says (see the module docstring)."""
     p = MemoryPlan(m, t)
@@ -370,16 +378,14 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
         trained = adapter if t.lora_params else shard
         c = _BYTES[t.fsdp_param_dtype]
         # The shards keep actor.param_dtype (fp32 unless bfloat16 is asked for; the sharded
-        # gradients take their dtype); Adam's moments are zeros_like the shards, or fp32
-        # beside fp32 masters (MasterAdamW).
+        # gradients take their dtype).
         w = _BYTES[t.param_dtype]
         dt = "fp32" if w == 4 else "bf16"
-        masters = w < 4 and t.fp32_master_weights
+        masters, state = _adam_state(w, t)
         p.parts[f"weights ({dt} shard)"] = w * (shard + adapter)
         p.parts["weights (gathered root + 2 layers)"] = c * (root + 2 * layer)
         p.parts[f"gradients ({dt} shard)"] = w * trained
-        p.parts["optimizer (Adam moments" + (" + fp32 masters)" if masters else ")")] = \
-            (12 if masters else 2 * w) * trained
+        p.parts["optimizer (Adam moments" + (" + fp32 masters)" if masters else ")")] = state * trained
         stays = sum(p.parts.values())
         # One layer's unsharded gradient and its fp32 reduce copy; under tp DTensor's
         # row-wise embedding backward builds a whole-vocabulary gradient.
@@ -397,11 +403,9 @@ def plan(m: ModelShape, t: TrainShape) -> MemoryPlan:
         p.parts["weights"] = w * (m.params + t.lora_params)
         if t.autocast:
             p.parts["autocast bf16 weight copies"] = 2 * m.layers * m.layer_params
-        low = w < 4
-        masters = low and t.fp32_master_weights
+        masters, state = _adam_state(w, t)
         p.parts["gradients" + (" (adapter)" if t.lora_params else "")] = w * n_params
-        # MasterAdamW: fp32 masters + two fp32 moments; AdamW: two moments zeros_like the weights.
-        on_gpu_state = 0 if (masters and t.offload_optimizer) else (12 if masters else 2 * w)
+        on_gpu_state = 0 if (masters and t.offload_optimizer) else state
         p.parts["optimizer (moments" + (" + fp32 masters)" if masters else ")")] = on_gpu_state * n_params
         stays = p.parts["weights"] + p.parts.get("autocast bf16 weight copies", 0.0) + on_gpu_state * n_params
         grads = w * n_params
