@@ -408,8 +408,9 @@ class PPOActor:
         skipped: list[int] = []
         empty = sum(1 for mb_ids in minibatches if not any(n_tok[i] for i in mb_ids))
         for mb_index, mb_ids in enumerate(minibatches):
-            mb_sums: dict[str, float] = {}  # merged into sums only if the step is applied
-            mb_dev: dict[str | tuple[str, ...], _DeviceSum] = {}  # the same, still on the device
+            # The minibatch's sums, on the device until its one read (merged into sums only
+            # if its step is applied).
+            mb_dev: dict[str | tuple[str, ...], _DeviceSum] = {}
             mb_tokens = sum(n_tok[i] for i in mb_ids) or 1
             mb_units = sum(units[i] for i in mb_ids) or 1
             mb_all = sum(n_all[i] for i in mb_ids) or 1
@@ -463,7 +464,7 @@ class PPOActor:
             if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP2 / tp): its global value
                 grad_norm = grad_norm.full_tensor()
             mb_dev.setdefault("grad_norm", _DeviceSum()).add(torch.as_tensor(grad_norm), mb_tokens)
-            mb_sums.update(_read_sums(mb_dev))
+            mb_sums = _read_sums(mb_dev)
             if not self._finite(list(mb_sums.values())):
                 # A non-finite loss or gradient norm (e.g. behaviour logprobs of -1e30):
                 # applying it would ruin the weights for good. Skip this optimizer step;
